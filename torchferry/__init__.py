@@ -1,0 +1,28 @@
+"""torchferry: run large diffusion pipelines on small GPUs by streaming weights on a planned schedule."""
+
+from __future__ import annotations
+
+from torchferry import policies, runtime, topology
+from torchferry._errors import (
+    ExecutionError,
+    OffloadError,
+    OffloadWarning,
+    PlanError,
+    ScheduleError,
+    TorchferryDeprecationWarning,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ExecutionError",
+    "OffloadError",
+    "OffloadWarning",
+    "PlanError",
+    "ScheduleError",
+    "TorchferryDeprecationWarning",
+    "__version__",
+    "policies",
+    "runtime",
+    "topology",
+]

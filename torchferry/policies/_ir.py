@@ -1,0 +1,171 @@
+"""The schedule IR: steps, slots, placements, ops and schedules, all frozen data.
+
+A schedule is the complete program for one forward of one component (a *step*): which units move
+where, on which stream, keyed to which point of the forward. Ops run in listed order; each is anchored
+``before`` or ``after`` a block or a component, and the runtime runs every op up to and including an
+anchor's ops when execution reaches that anchor (so a block the model skips still has its ops run).
+
+Units are named by path:
+- a block: its path (``transformer.blocks.3``);
+- a component's non-block remainder: ``<component>:rest``;
+- a whole component: its path (``text_encoder``).
+
+Op kinds (stream in brackets):
+- ``load`` [copy]: copy a unit's host bytes into ``slot`` (with ``src="shard"`` only this rank's shard
+  of the block goes into a shard slot);
+- ``gather`` [comm]: all-gather the shards held in slot ``src`` into the full block slot ``slot``,
+  in ``chunks`` pieces;
+- ``wait`` [compute]: compute waits until the unit's last load or gather is done;
+- ``evict`` [compute]: the unit's tensors point back at host memory; its slot is reusable once compute
+  has passed this point;
+- ``stage`` / ``unstage`` [copy]: give a unit its own device memory and copy it there, or drop it (no
+  device-to-host copy: host weights are never modified);
+- ``acquire`` / ``release`` [compute]: call the component's own ``load_to_device`` / ``offload_to_cpu``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal, Protocol
+
+import attrs
+
+from torchferry.topology import Plan
+
+__all__ = [
+    "DEVICE",
+    "OP_KINDS",
+    "Op",
+    "OpKind",
+    "Placement",
+    "Policy",
+    "Schedule",
+    "Slot",
+    "SlotKind",
+    "Step",
+    "StreamName",
+    "When",
+    "rest_unit",
+]
+
+When = Literal["before", "after"]
+StreamName = Literal["copy", "comm", "compute"]
+OpKind = Literal["load", "gather", "wait", "evict", "stage", "unstage", "acquire", "release"]
+SlotKind = Literal["block", "shard"]
+
+OP_KINDS: tuple[OpKind, ...] = ("load", "gather", "wait", "evict", "stage", "unstage", "acquire", "release")
+
+#: The placement of a unit that has device memory of its own (staged), rather than a shared slot.
+DEVICE = "device"
+
+
+def rest_unit(component_path: str) -> str:
+    """The unit name of a component's non-block remainder."""
+    return f"{component_path}:rest"
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class Placement:
+    """A unit resident on the device: in shared slot ``where`` or in its own memory (``DEVICE``)."""
+
+    unit: str
+    where: str
+
+    def __str__(self) -> str:
+        return f"{self.unit}@{self.where}"
+
+    @classmethod
+    def parse(cls, text: str) -> Placement:
+        unit, sep, where = text.rpartition("@")
+        if not sep or not unit or not where:
+            raise ValueError(f"placement {text!r} is not of the form unit@where")
+        return cls(unit=unit, where=where)
+
+
+def _placements(value: Iterable[Placement]) -> tuple[Placement, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class Step:
+    """What the pipeline is about to run: everything a policy may depend on besides the plan.
+
+    ``component`` is the path of the component whose forward runs now, ``index`` counts its forwards,
+    ``entry`` is the device residency the previous step left, and ``next`` is the component expected
+    to run after this one (``None``: the same one again), so a policy can prefetch across a switch.
+    """
+
+    component: str
+    index: int = 0
+    entry: tuple[Placement, ...] = attrs.field(default=(), converter=_placements)
+    next: str | None = None
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class Slot:
+    """A fixed region of device memory, allocated once and reused by many units."""
+
+    name: str
+    nbytes: int
+    kind: SlotKind = "block"
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class Op:
+    """One action of a schedule, anchored ``when`` (before/after) the block or component ``anchor``."""
+
+    when: When
+    anchor: str
+    stream: StreamName
+    kind: OpKind
+    unit: str
+    slot: str | None = None
+    src: str | None = None
+    nbytes: int = 0
+    chunks: int = 1
+
+
+def _ops(value: Iterable[Op]) -> tuple[Op, ...]:
+    return tuple(value)
+
+
+def _slots(value: Iterable[Slot]) -> tuple[Slot, ...]:
+    return tuple(value)
+
+
+def _notes(value: object) -> tuple[str, ...]:
+    return tuple(str(v) for v in value)  # type: ignore[attr-defined]
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class Schedule:
+    """The program for one step: slots, entry residency, ordered ops, exit residency, provenance.
+
+    ``policy`` names the policy and its parameters (``layerwise(depth=2)``), ``plan`` is the plan's
+    digest, and ``notes`` are free-text header lines a policy uses to explain its choice.
+    """
+
+    policy: str
+    plan: str
+    step: Step
+    slots: tuple[Slot, ...] = attrs.field(converter=_slots)
+    entry: tuple[Placement, ...] = attrs.field(converter=_placements)
+    ops: tuple[Op, ...] = attrs.field(converter=_ops)
+    exit: tuple[Placement, ...] = attrs.field(converter=_placements)
+    notes: tuple[str, ...] = attrs.field(default=(), converter=_notes)
+
+    def slot(self, name: str) -> Slot:
+        for s in self.slots:
+            if s.name == name:
+                return s
+        raise KeyError(f"schedule has no slot {name!r}; slots: {', '.join(s.name for s in self.slots)}")
+
+
+class Policy(Protocol):
+    """A pure function from a plan and a step to a schedule, identical on every rank.
+
+    It must read nothing but its arguments, so schedules can be cached by ``(plan, step)``, hashed and
+    compared across ranks. Build policies with factories (``layerwise(depth=2)``), not subclasses.
+    """
+
+    def __call__(self, plan: Plan, step: Step, /) -> Schedule: ...

@@ -1,0 +1,320 @@
+"""Immutable data that describes a pipeline: tensors, blocks, stacks, components, the topology.
+
+Everything here is a frozen, slotted, hashable attrs class holding names and numbers only; no module
+object, no tensor. Paths are dotted attribute paths from the pipeline root (``transformer.blocks.3``);
+a bare model offloaded on its own is the single component with path ``""``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Literal
+
+import attrs
+from attrs import field as _field
+
+from torchferry.topology._frozen import FrozenMap
+
+__all__ = [
+    "DTYPE_SIZES",
+    "Block",
+    "Component",
+    "ComponentKind",
+    "Declaration",
+    "Stack",
+    "TensorSpec",
+    "Topology",
+    "dtype_size",
+    "join_path",
+]
+
+ComponentKind = Literal["dit", "encoder", "vae", "resident"]
+
+#: Bytes per element of every dtype torchferry streams, by torch's name without the ``torch.`` prefix.
+DTYPE_SIZES: FrozenMap[str, int] = FrozenMap(
+    {
+        "float64": 8,
+        "int64": 8,
+        "complex64": 8,
+        "complex128": 16,
+        "float32": 4,
+        "int32": 4,
+        "uint32": 4,
+        "bfloat16": 2,
+        "float16": 2,
+        "int16": 2,
+        "uint16": 2,
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+        "float8_e4m3fnuz": 1,
+        "float8_e5m2fnuz": 1,
+        "int8": 1,
+        "uint8": 1,
+        "bool": 1,
+    }
+)
+
+
+def dtype_size(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (a torch dtype name such as ``"bfloat16"``)."""
+    try:
+        return DTYPE_SIZES[dtype]
+    except KeyError:
+        known = ", ".join(sorted(DTYPE_SIZES))
+        raise ValueError(f"unknown dtype {dtype!r}; torchferry knows {known}") from None
+
+
+def join_path(prefix: str, name: str) -> str:
+    """``prefix.name``, or ``name`` alone when the prefix is the root (``""``)."""
+    return f"{prefix}.{name}" if prefix and name else (prefix or name)
+
+
+def _shape(value: object) -> tuple[int, ...]:
+    return tuple(int(d) for d in value)  # type: ignore[attr-defined]
+
+
+def _str_tuple(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(str(v) for v in value)  # type: ignore[attr-defined]
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class TensorSpec:
+    """One parameter or buffer: its qualified name, shape, dtype and byte count.
+
+    ``aliases`` are the other qualified names bound to the very same tensor (tied weights); this spec
+    is their one owner, so the bytes are counted and moved once.
+    """
+
+    name: str
+    shape: tuple[int, ...] = attrs.field(converter=_shape)
+    dtype: str
+    buffer: bool = False
+    persistent: bool = True
+    aliases: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_size(self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_size(self.dtype)
+
+
+def _tensors(value: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
+    return tuple(value)
+
+
+def _tensor_bytes(tensors: tuple[TensorSpec, ...]) -> int:
+    return sum(t.nbytes for t in tensors)
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class Block:
+    """One repeated unit of a stack (a transformer block): the smallest thing a ring streams."""
+
+    path: str
+    tensors: tuple[TensorSpec, ...] = attrs.field(converter=_tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the block's flat host buffer (tensors packed by itemsize, so no padding)."""
+        return _tensor_bytes(self.tensors)
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(sorted({t.dtype for t in self.tensors}))
+
+
+def _blocks(value: Iterable[Block]) -> tuple[Block, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class Stack:
+    """The ordered blocks of one ring and the attributes they came from.
+
+    ``attrs`` are attribute paths relative to the owning component (``("transformer_blocks",
+    "single_transformer_blocks")``); several attributes form one ring in order. The first
+    ``resident_head`` blocks stay on the device; the rest stream.
+    """
+
+    attrs: tuple[str, ...] = _field(converter=_str_tuple)
+    blocks: tuple[Block, ...] = _field(converter=_blocks)
+    resident_head: int = _field(default=0)
+
+    @resident_head.validator
+    def _check_head(self, _: object, value: int) -> None:
+        if not 0 <= value <= len(self.blocks):
+            raise ValueError(f"resident_head={value} is outside 0..{len(self.blocks)} for stack {self.attrs}")
+
+    @property
+    def resident(self) -> tuple[Block, ...]:
+        """Leading blocks that stay on the device instead of streaming."""
+        return self.blocks[: self.resident_head]
+
+    @property
+    def streaming(self) -> tuple[Block, ...]:
+        """Blocks that a ring moves on demand."""
+        return self.blocks[self.resident_head :]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+
+def _stacks(value: Iterable[Stack]) -> tuple[Stack, ...]:
+    return tuple(value)
+
+
+def _components(value: Iterable[Component]) -> tuple[Component, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class Component:
+    """One pipeline component (a DiT, a text encoder, a VAE, or a module that simply stays resident).
+
+    ``tensors`` are the tensors this component owns outside its stacks and children (its non-block
+    remainder). ``children`` are large submodules that own their residency (their own ring, or the
+    pipeline's lifecycle). ``has_lifecycle`` says the module defines ``load_to_device`` and
+    ``offload_to_cpu``; ``on_demand`` (set by `resolve`) says the pipeline owns its residency through
+    them. ``stub`` marks a component that is declared but not loaded on this rank. ``problems`` are
+    discovery findings that `resolve` turns into errors or warnings depending on the request.
+    """
+
+    path: str
+    kind: ComponentKind
+    class_name: str = ""
+    tensors: tuple[TensorSpec, ...] = attrs.field(default=(), converter=_tensors)
+    stacks: tuple[Stack, ...] = attrs.field(default=(), converter=_stacks)
+    children: tuple[Component, ...] = attrs.field(default=(), converter=_components)
+    has_lifecycle: bool = False
+    on_demand: bool = False
+    selected: bool = False
+    stub: bool = False
+    problems: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        """Every block of every stack, in ring order."""
+        return tuple(b for s in self.stacks for b in s.blocks)
+
+    @property
+    def rest_bytes(self) -> int:
+        """Bytes of the non-block remainder owned directly by this component."""
+        return _tensor_bytes(self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte this component owns: remainder, stacks and children."""
+        return self.rest_bytes + sum(s.nbytes for s in self.stacks) + sum(c.nbytes for c in self.children)
+
+    def walk(self) -> Iterator[Component]:
+        """This component, then its children depth-first."""
+        yield self
+        for child in self.children:
+            yield from child.walk()
+
+    def all_tensors(self) -> Iterator[TensorSpec]:
+        """Every tensor this component owns, blocks and children included."""
+        for component in self.walk():
+            yield from component.tensors
+            for block in component.blocks:
+                yield from block.tensors
+
+
+def _frozen_map_of_tuples(value: Mapping[str, object]) -> FrozenMap[str, tuple[str, ...]]:
+    return FrozenMap(tuple((str(k), _str_tuple(v)) for k, v in value.items()))
+
+
+def _frozen_map_of_str(value: Mapping[str, object]) -> FrozenMap[str, str]:
+    return FrozenMap(tuple((str(k), str(v)) for k, v in value.items()))
+
+
+def _frozenset_of_str(value: object) -> frozenset[str]:
+    if isinstance(value, str):
+        return frozenset((value,))
+    return frozenset(str(v) for v in value)  # type: ignore[attr-defined]
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class Declaration:
+    """What a pipeline declares about its own topology (everything optional).
+
+    - ``block_attrs``: DiT path -> block attributes, overriding the model class's own declaration.
+    - ``offload_submodules``: DiT child name -> the block attribute of its own ring.
+    - ``resident_dit_paths``: DiTs allowed to keep leading blocks resident.
+    - ``on_demand_component_paths``: components whose residency the pipeline owns through
+      ``load_to_device``/``offload_to_cpu``.
+    - ``encoder_component_types``: encoder path -> public selector type (``"text_encoder"``).
+    - ``encoder_block_attrs``: encoder path -> dotted block paths; each one is its own ring.
+    - ``encoder_dlo_weight_replication``: encoders whose weights are identical on every rank of the
+      shard group, the only ones that may use all-gather transfers.
+    """
+
+    block_attrs: FrozenMap[str, tuple[str, ...]] = attrs.field(
+        factory=FrozenMap, converter=_frozen_map_of_tuples
+    )
+    offload_submodules: FrozenMap[str, str] = attrs.field(factory=FrozenMap, converter=_frozen_map_of_str)
+    resident_dit_paths: frozenset[str] = attrs.field(factory=frozenset, converter=_frozenset_of_str)
+    on_demand_component_paths: frozenset[str] = attrs.field(factory=frozenset, converter=_frozenset_of_str)
+    encoder_component_types: FrozenMap[str, str] = attrs.field(
+        factory=FrozenMap, converter=_frozen_map_of_str
+    )
+    encoder_block_attrs: FrozenMap[str, tuple[str, ...]] = attrs.field(
+        factory=FrozenMap, converter=_frozen_map_of_tuples
+    )
+    encoder_dlo_weight_replication: frozenset[str] = attrs.field(
+        factory=frozenset, converter=_frozenset_of_str
+    )
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class Topology:
+    """Everything a pipeline is made of, independent of any offload request.
+
+    ``components`` are in pipeline order: DiTs, encoders, VAEs, residents. ``declares_components``
+    says the pipeline declared its component lists (otherwise they came from the legacy attribute
+    scan). ``source`` says where the facts came from (``module``, ``checkpoint:<path>``,
+    ``known:<id>``).
+    """
+
+    pipeline_class: str
+    components: tuple[Component, ...] = attrs.field(converter=_components)
+    declaration: Declaration | None = None
+    declares_components: bool = True
+    source: str = "module"
+
+    def component(self, path: str) -> Component:
+        """The component at ``path`` (children included); `KeyError` names the known paths."""
+        for top in self.components:
+            for c in top.walk():
+                if c.path == path:
+                    return c
+        known = ", ".join(repr(c.path) for top in self.components for c in top.walk())
+        raise KeyError(f"no component {path!r} in this topology; known: {known}")
+
+    def of_kind(self, kind: ComponentKind) -> tuple[Component, ...]:
+        return tuple(c for c in self.components if c.kind == kind)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.components)
+
+    def owners(self) -> FrozenMap[str, str]:
+        """Alias name -> owning tensor name, for every tied or aliased tensor."""
+        pairs: list[tuple[str, str]] = []
+        for top in self.components:
+            for t in top.all_tensors():
+                pairs.extend((alias, t.name) for alias in t.aliases)
+        return FrozenMap(tuple(pairs))

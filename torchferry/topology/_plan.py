@@ -1,0 +1,78 @@
+"""The resolved plan: a topology filtered and annotated by one offload request."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from functools import lru_cache
+
+import attrs
+
+from torchferry.topology._config import OffloadConfig, Strategy
+from torchferry.topology._frozen import FrozenMap
+from torchferry.topology._model import Component, ComponentKind, Topology
+
+__all__ = ["Plan", "canonical"]
+
+
+def _components(value: Iterable[Component]) -> tuple[Component, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True, cache_hash=True)
+class Plan:
+    """What `resolve` decided for one topology under one config.
+
+    ``components`` mirror the topology's, with ``selected``, ``on_demand``, resident heads and
+    children set by the rules; a component the request does not stream has no stacks here.
+    ``skip_reason`` is set when a legacy request turned into a complete no-op.
+    """
+
+    topology: Topology
+    config: OffloadConfig
+    components: tuple[Component, ...] = attrs.field(converter=_components)
+    skip_reason: str | None = None
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.config.strategy
+
+    def component(self, path: str) -> Component:
+        """The resolved component at ``path`` (children included)."""
+        for top in self.components:
+            for c in top.walk():
+                if c.path == path:
+                    return c
+        known = ", ".join(repr(c.path) for top in self.components for c in top.walk())
+        raise KeyError(f"no component {path!r} in this plan; known: {known}")
+
+    def of_kind(self, kind: ComponentKind) -> tuple[Component, ...]:
+        return tuple(c for c in self.components if c.kind == kind)
+
+    def owners(self) -> FrozenMap[str, str]:
+        """Alias name -> owning tensor name: which tensor owns each tied or aliased weight."""
+        return self.topology.owners()
+
+    @property
+    def digest(self) -> str:
+        """A short stable fingerprint: equal on every rank and in every process for equal plans."""
+        return _digest(self)
+
+
+def canonical(value: object) -> object:
+    """A process-independent, ordered rendering of frozen data (sets sorted) for hashing."""
+    if attrs.has(type(value)):
+        fields = attrs.fields(type(value))  # type: ignore[arg-type]
+        return (type(value).__name__, tuple((f.name, canonical(getattr(value, f.name))) for f in fields))
+    if isinstance(value, (frozenset, set)):
+        return ("set", tuple(sorted(repr(canonical(v)) for v in value)))
+    if isinstance(value, FrozenMap):
+        return ("map", tuple((k, canonical(v)) for k, v in value.items()))
+    if isinstance(value, tuple):
+        return tuple(canonical(v) for v in value)
+    return value
+
+
+@lru_cache(maxsize=256)
+def _digest(plan: Plan) -> str:
+    return hashlib.sha256(repr(canonical(plan)).encode()).hexdigest()[:8]
