@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from torchferry.topology._checkpoint import from_checkpoint
 from torchferry.topology._config import (
     COMPONENT_NAMES,
     STRATEGIES,
@@ -11,7 +12,9 @@ from torchferry.topology._config import (
     Strategy,
     Transfer,
 )
+from torchferry.topology._discover import discover
 from torchferry.topology._frozen import FrozenMap
+from torchferry.topology._known import KNOWN_MODELS, known_topology
 from torchferry.topology._model import (
     DTYPE_SIZES,
     Block,
@@ -25,10 +28,12 @@ from torchferry.topology._model import (
     join_path,
 )
 from torchferry.topology._plan import Plan, canonical
+from torchferry.topology._resolve import resolve
 
 __all__ = [
     "COMPONENT_NAMES",
     "DTYPE_SIZES",
+    "KNOWN_MODELS",
     "STRATEGIES",
     "Block",
     "Component",
@@ -45,6 +50,10 @@ __all__ = [
     "Topology",
     "Transfer",
     "canonical",
+    "discover",
     "dtype_size",
+    "from_checkpoint",
     "join_path",
+    "known_topology",
+    "resolve",
 ]
