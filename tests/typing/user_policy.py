@@ -1,0 +1,1 @@
+"""Placeholder replaced by the example user policy that mypy strict must accept."""
