@@ -14,7 +14,15 @@ from torchferry.topology._config import (
 )
 from torchferry.topology._discover import discover
 from torchferry.topology._frozen import FrozenMap
-from torchferry.topology._known import KNOWN_MODELS, known_topology
+from torchferry.topology._known import (
+    KNOWN_ALIASES,
+    KNOWN_MODELS,
+    KnownComponent,
+    KnownModel,
+    Resolution,
+    known_model,
+    known_topology,
+)
 from torchferry.topology._model import (
     DTYPE_SIZES,
     Block,
@@ -26,13 +34,23 @@ from torchferry.topology._model import (
     Topology,
     dtype_size,
     join_path,
+    pack,
 )
 from torchferry.topology._plan import Plan, canonical
+from torchferry.topology._protocol import SupportsComponentDiscovery
+from torchferry.topology._registry import (
+    block_attrs_for,
+    declaration_for_pipeline,
+    encoder_block_attrs_for,
+    encoder_block_layouts_for,
+    pipeline_components,
+)
 from torchferry.topology._resolve import resolve
 
 __all__ = [
     "COMPONENT_NAMES",
     "DTYPE_SIZES",
+    "KNOWN_ALIASES",
     "KNOWN_MODELS",
     "STRATEGIES",
     "Block",
@@ -40,20 +58,31 @@ __all__ = [
     "ComponentKind",
     "Declaration",
     "FrozenMap",
+    "KnownComponent",
+    "KnownModel",
     "OffloadConfig",
     "ParallelLayout",
     "Plan",
+    "Resolution",
     "SelectableComponent",
     "Stack",
     "Strategy",
+    "SupportsComponentDiscovery",
     "TensorSpec",
     "Topology",
     "Transfer",
+    "block_attrs_for",
     "canonical",
+    "declaration_for_pipeline",
     "discover",
     "dtype_size",
+    "encoder_block_attrs_for",
+    "encoder_block_layouts_for",
     "from_checkpoint",
     "join_path",
+    "known_model",
     "known_topology",
+    "pack",
+    "pipeline_components",
     "resolve",
 ]

@@ -26,6 +26,7 @@ __all__ = [
     "Topology",
     "dtype_size",
     "join_path",
+    "pack",
 ]
 
 ComponentKind = Literal["dit", "encoder", "vae", "resident"]
@@ -133,6 +134,27 @@ class Block:
     @property
     def dtypes(self) -> tuple[str, ...]:
         return tuple(sorted({t.dtype for t in self.tensors}))
+
+    @property
+    def layout(self) -> tuple[tuple[TensorSpec, int], ...]:
+        """Each tensor with its byte offset in the block's flat buffer (see `pack`)."""
+        return pack(self.tensors)
+
+
+def pack(tensors: Iterable[TensorSpec]) -> tuple[tuple[TensorSpec, int], ...]:
+    """The flat-buffer layout shared by host buffers, device slots and checkpoint readers.
+
+    Tensors are packed back to back by itemsize, largest first, keeping their order within one
+    itemsize, so every offset is a multiple of its tensor's itemsize and no byte is padding: the
+    buffer is exactly ``sum(t.nbytes)`` long.
+    """
+    ordered = sorted(tensors, key=lambda t: -t.itemsize)
+    placed: list[tuple[TensorSpec, int]] = []
+    offset = 0
+    for t in ordered:
+        placed.append((t, offset))
+        offset += t.nbytes
+    return tuple(placed)
 
 
 def _blocks(value: Iterable[Block]) -> tuple[Block, ...]:
