@@ -11,6 +11,7 @@ from torchferry._errors import (
     ScheduleError,
     TorchferryDeprecationWarning,
 )
+from torchferry._session import Session, offload
 
 __version__ = "0.1.0"
 
@@ -20,8 +21,10 @@ __all__ = [
     "OffloadWarning",
     "PlanError",
     "ScheduleError",
+    "Session",
     "TorchferryDeprecationWarning",
     "__version__",
+    "offload",
     "policies",
     "runtime",
     "topology",

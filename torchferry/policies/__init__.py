@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from torchferry.policies._auto import Choice, auto, choose
+from torchferry.policies._builtin import cached, distributed_layerwise, layerwise, model_level, none
+from torchferry.policies._check import INVARIANTS, check
 from torchferry.policies._ir import (
     DEVICE,
     OP_KINDS,
@@ -17,19 +20,40 @@ from torchferry.policies._ir import (
     When,
     rest_unit,
 )
+from torchferry.policies._layout import shard_nbytes
+from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, simulate
+from torchferry.policies._text import format_bytes, format_schedule, parse_schedule
 
 __all__ = [
+    "DEFAULT_COST",
     "DEVICE",
+    "INVARIANTS",
     "OP_KINDS",
+    "Choice",
+    "CostModel",
     "Op",
     "OpKind",
     "Placement",
     "Policy",
     "Schedule",
+    "SimReport",
     "Slot",
     "SlotKind",
     "Step",
     "StreamName",
     "When",
+    "auto",
+    "cached",
+    "check",
+    "choose",
+    "distributed_layerwise",
+    "format_bytes",
+    "format_schedule",
+    "layerwise",
+    "model_level",
+    "none",
+    "parse_schedule",
     "rest_unit",
+    "shard_nbytes",
+    "simulate",
 ]

@@ -66,10 +66,16 @@ def rest_unit(component_path: str) -> str:
 
 @attrs.frozen(kw_only=True, cache_hash=True)
 class Placement:
-    """A unit resident on the device: in shared slot ``where`` or in its own memory (``DEVICE``)."""
+    """A unit resident on the device: in shared slot ``where`` or in its own memory (``DEVICE``).
+
+    ``nbytes`` is the device memory the unit occupies (informational: it takes no part in equality or
+    hashing, so placements compare by unit and place alone); `simulate` uses it to count the bytes of
+    units that were staged before the schedule starts.
+    """
 
     unit: str
     where: str
+    nbytes: int = attrs.field(default=0, eq=False)
 
     def __str__(self) -> str:
         return f"{self.unit}@{self.where}"
@@ -123,6 +129,12 @@ class Op:
     src: str | None = None
     nbytes: int = 0
     chunks: int = 1
+
+    def __repr__(self) -> str:
+        """The op's canonical text line (unaligned)."""
+        from torchferry.policies._text import format_op
+
+        return f"Op<{format_op(self)}>"
 
 
 def _ops(value: Iterable[Op]) -> tuple[Op, ...]:

@@ -10,7 +10,7 @@ import attrs
 
 from torchferry.topology._config import OffloadConfig, Strategy
 from torchferry.topology._frozen import FrozenMap
-from torchferry.topology._model import Component, ComponentKind, Topology
+from torchferry.topology._model import Component, ComponentKind, TensorSpec, Topology
 
 __all__ = ["Plan", "canonical"]
 
@@ -61,6 +61,8 @@ class Plan:
 
 def canonical(value: object) -> object:
     """A process-independent, ordered rendering of frozen data (sets sorted) for hashing."""
+    if isinstance(value, TensorSpec):  # the bulk of any plan: a flat tuple is enough and fast
+        return (value.name, value.shape, value.dtype, value.buffer, value.persistent, value.aliases)
     if attrs.has(type(value)):
         fields = attrs.fields(type(value))  # type: ignore[arg-type]
         return (type(value).__name__, tuple((f.name, canonical(getattr(value, f.name))) for f in fields))

@@ -1,0 +1,93 @@
+"""auto: the acceptance cases on real shapes, and an exhaustive search on a small instance."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+from policy_plans import model_plan, ring_plan
+
+from torchferry import ScheduleError, policies
+from torchferry.policies import CostModel, Step
+from torchferry.topology import Plan
+
+GB = 10**9
+# An RTX 4090-class device: 24 GB, ~150 TFLOP/s achieved bf16, PCIe Gen4 at 25 GB/s.
+DEVICE_FLOPS = 150e12
+
+
+def block_flops(params: int, tokens: int, dim: int) -> float:
+    """Linear FLOPs 2*T*params plus attention 4*T^2*dim for one block's forward."""
+    return 2.0 * tokens * params + 4.0 * tokens * tokens * dim
+
+
+def image_cost(plan: Plan, tokens: int, dim: int) -> CostModel:
+    """Per-block compute for a DiT at ``tokens`` tokens, from each block's bf16 bytes."""
+    flops = {b.path: block_flops(b.nbytes // 2, tokens, dim) for c in plan.components for b in c.blocks}
+    return CostModel(h2d_bytes_per_s=25 * GB, device_flops_per_s=DEVICE_FLOPS, flops=flops)
+
+
+def _steady(policy: policies.Policy, plan: Plan, cost: CostModel | None = None) -> float:
+    from torchferry.policies._auto import steady_step_s
+
+    return steady_step_s(policy, plan, cost or policies.DEFAULT_COST, ["transformer"])[0]
+
+
+@pytest.mark.parametrize(("model", "tokens"), [("qwen-image", 4096 + 256), ("flux.1-dev", 4096 + 512)])
+def test_auto_beats_every_leading_resident_choice(model: str, tokens: int) -> None:
+    """At 1024x1024, 24 GB and 25 GB/s, auto is no slower than the best leading-resident ring."""
+    plan = model_plan(model, stream=("transformer", "text_encoder"))
+    cost = image_cost(plan, tokens, 3072)
+    choice = policies.choose(plan, 24 * GB, cost)
+    pool = [b.path for b in plan.component("transformer").blocks]
+    best_leading = min(
+        _steady(policies.layerwise(d, pool[:r]), plan, cost)
+        for d in (1, 2, 3, 4)
+        for r in range(0, len(pool) + 1, 4)
+        if policies._auto.footprint(plan, d, pool[:r]) <= 24 * GB
+    )
+    assert choice.footprint <= 24 * GB
+    assert choice.step_s <= best_leading * (1 + 1e-9)
+    schedule = policies.auto(24 * GB, cost)(plan, Step(component="transformer"))
+    assert schedule.notes[0].startswith("auto chose layerwise(depth=")
+    policies.check(schedule, plan)
+
+
+def test_auto_within_two_percent_of_exhaustive() -> None:
+    """On 8 transfer-bound blocks, auto is within 2% of the best (depth, resident set) there is."""
+    mib = 1 << 20
+    plan = ring_plan(8, mib)
+    cost = CostModel(h2d_bytes_per_s=mib / 0.004, block_s=0.002)
+    budget = 6 * mib
+    choice = policies.choose(plan, budget, cost)
+    pool = [f"transformer.blocks.{i}" for i in range(8)]
+    best = min(
+        _steady(policies.layerwise(d, subset), plan, cost)
+        for d in (1, 2, 3)
+        for r in range(0, 9)
+        for subset in itertools.combinations(pool, r)
+        if policies._auto.footprint(plan, d, subset) <= budget
+    )
+    assert choice.step_s <= best * 1.02
+
+
+def test_auto_streams_wan_at_depth_one() -> None:
+    """Wan 2.2 at 720p hides every transfer: depth 1, nothing resident, overhead under 1%."""
+    plan = model_plan("wan2.2-t2v-a14b", stream=("transformer", "transformer_2", "text_encoder"))
+    flops = {b.path: 163e12 for c in plan.components for b in c.blocks}
+    cost = CostModel(h2d_bytes_per_s=25 * GB, device_flops_per_s=DEVICE_FLOPS, flops=flops)
+    choice = policies.choose(plan, 24 * GB, cost)
+    assert (choice.depth, choice.resident) == (1, ())
+    assert choice.step_s / choice.resident_step_s - 1 < 0.01
+
+
+def test_auto_explains_when_nothing_fits() -> None:
+    """A budget below the smallest ring is a ScheduleError saying what is needed."""
+    plan = ring_plan(4, 1 << 20)
+    message = (
+        f"auto(budget=1.0 MiB (1048576)): even depth 1 with no resident blocks needs 2.0 MiB (2097152) "
+        f"on plan {plan.digest}; raise the budget to at least that"
+    )
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        policies.auto(1 << 20)(plan, Step(component="transformer"))

@@ -1,0 +1,88 @@
+"""Runtime test helpers: a hand-written schedule, independent of the built-in policies, and a toy pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from torchferry import toy
+from torchferry.policies import Op, Schedule, Slot, Step, rest_unit
+from torchferry.topology import Plan
+
+
+def ring(plan: Plan, component: str = "transformer", *, drop: str | None = None) -> Schedule:
+    """A depth-1 ring over two slots for ``component``'s blocks; ``drop`` omits one block's load."""
+    sizes = {b.path: b.nbytes for b in plan.component(component).blocks}
+    blocks = list(sizes)
+    size = max(b.nbytes for b in plan.component(component).blocks)
+    rest = rest_unit(component)
+    ops = [
+        Op(
+            when="before",
+            anchor=component,
+            stream="copy",
+            kind="stage",
+            unit=rest,
+            nbytes=plan.component(component).rest_bytes,
+        ),
+        Op(
+            when="before",
+            anchor=component,
+            stream="copy",
+            kind="load",
+            unit=blocks[0],
+            slot="s0",
+            nbytes=size,
+        ),
+    ]
+    for i, block in enumerate(blocks):
+        if block != drop:
+            ops.append(Op(when="before", anchor=block, stream="compute", kind="wait", unit=block))
+        if i + 1 < len(blocks) and blocks[i + 1] != drop:
+            slot = f"s{(i + 1) % 2}"
+            ops.append(
+                Op(
+                    when="before",
+                    anchor=block,
+                    stream="copy",
+                    kind="load",
+                    unit=blocks[i + 1],
+                    slot=slot,
+                    nbytes=size,
+                )
+            )
+        if block != drop:
+            ops.append(Op(when="after", anchor=block, stream="compute", kind="evict", unit=block))
+    ops.append(Op(when="after", anchor=component, stream="copy", kind="unstage", unit=rest))
+    return Schedule(
+        policy="ring(hand-written)",
+        plan=plan.digest,
+        step=Step(component=component),
+        slots=[Slot(name="s0", nbytes=size), Slot(name="s1", nbytes=size)],
+        entry=(),
+        ops=ops,
+        exit=(),
+    )
+
+
+@pytest.fixture
+def hand_ring() -> Callable[..., Schedule]:
+    """The `ring` schedule builder."""
+    return ring
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Run torch on one CPU thread: tiny models run fastest and steadiest that way on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield None
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def pipeline() -> toy.ToyPipeline:
+    """A fresh one-DiT toy pipeline with seed 0."""
+    return toy.build(0)

@@ -1,0 +1,53 @@
+"""The host store: one packed, aligned buffer per block; parameters become strided views into it."""
+
+from __future__ import annotations
+
+import torch
+
+from torchferry import topology, toy
+from torchferry.runtime import HostStore
+
+
+def _store(p: toy.ToyPipeline, strategy: str = "layerwise") -> tuple[HostStore, topology.Plan]:
+    plan = topology.resolve(topology.discover(p), topology.OffloadConfig(strategy=strategy))  # type: ignore[arg-type]
+    return HostStore.build(p, plan, pin=False), plan
+
+
+def test_block_buffers_match_topology_and_are_aligned() -> None:
+    """Each block's buffer is exactly Block.nbytes and every tensor starts at a multiple of its itemsize."""
+    p = toy.build(0)
+    store, plan = _store(p)
+    for block in plan.component("transformer").blocks:
+        group = store.groups[block.path]
+        assert group.nbytes == block.nbytes == group.host.numel()
+        base = group.host.data_ptr()
+        for t in group.tensors:
+            assert t.untyped_storage().data_ptr() == base
+            assert (t.data_ptr() - base) % t.element_size() == 0
+
+
+def test_views_keep_strides_ties_and_values() -> None:
+    """After the take-over, strides, tied identities and values are those of the original pipeline."""
+    p, ref = toy.build(0), toy.build(0)
+    store, _ = _store(p)
+    block = p.transformer.blocks[2]
+    assert block.out.weight.stride() == ref.transformer.blocks[2].out.weight.stride() == (1, 32)
+    assert block.norm_k.weight is block.norm_q.weight
+    assert all(
+        torch.equal(a, b) for a, b in zip(p.state_dict().values(), ref.state_dict().values(), strict=True)
+    )
+    assert torch.equal(p("a cat"), ref("a cat"))
+    assert store.nbytes == topology.discover(ref).nbytes
+
+
+def test_close_gives_every_tensor_its_own_storage() -> None:
+    """Closing the store re-homes each tensor in ordinary storage of its own, bit-identical."""
+    p, ref = toy.build(0), toy.build(0)
+    store, _ = _store(p)
+    store.close()
+    w = p.transformer.blocks[1].out.weight
+    assert w.untyped_storage().nbytes() == w.numel() * w.element_size()
+    assert w.stride() == (1, 32)
+    assert all(
+        torch.equal(a, b) for a, b in zip(p.state_dict().values(), ref.state_dict().values(), strict=True)
+    )

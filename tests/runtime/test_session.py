@@ -1,0 +1,214 @@
+"""`torchferry.offload`: every single-process strategy streams the toy pipeline bit-identically."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torchferry
+from torchferry import ExecutionError, PlanError, policies, topology, toy
+
+STRATEGIES: list[tuple[str, dict[str, Any]]] = [
+    ("none", {}),
+    ("model_level", {}),
+    *[("layerwise", {"prefetch_depth": d}) for d in (1, 2, 3)],
+    *[("layerwise", {"resident_layers": r, "components": {"dit", "text_encoder"}}) for r in (1, 2)],
+]
+
+
+def _hooks(p: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in p.modules())
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(keep_vars=True), b.state_dict(keep_vars=True)
+    return sa.keys() == sb.keys() and all(
+        torch.equal(sa[k], sb[k]) and sa[k].stride() == sb[k].stride() and sa[k].device == sb[k].device
+        for k in sa
+    )
+
+
+@pytest.mark.parametrize("two_experts", [False, True])
+@pytest.mark.parametrize(("strategy", "options"), STRATEGIES)
+def test_outputs_bit_identical(strategy: str, options: dict[str, Any], two_experts: bool) -> None:
+    """Two calls under the session (with a skipped block) equal the plain run; close restores everything."""
+    p, ref = toy.build(0, two_experts=two_experts), toy.build(0, two_experts=two_experts)
+    skip = {1: {2}, 2: {7}}
+    with torchferry.offload(p, strategy=strategy, device="cpu", **options) as session:
+        assert torch.equal(p("a cat", steps=4), ref("a cat", steps=4))
+        assert torch.equal(p("a cat", steps=4, skip=skip), ref("a cat", steps=4, skip=skip))
+        assert torch.equal(p("a dog", steps=4), ref("a dog", steps=4))
+        for step, peak in session.step_peaks.items():
+            assert peak == policies.simulate(session.schedules[step]).peak_device_bytes, step
+    assert _same(p, ref)
+    assert _hooks(p) == 0
+
+
+def test_two_experts_switch_components() -> None:
+    """The session runs steps of both experts, learning that transformer_2 follows transformer."""
+    p = toy.build(0, two_experts=True)
+    with torchferry.offload(p, strategy="layerwise", device="cpu") as session:
+        p("a cat", steps=4)
+        p("a cat", steps=4)
+        steps = {(s.component, s.index, s.next) for s in session.schedules}
+    assert ("transformer", 1, "transformer_2") in steps
+    assert ("transformer_2", 1, "vae") in steps
+
+
+def test_on_demand_component_uses_its_lifecycle() -> None:
+    """A component declared on demand is acquired and released through its own methods."""
+    decl = topology.Declaration(
+        resident_dit_paths={"transformer"},
+        encoder_block_attrs={"text_encoder": ("blocks",)},
+        on_demand_component_paths={"vae"},
+    )
+    p, ref = toy.build(0), toy.build(0)
+    with torchferry.offload(
+        p, strategy="layerwise", device="cpu", declaration=decl, components={"dit", "vae"}
+    ) as s:
+        assert torch.equal(p("a cat"), ref("a cat"))
+        kinds = [
+            op.kind for step, sched in s.schedules.items() if step.component == "vae" for op in sched.ops
+        ]
+    assert "acquire" in kinds and "release" in kinds
+    assert _same(p, ref)
+
+
+class _Fail:
+    """A forward pre-hook that raises ``error`` the first time its block runs."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error: BaseException | None = error
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+
+@pytest.mark.parametrize("error", [ValueError("boom"), KeyboardInterrupt()])
+def test_failure_inside_a_block_leaves_pipeline_usable(error: BaseException) -> None:
+    """An exception or interrupt inside a block's forward: the next call is correct and close restores."""
+    p, ref = toy.build(0), toy.build(0)
+    with torchferry.offload(p, strategy="layerwise", device="cpu", prefetch_depth=2) as session:
+        p("a cat")
+        handle = p.transformer.blocks[4].register_forward_pre_hook(_Fail(error))
+        with pytest.raises(type(error)):
+            p("a cat")
+        handle.remove()
+        assert torch.equal(p("a cat"), ref("a cat"))
+        assert session.hook_count == _hooks(p)
+    assert _same(p, ref)
+    assert _hooks(p) == 0
+
+
+def test_round_trip_reopen_other_strategy() -> None:
+    """Open, run, close, reopen with another strategy, run, close: weights bit-identical throughout."""
+    p, ref = toy.build(0, two_experts=True), toy.build(0, two_experts=True)
+    expected = ref("a cat")
+    for strategy in ("layerwise", "model_level", "none", "layerwise"):
+        session = torchferry.offload(p, strategy=strategy, device="cpu")
+        assert _same(p, ref)
+        assert torch.equal(p("a cat"), expected)
+        session.close()
+        assert _same(p, ref)
+        assert _hooks(p) == 0
+
+
+def test_second_session_on_same_pipeline_is_refused() -> None:
+    """A pipeline served by an open session cannot be offloaded again until it is closed."""
+    p = toy.build(0)
+    with torchferry.offload(p, device="cpu"):
+        message = (
+            "this pipeline is already served by an open torchferry session; close() it before opening another"
+        )
+        with pytest.raises(ExecutionError, match=re.escape(message)):
+            torchferry.offload(p, device="cpu")
+    torchferry.offload(p, device="cpu").close()
+
+
+def test_pipeline_already_on_a_device_is_refused() -> None:
+    """A pipeline whose weights are not in host memory is rejected with what to do, and left untouched."""
+    p = toy.build(0)
+    p.vae.to("meta")
+    message = (
+        "torchferry.offload cannot take over this pipeline:\n"
+        "  vae.fc1.weight: found on meta\n  vae.fc1.bias: found on meta\n"
+        "  vae.fc2.weight: found on meta\n  vae.fc2.bias: found on meta\n"
+        "The layerwise plan keeps every weight in host memory and moves it itself: build or load the "
+        "pipeline on the CPU (or call pipeline.to('cpu')) before torchferry.offload(...), and let the "
+        "session place it on the device."
+    )
+    before = p.transformer.blocks[0].q.weight.data_ptr()
+    with pytest.raises(PlanError, match=re.escape(message)):
+        torchferry.offload(p, strategy="layerwise", device="cpu")
+    assert p.transformer.blocks[0].q.weight.data_ptr() == before
+    assert _hooks(p) == 0
+
+
+def test_unknown_option_is_refused() -> None:
+    """A keyword that is not an OffloadConfig field is rejected naming it."""
+    with pytest.raises(PlanError, match=re.escape("offload() got unknown option(s) 'depth'; ")):
+        torchferry.offload(toy.build(0), device="cpu", depth=2)
+
+
+def test_thousand_passes_leave_counts_unchanged() -> None:
+    """1,000 pipeline passes leave host bytes, device bytes, allocations, hooks and schedules unchanged."""
+    p = toy.build(0, blocks=6, hidden=16)
+    with torchferry.offload(p, strategy="layerwise", device="cpu", prefetch_depth=2) as session:
+        first = p("a cat", steps=1)
+        p("a cat", steps=1)
+        p("a cat", steps=1)
+        counts = (session.host_bytes, session.device_bytes, _hooks(p))
+        schedules = len(session.schedules)
+        allocations = session.engine.ledger.allocations
+        p("a cat", steps=1)
+        per_pass = session.engine.ledger.allocations - allocations
+        for _ in range(1000):
+            out = p("a cat", steps=1)
+        assert (session.host_bytes, session.device_bytes, _hooks(p)) == counts
+        assert session.engine.ledger.allocations == allocations + 1001 * per_pass
+        assert len(session.schedules) == schedules
+        assert torch.equal(out, first)
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count(run: Callable[[], object]) -> Counter[str]:
+    with _OpCounter() as counter:
+        run()
+    return counter.ops
+
+
+def test_steady_state_issues_only_block_copies() -> None:
+    """Denoising steps after the first allocate nothing and add only the block copies to the resident ops."""
+    p, ref = toy.build(0), toy.build(0)
+    context = torch.randn(1, 8, 32)
+    latents, t = torch.randn(1, 16, 16), torch.tensor([0.5])
+    with torch.no_grad():
+        resident = _count(lambda: ref.transformer(latents, t, context))
+    with torchferry.offload(p, strategy="layerwise", device="cpu") as session, torch.no_grad():
+        for _ in range(3):
+            p.transformer(latents, t, context)
+        allocations = session.engine.ledger.allocations
+        streamed = _count(lambda: p.transformer(latents, t, context))
+        assert session.engine.ledger.allocations == allocations
+        last = session.engine.last
+        assert last is not None
+        loads = sum(op.kind == "load" for op in last.ops)
+    assert streamed - resident == Counter({"aten.copy_.default": loads})
+    assert resident - streamed == Counter()

@@ -1,0 +1,45 @@
+"""A user policy type-checks under mypy strict; a wrong one is rejected."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+WRONG = """
+from __future__ import annotations
+
+from torchferry.policies import Policy, Step
+from torchferry.topology import Plan
+
+
+def broken(plan: Plan, step: Step) -> str:
+    return "not a schedule"
+
+
+POLICY: Policy = broken
+"""
+
+
+def _mypy(*paths: str) -> tuple[str, int]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from mypy import api
+
+        out, err, status = api.run(["--strict", "--config-file", str(ROOT / "pyproject.toml"), *paths])
+    return out + err, status
+
+
+@pytest.mark.slow
+def test_user_policy_type_checks_and_wrong_one_is_rejected(tmp_path: Path) -> None:
+    """mypy strict accepts tests/typing/user_policy.py and rejects a policy returning a str."""
+    wrong = tmp_path / "wrong_policy.py"
+    wrong.write_text(WRONG)
+    out, status = _mypy(str(HERE / "user_policy.py"), str(wrong))
+    assert status == 1
+    assert "user_policy.py" not in out, out
+    assert 'Incompatible types in assignment (expression has type "Callable[[Plan, Step], str]"' in out

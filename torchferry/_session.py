@@ -1,0 +1,234 @@
+"""`offload`: the session users open; it turns every component forward into one executed schedule.
+
+The session reads top to bottom: discover the pipeline, resolve the request into a plan, pick the
+policy, then let the engine take the weights over. From then on each forward of a top-level
+component is one *step*: the session names it (``Step(component, index, entry, next)``), asks the
+policy for its schedule (once per distinct step: policies are pure, so schedules are cached) and
+the engine carries it out while the component runs. The pipeline is called exactly as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Mapping
+from types import TracebackType
+from typing import Any
+
+import attrs
+import torch
+
+from torchferry import policies, topology
+from torchferry._errors import ExecutionError, PlanError
+from torchferry.policies import Placement, Policy, Schedule, Step
+from torchferry.runtime import Engine
+from torchferry.topology import Declaration, OffloadConfig, Plan
+
+__all__ = ["Session", "default_policy", "offload"]
+
+#: Schedules a session keeps (oldest dropped first); a pipeline call needs one per component forward.
+MAX_SCHEDULES = 512
+
+#: Pipelines a session is serving now, so a second session on the same pipeline is refused.
+_OPEN: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()
+
+
+def default_policy(config: OffloadConfig) -> Policy:
+    """The built-in policy for ``config.strategy`` (layerwise with the configured prefetch depth)."""
+    if config.strategy == "none":
+        return policies.none()
+    if config.strategy == "model_level":
+        return policies.model_level()
+    if config.strategy == "layerwise":
+        return policies.layerwise(depth=config.prefetch_depth)
+    raise PlanError(
+        f"strategy {config.strategy!r} needs the multi-rank runtime, which this session does not have yet; "
+        "use strategy='layerwise' on a single process"
+    )
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _config(config: OffloadConfig | None, strategy: str | None, options: Mapping[str, Any]) -> OffloadConfig:
+    changes = dict(options)
+    if strategy is not None:
+        changes["strategy"] = strategy
+    fields = {f.name for f in attrs.fields(OffloadConfig)}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise PlanError(
+            f"offload() got unknown option(s) {', '.join(map(repr, unknown))}; "
+            f"the options are the OffloadConfig fields: {', '.join(sorted(fields))}"
+        )
+    base = config if config is not None else OffloadConfig()
+    return attrs.evolve(base, **changes) if changes else base
+
+
+def offload(
+    pipeline: Any,
+    config: OffloadConfig | None = None,
+    *,
+    strategy: str | None = None,
+    device: torch.device | str | None = None,
+    declaration: Declaration | None = None,
+    policy: Policy | None = None,
+    **config_options: Any,
+) -> Session:
+    """Take over ``pipeline``'s weights and stream them to ``device`` on the policy's schedule.
+
+    ``config`` (or ``strategy`` and any `OffloadConfig` field as a keyword) says what to offload;
+    ``policy`` replaces the strategy's built-in policy; ``device`` defaults to CUDA when present.
+    Everything that can be rejected is rejected (`PlanError`) before the pipeline is touched. Use the
+    returned `Session` as a context manager, or call its ``close()``.
+    """
+    if pipeline in _OPEN:
+        raise ExecutionError(
+            "this pipeline is already served by an open torchferry session; close() it before opening another"
+        )
+    request = _config(config, strategy, config_options)
+    target = torch.device(device) if device is not None else _default_device()
+    topo = topology.discover(pipeline, declaration)
+    plan = topology.resolve(topo, request)
+    chosen = policy if policy is not None else default_policy(request)
+    return Session(pipeline, plan, chosen, device=target)
+
+
+class Session:
+    """One pipeline served by one plan and policy until `close`; also a context manager.
+
+    ``schedules`` holds every schedule the session has run, by step. Device and host byte counts,
+    the peak and the hooks installed are exposed for inspection and tests.
+    """
+
+    def __init__(self, pipeline: Any, plan: Plan, policy: Policy, *, device: torch.device) -> None:
+        self.pipeline = pipeline
+        self.plan = plan
+        self.policy = policy
+        self.device = device
+        self.engine = Engine(pipeline, plan, device=device, pin_memory=plan.config.pin_memory)
+        self.schedules: dict[Step, Schedule] = {}
+        # Why: the step key that ran last, to number run lengths and learn what follows each step.
+        self._last: tuple[str, int] | None = None
+        # Why: what followed each step last time, so a policy can prefetch across a switch.
+        self._follows: dict[tuple[str, int], str | None] = {}
+        # Why: the most device bytes each step held while it ran, to compare with `policies.simulate`.
+        self.step_peaks: dict[Step, int] = {}
+        self._step: Step | None = None
+        self._closed = False
+        try:
+            self.engine.driver = self
+            self.engine.anchor(self._anchors())
+        except BaseException:
+            self.engine.close()
+            raise
+        _OPEN[pipeline] = self
+
+    def _anchors(self) -> list[str]:
+        paths: list[str] = []
+        for top in self.plan.components:
+            for c in top.walk():
+                paths.append(c.path)
+                paths.extend(b.path for b in c.blocks)
+        return paths
+
+    # --------------------------------------------------------------------------- engine driver
+    def enter(self, component: str) -> None:
+        """A top-level component's forward begins: start its step's schedule."""
+        engine = self.engine
+        if engine.program is not None:
+            # A step that never finished (a KeyboardInterrupt skips forward hooks): start clean.
+            engine.abort()
+        last = self._last
+        index = last[1] + 1 if last is not None and last[0] == component else 0
+        if last is not None:
+            self._follows[last] = None if last[0] == component else component
+        key = (component, index)
+        self._last = key
+        step = Step(component=component, index=index, entry=engine.residency, next=self._follows.get(key))
+        schedule = self.schedules.get(step)
+        if schedule is None:
+            schedule = self.policy(self.plan, step)
+            if len(self.schedules) >= MAX_SCHEDULES:
+                self.schedules.pop(next(iter(self.schedules)))
+            self.schedules[step] = schedule
+        engine.begin(schedule)
+        self._step = step
+
+    def leave(self, component: str, failing: bool) -> None:
+        """A top-level component's forward ended: check its step, or recover if it raised."""
+        if failing:
+            self.engine.abort()
+            self._last = None
+            return
+        self.engine.finish()
+        step = self._step
+        if step is not None:
+            peak = self.engine.ledger.step_peak
+            self.step_peaks[step] = max(peak, self.step_peaks.get(step, peak))
+
+    @contextlib.contextmanager
+    def running(self, component: str) -> Iterator[None]:
+        """Treat the body as a forward of ``component`` (for calls such as ``vae.decode()``)."""
+        self.enter(component)
+        try:
+            yield
+        except BaseException:
+            self.leave(component, True)
+            raise
+        self.leave(component, False)
+
+    # ------------------------------------------------------------------------------- figures
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes the runtime holds now (slots, staged units, acquired components)."""
+        return self.engine.ledger.held
+
+    @property
+    def peak_device_bytes(self) -> int:
+        return self.engine.ledger.peak
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host buffers that back every managed weight."""
+        return self.engine.store.nbytes
+
+    @property
+    def hook_count(self) -> int:
+        return self.engine.hook_count
+
+    @property
+    def residency(self) -> tuple[Placement, ...]:
+        """What the last step left on the device."""
+        return self.engine.residency
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Give the pipeline back as it was: weights on the host, bit-identical, no hooks left."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.engine.close()
+        finally:
+            _OPEN.pop(self.pipeline, None)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<torchferry.Session {state} {self.plan.strategy} on {self.device}: plan {self.plan.digest}, "
+            f"{len(self.schedules)} schedules, {self.device_bytes} device bytes>"
+        )

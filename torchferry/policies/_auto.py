@@ -1,0 +1,243 @@
+"""`auto`: pick strategy, prefetch depth and a fixed set of resident blocks for a budget and a cost model.
+
+The choice depends on the plan alone (never on the step), so every step of a session streams
+through the same ring with the same resident blocks. Candidates are scored by the simulated
+*steady-state* step of each DiT that streams: the step whose entry is what the previous step of the
+same component left, so the ring's wrap-around prefetch counts as it will at run time.
+
+Search: for each depth, the most resident blocks that fit, placed three ways (leading, spread
+evenly, spread evenly from the first block); then the fewest resident blocks that keep the best
+time (so memory is not spent where transfers already hide behind compute). Spread resident blocks
+give the copy stream compute time to hide behind when transfers are slower than compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+
+import attrs
+
+from torchferry._errors import ScheduleError
+from torchferry.policies._builtin import (
+    _natural,
+    compress_paths,
+    distributed_layerwise,
+    layerwise,
+    model_level,
+    none,
+    ring_slots,
+)
+from torchferry.policies._ir import Policy, Schedule, Step
+from torchferry.policies._layout import layout
+from torchferry.policies._sim import DEFAULT_COST, CostModel, simulate
+from torchferry.policies._text import format_bytes
+from torchferry.topology import Plan
+
+__all__ = ["Choice", "auto", "choose", "footprint", "steady_step_s"]
+
+_TIE = 1e-9
+PLACEMENTS = ("leading", "spread", "spread-first")
+
+
+@attrs.frozen(kw_only=True)
+class Choice:
+    """What `auto` picked: the policy, its resident blocks, the simulated step and the footprint."""
+
+    strategy: str
+    depth: int
+    resident: tuple[str, ...]
+    placement: str
+    step_s: float
+    resident_step_s: float
+    footprint: int
+    candidates: int
+
+    def policy(self) -> Policy:
+        if self.strategy == "none":
+            return none()
+        if self.strategy == "model_level":
+            return model_level()
+        factory = distributed_layerwise if self.strategy == "distributed_layerwise" else layerwise
+        return factory(self.depth, self.resident)
+
+
+def footprint(plan: Plan, depth: int, resident: Sequence[str] = (), *, gather: bool = False) -> int:
+    """Device bytes a ring policy holds at most over a session: kept units, slots, largest acquired."""
+    lay = layout(plan, frozenset(resident))
+    kept = sum(lay.sizes[u] for u in lay.kept)
+    slots = sum(s.nbytes for s in ring_slots(plan, lay, depth, lay.allgather if gather else frozenset()))
+    return kept + slots + max(lay.acquired.values(), default=0)
+
+
+def steady_step_s(
+    policy: Policy, plan: Plan, cost: CostModel, components: Sequence[str]
+) -> tuple[float, float]:
+    """Simulated (makespan, resident makespan) summed over a steady-state step of each component."""
+    total = 0.0
+    base = 0.0
+    for c in components:
+        first = policy(plan, Step(component=c))
+        second = policy(plan, Step(component=c, index=1, entry=first.exit))
+        report = simulate(second, cost)
+        total += report.makespan_s
+        base += report.resident_makespan_s
+    return total, base
+
+
+def _place(pool: Sequence[str], count: int, how: str) -> tuple[str, ...]:
+    n = len(pool)
+    if count <= 0:
+        return ()
+    if how == "leading":
+        idx = list(range(count))
+    elif how == "spread":
+        idx = [int((i + 0.5) * n / count) for i in range(count)]
+    else:
+        idx = [int(i * n / count) for i in range(count)]
+    return tuple(pool[i] for i in sorted(set(idx)))
+
+
+@lru_cache(maxsize=64)
+def choose(plan: Plan, budget_bytes: int, cost: CostModel = DEFAULT_COST, max_depth: int = 4) -> Choice:
+    """The `Choice` `auto` makes for ``plan``; `ScheduleError` when nothing fits ``budget_bytes``."""
+    lay = layout(plan)
+    total = sum(c.nbytes for c in plan.components if not c.on_demand) + max(lay.acquired.values(), default=0)
+    streaming = [c.path for c in plan.components if lay.streamed.get(c.path)]
+    if total <= budget_bytes or not streaming:
+        strategy = "none" if total <= budget_bytes else "model_level"
+        need = total if strategy == "none" else _model_level_bytes(plan)
+        if need > budget_bytes:
+            raise ScheduleError(
+                f"auto(budget={format_bytes(budget_bytes)}): plan {plan.digest} streams no blocks and "
+                f"model-level swapping needs {format_bytes(need)}; raise the budget or resolve the plan "
+                f"with strategy='layerwise'"
+            )
+        return Choice(
+            strategy=strategy,
+            depth=1,
+            resident=(),
+            placement="",
+            step_s=0.0,
+            resident_step_s=0.0,
+            footprint=need,
+            candidates=1,
+        )
+    gather = plan.config.distributed
+    strategy = "distributed_layerwise" if gather else "layerwise"
+    dits = [c for c in streaming if plan.component(c).kind == "dit"] or streaming
+    pool = [b.path for c in dits for b in lay.streamed[c]]
+    sizes = lay.sizes
+    scored: dict[tuple[int, tuple[str, ...]], tuple[float, float]] = {}
+
+    def score(depth: int, resident: tuple[str, ...]) -> tuple[float, float]:
+        key = (depth, resident)
+        if key not in scored:
+            factory = distributed_layerwise if gather else layerwise
+            scored[key] = steady_step_s(factory(depth, resident), plan, cost, dits)
+        return scored[key]
+
+    best: Choice | None = None
+    smallest = footprint(plan, 1, gather=gather)
+    for depth in range(1, max_depth + 1):
+        base = footprint(plan, depth, gather=gather)
+        if base > budget_bytes:
+            break
+        free = budget_bytes - base
+
+        def fits(resident: tuple[str, ...], free: int = free) -> bool:
+            return sum(sizes[b] for b in resident) <= free
+
+        most = 0
+        for count in range(len(pool), -1, -1):
+            if any(fits(_place(pool, count, how)) for how in PLACEMENTS):
+                most = count
+                break
+
+        def best_at(
+            count: int, depth: int = depth, free: int = free
+        ) -> tuple[float, float, tuple[str, ...], str]:
+            options = []
+            for how in PLACEMENTS:
+                resident = _place(pool, count, how)
+                if sum(sizes[b] for b in resident) <= free:
+                    t, r = score(depth, resident)
+                    options.append((t, r, resident, how))
+            return min(options, key=lambda o: (o[0], PLACEMENTS.index(o[3])))
+
+        top = best_at(most)
+        lo, hi = 0, most
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if best_at(mid)[0] <= top[0] * (1 + _TIE):
+                hi = mid
+            else:
+                lo = mid + 1
+        t, r, resident, how = best_at(lo)
+        size = base + sum(sizes[b] for b in resident)
+        candidate = Choice(
+            strategy=strategy,
+            depth=depth,
+            resident=resident,
+            placement=how if resident else "",
+            step_s=t,
+            resident_step_s=r,
+            footprint=size,
+            candidates=0,
+        )
+        if (
+            best is None
+            or t < best.step_s * (1 - _TIE)
+            or (t <= best.step_s * (1 + _TIE) and size < best.footprint)
+        ):
+            best = candidate
+    if best is None:
+        raise ScheduleError(
+            f"auto(budget={format_bytes(budget_bytes)}): even depth 1 with no resident blocks needs "
+            f"{format_bytes(smallest)} on plan {plan.digest}; raise the budget to at least that"
+        )
+    return attrs.evolve(best, candidates=len(scored))
+
+
+def _model_level_bytes(plan: Plan) -> int:
+    swap = [
+        c.nbytes for c in plan.components if c.selected and c.kind in ("dit", "encoder") and not c.on_demand
+    ]
+    kept = sum(
+        c.nbytes
+        for c in plan.components
+        if not (c.selected and c.kind in ("dit", "encoder")) and not c.on_demand
+    )
+    acquired = max((c.nbytes for c in plan.components if c.on_demand), default=0)
+    return kept + max(swap, default=0) + acquired
+
+
+def auto(budget_bytes: int, cost: CostModel = DEFAULT_COST, max_depth: int = 4) -> Policy:
+    """A policy that picks strategy, depth (1..``max_depth``) and a fixed resident-block set fitting
+    ``budget_bytes`` with the least simulated steady-state step time under ``cost``; ties go to the
+    smaller footprint. Its schedule's notes explain the choice.
+    """
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be > 0, got {budget_bytes!r}")
+    name = f"auto(budget={format_bytes(budget_bytes, exact=False)})"
+
+    def auto_policy(plan: Plan, step: Step, /) -> Schedule:
+        choice = choose(plan, budget_bytes, cost, max_depth)
+        schedule = choice.policy()(plan, step)
+        chosen = schedule.policy
+        notes = [
+            f"auto chose {chosen}: footprint {format_bytes(choice.footprint, exact=False)} of "
+            f"{format_bytes(budget_bytes, exact=False)}"
+        ]
+        if choice.strategy in ("layerwise", "distributed_layerwise"):
+            overhead = choice.step_s / choice.resident_step_s - 1 if choice.resident_step_s else 0.0
+            notes.append(
+                f"steady step {choice.step_s:.4f} s vs all-resident {choice.resident_step_s:.4f} s "
+                f"(+{overhead * 100:.2f}%), best of {choice.candidates} simulated candidates"
+            )
+            placement = f" ({choice.placement})" if choice.resident else ""
+            paths = compress_paths(sorted(choice.resident, key=_natural))
+            notes.append(f"resident blocks{placement}: {paths}")
+        return attrs.evolve(schedule, policy=name, notes=tuple(notes))
+
+    return auto_policy

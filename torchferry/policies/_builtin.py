@@ -1,0 +1,402 @@
+"""The built-in policies: `none`, `model_level`, `layerwise`, `distributed_layerwise`, and `cached`.
+
+Each factory returns a pure function ``(plan, step) -> Schedule`` that reads nothing but its
+arguments, so the same inputs give the same schedule on every rank and in every process.
+
+[Note: the ring]
+Streaming blocks of the running component go through one shared ring of ``depth + 1`` block slots
+sized to the largest streaming block of the whole plan. Think of the blocks to stream as one queue:
+this pass's streaming blocks, then the first ``depth`` streaming blocks of the next pass (this
+component again, or ``step.next``). Before each block computes, the next ``depth + 1`` queued
+blocks are made resident (a load into a free slot; a slot is free once the compute that read its
+previous block has passed that block's ``evict``), so while block i computes, blocks i+1..i+depth
+are in flight. A block is evicted right after it computes unless the queue needs it again within
+the window (a ring no longer than its slots simply stays). The tail of the queue is the next pass's
+head, so the schedule exits with those blocks loaded and the next step's entry starts with them.
+Slots are taken first-free-first-used, so odd block counts, several stacks and nested rings share
+the slots without special cases. Remainders, unstreamed components and resident blocks are staged
+once and stay; a step stages what is missing from its entry and unstages what the policy no longer
+keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import lru_cache
+
+from torchferry._errors import ScheduleError
+from torchferry.policies._ir import (
+    DEVICE,
+    Op,
+    OpKind,
+    Placement,
+    Policy,
+    Schedule,
+    Slot,
+    Step,
+    StreamName,
+    When,
+)
+from torchferry.policies._layout import Layout, forward_blocks, layout, shard_nbytes
+from torchferry.topology import Component, Plan
+
+__all__ = [
+    "cached",
+    "compress_paths",
+    "distributed_layerwise",
+    "layerwise",
+    "model_level",
+    "none",
+]
+
+
+def compress_paths(paths: Iterable[str]) -> str:
+    """``transformer.blocks.{0,3,7}``: paths sharing a parent written once (for notes)."""
+    groups: dict[str, list[str]] = {}
+    for p in paths:
+        parent, _, leaf = p.rpartition(".")
+        groups.setdefault(parent, []).append(leaf)
+    parts = []
+    for parent, leaves in groups.items():
+        inner = leaves[0] if len(leaves) == 1 else "{" + ",".join(leaves) + "}"
+        parts.append(f"{parent}.{inner}" if parent else inner)
+    return " ".join(parts) if parts else "none"
+
+
+def _top(plan: Plan, path: str) -> Component:
+    for c in plan.components:
+        if c.path == path:
+            return c
+    known = ", ".join(repr(c.path) for c in plan.components)
+    raise ScheduleError(
+        f"step names component {path!r}, which is not a top-level component of plan {plan.digest}; "
+        f"known: {known}; pass one of them as Step(component=...)"
+    )
+
+
+class _Builder:
+    """Accumulates ops while tracking what is where, so the exit is what the ops leave."""
+
+    def __init__(self, step: Step, slots: tuple[Slot, ...]) -> None:
+        self.step = step
+        self.slots = slots
+        self.ops: list[Op] = []
+        self.where: dict[str, str] = {}
+        self.size: dict[str, int] = {}
+        self.order: list[str] = []
+        self.occupant: dict[str, str] = {}
+        block_slots = [s.name for s in slots if s.kind == "block"]
+        for p in step.entry:
+            self.where[p.unit] = p.where
+            self.size[p.unit] = p.nbytes
+            self.order.append(p.unit)
+            if p.where != DEVICE:
+                self.occupant[p.where] = p.unit
+        self.free = [s for s in block_slots if s not in self.occupant]
+
+    def emit(
+        self,
+        when: When,
+        anchor: str,
+        stream: StreamName,
+        kind: OpKind,
+        unit: str,
+        *,
+        slot: str | None = None,
+        src: str | None = None,
+        nbytes: int = 0,
+        chunks: int = 1,
+    ) -> None:
+        self.ops.append(
+            Op(
+                when=when,
+                anchor=anchor,
+                stream=stream,
+                kind=kind,
+                unit=unit,
+                slot=slot,
+                src=src,
+                nbytes=nbytes,
+                chunks=chunks,
+            )
+        )
+
+    def _place(self, unit: str, where: str, nbytes: int) -> None:
+        self.where[unit] = where
+        self.size[unit] = nbytes
+        if unit in self.order:
+            self.order.remove(unit)
+        self.order.append(unit)
+
+    def _drop(self, unit: str) -> None:
+        del self.where[unit]
+        self.order.remove(unit)
+
+    def stage(self, when: When, anchor: str, unit: str, nbytes: int) -> None:
+        self.emit(when, anchor, "copy", "stage", unit, nbytes=nbytes)
+        self._place(unit, DEVICE, nbytes)
+
+    def unstage(self, when: When, anchor: str, unit: str) -> None:
+        self.emit(when, anchor, "copy", "unstage", unit)
+        self._drop(unit)
+
+    def evict(self, when: When, anchor: str, unit: str) -> None:
+        slot = self.where[unit]
+        self.emit(when, anchor, "compute", "evict", unit)
+        self._drop(unit)
+        del self.occupant[slot]
+        self.free.append(slot)
+
+    def staged(self) -> list[str]:
+        return [u for u in self.order if self.where[u] == DEVICE]
+
+    def exit(self) -> tuple[Placement, ...]:
+        staged = [Placement(unit=u, where=DEVICE, nbytes=self.size[u]) for u in self.staged()]
+        ring = [
+            Placement(unit=self.occupant[s.name], where=s.name, nbytes=self.size[self.occupant[s.name]])
+            for s in self.slots
+            if s.name in self.occupant
+        ]
+        return (*staged, *ring)
+
+    def schedule(self, policy: str, plan: Plan, notes: Iterable[str] = ()) -> Schedule:
+        return Schedule(
+            policy=policy,
+            plan=plan.digest,
+            step=self.step,
+            slots=self.slots,
+            entry=self.step.entry,
+            ops=self.ops,
+            exit=self.exit(),
+            notes=tuple(notes),
+        )
+
+
+# ------------------------------------------------------------------------------------ whole components
+
+
+def _whole(plan: Plan, step: Step, *, swap: bool, policy: str) -> Schedule:
+    top = _top(plan, step.component)
+    c = top.path
+    b = _Builder(step, ())
+    swappable = [x for x in plan.components if swap and x.selected and not x.on_demand]
+    dits = {x.path for x in swappable if x.kind == "dit"}
+    encoders = {x.path for x in swappable if x.kind == "encoder"}
+    on_demand = {x.path for x in plan.components if x.on_demand}
+    sizes = {x.path: x.nbytes for x in plan.components}
+    kept = [x.path for x in plan.components if x.path not in dits | encoders | on_demand]
+    if c in dits:
+        out = (dits | encoders) - {c}
+    elif top.kind == "encoder":
+        out = dits
+    else:
+        out = set()
+    swapped = (dits | encoders) - out
+    for p in step.entry:
+        if p.where == DEVICE and (p.unit in out or (p.unit not in kept and p.unit not in swapped)):
+            b.unstage("before", c, p.unit)
+    wanted = [c] if c in swapped else []
+    for unit in [*wanted, *(k for k in kept if k != c), *(k for k in kept if k == c)]:
+        if unit not in b.where and unit in sizes:
+            b.stage("before", c, unit, sizes[unit])
+    if c in on_demand:
+        b.emit("before", c, "compute", "acquire", c, nbytes=sizes[c])
+    else:
+        b.emit("before", c, "compute", "wait", c)
+    if c in on_demand:
+        b.emit("after", c, "compute", "release", c)
+    return b.schedule(policy, plan)
+
+
+def none() -> Policy:
+    """No offload: every component is staged whole on first use and stays (on-demand ones are acquired)."""
+
+    def none_policy(plan: Plan, step: Step, /) -> Schedule:
+        return _whole(plan, step, swap=False, policy="none()")
+
+    return none_policy
+
+
+def model_level() -> Policy:
+    """Whole-component swapping: a selected DiT unstages the selected encoders and other selected
+    DiTs, any encoder unstages the selected DiTs; everything else is staged once and kept.
+    """
+
+    def model_level_policy(plan: Plan, step: Step, /) -> Schedule:
+        return _whole(plan, step, swap=True, policy="model_level()")
+
+    return model_level_policy
+
+
+# ------------------------------------------------------------------------------------------- ring
+
+
+def _chunks(shard: int, chunk_bytes: int | None) -> int:
+    if not chunk_bytes or shard <= chunk_bytes:
+        return 1
+    return -(-shard // chunk_bytes)
+
+
+def ring_slots(plan: Plan, lay: Layout, depth: int, allgather: frozenset[str]) -> tuple[Slot, ...]:
+    """The shared ring's block slots (``s0..s<depth>``) and, when some block is all-gathered, two
+    shard slots (``h0``, ``h1``), each sized to the largest unit it will hold."""
+    world = plan.config.dp_size
+    full = 0
+    shard = 0
+    for blocks in lay.streamed.values():
+        for blk in blocks:
+            if blk.path in allgather:
+                s = shard_nbytes(blk.nbytes, world)
+                shard = max(shard, s)
+                full = max(full, s * world)
+            else:
+                full = max(full, blk.nbytes)
+    if full == 0:
+        return ()
+    slots = [Slot(name=f"s{i}", nbytes=full) for i in range(depth + 1)]
+    if shard:
+        slots += [Slot(name=f"h{i}", nbytes=shard, kind="shard") for i in range(2)]
+    return tuple(slots)
+
+
+def _ring(
+    plan: Plan,
+    step: Step,
+    *,
+    depth: int,
+    resident: frozenset[str],
+    gather: bool,
+    policy: str,
+    notes: tuple[str, ...] = (),
+) -> Schedule:
+    top = _top(plan, step.component)
+    c = top.path
+    lay = layout(plan, resident)
+    allgather = lay.allgather if gather else frozenset()
+    slots = ring_slots(plan, lay, depth, allgather)
+    b = _Builder(step, slots)
+    world = plan.config.dp_size
+    kept = set(lay.kept)
+    # 1. unstage what the policy no longer keeps; 2. stage what is missing (this component's first).
+    for p in step.entry:
+        if p.where == DEVICE and p.unit not in kept:
+            b.unstage("before", c, p.unit)
+    mine = lay.top_kept(c)
+    for unit in (*mine, *(u for u in lay.kept if u not in mine)):
+        if unit not in b.where:
+            b.stage("before", c, unit, lay.sizes[unit])
+    for unit in lay.top_acquired(c):
+        b.emit("before", c, "compute", "acquire", unit, nbytes=lay.acquired[unit])
+    for unit in mine:
+        if unit not in lay.resident:
+            b.emit("before", c, "compute", "wait", unit)
+
+    queue = list(lay.streamed.get(c, ()))
+    n = len(queue)
+    nxt = step.next if step.next is not None else c
+    tail = lay.streamed.get(nxt) if nxt != c else tuple(queue)
+    if tail is None:
+        _top(plan, nxt)
+        tail = ()
+    queue += tail[:depth]
+    names = [blk.path for blk in queue]
+    nbytes = {blk.path: blk.nbytes for blk in queue}
+    shard_slot = 0
+
+    def ensure(when: When, anchor: str, window: list[str]) -> None:
+        nonlocal shard_slot
+        for unit in dict.fromkeys(window):
+            if unit in b.where:
+                continue
+            if not b.free:
+                stale = next(
+                    s.name for s in slots if s.name in b.occupant and b.occupant[s.name] not in window
+                )
+                b.evict(when, anchor, b.occupant[stale])
+            slot = b.free.pop(0)
+            if unit in allgather:
+                shard = shard_nbytes(nbytes[unit], world)
+                k = _chunks(shard, plan.config.chunk_bytes)
+                h = f"h{shard_slot % 2}"
+                shard_slot += 1
+                b.emit(when, anchor, "copy", "load", unit, slot=h, src="shard", nbytes=shard, chunks=k)
+                b.emit(when, anchor, "comm", "gather", unit, slot=slot, src=h, nbytes=shard * world, chunks=k)
+                size = shard * world
+            else:
+                b.emit(when, anchor, "copy", "load", unit, slot=slot, nbytes=nbytes[unit])
+                size = nbytes[unit]
+            b.occupant[slot] = unit
+            b._place(unit, slot, size)
+
+    j = 0
+    for blk in forward_blocks(top):
+        streamed = j < n and names[j] == blk.path
+        ensure("before", blk.path, names[j : j + depth + 1])
+        b.emit("before", blk.path, "compute", "wait", blk.path)
+        if streamed:
+            j += 1
+            if blk.path not in names[j : j + depth + 1]:
+                b.evict("after", blk.path, blk.path)
+    ensure("after", c, names[j : j + depth + 1])
+    for unit in lay.top_acquired(c):
+        b.emit("after", c, "compute", "release", unit)
+    return b.schedule(policy, plan, notes)
+
+
+def _depth(depth: int) -> int:
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+        raise ValueError(
+            f"depth must be an int >= 1 (blocks in flight ahead of the one computing), got {depth!r}"
+        )
+    return depth
+
+
+def _name(base: str, depth: int, resident: frozenset[str]) -> tuple[str, tuple[str, ...]]:
+    if not resident:
+        return f"{base}(depth={depth})", ()
+    return (
+        f"{base}(depth={depth}, resident={len(resident)})",
+        (f"resident blocks: {compress_paths(sorted(resident, key=_natural))}",),
+    )
+
+
+def _natural(path: str) -> tuple[tuple[int, str], ...]:
+    return tuple((int(p), "") if p.isdigit() else (-1, p) for p in path.split("."))
+
+
+def layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Policy:
+    """Stream every streaming block through one shared ring of ``depth + 1`` slots (see the ring note).
+
+    ``resident`` names extra blocks (any, not only leading ones) to keep on the device for good, on
+    top of the plan's resident heads.
+    """
+    d = _depth(depth)
+    extra = frozenset(resident)
+    name, notes = _name("layerwise", d, extra)
+
+    def layerwise_policy(plan: Plan, step: Step, /) -> Schedule:
+        return _ring(plan, step, depth=d, resident=extra, gather=False, policy=name, notes=notes)
+
+    return layerwise_policy
+
+
+def distributed_layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Policy:
+    """The ring of `layerwise`, with each all-gathered block loaded as this rank's shard
+    (``load ... from shard`` into a shard slot, ``shard_nbytes`` bytes) and then all-gathered on the
+    comm stream into a full slot, in ``ceil(shard / chunk_bytes)`` chunks. Rank-local components load
+    whole blocks. The schedule is the same on every rank; the runtime derives each rank's shard
+    offset as ``rank * shard_nbytes(block, world)``.
+    """
+    d = _depth(depth)
+    extra = frozenset(resident)
+    name, notes = _name("distributed_layerwise", d, extra)
+
+    def distributed_layerwise_policy(plan: Plan, step: Step, /) -> Schedule:
+        return _ring(plan, step, depth=d, resident=extra, gather=True, policy=name, notes=notes)
+
+    return distributed_layerwise_policy
+
+
+def cached(policy: Policy, maxsize: int | None = 1024) -> Policy:
+    """``policy`` memoised by ``(plan, step)``: valid because policies are pure and their inputs hashable."""
+    return lru_cache(maxsize=maxsize)(policy)

@@ -1,0 +1,359 @@
+"""The canonical text form of a schedule: `format_schedule` and its exact inverse `parse_schedule`.
+
+Layout (one line each, columns aligned; blank lines ignored by the parser)::
+
+    # torchferry schedule v1
+    # policy: layerwise(depth=1)
+    # plan: 7f3a9c12
+    # step: transformer #0 -> transformer_2
+    # note: free text a policy uses to explain itself (zero or more)
+    slot    s0  block  670.2 MiB (702788608)
+    entry   transformer.blocks.0@s0  670.2 MiB (702788608)
+    before  transformer.blocks.0  compute  wait  transformer.blocks.0
+    before  transformer.blocks.0  copy     load  transformer.blocks.1  -> s1  670.2 MiB (702788608)
+    exit    transformer.blocks.0@s0  670.2 MiB (702788608)
+    # sim: peak ... (derived; the parser ignores it)
+
+Byte counts print in binary units with the exact count in brackets, so the text parses back to
+the same schedule. Tokens that are empty, hold whitespace or quotes, or could read as a keyword
+(a bare model's component path is ``""``) print as JSON strings. ``# step-entry`` lines appear only
+when the step's entry differs from the schedule's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from torchferry._errors import ScheduleError
+from torchferry.policies._ir import OP_KINDS, Op, Placement, Schedule, Slot, Step
+
+__all__ = ["HEADER", "format_bytes", "format_op", "format_schedule", "parse_schedule"]
+
+HEADER = "# torchferry schedule v1"
+
+_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+_UNIT_NAMES = {"B", "KiB", "MiB", "GiB", "TiB"}
+_KEYWORDS = {"->", "from", "chunks", "(none)", "before", "after", "entry", "exit", "slot", "step-entry"}
+_TOKEN = re.compile(r'(?:"(?:[^"\\]|\\.)*"|[^\s"]+)+')
+_EXACT = re.compile(r"\((\d+)\)")
+_NUMBER = re.compile(r"\d+(\.\d+)?")
+_WHEN = ("before", "after")
+_STREAMS = ("copy", "comm", "compute")
+_SLOT_KINDS = ("block", "shard")
+
+
+def format_bytes(nbytes: int, *, exact: bool = True) -> str:
+    """``670.2 MiB (702788608)``: a binary-unit figure, then the exact count unless it reads in bytes."""
+    for name, size in _UNITS:
+        if abs(nbytes) >= size:
+            human = f"{nbytes / size:.1f} {name}"
+            return f"{human} ({nbytes})" if exact else human
+    return f"{nbytes} B"
+
+
+def _token(text: str) -> str:
+    if (
+        not text
+        or text in _KEYWORDS
+        or text.startswith("#")
+        or '"' in text
+        or _NUMBER.fullmatch(text)
+        or not text.isprintable()
+        or " " in text
+    ):
+        return json.dumps(text)
+    return text
+
+
+def _free(text: str) -> str:
+    if not text or text != text.strip() or text.startswith('"') or not text.isprintable():
+        return json.dumps(text)
+    return text
+
+
+def _placement(p: Placement) -> str:
+    unit, where = _token(p.unit), _token(p.where)
+    if unit != p.unit or where != p.where or "@" in p.where:
+        return f"{json.dumps(p.unit)}@{json.dumps(p.where)}"
+    return f"{unit}@{where}"
+
+
+def _parse_placement(line: _Line, token: str) -> Placement:
+    if token.startswith('"'):
+        try:
+            unit, end = json.JSONDecoder().raw_decode(token)
+            where = json.loads(token[end + 1 :]) if token[end : end + 1] == "@" else None
+        except json.JSONDecodeError:
+            where = None
+        if not isinstance(unit, str) or not isinstance(where, str):
+            raise line.error(f"placement {token} is not of the form unit@where")
+        return Placement(unit=unit, where=where)
+    unit, sep, where = token.rpartition("@")
+    if not sep or not unit or not where:
+        raise line.error(f"placement {token!r} is not of the form unit@where")
+    return Placement(unit=unit, where=where)
+
+
+def _op_columns(op: Op) -> list[str]:
+    slot = f"-> {_token(op.slot)}" if op.slot is not None else ""
+    src = f"from {_token(op.src)}" if op.src is not None else ""
+    chunks = f"chunks {op.chunks}" if op.chunks != 1 else ""
+    size = format_bytes(op.nbytes) if op.nbytes else ""
+    return [op.when, _token(op.anchor), op.stream, op.kind, _token(op.unit), slot, src, chunks, size]
+
+
+def format_op(op: Op) -> str:
+    """One op as a single unaligned text line (its ``repr``)."""
+    return " ".join(c for c in _op_columns(op) if c)
+
+
+def _align(rows: list[list[str]]) -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    widths[0] = max(widths[0], 6)
+    lines = []
+    for r in rows:
+        cells = [c.ljust(w) for c, w in zip(r, widths, strict=True) if w]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _residency_rows(tag: str, placements: tuple[Placement, ...]) -> list[list[str]]:
+    if not placements:
+        return [[tag, "(none)", ""]]
+    return [[tag, _placement(p), format_bytes(p.nbytes) if p.nbytes else ""] for p in placements]
+
+
+def format_schedule(schedule: Schedule, *, sim: bool = True) -> str:
+    """The canonical text of ``schedule``; ``sim`` appends the derived ``# sim:`` summary line.
+
+    The summary is `simulate` under `DEFAULT_COST` (documented there); `parse_schedule` ignores it.
+    """
+    s = schedule
+    step = s.step
+    step_line = f"# step: {_token(step.component)} #{step.index}"
+    if step.next is not None:
+        step_line += f" -> {_token(step.next)}"
+    lines = [HEADER, f"# policy: {_free(s.policy)}", f"# plan: {_free(s.plan)}", step_line]
+    lines += [f"# note: {_free(n)}" for n in s.notes]
+    table: list[list[str]] = []
+    if step.entry != s.entry:
+        table += _residency_rows("step-entry", step.entry)
+    table += [["slot", _token(sl.name), f"{sl.kind}  {format_bytes(sl.nbytes)}"] for sl in s.slots]
+    table += _residency_rows("entry", s.entry)
+    lines += _align(table)
+    lines += _align([_op_columns(op) for op in s.ops])
+    lines += _align(_residency_rows("exit", s.exit))
+    if sim:
+        from torchferry.policies._sim import DEFAULT_COST, simulate
+
+        lines.append(simulate(s, DEFAULT_COST).summary())
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------- parse
+
+
+class _Line:
+    def __init__(self, number: int, text: str) -> None:
+        self.number = number
+        self.text = text
+
+    def error(self, problem: str) -> ScheduleError:
+        return ScheduleError(f"line {self.number}: {problem}: {self.text!r}")
+
+    def tokens(self) -> list[str]:
+        return _TOKEN.findall(self.text)
+
+
+def _untoken(line: _Line, token: str) -> str:
+    if token.startswith('"'):
+        try:
+            value = json.loads(token)
+        except json.JSONDecodeError:
+            raise line.error(f"bad quoted name {token}") from None
+        if not isinstance(value, str):
+            raise line.error(f"bad quoted name {token}")
+        return value
+    return token
+
+
+def _unfree(line: _Line, text: str) -> str:
+    return _untoken(line, text) if text.startswith('"') else text
+
+
+def _bytes(line: _Line, tokens: list[str], i: int) -> tuple[int, int]:
+    """Parse ``<number> <unit> [(<exact>)]`` at ``tokens[i]``; returns (bytes, next index)."""
+    if i + 1 >= len(tokens) or not _NUMBER.fullmatch(tokens[i]) or tokens[i + 1] not in _UNIT_NAMES:
+        raise line.error(f"expected a byte count such as '670.2 MiB (702788608)' at {tokens[i]!r}")
+    if tokens[i + 1] == "B":
+        if "." in tokens[i]:
+            raise line.error(f"byte count {tokens[i]} B is not a whole number")
+        return int(tokens[i]), i + 2
+    exact = _EXACT.fullmatch(tokens[i + 2]) if i + 2 < len(tokens) else None
+    if exact is None:
+        raise line.error(f"byte count {tokens[i]} {tokens[i + 1]} needs its exact value in brackets")
+    return int(exact.group(1)), i + 3
+
+
+def _residency(line: _Line, tokens: list[str]) -> Placement | None:
+    if tokens[1:] == ["(none)"]:
+        return None
+    if len(tokens) < 2:
+        raise line.error("expected a placement unit@where")
+    p = _parse_placement(line, tokens[1])
+    nbytes = 0
+    if len(tokens) > 2:
+        nbytes, end = _bytes(line, tokens, 2)
+        if end != len(tokens):
+            raise line.error(f"unexpected {tokens[end]!r} after the byte count")
+    return Placement(unit=p.unit, where=p.where, nbytes=nbytes)
+
+
+def _op(line: _Line, tokens: list[str]) -> Op:
+    if len(tokens) < 5:
+        raise line.error("an op needs at least: when anchor stream kind unit")
+    when, anchor, stream, kind, unit = tokens[:5]
+    if when not in _WHEN:
+        raise line.error(f"unknown anchor side {when!r} (before, after)")
+    if stream not in _STREAMS:
+        raise line.error(f"unknown stream {stream!r} ({', '.join(_STREAMS)})")
+    if kind not in OP_KINDS:
+        raise line.error(f"unknown op kind {kind!r} ({', '.join(OP_KINDS)})")
+    slot: str | None = None
+    src: str | None = None
+    chunks = 1
+    nbytes = 0
+    i = 5
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok in ("->", "from", "chunks") and i + 1 >= len(tokens):
+            raise line.error(f"{tok!r} needs a value after it")
+        if tok == "->":
+            slot = _untoken(line, tokens[i + 1])
+            i += 2
+        elif tok == "from":
+            src = _untoken(line, tokens[i + 1])
+            i += 2
+        elif tok == "chunks":
+            if not tokens[i + 1].isdigit():
+                raise line.error(f"chunks needs a whole number, got {tokens[i + 1]!r}")
+            chunks = int(tokens[i + 1])
+            i += 2
+        else:
+            nbytes, i = _bytes(line, tokens, i)
+    return Op(
+        when=when,  # type: ignore[arg-type]
+        anchor=_untoken(line, anchor),
+        stream=stream,  # type: ignore[arg-type]
+        kind=kind,
+        unit=_untoken(line, unit),
+        slot=slot,
+        src=src,
+        nbytes=nbytes,
+        chunks=chunks,
+    )
+
+
+def _step(line: _Line, rest: str) -> Step:
+    tokens = _TOKEN.findall(rest)
+    if len(tokens) not in (2, 4) or not re.fullmatch(r"#\d+", tokens[1]):
+        raise line.error("expected '# step: <component> #<index> [-> <next>]'")
+    nxt = None
+    if len(tokens) == 4:
+        if tokens[2] != "->":
+            raise line.error("expected '->' before the next component")
+        nxt = _untoken(line, tokens[3])
+    return Step(component=_untoken(line, tokens[0]), index=int(tokens[1][1:]), next=nxt)
+
+
+def parse_schedule(text: str) -> Schedule:
+    """Parse the canonical text of a schedule; a `ScheduleError` names the first bad line."""
+    lines = [_Line(n, t.rstrip()) for n, t in enumerate(text.splitlines(), start=1) if t.strip()]
+    if not lines or lines[0].text != HEADER:
+        where = lines[0] if lines else _Line(1, "")
+        raise where.error(f"a schedule starts with {HEADER!r}")
+    headers: dict[str, str] = {}
+    notes: list[str] = []
+    step: Step | None = None
+    step_entry: list[Placement] | None = None
+    slots: list[Slot] = []
+    entry: list[Placement] = []
+    ops: list[Op] = []
+    exit_: list[Placement] = []
+    section = 0  # 0 header, 1 table, 2 ops, 3 exit
+    for line in lines[1:]:
+        t = line.text
+        if t.startswith("#"):
+            key, sep, value = t[1:].strip().partition(":")
+            value = value.strip()
+            if not sep or key not in ("policy", "plan", "step", "note", "sim"):
+                raise line.error("unknown header line (policy, plan, step, note, sim)")
+            if key == "sim":
+                continue
+            if section != 0:
+                raise line.error(f"'# {key}:' must come before the slot table")
+            if key == "note":
+                notes.append(_unfree(line, value))
+            elif key == "step":
+                step = _step(line, value)
+            elif key in headers:
+                raise line.error(f"duplicate '# {key}:' line")
+            else:
+                headers[key] = _unfree(line, value)
+            continue
+        tokens = line.tokens()
+        tag = tokens[0]
+        if tag == "step-entry":
+            if section > 1:
+                raise line.error("'step-entry' must come before the ops")
+            section = 1
+            p = _residency(line, tokens)
+            step_entry = step_entry if step_entry is not None else []
+            if p is not None:
+                step_entry.append(p)
+        elif tag == "slot":
+            if section > 1 or len(tokens) < 4 or tokens[2] not in _SLOT_KINDS:
+                raise line.error("expected 'slot <name> block|shard <bytes>' before the ops")
+            section = 1
+            nbytes, end = _bytes(line, tokens, 3)
+            if end != len(tokens):
+                raise line.error(f"unexpected {tokens[end]!r} after the byte count")
+            slots.append(Slot(name=_untoken(line, tokens[1]), nbytes=nbytes, kind=tokens[2]))  # type: ignore[arg-type]
+        elif tag == "entry":
+            if section > 1:
+                raise line.error("'entry' must come before the ops")
+            section = 1
+            p = _residency(line, tokens)
+            if p is not None:
+                entry.append(p)
+        elif tag in _WHEN:
+            if section > 2:
+                raise line.error("ops must come before 'exit'")
+            section = 2
+            ops.append(_op(line, tokens))
+        elif tag == "exit":
+            section = 3
+            p = _residency(line, tokens)
+            if p is not None:
+                exit_.append(p)
+        else:
+            raise line.error(f"unknown line kind {tag!r} (slot, entry, before, after, exit)")
+    for key in ("policy", "plan"):
+        if key not in headers:
+            raise ScheduleError(f"line 1: the schedule has no '# {key}:' line: {HEADER!r}")
+    if step is None:
+        raise ScheduleError(f"line 1: the schedule has no '# step:' line: {HEADER!r}")
+    step_entry_t = tuple(step_entry) if step_entry is not None else tuple(entry)
+    return Schedule(
+        policy=headers["policy"],
+        plan=headers["plan"],
+        step=Step(component=step.component, index=step.index, entry=step_entry_t, next=step.next),
+        slots=slots,
+        entry=entry,
+        ops=ops,
+        exit=exit_,
+        notes=notes,
+    )

@@ -1,0 +1,614 @@
+"""`CheckpointReader`: safetensors weights copied by mmap straight into packed host buffers.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header naming every tensor's
+dtype, shape and ``data_offsets`` (relative to the end of the header), then the raw bytes. The
+reader parses the headers itself (only the headers are read when it opens), checks them, and copies
+tensor bytes only when asked, into buffers laid out by `torchferry.topology.pack`.
+
+[Note: why windows of the file are mapped per copy]
+Each copy maps a bounded window of the file with Python's `mmap` (``ACCESS_COPY``: a private
+mapping, so torch may view it as writable without a warning, while nothing is ever written and no
+page is duplicated), views it with `torch.frombuffer`, copies it into the destination with
+``Tensor.copy_`` and unmaps it. Pages of a mapping count in the process's resident set while mapped,
+so a mapping of the whole file kept open would make a full load peak at twice the checkpoint (the
+mapped pages plus the host buffers). With windows of at most `WINDOW_BYTES` the peak is the host
+buffers plus one window, the bytes never pass through an intermediate tensor, and the page cache is
+still shared by every process reading the same file. `safetensors.safe_open` was not used: its
+``get_tensor`` returns views of a whole-file mapping (copies, in older releases), so how much of the
+file stays resident is out of the reader's hands, and its header errors are not the located,
+all-at-once report `validate` gives. `torch.UntypedStorage.from_file` maps whole files too.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from itertools import pairwise
+from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO, NoReturn, TypeAlias
+
+import attrs
+import torch
+
+from torchferry._errors import ExecutionError, PlanError
+from torchferry.topology._frozen import FrozenMap
+from torchferry.topology._model import Block, Component, TensorSpec, Topology, dtype_size
+from torchferry.topology._plan import Plan
+
+__all__ = ["SAFETENSORS_DTYPES", "WINDOW_BYTES", "CheckpointEntry", "CheckpointReader"]
+
+#: safetensors dtype codes torchferry reads, with the torch dtype name each one holds.
+SAFETENSORS_DTYPES: FrozenMap[str, str] = FrozenMap(
+    {
+        "BOOL": "bool",
+        "U8": "uint8",
+        "I8": "int8",
+        "F8_E5M2": "float8_e5m2",
+        "F8_E4M3": "float8_e4m3fn",
+        "I16": "int16",
+        "U16": "uint16",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "I32": "int32",
+        "U32": "uint32",
+        "F32": "float32",
+        "F64": "float64",
+        "I64": "int64",
+        "C64": "complex64",
+    }
+)
+
+#: The most bytes of a file mapped at once while copying (see the Note at the top of this module).
+WINDOW_BYTES = 16 * 2**20
+
+_RESAVE = "re-save or re-download the file"
+
+Expected: TypeAlias = Plan | Topology | Component | Block | Iterable[TensorSpec]
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointEntry:
+    """One tensor of a checkpoint as its header describes it; ``begin``/``end`` are absolute file offsets."""
+
+    key: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@attrs.define
+class _Parsed:
+    """What one file's header yielded: sound entries, problems, and keys whose entry is unusable."""
+
+    entries: list[CheckpointEntry] = attrs.field(factory=list)
+    problems: list[str] = attrs.field(factory=list)
+    broken: dict[str, str] = attrs.field(factory=dict)
+
+
+def _shape_text(shape: Iterable[int]) -> str:
+    return str(list(shape))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _parse_header(file: str, handle: BinaryIO, size: int) -> _Parsed:
+    """Read and check one file's header; never reads a tensor's bytes."""
+    out = _Parsed()
+    if size < 8:
+        out.problems.append(
+            f"{file}: corrupt header: the file has {size} bytes, fewer than the 8-byte length prefix; "
+            f"{_RESAVE}"
+        )
+        return out
+    length = int.from_bytes(handle.read(8), "little")
+    if length > size - 8:
+        out.problems.append(
+            f"{file}: corrupt header: the length prefix says {length} header bytes but only {size - 8} "
+            f"bytes follow it; {_RESAVE}"
+        )
+        return out
+    raw = handle.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        out.problems.append(f"{file}: corrupt header: not UTF-8 (byte {exc.start}: {exc.reason}); {_RESAVE}")
+        return out
+    except json.JSONDecodeError as exc:
+        out.problems.append(f"{file}: corrupt header: not JSON (byte {exc.pos}: {exc.msg}); {_RESAVE}")
+        return out
+    if not isinstance(header, dict):
+        out.problems.append(
+            f"{file}: corrupt header: expected a JSON object of tensors, found {type(header).__name__}; "
+            f"{_RESAVE}"
+        )
+        return out
+    data_start = 8 + length
+    available = size - data_start
+    ranged: list[tuple[int, int, str]] = []
+    for key, value in header.items():
+        if key == "__metadata__":
+            continue
+        problem = _entry_problem(file, key, value)
+        if problem is not None:
+            out.problems.append(problem)
+            out.broken[key] = problem
+            continue
+        code, shape, (begin, end) = value["dtype"], tuple(value["shape"]), value["data_offsets"]
+        if code not in SAFETENSORS_DTYPES:
+            known = ", ".join(SAFETENSORS_DTYPES)
+            problem = f"{file}: tensor {key!r}: unknown dtype {code!r}; torchferry reads {known}; convert it"
+        elif end < begin:
+            problem = (
+                f"{file}: tensor {key!r}: header lies about offsets: data_offsets [{begin}, {end}] end "
+                f"before they begin; {_RESAVE}"
+            )
+        elif end - begin != _numel(shape) * _itemsize(code):
+            problem = (
+                f"{file}: tensor {key!r}: header lies about offsets: data_offsets [{begin}, {end}] span "
+                f"{end - begin} bytes but shape {_shape_text(shape)} of {code} needs "
+                f"{_numel(shape) * _itemsize(code)}; {_RESAVE}"
+            )
+        if problem is not None:
+            out.problems.append(problem)
+            out.broken[key] = problem
+            continue
+        ranged.append((begin, end, key))
+        out.entries.append(
+            CheckpointEntry(
+                key=key,
+                file=file,
+                dtype=SAFETENSORS_DTYPES[code],
+                shape=shape,
+                begin=data_start + begin,
+                end=data_start + end,
+            )
+        )
+    _check_ranges(file, ranged, available, out)
+    return out
+
+
+def _itemsize(code: str) -> int:
+    return dtype_size(SAFETENSORS_DTYPES[code])
+
+
+def _entry_problem(file: str, key: str, value: object) -> str | None:
+    """A message when a header entry lacks a well-typed dtype, shape or data_offsets."""
+    ok = (
+        isinstance(value, dict)
+        and isinstance(value.get("dtype"), str)
+        and isinstance(value.get("shape"), list)
+        and all(_is_int(d) and d >= 0 for d in value["shape"])
+        and isinstance(value.get("data_offsets"), list)
+        and len(value["data_offsets"]) == 2
+        and all(_is_int(o) and o >= 0 for o in value["data_offsets"])
+    )
+    if ok:
+        return None
+    return (
+        f"{file}: tensor {key!r}: corrupt header entry {json.dumps(value)}: it needs 'dtype' (a string), "
+        f"'shape' (non-negative integers) and 'data_offsets' ([begin, end] non-negative integers); "
+        f"{_RESAVE}"
+    )
+
+
+def _check_ranges(file: str, ranged: list[tuple[int, int, str]], available: int, out: _Parsed) -> None:
+    """Overlapping ranges and ranges past the data region; a gap-free layout cut short is a truncated file."""
+    ordered = sorted(ranged)
+    bad: set[str] = set()
+    for (b0, e0, k0), (b1, e1, k1) in pairwise(ordered):
+        if b1 < e0:
+            problem = (
+                f"{file}: tensors {k0!r} and {k1!r}: header lies about offsets: their data ranges "
+                f"[{b0}, {e0}) and [{b1}, {e1}) overlap; {_RESAVE}"
+            )
+            out.problems.append(problem)
+            out.broken.setdefault(k0, problem)
+            out.broken.setdefault(k1, problem)
+            bad.update((k0, k1))
+    past = [(b, e, k) for b, e, k in ordered if e > available and k not in bad]
+    if past:
+        tiled = not bad and ordered[0][0] == 0 and all(e == nb for (_, e, _), (nb, _, _) in pairwise(ordered))
+        if tiled:
+            names = ", ".join(repr(k) for _, _, k in past)
+            problem = (
+                f"{file}: truncated file: the header describes {ordered[-1][1]} data bytes but only "
+                f"{available} are present, cutting off {names}; {_RESAVE}"
+            )
+            out.problems.append(problem)
+            for _, _, k in past:
+                out.broken[k] = problem
+        else:
+            for b, e, k in past:
+                problem = (
+                    f"{file}: tensor {k!r}: header lies about offsets: data_offsets [{b}, {e}] run past "
+                    f"the {available} bytes of the data region; {_RESAVE}"
+                )
+                out.problems.append(problem)
+                out.broken[k] = problem
+    broken = set(out.broken)
+    out.entries = [e for e in out.entries if e.key not in broken]
+
+
+def _expected_specs(expected: Expected) -> list[TensorSpec]:
+    """The tensors a checkpoint must hold: persistent ones, each owner once, in a stable order."""
+    if isinstance(expected, Plan):
+        expected = expected.topology
+    specs: Iterable[TensorSpec]
+    if isinstance(expected, Topology):
+        specs = (t for c in expected.components for t in c.all_tensors())
+    elif isinstance(expected, Component):
+        specs = expected.all_tensors()
+    elif isinstance(expected, Block):
+        specs = expected.tensors
+    else:
+        specs = expected
+    seen: set[str] = set()
+    kept: list[TensorSpec] = []
+    for spec in specs:
+        if spec.buffer and not spec.persistent:
+            continue
+        if spec.name in seen:
+            continue
+        seen.add(spec.name)
+        seen.update(spec.aliases)
+        kept.append(spec)
+    return kept
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+class CheckpointReader:
+    """Reads a safetensors checkpoint (one file, a folder of shards, or an ``*.index.json``).
+
+    Opening reads headers only. ``prefix_map`` maps a prefix of the model's qualified names to the
+    prefix the checkpoint uses instead (``{"transformer.": ""}`` for a component checkpoint whose keys
+    lack the component path); the longest matching prefix applies. Every method taking
+    ``prefix_map`` uses the reader's own when given ``None``.
+
+    Problems found in the headers do not raise here: `validate` reports them together with every
+    mismatch against the model, in one `PlanError`. Use it as a context manager, or call `close`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, prefix_map: Mapping[str, str] | None = None) -> None:
+        self.path = str(path)
+        self.prefix_map: FrozenMap[str, str] = FrozenMap(dict(prefix_map or {}))
+        self._handles: dict[str, BinaryIO] = {}
+        self._closed = False
+        files, index = self._locate(Path(path))
+        entries: dict[str, CheckpointEntry] = {}
+        problems: list[str] = []
+        broken: dict[str, str] = {}
+        try:
+            for file in files:
+                try:
+                    handle: BinaryIO = open(file, "rb")  # noqa: SIM115 (kept open until close())
+                except FileNotFoundError:
+                    listed = [k for k, f in (index or {}).items() if f == file]
+                    problem = (
+                        f"{self.path}: lists {_plural(len(listed), 'tensor')} in {file}, which does not "
+                        f"exist; restore the file or fix the index"
+                    )
+                    problems.append(problem)
+                    broken.update(dict.fromkeys(listed, problem))
+                    continue
+                self._handles[file] = handle
+                parsed = _parse_header(file, handle, os.fstat(handle.fileno()).st_size)
+                problems.extend(parsed.problems)
+                broken.update(parsed.broken)
+                for entry in parsed.entries:
+                    if entry.key in entries:
+                        problem = (
+                            f"{self.path}: tensor {entry.key!r} appears in both {entries[entry.key].file} "
+                            f"and {file}; keep one copy"
+                        )
+                        problems.append(problem)
+                        broken[entry.key] = problem
+                    else:
+                        entries[entry.key] = entry
+            for key, file in (index or {}).items():
+                if key in broken or file not in self._handles:
+                    continue
+                actual = entries.get(key)
+                if actual is None or actual.file != file:
+                    where = "that file's header lacks it" if actual is None else f"it is in {actual.file}"
+                    problem = f"{self.path}: says tensor {key!r} is in {file}, but {where}; fix the index"
+                    problems.append(problem)
+                    broken[key] = problem
+        except BaseException:
+            self.close()
+            raise
+        for key in broken:
+            entries.pop(key, None)
+        self.files: tuple[str, ...] = tuple(files)
+        self.entries: FrozenMap[str, CheckpointEntry] = FrozenMap(entries)
+        #: Problems found in the headers (and index), in file order; `validate` reports them.
+        self.problems: tuple[str, ...] = tuple(problems)
+        self._broken = broken
+
+    def _locate(self, path: Path) -> tuple[list[str], dict[str, str] | None]:
+        """The shard files to open and, for an index, its weight map (key -> file)."""
+        how = "point checkpoint at a .safetensors file, a folder of them, or a *.index.json"
+        if path.is_dir():
+            files = sorted(str(p) for p in path.glob("*.safetensors"))
+            if not files:
+                raise PlanError(f"checkpoint folder {path} holds no *.safetensors files; {how}")
+            return files, None
+        if not path.is_file():
+            raise PlanError(f"checkpoint {path} does not exist; {how}")
+        if not path.name.endswith(".json"):
+            return [str(path)], None
+        try:
+            weight_map = json.loads(path.read_text("utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PlanError(
+                f"checkpoint index {path} is not a safetensors index (a JSON object with a 'weight_map' "
+                f"of tensor -> file): {type(exc).__name__}: {exc}; fix it or {how}"
+            ) from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise PlanError(f"checkpoint index {path}: 'weight_map' must map tensor names to file names")
+        index = {k: str(path.parent / v) for k, v in weight_map.items()}
+        return sorted(set(index.values())), index
+
+    # -- names ---------------------------------------------------------------------------------------
+
+    def key(self, name: str, prefix_map: Mapping[str, str] | None = None) -> str:
+        """The checkpoint key a model tensor name maps to (longest matching prefix of the map)."""
+        mapping = self.prefix_map if prefix_map is None else prefix_map
+        best = max((p for p in mapping if name.startswith(p)), key=len, default=None)
+        return name if best is None else mapping[best] + name[len(best) :]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    # -- checks --------------------------------------------------------------------------------------
+
+    def _spec_problems(
+        self, spec: TensorSpec, prefix_map: Mapping[str, str] | None, claimed: set[str] | None = None
+    ) -> tuple[CheckpointEntry | None, list[str]]:
+        """The entry that serves ``spec`` (owner name first, then aliases) and any mismatch found."""
+        keys = [self.key(n, prefix_map) for n in (spec.name, *spec.aliases)]
+        if claimed is not None:
+            claimed.update(keys)
+        present = [self.entries[k] for k in keys if k in self.entries]
+        if not present:
+            broken = [self._broken[k] for k in keys if k in self._broken]
+            if broken:
+                return None, broken[:1] if claimed is None else []
+            looked = "" if keys[0] == spec.name else f" (looked up as {keys[0]!r})"
+            also = f" or any of its aliases {list(spec.aliases)}" if spec.aliases else ""
+            return None, [
+                f"{self.path}: tensor {spec.name!r}{looked}{also} is missing; add it to the checkpoint or "
+                f"map its name with prefix_map"
+            ]
+        problems: list[str] = []
+        for entry in present:
+            if entry.shape != spec.shape:
+                problems.append(
+                    f"{entry.file}: tensor {entry.key!r}: shape {_shape_text(entry.shape)} but the model "
+                    f"expects {_shape_text(spec.shape)} for {spec.name!r}; this checkpoint is for another "
+                    f"model configuration"
+                )
+            if entry.dtype != spec.dtype:
+                problems.append(
+                    f"{entry.file}: tensor {entry.key!r}: dtype {entry.dtype} but the model expects "
+                    f"{spec.dtype} for {spec.name!r}; convert the checkpoint (loading copies bytes and "
+                    f"never converts dtypes)"
+                )
+        return present[0], problems
+
+    def _fail(self, problems: list[str]) -> NoReturn:
+        problems = list(dict.fromkeys(problems))  # one problem can concern several tensors
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise PlanError(
+            f"checkpoint {self.path} cannot fill the expected tensors; "
+            f"{_plural(len(problems), 'problem')} (nothing was read or changed):\n{lines}"
+        )
+
+    def validate(
+        self,
+        expected: Expected,
+        prefix_map: Mapping[str, str] | None = None,
+        *,
+        allow_extra: bool = False,
+    ) -> None:
+        """Raise one `PlanError` listing every way the checkpoint fails to hold ``expected``.
+
+        ``expected`` is a plan or topology (every tensor of the pipeline), a component, a block, or
+        tensor specs. Non-persistent buffers are not expected; a tied tensor is found under its owner
+        name or any alias and counts once. Header problems of every opened file are reported first,
+        then missing tensors and shape or dtype mismatches in model order, then (unless
+        ``allow_extra``) checkpoint tensors the model does not expect, sorted.
+        """
+        self._check_open()
+        problems = list(self.problems)
+        claimed: set[str] = set()
+        for spec in _expected_specs(expected):
+            problems.extend(self._spec_problems(spec, prefix_map, claimed)[1])
+        if not allow_extra:
+            problems.extend(
+                f"{self.entries[k].file}: tensor {k!r} is not expected by the model; remove it, map the "
+                f"model's names with prefix_map, or pass allow_extra=True"
+                for k in sorted(set(self.entries) - claimed)
+            )
+        if problems:
+            self._fail(problems)
+
+    # -- reads ---------------------------------------------------------------------------------------
+
+    def read_into(
+        self,
+        layout: Iterable[tuple[TensorSpec, int]],
+        out: torch.Tensor,
+        start: int = 0,
+        end: int | None = None,
+        *,
+        prefix_map: Mapping[str, str] | None = None,
+    ) -> None:
+        """Fill ``out`` with bytes ``[start, end)`` of the flat buffer ``layout`` describes.
+
+        ``layout`` is ``topology.pack(tensors)`` (or ``block.layout``): each tensor with its byte
+        offset. ``end`` defaults to the buffer's length and may run past it (a rank's zero-padded
+        shard): bytes no tensor covers are zeros. The bytes of a non-persistent buffer (absent from
+        checkpoints by definition) are left as they are, for the caller to fill from the module.
+        ``out`` is a contiguous CPU ``uint8`` tensor of exactly ``end - start`` bytes. Every tensor
+        the range touches is checked against the checkpoint first; on any mismatch a `PlanError`
+        lists them all and ``out`` is untouched.
+        """
+        self._check_open()
+        placed = list(layout)
+        total = max((off + spec.nbytes for spec, off in placed), default=0)
+        end = total if end is None else end
+        if not 0 <= start <= end:
+            raise ExecutionError(f"read_into: [{start}, {end}) is not a byte range; need 0 <= start <= end")
+        if out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous():
+            raise ExecutionError(
+                f"read_into: out must be a contiguous CPU uint8 tensor, got {out.dtype} on {out.device}"
+                f"{'' if out.is_contiguous() else ' (not contiguous)'}"
+            )
+        if out.numel() != end - start:
+            raise ExecutionError(
+                f"read_into: out holds {out.numel()} bytes but the range [{start}, {end}) is {end - start}"
+            )
+        problems: list[str] = []
+        # (file or None to keep the bytes, source offset, destination offset, length)
+        segments: list[tuple[str | None, int, int, int]] = []
+        for spec, off in sorted(placed, key=lambda p: p[1]):
+            lo, hi = max(off, start), min(off + spec.nbytes, end)
+            if lo >= hi:
+                continue
+            if spec.buffer and not spec.persistent:
+                segments.append((None, 0, lo - start, hi - lo))
+                continue
+            entry, found = self._spec_problems(spec, prefix_map)
+            problems.extend(found)
+            if entry is not None and not found:
+                segments.append((entry.file, entry.begin + lo - off, lo - start, hi - lo))
+        if problems:
+            self._fail(problems)
+        flat = out.view(-1)
+        cursor = 0
+        for file, src, dst, length in _merge(segments):
+            if dst > cursor:
+                flat[cursor:dst].zero_()
+            if file is not None:
+                self._copy(file, src, flat[dst : dst + length])
+            cursor = dst + length
+        if cursor < flat.numel():
+            flat[cursor:].zero_()
+
+    def read_tensor(self, name: str, *, prefix_map: Mapping[str, str] | None = None) -> torch.Tensor:
+        """A new CPU tensor holding the checkpoint's ``name`` (a model name, mapped by ``prefix_map``)."""
+        self._check_open()
+        key = self.key(name, prefix_map)
+        entry = self.entries.get(key)
+        if entry is None:
+            problem = self._broken.get(key) or (
+                f"{self.path}: tensor {name!r}"
+                f"{'' if key == name else f' (looked up as {key!r})'} is missing; add it to the "
+                f"checkpoint or map its name with prefix_map"
+            )
+            self._fail([problem])
+        tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+        if entry.nbytes:
+            self._copy(entry.file, entry.begin, tensor.reshape(-1).view(torch.uint8))
+        return tensor
+
+    def _copy(self, file: str, src: int, dst: torch.Tensor) -> None:
+        """Copy ``dst.numel()`` bytes at file offset ``src`` into ``dst``, one mapped window at a time."""
+        handle = self._handles[file]
+        fd = handle.fileno()
+        length = dst.numel()
+        size = os.fstat(fd).st_size
+        if src + length > size:
+            raise ExecutionError(
+                f"{file} shrank to {size} bytes while open; bytes [{src}, {src + length}) are gone. "
+                f"Do not rewrite a checkpoint while it is being read"
+            )
+        pos = 0
+        while pos < length:
+            n = min(length - pos, WINDOW_BYTES)
+            at = src + pos
+            base = at - at % mmap.ALLOCATIONGRANULARITY
+            with mmap.mmap(fd, at - base + n, offset=base, access=mmap.ACCESS_COPY) as window:
+                if hasattr(window, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+                    window.madvise(mmap.MADV_WILLNEED)
+                view = torch.frombuffer(window, dtype=torch.uint8, count=n, offset=at - base)
+                dst[pos : pos + n].copy_(view)
+                del view  # releases the buffer export so the window can be unmapped
+            pos += n
+
+    # -- lifetime ------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ExecutionError(f"checkpoint reader for {self.path} is closed; open a new CheckpointReader")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close every file; idempotent."""
+        self._closed = True
+        handles, self._handles = self._handles, {}
+        for handle in handles.values():
+            handle.close()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self.entries)} tensors in {len(self.files)} files"
+        return f"CheckpointReader({self.path!r}, {state})"
+
+
+def _merge(
+    segments: list[tuple[str | None, int, int, int]],
+) -> Iterator[tuple[str | None, int, int, int]]:
+    """Join copies that are contiguous in both the file and the destination into one."""
+    current: tuple[str | None, int, int, int] | None = None
+    for seg in segments:
+        if (
+            current is not None
+            and seg[0] is not None
+            and seg[0] == current[0]
+            and seg[1] == current[1] + current[3]
+            and (seg[2] == current[2] + current[3])
+        ):
+            current = (current[0], current[1], current[2], current[3] + seg[3])
+            continue
+        if current is not None:
+            yield current
+        current = seg
+    if current is not None:
+        yield current

@@ -1,0 +1,467 @@
+"""The engine that carries out schedules on a live pipeline, and `execute`, its one-schedule form.
+
+An `Engine` binds one plan to one pipeline: it owns the host store, the device slots, the stream
+context and the ledger, and installs forward hooks at the blocks and components schedules anchor to.
+A schedule is compiled once into a `Program`: its ops as prebound ``(handler, unit, op)`` triples and,
+for every anchor, the index one past that anchor's last op. Reaching an anchor runs every pending op
+up to there, so ops keyed to a block the model skipped still run, in order, before anything later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import attrs
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from torchferry._errors import ExecutionError
+from torchferry.policies import DEVICE, Op, Placement, Schedule, Step
+from torchferry.runtime._device import Ledger, SlotPool
+from torchferry.runtime._host import HOST, READY, STAGED_IN, Group, HostStore, Unit, find_attr
+from torchferry.runtime._streams import StreamContext, Transfer, stream_context
+from torchferry.topology import Plan
+
+__all__ = ["Engine", "Program", "execute", "listing"]
+
+Handler = Callable[["Engine", Unit, Op], None]
+
+_WHERE = {HOST: "in host memory", STAGED_IN: "still in flight (loaded but never waited for)", READY: "ready"}
+
+
+def listing(schedule: Schedule, mark: int | None, note: str = "here") -> str:
+    """The schedule's canonical text with op number ``mark`` flagged ``<-- note`` (``None``: no mark)."""
+    try:
+        from torchferry.policies import format_schedule
+    except ImportError:  # the policies package exports it once its text form lands
+        from torchferry.policies._text import format_schedule
+
+    lines = format_schedule(schedule, sim=False).splitlines()
+    op = -1
+    for i, line in enumerate(lines):
+        if line.startswith(("before ", "after ")):
+            op += 1
+            if op == mark:
+                lines[i] = f"{line}  <-- {note}"
+    if mark is not None and mark >= len(schedule.ops):
+        lines.append(f"(end of schedule)  <-- {note}")
+    return "\n".join(lines)
+
+
+def _step_name(step: Step) -> str:
+    return f"{step.component or '(pipeline)'}#{step.index}"
+
+
+@attrs.define(slots=True, eq=False)
+class Program:
+    """A compiled schedule: prebound op calls, anchor stops, and how far it has run (``pc``)."""
+
+    schedule: Schedule
+    calls: tuple[tuple[Handler, Unit, Op], ...]
+    stops: dict[str, int]
+    entry: dict[str, str]
+    exit: dict[str, str]
+    slots: frozenset[str]
+    pc: int = 0
+
+
+class Engine:
+    """Carries out schedules for one plan on one pipeline; the only object that moves weights.
+
+    Built from a pipeline on the CPU: every tensor the plan manages moves into the host store (see
+    `HostStore`), so building raises `PlanError` before mutating anything when the pipeline cannot
+    be served. ``driver``, when set, is told when a top-level component's forward starts and ends (the
+    session uses it to pick each step's schedule).
+    """
+
+    def __init__(
+        self, pipeline: Any, plan: Plan, *, device: torch.device | str, pin_memory: bool = True
+    ) -> None:
+        self.pipeline = pipeline
+        self.plan = plan
+        self.device = torch.device(device)
+        self.streams: StreamContext = stream_context(self.device)
+        self.ledger = Ledger()
+        pin = pin_memory and self.device.type == "cuda" and torch.cuda.is_available()
+        self.store = HostStore.build(pipeline, plan, pin=pin)
+        self.slots = SlotPool(self.streams, self.ledger)
+        # Why: unit -> where it is on the device (slot name or DEVICE); checked against entry and exit.
+        self.placed: dict[str, str] = {}
+        # Why: a unit's latest transfer into device memory, which a wait or evict refers to.
+        self.transfers: dict[str, Transfer] = {}
+        # Why: slot name -> the unit whose bytes it holds, so a load never overwrites a live unit.
+        self.occupants: dict[str, Unit] = {}
+        # Why: staged units own device memory until unstaged; slots are shared and owned by the pool.
+        self.staged: dict[str, tuple[tuple[Transfer, int], ...]] = {}
+        self.acquired: dict[str, int] = {}
+        self.residency: tuple[Placement, ...] = ()
+        # Why: the schedule that finished last, for inspection (what did the last step do?).
+        self.last: Schedule | None = None
+        self.driver: Any = None
+        self.program: Program | None = None
+        self._programs: dict[Schedule, Program] = {}
+        self._hooks: dict[str, tuple[RemovableHandle, RemovableHandle]] = {}
+        self._tops = frozenset(c.path for c in plan.components)
+        self._load_takes_device: dict[str, bool] = {}
+
+    # ------------------------------------------------------------------------------------ hooks
+    @property
+    def hook_count(self) -> int:
+        """Forward hooks this engine has installed on the pipeline."""
+        return 2 * len(self._hooks)
+
+    def anchor(self, paths: Iterable[str]) -> None:
+        """Install forward pre/post hooks at each block or component path (once per path)."""
+        for path in paths:
+            if path in self._hooks:
+                continue
+            try:
+                module = find_attr(self.pipeline, path)
+            except AttributeError:
+                raise ExecutionError(
+                    f"schedule anchor {path!r} is not a module of this pipeline; the plan and the pipeline "
+                    "disagree (discover the topology of this pipeline again)"
+                ) from None
+            if not isinstance(module, torch.nn.Module):
+                raise ExecutionError(
+                    f"schedule anchor {path!r} is a {type(module).__name__}, not a torch module"
+                )
+            unit = self.store.units.get(path)
+            group = (
+                unit.groups[0]
+                if unit is not None and len(unit.groups) == 1 and path not in self._tops
+                else None
+            )
+            pre = module.register_forward_pre_hook(self._pre_hook(path, group))
+            post = module.register_forward_hook(self._post_hook(path), always_call=True)
+            self._hooks[path] = (pre, post)
+
+    def _pre_hook(self, path: str, group: Group | None) -> Callable[..., None]:
+        key = f"before {path}"
+        top = path in self._tops
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            if top and self.driver is not None:
+                self.driver.enter(path)
+            program = self.program
+            if program is None:
+                return
+            stop = program.stops.get(key)
+            if stop is not None and stop > program.pc:
+                self._run(program, stop)
+            if group is not None and group.where != READY:
+                self._not_resident(path, group, program)
+
+        return pre
+
+    def _post_hook(self, path: str) -> Callable[..., None]:
+        key = f"after {path}"
+        top = path in self._tops
+
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            failing = sys.exc_info()[1] is not None
+            program = self.program
+            if program is not None and not failing:
+                stop = program.stops.get(key)
+                if stop is not None and stop > program.pc:
+                    self._run(program, stop)
+            if top and self.driver is not None:
+                self.driver.leave(path, failing)
+
+        return post
+
+    def unhook(self) -> None:
+        for pre, post in self._hooks.values():
+            pre.remove()
+            post.remove()
+        self._hooks.clear()
+
+    # ------------------------------------------------------------------------------ programs
+    def compile(self, schedule: Schedule) -> Program:
+        """The compiled form of ``schedule`` (cached); unknown units or slots raise `ExecutionError`."""
+        program = self._programs.get(schedule)
+        if program is not None:
+            return program
+        calls: list[tuple[Handler, Unit, Op]] = []
+        stops: dict[str, int] = {}
+        names = {s.name for s in schedule.slots} | {p.where for p in schedule.entry}
+        for i, op in enumerate(schedule.ops):
+            unit = self.store.units.get(op.unit)
+            problem = None
+            if unit is None:
+                problem = f"unit {op.unit!r} is not in this plan"
+            elif op.slot is not None and op.slot not in names:
+                problem = f"slot {op.slot!r} is not in the slot table"
+            elif op.kind == "load" and op.src is None and len(unit.groups) != 1:
+                problem = (
+                    f"a load moves one block or remainder, and {op.unit!r} is {len(unit.groups)} buffers"
+                )
+            if problem is not None or unit is None:
+                raise ExecutionError(
+                    f"cannot run op {i} of step {_step_name(schedule.step)}: {problem}\n"
+                    + listing(schedule, i)
+                )
+            calls.append((_HANDLERS[op.kind], unit, op))
+            stops[f"{op.when} {op.anchor}"] = i + 1
+        # The end of the step's own component is past every anchor inside it: whatever a skipped last
+        # block left pending runs there.
+        stops[f"after {schedule.step.component}"] = len(calls)
+        program = Program(
+            schedule=schedule,
+            calls=tuple(calls),
+            stops=stops,
+            entry={p.unit: p.where for p in schedule.entry},
+            exit={p.unit: p.where for p in schedule.exit},
+            slots=frozenset(op.slot for op in schedule.ops if op.slot is not None),
+        )
+        self.anchor(dict.fromkeys(op.anchor for op in schedule.ops))
+        self.anchor(self._blocks_of(schedule.step.component))
+        self._programs[schedule] = program
+        return program
+
+    def _blocks_of(self, component: str) -> list[str]:
+        """Block paths a forward of ``component`` runs, so each one's residency is checked."""
+        try:
+            top = self.plan.component(component)
+        except KeyError:
+            return []
+        return [b.path for c in top.walk() for b in c.blocks]
+
+    def begin(self, schedule: Schedule) -> Program:
+        """Start ``schedule``: its entry residency must be what the device holds now."""
+        if self.program is not None:
+            raise ExecutionError(
+                f"step {_step_name(schedule.step)} cannot start while step "
+                f"{_step_name(self.program.schedule.step)} is still running"
+            )
+        program = self.compile(schedule)
+        if program.entry != self.placed:
+            have = ", ".join(f"{u}@{w}" for u, w in self.placed.items()) or "(nothing)"
+            raise ExecutionError(
+                f"step {_step_name(schedule.step)} expects entry residency "
+                f"{', '.join(map(str, schedule.entry)) or '(nothing)'} but the device holds {have}; "
+                "run the step that leaves it there first, or build the schedule with this entry"
+            )
+        self.streams.begin()
+        self.slots.prepare(schedule.slots, occupied=self.placed.values(), used=program.slots)
+        self.ledger.mark()
+        program.pc = 0
+        self.program = program
+        return program
+
+    def finish(self) -> None:
+        """End the running step: every op must have run and the device must hold its exit residency."""
+        program = self.program
+        if program is None:
+            return
+        self.program = None
+        schedule = program.schedule
+        if program.pc < len(program.calls):
+            self.abort()
+            op = schedule.ops[program.pc]
+            raise ExecutionError(
+                f"step {_step_name(schedule.step)} ended with {len(program.calls) - program.pc} of its "
+                f"{len(program.calls)} ops never run: the forward never reached {op.when} {op.anchor!r} "
+                "(is the schedule for this component?)\n" + listing(schedule, program.pc)
+            )
+        if program.exit != self.placed:
+            have = ", ".join(f"{u}@{w}" for u, w in self.placed.items()) or "(nothing)"
+            self.abort()
+            raise ExecutionError(
+                f"step {_step_name(schedule.step)} left {have} on the device but its exit says "
+                f"{', '.join(map(str, schedule.exit)) or '(nothing)'}\n"
+                + listing(schedule, len(schedule.ops))
+            )
+        self.residency = schedule.exit
+        self.last = schedule
+
+    def abort(self) -> None:
+        """Drop every device copy and point all weights at host memory: always safe, never loses one."""
+        self.program = None
+        self.streams.synchronize()
+        for path in list(self.acquired):
+            self._release_module(path)
+        for name in list(self.staged):
+            self._drop_staged(name)
+        self.store.reset()
+        self.transfers.clear()
+        self.occupants.clear()
+        self.placed.clear()
+        self.residency = ()
+
+    def close(self) -> None:
+        """Remove every hook, free device memory and give each tensor host storage of its own again."""
+        self.unhook()
+        self.abort()
+        self.slots.clear()
+        self._programs.clear()
+        self.store.close()
+
+    def _run(self, program: Program, stop: int) -> None:
+        calls = program.calls
+        i = program.pc
+        while i < stop:
+            handler, unit, op = calls[i]
+            handler(self, unit, op)
+            i += 1
+            program.pc = i
+
+    def _not_resident(self, path: str, group: Group, program: Program) -> None:
+        raise ExecutionError(
+            f"block {path} was reached while its weights were {_WHERE[group.where]}: step "
+            f"{_step_name(program.schedule.step)} had not made it resident by then (the mark is the next op "
+            "to run); the schedule must load and wait for a block before it runs\n"
+            + listing(program.schedule, program.pc)
+        )
+
+    # ------------------------------------------------------------------------------ handlers
+    def _load(self, unit: Unit, op: Op) -> None:
+        if op.src is not None:
+            raise ExecutionError(
+                f"load of {op.unit} from {op.src!r} needs the multi-rank runtime, which this engine is not"
+            )
+        assert op.slot is not None
+        slot = self.slots.get(op.slot)
+        held = self.occupants.get(op.slot)
+        if held is not None and held is not unit:
+            raise ExecutionError(
+                f"load of {unit.name} into slot {op.slot} while {held.name} still occupies it"
+            )
+        group = unit.groups[0]
+        dst, views = group.views(op.slot, slot.data)
+        self.streams.copy_in(slot, dst, group.host)
+        group.point(views)
+        group.where = STAGED_IN
+        self.transfers[unit.name] = slot
+        self.occupants[op.slot] = unit
+        self.placed[unit.name] = op.slot
+
+    def _gather(self, unit: Unit, op: Op) -> None:
+        raise ExecutionError(f"gather of {op.unit} needs the multi-rank runtime, which this engine is not")
+
+    def _wait(self, unit: Unit, op: Op) -> None:
+        transfer = self.transfers.get(unit.name)
+        if transfer is None:
+            if unit.name in self.staged:
+                return
+            raise ExecutionError(f"wait for {unit.name}, which no load brought to the device")
+        self.streams.wait(transfer)
+        for group in unit.groups:
+            group.where = READY
+
+    def _evict(self, unit: Unit, op: Op) -> None:
+        transfer = self.transfers.pop(unit.name, None)
+        if transfer is not None:
+            self.streams.release(transfer)
+        where = self.placed.get(unit.name)
+        if where is not None and self.occupants.get(where) is unit:
+            del self.occupants[where]
+        for group in unit.groups:
+            group.to_host()
+        self.placed.pop(unit.name, None)
+
+    def _stage(self, unit: Unit, op: Op) -> None:
+        if unit.name in self.staged:
+            self._drop_staged(unit.name)
+        held = []
+        for group in unit.groups:
+            transfer = self.streams.transfer(group.nbytes)
+            self.ledger.add(group.nbytes)
+            self.streams.copy_in(transfer, transfer.data, group.host)
+            self.streams.wait(transfer)
+            group.point(tuple(p.view(transfer.data) for p in group.pieces))
+            group.where = READY
+            held.append((transfer, group.nbytes))
+        self.staged[unit.name] = tuple(held)
+        self.placed[unit.name] = DEVICE
+
+    def _unstage(self, unit: Unit, op: Op) -> None:
+        self._drop_staged(unit.name)
+        for group in unit.groups:
+            group.to_host()
+        self.placed.pop(unit.name, None)
+
+    def _drop_staged(self, name: str) -> None:
+        for _, nbytes in self.staged.pop(name, ()):
+            self.ledger.sub(nbytes)
+
+    def _acquire(self, unit: Unit, op: Op) -> None:
+        module = unit.module
+        load = getattr(module, "load_to_device", None)
+        if load is None:
+            raise ExecutionError(f"acquire {unit.name}: the module defines no load_to_device()")
+        takes = self._load_takes_device.get(unit.name)
+        if takes is None:
+            takes = bool(inspect.signature(load).parameters)
+            self._load_takes_device[unit.name] = takes
+        if takes:
+            load(self.device)
+        else:
+            load()
+        nbytes = op.nbytes or self.plan.topology.component(unit.name).nbytes
+        self.acquired[unit.name] = nbytes
+        self.ledger.add(nbytes)
+        self.placed[unit.name] = DEVICE
+
+    def _release(self, unit: Unit, op: Op) -> None:
+        self._release_module(unit.name)
+        self.placed.pop(unit.name, None)
+
+    def _release_module(self, name: str) -> None:
+        nbytes = self.acquired.pop(name, None)
+        if nbytes is None:
+            return
+        self.ledger.sub(nbytes)
+        offload = getattr(self.store.units[name].module, "offload_to_cpu", None)
+        if offload is None:
+            raise ExecutionError(f"release {name}: the module defines no offload_to_cpu()")
+        offload()
+
+
+#: One short handler per op kind; a program binds each op to its handler once, when compiled.
+_HANDLERS: dict[str, Handler] = {
+    "load": Engine._load,
+    "gather": Engine._gather,
+    "wait": Engine._wait,
+    "evict": Engine._evict,
+    "stage": Engine._stage,
+    "unstage": Engine._unstage,
+    "acquire": Engine._acquire,
+    "release": Engine._release,
+}
+
+
+@contextlib.contextmanager
+def execute(
+    schedule: Schedule,
+    pipeline: Any,
+    plan: Plan,
+    *,
+    device: torch.device | str,
+    engine: Engine | None = None,
+    pin_memory: bool = True,
+) -> Iterator[Engine]:
+    """Carry out ``schedule`` while the body runs the forward it was written for.
+
+    Hooks go in at the schedule's anchors; on a clean exit every op must have run and the device must
+    hold the schedule's exit residency, else `ExecutionError` shows the listing marked ``<-- here``.
+    Without ``engine`` a fresh one is built for this schedule alone and closed on exit, which gives the
+    pipeline back as it was; with one (a session's), its state carries on to the next schedule.
+    """
+    own = engine is None
+    runner = Engine(pipeline, plan, device=device, pin_memory=pin_memory) if engine is None else engine
+    try:
+        runner.begin(schedule)
+        try:
+            yield runner
+        except BaseException:
+            runner.abort()
+            raise
+        runner.finish()
+    finally:
+        if own:
+            runner.close()

@@ -1,0 +1,124 @@
+"""The one stream context: copy, comm and compute streams and the events handed between them.
+
+[Note: copy / comm / compute overlap]
+A step runs on three streams. The model's kernels run on the *compute* stream (whatever stream is
+current when the step begins, so torchferry composes with a caller's own stream). Host-to-device
+copies of weights run on the *copy* stream, and all-gathers of weight shards on the *comm* stream.
+Nothing on the host ever waits for the device: ordering is expressed only with events.
+
+- A load into a slot first makes the copy stream wait on the slot's ``free`` event, recorded on the
+  compute stream by the evict of the slot's previous occupant: the copy must not overwrite bytes a
+  kernel may still read (write-after-read). It then copies and records the slot's ``ready`` event on
+  the copy stream. The transfer and its event travel together, as one `Transfer` owned by the slot.
+- A wait makes the compute stream wait on the unit's ``ready`` event; the block's kernels, enqueued
+  afterwards, see the copied bytes (read-after-write). The host thread does not block.
+- A gather (multi-rank) has the comm stream wait on the shard copy's event, all-gathers into the
+  block slot and records that slot's ``ready`` event on the comm stream; the wait is the same.
+- Staging gives a unit fresh memory allocated on the compute stream; the copy stream first waits on
+  the compute stream (the fresh memory may be a block compute just released), copies, and the compute
+  stream waits on that copy before anything later is enqueued.
+
+So while block N computes, block N+1 (or N+d with prefetch depth d) is in flight on the copy stream,
+and the only serialisation is the one the schedule's slots force. Events are created once per slot
+and per staged unit, never per op. On a machine without CUDA the same calls run synchronously on the
+CPU: copies complete before they return and events are ``None``, so everything above this module is
+one code path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+__all__ = ["CudaStreams", "StreamContext", "Transfer", "stream_context"]
+
+
+@attrs.define(slots=True, eq=False)
+class Transfer:
+    """Device bytes and the events that say when they are written (``ready``) and free (``free``).
+
+    On the CPU both events are ``None``: every copy has completed when it returns.
+    """
+
+    data: torch.Tensor
+    ready: Any = None
+    free: Any = None
+
+
+class StreamContext:
+    """Issues copies and stream waits; the CPU base class runs everything synchronously."""
+
+    device: torch.device
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def begin(self) -> None:
+        """Called when a step starts: adopt the current stream as the compute stream."""
+
+    def transfer(self, nbytes: int) -> Transfer:
+        """Fresh device bytes with their own events (allocated on the compute stream)."""
+        return Transfer(data=torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+
+    def copy_in(self, dst: Transfer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy host bytes ``src`` into ``dst_bytes`` (a view of ``dst.data``), ordered after ``dst.free``."""
+        dst_bytes.copy_(src)
+
+    def wait(self, transfer: Transfer) -> None:
+        """Make the compute stream wait until ``transfer`` is written."""
+
+    def release(self, transfer: Transfer) -> None:
+        """Mark the point after which compute no longer reads ``transfer`` (its ``free`` event)."""
+
+    def synchronize(self) -> None:
+        """Block the host until every stream is idle (teardown and error recovery only)."""
+
+
+class CudaStreams(StreamContext):
+    """The CUDA stream context: a dedicated copy stream and comm stream, events per transfer."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        # Why: copies must not queue behind the model's kernels, nor collectives behind copies.
+        self.copy = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self.comm = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        # Why: the compute stream is the caller's current stream, captured at each step's start.
+        self.compute = torch.cuda.current_stream(device)
+
+    def begin(self) -> None:
+        self.compute = torch.cuda.current_stream(self.device)
+
+    def transfer(self, nbytes: int) -> Transfer:
+        with torch.cuda.stream(self.compute):
+            data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        return Transfer(data=data, ready=ready, free=None)
+
+    def copy_in(self, dst: Transfer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.free is None:
+            self.copy.wait_stream(self.compute)
+        else:
+            self.copy.wait_event(dst.free)
+        with torch.cuda.stream(self.copy):
+            dst_bytes.copy_(src, non_blocking=True)
+        dst.ready.record(self.copy)
+
+    def wait(self, transfer: Transfer) -> None:
+        self.compute.wait_event(transfer.ready)
+
+    def release(self, transfer: Transfer) -> None:
+        if transfer.free is None:
+            transfer.free = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        transfer.free.record(self.compute)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def stream_context(device: torch.device) -> StreamContext:
+    """The stream context for ``device``: CUDA streams and events, or the synchronous CPU context."""
+    if device.type == "cuda":
+        return CudaStreams(device)
+    return StreamContext(device)
