@@ -25,6 +25,7 @@ __all__ = [
     "TensorSpec",
     "Topology",
     "dtype_size",
+    "find_component",
     "join_path",
     "pack",
 ]
@@ -255,6 +256,16 @@ class Component:
                 yield from block.tensors
 
 
+def find_component(components: Iterable[Component], path: str, where: str) -> Component:
+    """The component at ``path`` among ``components`` and their children; `KeyError` lists the known ones."""
+    everything = [c for top in components for c in top.walk()]
+    for c in everything:
+        if c.path == path:
+            return c
+    known = ", ".join(repr(c.path) for c in everything)
+    raise KeyError(f"no component {path!r} in this {where}; known: {known}")
+
+
 def _frozen_map_of_tuples(value: Mapping[str, object]) -> FrozenMap[str, tuple[str, ...]]:
     return FrozenMap(tuple((str(k), _str_tuple(v)) for k, v in value.items()))
 
@@ -319,12 +330,7 @@ class Topology:
 
     def component(self, path: str) -> Component:
         """The component at ``path`` (children included); `KeyError` names the known paths."""
-        for top in self.components:
-            for c in top.walk():
-                if c.path == path:
-                    return c
-        known = ", ".join(repr(c.path) for top in self.components for c in top.walk())
-        raise KeyError(f"no component {path!r} in this topology; known: {known}")
+        return find_component(self.components, path, "topology")
 
     def of_kind(self, kind: ComponentKind) -> tuple[Component, ...]:
         return tuple(c for c in self.components if c.kind == kind)

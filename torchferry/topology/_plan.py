@@ -10,7 +10,7 @@ import attrs
 
 from torchferry.topology._config import OffloadConfig, Strategy
 from torchferry.topology._frozen import FrozenMap
-from torchferry.topology._model import Component, ComponentKind, TensorSpec, Topology
+from torchferry.topology._model import Component, ComponentKind, TensorSpec, Topology, find_component
 
 __all__ = ["Plan", "canonical"]
 
@@ -39,12 +39,7 @@ class Plan:
 
     def component(self, path: str) -> Component:
         """The resolved component at ``path`` (children included)."""
-        for top in self.components:
-            for c in top.walk():
-                if c.path == path:
-                    return c
-        known = ", ".join(repr(c.path) for top in self.components for c in top.walk())
-        raise KeyError(f"no component {path!r} in this plan; known: {known}")
+        return find_component(self.components, path, "plan")
 
     def of_kind(self, kind: ComponentKind) -> tuple[Component, ...]:
         return tuple(c for c in self.components if c.kind == kind)
