@@ -96,16 +96,16 @@ class TensorSpec:
     persistent: bool = True
     aliases: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
 
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+    # Derived once at construction: plans read these for every tensor of every block, many times.
+    numel: int = attrs.field(init=False, eq=False, repr=False)
+    nbytes: int = attrs.field(init=False, eq=False, repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        return self.numel * dtype_size(self.dtype)
+    def __attrs_post_init__(self) -> None:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        object.__setattr__(self, "numel", numel)
+        object.__setattr__(self, "nbytes", numel * dtype_size(self.dtype))
 
     @property
     def itemsize(self) -> int:
@@ -126,11 +126,11 @@ class Block:
 
     path: str
     tensors: tuple[TensorSpec, ...] = attrs.field(converter=_tensors)
+    #: Bytes of the block's flat host buffer (tensors packed by itemsize, so no padding).
+    nbytes: int = attrs.field(init=False, eq=False, repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the block's flat host buffer (tensors packed by itemsize, so no padding)."""
-        return _tensor_bytes(self.tensors)
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", _tensor_bytes(self.tensors))
 
     @property
     def dtypes(self) -> tuple[str, ...]:
