@@ -91,3 +91,18 @@ def test_auto_explains_when_nothing_fits() -> None:
     )
     with pytest.raises(ScheduleError, match=re.escape(message)):
         policies.auto(1 << 20)(plan, Step(component="transformer"))
+
+
+def test_auto_swaps_whole_models_when_the_ring_is_transfer_bound() -> None:
+    """FLUX.1-dev at 24 GB over a slow link: model-level swapping, amortised over a call, beats any ring."""
+    plan = model_plan("flux.1-dev", stream=("transformer", "text_encoder", "text_encoder_2"))
+    slow = CostModel(h2d_bytes_per_s=2 * GB, block_s=0.002, forwards_per_call=50)
+    choice = policies.choose(plan, 24 * GB, slow)
+    assert choice.strategy == "model_level"
+    swapped = sum(c.nbytes for c in plan.components if c.selected and c.kind in ("dit", "encoder"))
+    assert choice.step_s == pytest.approx(choice.resident_step_s + swapped / (2 * GB) / 50)
+    schedule = policies.auto(24 * GB, slow)(plan, Step(component="transformer"))
+    assert schedule.notes[0].startswith("auto chose model_level(): footprint")
+    policies.check(schedule, plan)
+    fast = CostModel(h2d_bytes_per_s=25 * GB, block_s=0.05, forwards_per_call=50)
+    assert policies.choose(plan, 24 * GB, fast).strategy == "layerwise"

@@ -191,12 +191,45 @@ def choose(plan: Plan, budget_bytes: int, cost: CostModel = DEFAULT_COST, max_de
             or (t <= best.step_s * (1 + _TIE) and size < best.footprint)
         ):
             best = candidate
+    swapping = _model_level_choice(plan, budget_bytes, cost, dits, best)
+    if swapping is not None:
+        best = swapping
     if best is None:
         raise ScheduleError(
             f"auto(budget={format_bytes(budget_bytes)}): even depth 1 with no resident blocks needs "
             f"{format_bytes(smallest)} on plan {plan.digest}; raise the budget to at least that"
         )
-    return attrs.evolve(best, candidates=len(scored))
+    return attrs.evolve(best, candidates=len(scored) + (best.strategy == "model_level"))
+
+
+def _model_level_choice(
+    plan: Plan, budget_bytes: int, cost: CostModel, dits: Sequence[str], ring: Choice | None
+) -> Choice | None:
+    """Model-level swapping, when it fits and beats the best ring per forward.
+
+    A swap moves every selected DiT and encoder once per pipeline call, so its cost per forward is
+    that transfer spread over ``cost.forwards_per_call``; within a forward it streams nothing.
+    """
+    need = _model_level_bytes(plan)
+    swapped = [c for c in plan.components if c.selected and c.kind in ("dit", "encoder") and not c.on_demand]
+    if need > budget_bytes or not any(c.kind == "encoder" for c in swapped):
+        return None
+    # The all-resident time of a forward, from the ring's baseline (a whole-component schedule has
+    # no block points to time).
+    resident = ring.resident_step_s if ring is not None else steady_step_s(layerwise(1), plan, cost, dits)[1]
+    step = resident + cost.h2d_seconds(sum(c.nbytes for c in swapped)) / cost.forwards_per_call
+    if ring is not None and step >= ring.step_s * (1 - _TIE):
+        return None
+    return Choice(
+        strategy="model_level",
+        depth=1,
+        resident=(),
+        placement="",
+        step_s=step,
+        resident_step_s=resident,
+        footprint=need,
+        candidates=0,
+    )
 
 
 def _model_level_bytes(plan: Plan) -> int:
@@ -229,8 +262,14 @@ def auto(budget_bytes: int, cost: CostModel = DEFAULT_COST, max_depth: int = 4) 
             f"auto chose {chosen}: footprint {format_bytes(choice.footprint, exact=False)} of "
             f"{format_bytes(budget_bytes, exact=False)}"
         ]
+        overhead = choice.step_s / choice.resident_step_s - 1 if choice.resident_step_s else 0.0
+        if choice.strategy == "model_level":
+            notes.append(
+                f"step {choice.step_s:.4f} s vs all-resident {choice.resident_step_s:.4f} s "
+                f"(+{overhead * 100:.2f}%), the swap spread over {cost.forwards_per_call} forwards a call; "
+                f"best of {choice.candidates} candidates"
+            )
         if choice.strategy in ("layerwise", "distributed_layerwise"):
-            overhead = choice.step_s / choice.resident_step_s - 1 if choice.resident_step_s else 0.0
             notes.append(
                 f"steady step {choice.step_s:.4f} s vs all-resident {choice.resident_step_s:.4f} s "
                 f"(+{overhead * 100:.2f}%), best of {choice.candidates} simulated candidates"

@@ -14,6 +14,9 @@ its ``before <block>`` ops and before its ``after <block>`` ops. Dependencies:
 - ``acquire`` runs a blocking host-to-device copy on the compute stream; ``evict``, ``unstage`` and
   ``release`` take no time.
 
+``SimReport.timeline`` records every busy stretch of every stream (each transfer chunk, each
+compute, each stall) so a step can be drawn; it takes no part in any other figure.
+
 Device bytes are counted in op order, as a runtime allocating on the host would measure them: a slot
 is allocated once, at its first use (already allocated if the entry names it); a staged or acquired
 unit holds its bytes until it is unstaged or released; entry units in their own memory hold their
@@ -27,10 +30,10 @@ from collections.abc import Mapping
 
 import attrs
 
-from torchferry.policies._ir import DEVICE, Op, Schedule
+from torchferry.policies._ir import DEVICE, Op, Schedule, StreamName
 from torchferry.topology import FrozenMap
 
-__all__ = ["DEFAULT_COST", "CostModel", "SimReport", "simulate"]
+__all__ = ["DEFAULT_COST", "CostModel", "Interval", "SimReport", "simulate"]
 
 
 def _fmap(value: Mapping[str, float]) -> FrozenMap[str, float]:
@@ -58,6 +61,9 @@ class CostModel:
     - ``flops`` (per path) or ``block_flops`` (any block) with ``device_flops_per_s``: compute time as
       FLOPs over the device's achieved FLOP/s, used where ``compute_s`` names no time.
     - ``launch_s``: seconds added to every compute and every transfer chunk.
+    - ``forwards_per_call``: DiT forwards in one pipeline call (denoising steps x guidance
+      forwards); a per-call cost such as a model-level swap is spread over them when policies are
+      compared per step.
     """
 
     h2d_bytes_per_s: float = attrs.field(default=25e9, validator=_positive)
@@ -69,6 +75,7 @@ class CostModel:
     block_flops: float | None = None
     device_flops_per_s: float | None = None
     launch_s: float = attrs.field(default=0.0, validator=_non_negative)
+    forwards_per_call: int = attrs.field(default=50, validator=attrs.validators.ge(1))
 
     def compute_seconds(self, path: str, *, block: bool) -> float:
         """Compute seconds of block (or component) ``path`` under this model, launch included."""
@@ -93,6 +100,26 @@ DEFAULT_COST = CostModel()
 
 
 @attrs.frozen(kw_only=True)
+class Interval:
+    """One stretch of one stream in a simulated step, in seconds from the step's start.
+
+    ``kind`` is the op kind that kept the stream busy (``load``, ``gather``, ``stage``, ``acquire``),
+    ``compute`` for a block's or component's forward, or ``stall`` for compute waiting on a transfer.
+    ``label`` names the unit (or the computing anchor); ``op`` is the index of the op in the
+    schedule (``None`` for a compute); a transfer in several chunks has one interval per chunk and
+    ``chunk`` numbers it from 0.
+    """
+
+    stream: StreamName
+    start_s: float
+    end_s: float
+    kind: str
+    label: str
+    op: int | None = None
+    chunk: int = 0
+
+
+@attrs.frozen(kw_only=True)
 class SimReport:
     """What `simulate` predicts for one schedule.
 
@@ -106,6 +133,8 @@ class SimReport:
     resident_makespan_s: float
     stall_s: FrozenMap[str, float]
     peak_op: int | None = None
+    #: Every stream's busy stretches in replay order (see `Interval`); not part of equality or repr.
+    timeline: tuple[Interval, ...] = attrs.field(default=(), eq=False, repr=False)
 
     @property
     def overhead(self) -> float:
@@ -159,6 +188,22 @@ class _Replay:
                     self.current += self.slot_size.get(p.where, p.nbytes)
         self.peak = self.current
         self.peak_op: int | None = None
+        self.timeline: list[Interval] = []
+
+    def _busy(
+        self,
+        stream: StreamName,
+        start: float,
+        end: float,
+        *,
+        kind: str,
+        label: str,
+        op: int | None,
+        chunk: int = 0,
+    ) -> None:
+        self.timeline.append(
+            Interval(stream=stream, start_s=start, end_s=end, kind=kind, label=label, op=op, chunk=chunk)
+        )
 
     def _grow(self, nbytes: int, index: int) -> None:
         self.current += nbytes
@@ -173,6 +218,7 @@ class _Replay:
 
     def computes(self, anchor: str) -> None:
         d = self.cost.compute_seconds(anchor, block=anchor != self.component)
+        self._busy("compute", self.compute, self.compute + d, kind="compute", label=anchor, op=None)
         self.compute += d
         self.resident += d
         self.stall.setdefault(anchor, 0.0)
@@ -184,20 +230,26 @@ class _Replay:
             start = max(self.compute, self.ready.get(op.unit, 0.0))
             key = op.anchor
             self.stall[key] = self.stall.get(key, 0.0) + (start - self.compute)
+            if start > self.compute:
+                self._busy("compute", self.compute, start, kind="stall", label=op.unit, op=index)
             self.compute = start
         elif kind == "evict":
             slot = self.slot_of.pop(op.unit, None)
             if slot is not None:
                 self.slot_free[slot] = self.compute
         elif kind == "acquire":
+            begin = self.compute
             self.compute += cost.h2d_seconds(op.nbytes) + cost.launch_s
+            self._busy("compute", begin, self.compute, kind="acquire", label=op.unit, op=index)
             self.ready[op.unit] = self.compute
             self.held[op.unit] = op.nbytes
             self._grow(op.nbytes, index)
         elif kind in ("release", "unstage"):
             self.current -= self.held.pop(op.unit, 0)
         elif kind == "stage":
+            begin = self.copy
             self.copy += cost.h2d_seconds(op.nbytes) + cost.launch_s
+            self._busy("copy", begin, self.copy, kind="stage", label=op.unit, op=index)
             self.ready[op.unit] = self.copy
             self.held[op.unit] = op.nbytes
             self._grow(op.nbytes, index)
@@ -212,9 +264,11 @@ class _Replay:
         k = max(op.chunks, 1)
         t = max(self.copy, self.slot_free.get(slot, 0.0))
         ends = []
-        for _ in range(k):
+        for chunk in range(k):
+            begin = t
             t += self.cost.h2d_seconds(op.nbytes / k) + self.cost.launch_s
             ends.append(t)
+            self._busy("copy", begin, t, kind="load", label=op.unit, op=index, chunk=chunk)
         self.copy = t
         self.ready[op.unit] = t
         if op.src == "shard":
@@ -232,7 +286,9 @@ class _Replay:
         t = max(self.comm, self.slot_free.get(slot, 0.0))
         for j in range(k):
             dep = ends[min(len(ends) - 1, ((j + 1) * len(ends) + k - 1) // k - 1)]
-            t = max(t, dep) + self.cost.collective_seconds(received / k) + self.cost.launch_s
+            begin = max(t, dep)
+            t = begin + self.cost.collective_seconds(received / k) + self.cost.launch_s
+            self._busy("comm", begin, t, kind="gather", label=op.unit, op=index, chunk=j)
         self.comm = t
         self.ready[op.unit] = t
         self.slot_of[op.unit] = slot
@@ -262,4 +318,5 @@ def simulate(schedule: Schedule, cost: CostModel = DEFAULT_COST) -> SimReport:
         resident_makespan_s=r.resident,
         stall_s=FrozenMap(tuple(r.stall.items())),
         peak_op=r.peak_op,
+        timeline=tuple(r.timeline),
     )
