@@ -5,8 +5,13 @@ transformer-like blocks is saved as two shards plus an index (the layout diffuse
 folder; then each path runs in its own child process, which reports its wall time and its peak
 resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, cross-checked with ``VmHWM``):
 
-- ``torchferry``: one flat uint8 host buffer per block filled by `CheckpointReader.read_into`
-  (what the runtime does with ``config.checkpoint``), remainder tensors by ``read_tensor``.
+- ``torchferry``: the runtime path. The model is built under ``torchferry.meta_parameters()`` (its
+  parameters take no memory) inside a one-DiT pipeline, and ``torchferry.offload(pipeline,
+  checkpoint=<index>, checkpoint_prefix_map=...)`` validates the checkpoint and fills the session's
+  host store (one packed buffer per block, read from mapped windows of the files), which every
+  parameter then views.
+- ``reader``: `CheckpointReader.read_into` alone into one packed buffer per block, no module (the
+  floor the runtime path can reach).
 - ``ordinary``: build the module, ``safetensors.torch.load_file`` every shard, ``load_state_dict``.
 - ``ordinary-meta``: the careful variant: module on the meta device, ``load_state_dict(assign=True)``.
 - ``diffusers``: ``ModelMixin.from_pretrained`` then ``enable_group_offload`` (block level, CPU
@@ -35,10 +40,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 HERE = Path(__file__).resolve().parent
-MODES = ("torchferry", "ordinary", "ordinary-meta", "diffusers")
+MODES = ("torchferry", "reader", "ordinary", "ordinary-meta", "diffusers")
 SHARDS = 2
 WEIGHTS = "diffusion_pytorch_model"
 
@@ -170,9 +175,56 @@ def _generate(folder: Path, hidden: int, layers: int) -> dict[str, Any]:
 
 
 def _load_torchferry(folder: Path, hidden: int, layers: int) -> dict[str, Any]:
+    """The runtime path: a meta-built model, ``torchferry.offload(..., checkpoint=...)``."""
+    from torch import nn
+
+    import torchferry
+
+    _, model_cls = _model_classes()
+    model_cls._layerwise_offload_blocks_attrs = ("blocks",)
+
+    class Pipeline(nn.Module):
+        _dit_modules: ClassVar[list[str]] = ["transformer"]
+        _encoder_modules: ClassVar[list[str]] = []
+        _vae_modules: ClassVar[list[str]] = []
+
+        def __init__(self, transformer: nn.Module) -> None:
+            super().__init__()
+            self.transformer = transformer
+
+    baseline = _peak()
+    start = time.perf_counter()
+    with torchferry.meta_parameters():
+        pipeline = Pipeline(model_cls(hidden=hidden, layers=layers))
+    session = torchferry.offload(
+        pipeline,
+        strategy="layerwise",
+        device="cpu",
+        checkpoint=folder / f"{WEIGHTS}.safetensors.index.json",
+        checkpoint_prefix_map={"transformer.": ""},
+    )
+    seconds = time.perf_counter() - start
+    held = session.host_bytes
+    assert not any(t.is_meta for t in pipeline.parameters())
+    checksum, touch = _touch(pipeline.transformer.state_dict().values())
+    peak = _peak()  # ready and read; closing (giving every tensor its own storage) is not loading
+    session.close()
+    return {
+        "peak": peak,
+        "peak_after_close": _peak(),
+        "seconds": seconds,
+        "touch_seconds": touch,
+        "checksum": checksum,
+        "baseline": baseline,
+        "held_bytes": held,
+    }
+
+
+def _load_reader(folder: Path, hidden: int, layers: int) -> dict[str, Any]:
+    """The reader alone: one packed buffer per block from `CheckpointReader.read_into`, no module."""
     import torch
 
-    from torchferry.runtime._checkpoint import CheckpointReader
+    from torchferry.runtime import CheckpointReader
     from torchferry.topology import Block, TensorSpec
 
     _, model_cls = _model_classes()
@@ -277,11 +329,13 @@ def _child(mode: str, folder: Path, hidden: int, layers: int) -> None:
         result = _generate(folder, hidden, layers)
     elif mode == "torchferry":
         result = _load_torchferry(folder, hidden, layers)
+    elif mode == "reader":
+        result = _load_reader(folder, hidden, layers)
     elif mode in ("ordinary", "ordinary-meta"):
         result = _load_ordinary(folder, hidden, layers, meta=mode == "ordinary-meta")
     else:
         result = _load_diffusers(folder)
-    result["peak"] = _peak()
+    result.setdefault("peak", _peak())
     print(json.dumps(result))
 
 

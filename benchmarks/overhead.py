@@ -1,67 +1,102 @@
 """Per-block runtime overhead of torchferry versus the resident run and other offloaders, on CPU.
 
-The toy pipeline with a 40-block DiT runs one call (encoder, ``--steps`` DiT forwards, decoder)
-per repeat under each strategy, round-robin so machine noise falls on all alike; the overhead per
-block is ``(median call time - median resident time) / (blocks * steps)``. Only the DiT is
-offloaded. With ``device="cpu"`` torchferry's slots are separate CPU tensors, so every load is a
-real copy and the figure is the runtime's whole cost (hooks, op dispatch, re-pointing, copies); the
-others move nothing between a CPU "device" and the CPU, so the copy of one block is measured and
-reported alongside. diffusers group offloading (block_level, leaf_level) and
-accelerate's ``cpu_offload`` run on the same model when those packages import; their rows are
-skipped with a note otherwise. Prints a table and writes ``overhead.json`` next to this file.
+One model for everyone: diffusers' ``WanTransformer3DModel`` with 40 blocks and a tiny config
+(hidden 64, 32 latent tokens), built locally from a seed. Each variant gets its own copy and runs
+one transformer forward per round; the variants run round-robin so machine noise falls on all alike.
+The overhead per block is ``(median forward - median resident forward) / blocks``.
 
-    python benchmarks/overhead.py [--repeats 200] [--blocks 40] [--hidden 64] [--steps 4]
+Variants: resident; torchferry ``layerwise`` (depth 1) and ``model_level``; torchferry layerwise
+with a policy that reuses one schedule for every steady step (what the session would cost if it
+cached schedules without the step index, see benchmarks/README.md); diffusers group offloading
+(``block_level``, one block per group, and ``leaf_level``) and accelerate's ``cpu_offload`` when
+those import. The device is the CPU, so torchferry's slots are separate CPU tensors and every load
+is a real copy; the others move nothing between a CPU "device" and the CPU, so one block's copy is
+measured on its own and the overhead is also shown without it. Every variant's output is checked
+against the resident one (``torch.equal``).
+
+``--profile`` adds where torchferry's per-block time goes, measured piece by piece on the live
+session (schedule building, compiling, re-pointing tensors, the copy, the rest), and a cProfile
+listing of torchferry's functions. Prints a table and writes ``benchmarks/results/overhead.json``.
+
+    python benchmarks/overhead.py [--repeats 30] [--blocks 40] [--threads 1] [--profile] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import json
-import statistics
+import cProfile
+import importlib
+import io
+import itertools
+import pstats
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import _common as common  # first: puts the repository root on sys.path
+import attrs
 import torch
 
 import torchferry
-from torchferry import toy
+from torchferry import policies
+from torchferry.policies import Schedule, Step
+from torchferry.topology import Plan
+
+TARGET_RATIO = 0.1  # torchferry layerwise per-block overhead over diffusers block_level
+
+Forward = Callable[[], torch.Tensor]
 
 
-def _pipeline(blocks: int, hidden: int) -> toy.ToyPipeline:
-    return toy.build(0, blocks=blocks, hidden=hidden)
+def build_wan(blocks: int, seed: int = 0) -> torch.nn.Module:
+    """A tiny 40-block (by default) diffusers Wan transformer, weights a function of ``seed``."""
+    wan: Any = importlib.import_module("diffusers").WanTransformer3DModel
+    torch.manual_seed(seed)
+    model: torch.nn.Module = wan(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=32,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=128,
+        num_layers=blocks,
+        rope_max_seq_len=32,
+    )
+    return model.eval()
 
 
-def _round_robin(forwards: dict[str, Callable[[], torch.Tensor]], repeats: int) -> dict[str, dict[str, Any]]:
-    """Time every forward once per round, in turn, so machine noise falls on all of them alike."""
-    samples: dict[str, list[float]] = {name: [] for name in forwards}
-    for round_ in range(repeats + 3):
-        for name, forward in forwards.items():
-            start = time.perf_counter()
-            forward()
-            if round_ >= 3:
-                samples[name].append(time.perf_counter() - start)
-    return {
-        name: {"median_s": statistics.median(s), "min_s": min(s), "max_s": max(s)}
-        for name, s in samples.items()
-    }
+def wan_inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Latents (1, 4, 2, 8, 8) (32 tokens after patching), a timestep and 8 text tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 4, 2, 8, 8, generator=g), torch.tensor([500]), torch.randn(1, 8, 32, generator=g)
+
+
+def index_free(policy: policies.Policy) -> policies.Policy:
+    """``policy`` cached by step without its index: one schedule object serves every steady step."""
+    inner = policies.cached(policy)
+
+    def reuse(plan: Plan, step: Step, /) -> Schedule:
+        return inner(plan, attrs.evolve(step, index=0))
+
+    return reuse
 
 
 @contextmanager
-def _torchferry(p: toy.ToyPipeline, strategy: str) -> Iterator[None]:
-    with torchferry.offload(p, strategy=strategy, device="cpu", components={"dit"}):
-        yield
+def _torchferry(
+    model: torch.nn.Module, strategy: str, policy: policies.Policy | None = None
+) -> Iterator[Any]:
+    with torchferry.offload(model, strategy=strategy, device="cpu", policy=policy) as session:
+        yield session
 
 
 @contextmanager
-def _diffusers(p: toy.ToyPipeline, kind: str) -> Iterator[None]:
-    from diffusers.hooks import apply_group_offloading
-
+def _diffusers(model: torch.nn.Module, kind: str) -> Iterator[None]:
+    apply_group_offloading: Any = importlib.import_module("diffusers.hooks").apply_group_offloading
     apply_group_offloading(
-        p.transformer,
+        model,
         onload_device=torch.device("cpu"),
         offload_device=torch.device("cpu"),
         offload_type=kind,
@@ -71,95 +106,252 @@ def _diffusers(p: toy.ToyPipeline, kind: str) -> Iterator[None]:
 
 
 @contextmanager
-def _accelerate(p: toy.ToyPipeline) -> Iterator[None]:
+def _accelerate(model: torch.nn.Module) -> Iterator[None]:
     from accelerate import cpu_offload
 
-    cpu_offload(p.transformer, execution_device=torch.device("cpu"))
+    cpu_offload(model, execution_device=torch.device("cpu"))
     yield
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--blocks", type=int, default=40)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=4)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    base = _pipeline(args.blocks, args.hidden)
+SETUPS: dict[str, Callable[[torch.nn.Module], AbstractContextManager[Any]]] = {
+    "resident": lambda m: nullcontext(),
+    "torchferry layerwise": lambda m: _torchferry(m, "layerwise"),
+    "torchferry model_level": lambda m: _torchferry(m, "model_level"),
+    "torchferry layerwise, schedule reused": lambda m: _torchferry(
+        m, "layerwise", index_free(policies.layerwise(1))
+    ),
+    "diffusers block_level": lambda m: _diffusers(m, "block_level"),
+    "diffusers leaf_level": lambda m: _diffusers(m, "leaf_level"),
+    "accelerate cpu_offload": _accelerate,
+}
 
-    rows: dict[str, dict[str, Any]] = {}
-    notes: list[str] = []
-    setups: dict[str, Callable[[toy.ToyPipeline], AbstractContextManager[None]]] = {
-        "resident": lambda p: nullcontext(),
-        "torchferry layerwise": lambda p: _torchferry(p, "layerwise"),
-        "torchferry model_level": lambda p: _torchferry(p, "model_level"),
-        "diffusers block_level": lambda p: _diffusers(p, "block_level"),
-        "diffusers leaf_level": lambda p: _diffusers(p, "leaf_level"),
-        "accelerate cpu_offload": _accelerate,
+
+def block_copy_s(session: Any, repeats: int) -> float:
+    """Median seconds to copy one block's host bytes into a slot-sized buffer, cycling over blocks.
+
+    Cycling over every block's buffer keeps the source out of the fastest caches, as in a forward.
+    """
+    groups = [g for name, g in session.engine.store.groups.items() if ".blocks." in f".{name}"]
+    dst = torch.empty(max(g.nbytes for g in groups), dtype=torch.uint8)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for g in groups:
+            dst[: g.nbytes].copy_(g.host)
+        samples.append((time.perf_counter() - start) / len(groups))
+    return common.Stats.of(samples).median
+
+
+def breakdown(session: Any, forward: Forward, blocks: int, per_block_s: float) -> dict[str, float]:
+    """Where torchferry layerwise spends its per-block time, each piece timed on the live session.
+
+    ``schedule``: the policy building the step's schedule (the session asks once per forward, since
+    the step index is part of the cache key); ``compile``: the engine compiling it; ``re-point``:
+    pointing one block's tensors at device views and back; ``copy``: one block's bytes; the rest is
+    hooks, op dispatch and bookkeeping.
+    """
+    engine = session.engine
+    forward()
+    last = next(reversed(session.schedules.values()))
+    counter = itertools.count(10**6)
+
+    def policy_call() -> object:
+        return session.policy(session.plan, attrs.evolve(last.step, index=next(counter)))
+
+    schedule_s = common.per_call(policy_call).median / blocks
+    fresh = [policy_call() for _ in range(64)]
+    cycle = itertools.cycle(fresh)
+
+    def compile_call() -> None:
+        s = next(cycle)
+        engine.compile(s)
+        engine._programs.pop(s, None)
+
+    compile_s = common.per_call(compile_call).median / blocks
+    name = next(n for n in engine.store.groups if n.endswith(f"blocks.{blocks // 2}"))
+    group = engine.store.groups[name]
+    scratch = torch.empty(group.nbytes, dtype=torch.uint8)
+    views = tuple(p.view(scratch) for p in group.pieces)
+
+    def repoint() -> None:
+        group.point(views)
+        group.point(group.host_views)
+
+    repoint_s = common.per_call(repoint).median
+    copy_s = block_copy_s(session, 50)
+    rest = per_block_s - schedule_s - compile_s - repoint_s - copy_s
+    return {
+        "schedule_us": schedule_s * 1e6,
+        "compile_us": compile_s * 1e6,
+        "repoint_us": repoint_s * 1e6,
+        "tensors_per_block": len(group.tensors),
+        "copy_us": copy_s * 1e6,
+        "hooks_dispatch_rest_us": rest * 1e6,
     }
-    forwards: dict[str, Callable[[], torch.Tensor]] = {}
+
+
+def cprofile(forward: Forward, n: int) -> str:
+    """cProfile of ``n`` forwards, torchferry's functions by cumulative time."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(n):
+        forward()
+    profile.disable()
+    buffer = io.StringIO()
+    pstats.Stats(profile, stream=buffer).sort_stats("cumtime").print_stats("torchferry", 12)
+    return buffer.getvalue()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30, help="timed rounds (after 3 warm-up rounds)")
+    parser.add_argument("--blocks", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (pinned)")
+    parser.add_argument("--profile", action="store_true", help="also break torchferry's per-block time down")
+    parser.add_argument("--quick", action="store_true", help="8 blocks, 3 rounds: a smoke run")
+    parser.add_argument("--out", type=Path, default=common.RESULTS / "overhead.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.blocks, args.repeats = 8, 3
+    threads = common.pin_threads(args.threads)
+    blocks: int = args.blocks
+    inputs = wan_inputs()
+
+    notes: list[str] = []
+    forwards: dict[str, Forward] = {}
+    sessions: dict[str, Any] = {}
+    outputs: dict[str, torch.Tensor] = {}
     with ExitStack() as stack:
-        for name, setup in setups.items():
-            p = copy.deepcopy(base)
+        stack.enter_context(torch.no_grad())
+        for name, setup in SETUPS.items():
+            model = build_wan(blocks)
             try:
-                stack.enter_context(setup(p))
+                handle = stack.enter_context(setup(model))
             except ImportError as error:
                 notes.append(f"{name}: skipped ({error})")
                 continue
-            forwards[name] = lambda p=p: p("a cat", steps=args.steps)  # type: ignore[misc]
-        stack.enter_context(torch.no_grad())
-        rows.update(_round_robin(forwards, args.repeats))
+            if handle is not None:
+                sessions[name] = handle
 
-    resident = rows["resident"]["median_s"]
-    for row in rows.values():
-        row["per_block_overhead_us"] = (row["median_s"] - resident) / (args.blocks * args.steps) * 1e6
-    ours = rows["torchferry layerwise"]["per_block_overhead_us"]
-    print(
-        f"{args.blocks}-block toy DiT (hidden {args.hidden}), {args.steps} DiT steps per pipeline call, CPU, "
-        f"{args.repeats} repeats, medians"
+            def forward(model: torch.nn.Module = model) -> torch.Tensor:
+                out: torch.Tensor = model(*inputs, return_dict=False)[0]
+                return out
+
+            forwards[name] = forward
+            outputs[name] = forward()
+        stats = common.round_robin(forwards, args.repeats)
+        ours_name = "torchferry layerwise"
+        extra: dict[str, Any] = {}
+        resident = stats["resident"].median
+        ours_s = (stats[ours_name].median - resident) / blocks
+        extra["block_copy_us"] = block_copy_s(sessions[ours_name], 20) * 1e6
+        if args.profile:
+            extra["breakdown"] = breakdown(sessions[ours_name], forwards[ours_name], blocks, ours_s)
+            extra["cprofile"] = cprofile(forwards[ours_name], 20)
+        extra["schedules_cached"] = {n: len(s.schedules) for n, s in sessions.items()}
+
+    rows: dict[str, dict[str, Any]] = {}
+    theirs = None
+    if "diffusers block_level" in stats:
+        theirs = (stats["diffusers block_level"].median - resident) / blocks
+    for name, s in stats.items():
+        over = (s.median - resident) / blocks
+        rows[name] = {
+            **s.to_json(),
+            "overhead_per_block_us": over * 1e6,
+            "over_diffusers_block_level": over / theirs if theirs else None,
+            "identical": bool(torch.equal(outputs[name], outputs["resident"])),
+        }
+    copy_us = extra["block_copy_us"]
+    ours_us = rows[ours_name]["overhead_per_block_us"]
+    title = (
+        f"diffusers WanTransformer3DModel, {blocks} blocks, tiny config (hidden 64, 32 tokens), CPU, "
+        f"{threads} thread(s), {args.repeats} round-robin rounds; per block = (median - resident) / {blocks}"
     )
+    print(title)
     print(
-        f"{'strategy':<26}{'median ms':>11}{'min ms':>9}{'max ms':>9}{'overhead/block us':>20}{'vs ours':>9}"
-    )
-    for name, row in rows.items():
-        ratio = row["per_block_overhead_us"] / ours if ours > 0 else float("nan")
-        print(
-            f"{name:<26}{row['median_s'] * 1e3:>11.3f}{row['min_s'] * 1e3:>9.3f}{row['max_s'] * 1e3:>9.3f}"
-            f"{row['per_block_overhead_us']:>20.1f}{ratio:>9.1f}"
+        common.table(
+            [
+                "variant",
+                "median ms",
+                "min ms",
+                "max ms",
+                "us/block over resident",
+                "vs diffusers block",
+                "same",
+            ],
+            [
+                [
+                    name,
+                    r["median_s"] * 1e3,
+                    r["min_s"] * 1e3,
+                    r["max_s"] * 1e3,
+                    round(r["overhead_per_block_us"], 1),
+                    None
+                    if r["over_diffusers_block_level"] is None
+                    else round(r["over_diffusers_block_level"], 3),
+                    "yes" if r["identical"] else "NO",
+                ]
+                for name, r in rows.items()
+            ],
         )
+    )
+    print(
+        f"one block's copy ({copy_us:.1f} us, CPU to CPU, which the others skip here); "
+        f"torchferry layerwise without it: {ours_us - copy_us:.1f} us/block"
+    )
+    verdict: dict[str, Any] = {}
+    if theirs:
+        ratio = ours_us / (theirs * 1e6)
+        verdict = {
+            "ours_over_diffusers_block_level": ratio,
+            "ours_without_copy_over_diffusers_block_level": (ours_us - copy_us) / (theirs * 1e6),
+            "target": TARGET_RATIO,
+            "met": ratio <= TARGET_RATIO,
+        }
+        met = "met" if ratio <= TARGET_RATIO else "NOT met"
+        print(
+            f"target: torchferry layerwise <= {TARGET_RATIO} x diffusers block_level per block: "
+            f"{ratio:.3f} ({met}; without the copy "
+            f"{verdict['ours_without_copy_over_diffusers_block_level']:.3f})"
+        )
+    if "breakdown" in extra:
+        b = extra["breakdown"]
+        print(f"where torchferry layerwise's {ours_us:.1f} us/block goes (each piece timed on its own):")
+        print(
+            common.table(
+                ["piece", "us/block"],
+                [
+                    ["schedule built by the policy (once per forward, / blocks)", round(b["schedule_us"], 2)],
+                    [
+                        "schedule compiled by the engine (once per forward, / blocks)",
+                        round(b["compile_us"], 2),
+                    ],
+                    [
+                        f"re-point {b['tensors_per_block']} tensors to the slot and back",
+                        round(b["repoint_us"], 2),
+                    ],
+                    ["copy one block's bytes", round(b["copy_us"], 2)],
+                    ["hooks, op dispatch, the rest", round(b["hooks_dispatch_rest_us"], 2)],
+                ],
+            )
+        )
+        print(extra["cprofile"])
     for note in notes:
         print(note)
     result = {
-        "blocks": args.blocks,
-        "hidden": args.hidden,
+        "model": "diffusers WanTransformer3DModel (tiny config)",
+        "blocks": blocks,
         "repeats": args.repeats,
-        "threads": args.threads,
+        "threads": threads,
         "rows": rows,
+        "verdict": verdict,
         "notes": notes,
+        **{k: v for k, v in extra.items() if k != "cprofile"},
     }
-    block_bytes = max(b.nbytes for b in torchferry.topology.discover(base).component("transformer").blocks)
-    src, dst = torch.empty(block_bytes, dtype=torch.uint8), torch.empty(block_bytes, dtype=torch.uint8)
-    copy_us = _round_robin({"copy": lambda: dst.copy_(src)}, 2000)["copy"]["median_s"] * 1e6
-    bookkeeping = ours - copy_us
-    result["block_copy_us"] = copy_us
-    result["ours_without_copy_us"] = bookkeeping
-    print(
-        f"one block's copy ({block_bytes} bytes, CPU to CPU, which the others skip here): {copy_us:.1f} us; "
-        f"torchferry layerwise per-block overhead without it: {bookkeeping:.1f} us"
-    )
-    if "diffusers block_level" in rows:
-        theirs = rows["diffusers block_level"]["per_block_overhead_us"]
-        result["ours_over_diffusers_block_level"] = ours / theirs if theirs > 0 else None
-        result["ours_without_copy_over_diffusers_block_level"] = bookkeeping / theirs if theirs > 0 else None
-        print(
-            f"torchferry layerwise / diffusers block_level per-block overhead: {ours / theirs:.3f} "
-            f"(without the copy: {bookkeeping / theirs:.3f})"
-        )
-    out = Path(__file__).with_name("overhead.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = common.write_json(args.out, result)
     print(f"wrote {out}")
+    return result
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from torchferry._errors import (
     TorchferryDeprecationWarning,
 )
 from torchferry._session import Session, offload
+from torchferry.runtime._meta import meta_parameters
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "Session",
     "TorchferryDeprecationWarning",
     "__version__",
+    "meta_parameters",
     "offload",
     "policies",
     "runtime",

@@ -21,7 +21,7 @@ import torch
 from torchferry import policies, topology
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
-from torchferry.runtime import Engine
+from torchferry.runtime import Comm, Engine
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
 __all__ = ["Session", "default_policy", "offload"]
@@ -41,9 +41,10 @@ def default_policy(config: OffloadConfig) -> Policy:
         return policies.model_level()
     if config.strategy == "layerwise":
         return policies.layerwise(depth=config.prefetch_depth)
+    if config.strategy == "distributed_layerwise":
+        return policies.distributed_layerwise(depth=config.prefetch_depth)
     raise PlanError(
-        f"strategy {config.strategy!r} needs the multi-rank runtime, which this session does not have yet; "
-        "use strategy='layerwise' on a single process"
+        f"strategy {config.strategy!r} has no built-in policy; choose one of {', '.join(topology.STRATEGIES)}"
     )
 
 
@@ -66,6 +67,45 @@ def _config(config: OffloadConfig | None, strategy: str | None, options: Mapping
     return attrs.evolve(base, **changes) if changes else base
 
 
+def _shard_group(request: OffloadConfig, process_group: Any) -> tuple[OffloadConfig, Any]:
+    """The weight-shard group the request needs (``None``: none), and the request sized to it.
+
+    Only the distributed strategy with an all-gather transfer uses a group: the one passed, else the
+    default group (with rank-local transfers a group passed is not used). A parallel layout left at
+    its default takes the group's size; one that names another shard group size is an error.
+    """
+    gathers = "allgather" in (request.dit_transfer, request.encoder_transfer)
+    if not request.distributed and process_group is not None:
+        raise PlanError(
+            f"offload(process_group=...) is only used by strategy='distributed_layerwise', and this request "
+            f"is strategy={request.strategy!r}; drop process_group or change the strategy"
+        )
+    if not request.distributed or not gathers:
+        return request, None  # rank-local transfers issue no collective: a group given is not needed
+    import torch.distributed as dist
+
+    group = process_group
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise PlanError(
+                "strategy='distributed_layerwise' with 'allgather' transfers shards weights across the "
+                "ranks of a process group, and torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group(...) on every rank first (or pass "
+                "process_group=...), or use dit_transfer='rank-local' and encoder_transfer='rank-local'"
+            )
+        group = dist.group.WORLD
+    world = dist.get_world_size(group)
+    size = request.parallel.shard_group_size
+    if size == 1 and world > 1:
+        request = attrs.evolve(request, parallel=topology.ParallelLayout(data_parallel_size=world))
+    elif size != world:
+        raise PlanError(
+            f"the parallel layout gives a weight-shard group of {size} ranks but the process group has "
+            f"{world}; pass the group whose ranks share one copy of the weights, or fix the layout"
+        )
+    return request, group
+
+
 def offload(
     pipeline: Any,
     config: OffloadConfig | None = None,
@@ -74,6 +114,8 @@ def offload(
     device: torch.device | str | None = None,
     declaration: Declaration | None = None,
     policy: Policy | None = None,
+    process_group: Any = None,
+    checkpoint_prefix_map: Mapping[str, str] | None = None,
     **config_options: Any,
 ) -> Session:
     """Take over ``pipeline``'s weights and stream them to ``device`` on the policy's schedule.
@@ -82,17 +124,33 @@ def offload(
     ``policy`` replaces the strategy's built-in policy; ``device`` defaults to CUDA when present.
     Everything that can be rejected is rejected (`PlanError`) before the pipeline is touched. Use the
     returned `Session` as a context manager, or call its ``close()``.
+
+    - ``checkpoint=`` (a config field): fill the host buffers from a safetensors file, shard folder or
+      ``*.index.json`` instead of the module, one block at a time; the pipeline may then be built
+      under `torchferry.meta_parameters()`. The checkpoint is validated against the pipeline first
+      (missing, extra, mis-shaped or mis-typed tensors, damaged files). ``checkpoint_prefix_map``
+      maps the pipeline's tensor-name prefixes to the checkpoint's (``{"transformer.": ""}``).
+    - ``strategy="distributed_layerwise"``: with an ``allgather`` transfer, every rank of
+      ``process_group`` (default: the default group; never a new one) keeps 1/N of each streamed
+      block and the ranks all-gather it; every rank must call `offload` alike (a collective). The
+      parallel layout defaults to the group's size.
     """
     if pipeline in _OPEN:
         raise ExecutionError(
             "this pipeline is already served by an open torchferry session; close() it before opening another"
         )
     request = _config(config, strategy, config_options)
+    request, group = _shard_group(request, process_group)
     target = torch.device(device) if device is not None else _default_device()
     topo = topology.discover(pipeline, declaration)
     plan = topology.resolve(topo, request)
     chosen = policy if policy is not None else default_policy(request)
-    return Session(pipeline, plan, chosen, device=target)
+    comm = None
+    if group is not None and plan.config.dp_size > 1:
+        from torchferry.runtime import Comm
+
+        comm = Comm(group, target)
+    return Session(pipeline, plan, chosen, device=target, comm=comm, prefix_map=checkpoint_prefix_map)
 
 
 class Session:
@@ -102,12 +160,23 @@ class Session:
     the peak and the hooks installed are exposed for inspection and tests.
     """
 
-    def __init__(self, pipeline: Any, plan: Plan, policy: Policy, *, device: torch.device) -> None:
+    def __init__(
+        self,
+        pipeline: Any,
+        plan: Plan,
+        policy: Policy,
+        *,
+        device: torch.device,
+        comm: Comm | None = None,
+        prefix_map: Mapping[str, str] | None = None,
+    ) -> None:
         self.pipeline = pipeline
         self.plan = plan
         self.policy = policy
         self.device = device
-        self.engine = Engine(pipeline, plan, device=device, pin_memory=plan.config.pin_memory)
+        self.engine = Engine(
+            pipeline, plan, device=device, pin_memory=plan.config.pin_memory, comm=comm, prefix_map=prefix_map
+        )
         self.schedules: dict[Step, Schedule] = {}
         # Why: the step key that ran last, to number run lengths and learn what follows each step.
         self._last: tuple[str, int] | None = None
@@ -208,13 +277,22 @@ class Session:
         return self._closed
 
     # ------------------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
-        """Give the pipeline back as it was: weights on the host, bit-identical, no hooks left."""
+    def close(self, *, gather: bool = False) -> None:
+        """Give the pipeline back as it was: weights on the host, bit-identical, no hooks left.
+
+        Needs no collective. Under the distributed strategy each rank holds only its shard of every
+        all-gathered block, so a plain ``close()`` leaves those blocks' tensors empty (shape ``(0,)``)
+        and warns (`OffloadWarning`); host shards are never dropped. ``close(gather=True)``, called on
+        every rank of the process group (a collective), re-assembles full weights first; it also
+        works after a plain ``close()``.
+        """
         if self._closed:
+            if gather:
+                self.engine.gather_host()
             return
         self._closed = True
         try:
-            self.engine.close()
+            self.engine.close(gather=gather)
         finally:
             _OPEN.pop(self.pipeline, None)
 

@@ -1,17 +1,272 @@
-"""The ``torchferry`` command line: ``demo`` and ``plan``."""
+"""The ``torchferry`` command line, ``demo`` and ``plan`` (also run by ``python -m torchferry``).
+
+Every mistake in the input (an unknown model id, a size or rate that does not parse, a missing or
+broken checkpoint) ends in one line on stderr, ``torchferry <command>: error: <what and how to fix
+it>``, and exit status 2; no traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from collections.abc import Sequence
+from typing import NoReturn
+
+from torchferry._errors import OffloadError
+from torchferry._units import parse_bytes, parse_rate
 
 __all__ = ["main"]
 
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, raised instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _size(text: str) -> int:
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
+    return value
+
+
+def _rate(text: str) -> float:
+    try:
+        return parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _device(text: str) -> str:
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; write cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the demo runs on cpu or cuda, not {device.type}")
+    return text
+
+
+def _resolution(text: str) -> object:
+    from torchferry._plan_report import parse_resolution
+
+    try:
+        return parse_resolution(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog="torchferry",
+        description="Stream diffusion-model weights between host and device on a planned schedule.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+
+    demo = commands.add_parser(
+        "demo",
+        help="run the bundled toy pipeline resident and under every strategy, and compare",
+        description="Build the toy DiT pipeline (weights from a seed, cached as a safetensors checkpoint), "
+        "run it resident and under model-level, layerwise (two depths) and distributed layerwise offload "
+        "loading from the checkpoint, and print peak device bytes, time per step, overhead and whether "
+        "the outputs are identical. Exits 1 if any output differs.",
+    )
+    demo.add_argument(
+        "--device", type=_device, help="cuda, cuda:N or cpu (default: cuda when present, else cpu)"
+    )
+    demo.add_argument("--steps", type=_positive_int, default=8, help="denoising steps per call (default 8)")
+    demo.add_argument(
+        "--calls",
+        type=_positive_int,
+        default=3,
+        help="pipeline calls per strategy; the first warms up (default 3)",
+    )
+    demo.add_argument(
+        "--cache-dir", help="where the checkpoint is kept (default: $TORCHFERRY_CACHE or ~/.cache/torchferry)"
+    )
+    demo.add_argument("--timeline", metavar="FILE.svg", help="draw the copy/comm/compute streams of one step")
+    demo.add_argument(
+        "--no-distributed", action="store_true", help="skip the distributed row (it starts 2 gloo processes)"
+    )
+
+    plan = commands.add_parser(
+        "plan",
+        help="will MODEL fit a device, with which strategy, and how much slower",
+        description="Plan MODEL (a known id, a safetensors file, a folder of shards or an *.index.json; "
+        "headers only) for a device memory budget: per-component bytes, and for each strategy whether "
+        "it fits, its simulated peak device bytes, step time and overhead versus all-resident, and the "
+        "automatic choice.",
+    )
+    plan.add_argument("model", nargs="?", metavar="MODEL", help="known id (see --list) or checkpoint path")
+    plan.add_argument("--list", action="store_true", help="list the known model ids with their sizes")
+    plan.add_argument("--device-memory", type=_size, metavar="SIZE", help="device budget, e.g. 24GiB or 80GB")
+    plan.add_argument(
+        "--h2d", type=_rate, default=25e9, metavar="RATE", help="host-to-device bandwidth (default 25GB/s)"
+    )
+    plan.add_argument(
+        "--allgather",
+        type=_rate,
+        default=100e9,
+        metavar="RATE",
+        help="bytes per second one rank receives in an all-gather (default 100GB/s)",
+    )
+    plan.add_argument(
+        "--strategy",
+        choices=["auto", "none", "model_level", "layerwise", "distributed_layerwise"],
+        help="evaluate only this strategy (default: all of them and auto)",
+    )
+    plan.add_argument("--depth", type=_positive_int, default=1, help="prefetch depth of the ring (default 1)")
+    plan.add_argument(
+        "--world-size",
+        type=_positive_int,
+        help="ranks sharing the weights under distributed layerwise (default: 2 for its row; "
+        "when given, auto considers it)",
+    )
+    plan.add_argument(
+        "--resolution",
+        type=_resolution,
+        metavar="WxH[xF]",
+        help="output size for the compute estimate (default: the pipeline's default)",
+    )
+    plan.add_argument(
+        "--tflops",
+        type=_positive_float,
+        help="achieved device TFLOP/s for the compute estimate (default 150)",
+    )
+    plan.add_argument(
+        "--block-ms", type=_positive_float, help="compute time per block in ms (overrides FLOPs)"
+    )
+    plan.add_argument(
+        "--block-attrs",
+        metavar="A,B",
+        help="block attributes of a checkpoint, comma-separated (default: guessed from tensor names)",
+    )
+    plan.add_argument("--show-schedule", action="store_true", help="print the recommended steady DiT step")
+    plan.add_argument(
+        "--format", choices=["text", "json"], default="text", help="output format (default text)"
+    )
+    return parser
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from torchferry import _plan_report as report
+
+    if args.list:
+        if args.format == "json":
+            print(
+                json.dumps(
+                    {"torchferry_models": report.JSON_VERSION, "models": report.list_document()}, indent=2
+                )
+            )
+        else:
+            sys.stdout.write(report.format_list())
+        return 0
+    if args.model is None:
+        raise UsageError("plan needs MODEL (a known id, or a checkpoint path), or --list")
+    if args.device_memory is None:
+        raise UsageError("plan needs --device-memory SIZE, the device budget (e.g. 24GiB)")
+    if args.block_ms is not None and args.tflops is not None:
+        raise UsageError("--block-ms and --tflops are two ways to set compute time; pass one of them")
+    attrs_ = (
+        None
+        if args.block_attrs is None
+        else tuple(a.strip() for a in args.block_attrs.split(",") if a.strip())
+    )
+    start = time.perf_counter()
+    topo, known = report.load_model(args.model, attrs_)
+    options = report.Options(
+        budget_bytes=args.device_memory,
+        h2d_bytes_per_s=args.h2d,
+        collective_bytes_per_s=args.allgather,
+        world_size=args.world_size,
+        depth=args.depth,
+        strategy=args.strategy,
+        resolution=args.resolution,
+        tflops=args.tflops,
+        block_ms=args.block_ms,
+    )
+    if known is None and (args.resolution is not None or args.tflops is not None):
+        raise UsageError(
+            "--resolution and --tflops need a known model id, whose block FLOPs are known; "
+            "for a checkpoint pass --block-ms"
+        )
+    result = report.build_report(args.model, topo, known, options)
+    elapsed = time.perf_counter() - start
+    if args.format == "json":
+        doc = report.report_document(result, show_schedule=args.show_schedule)
+        doc["planning_s"] = round(elapsed, 4)
+        print(json.dumps(doc, indent=2))
+    else:
+        sys.stdout.write(report.format_report(result, show_schedule=args.show_schedule))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from torchferry import _demo
+
+    return _demo.run(
+        device=args.device,
+        steps=args.steps,
+        calls=args.calls,
+        cache_dir=args.cache_dir,
+        timeline=args.timeline,
+        distributed=not args.no_distributed,
+    )
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="torchferry", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
-    args = parser.parse_args(argv)
-    print(f"unknown command {args.command!r}", file=sys.stderr)
-    return 2
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = _parser()
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in args_list if a in ("demo", "plan")), None)
+    prog = f"torchferry {command}" if command else "torchferry"
+    try:
+        args = parser.parse_args(args_list)
+        if args.command == "plan":
+            return _plan(args)
+        return _demo(args)
+    except SystemExit as exit_:  # --help and --version print, then exit through argparse
+        return exit_.code if isinstance(exit_.code, int) else 0
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OffloadError, ValueError, OSError) as exc:
+        message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return EXIT_USAGE

@@ -29,6 +29,7 @@ __all__ = [
     "ToyPipeline",
     "ToyTextEncoder",
     "build",
+    "build_empty",
     "load_checkpoint",
     "save_checkpoint",
     "tokenize",
@@ -263,6 +264,19 @@ def build(
                 fan_in = param.shape[-1] if param.ndim > 1 else param.shape[0]
                 param.copy_(torch.randn(param.shape, generator=generator) / math.sqrt(fan_in))
     return pipeline.eval()
+
+
+def build_empty(
+    *, two_experts: bool = False, blocks: int = 8, encoder_blocks: int = 2, hidden: int = 32
+) -> ToyPipeline:
+    """A toy pipeline whose parameters are on the meta device (buffers real), for a checkpoint to fill.
+
+    ``torchferry.offload(pipeline, checkpoint=...)`` reads its weights straight into host buffers.
+    """
+    from torchferry.runtime import meta_parameters
+
+    with meta_parameters():
+        return build(0, two_experts=two_experts, blocks=blocks, encoder_blocks=encoder_blocks, hidden=hidden)
 
 
 def save_checkpoint(pipeline: nn.Module, path: str | Path) -> None:

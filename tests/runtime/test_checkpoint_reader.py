@@ -265,104 +265,105 @@ _GOOD = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
 @pytest.mark.parametrize(
     ("case", "header", "data", "length", "problem"),
     [
-        (
-            "short",
-            None,
-            b"",
-            None,
-            "corrupt header: the file has 5 bytes, fewer than the 8-byte length prefix; ",
-        ),
+        ("short", None, b"", None, "5 bytes is too short for a safetensors file (no header length)"),
         (
             "prefix",
             _GOOD,
             b"\0" * 8,
             10_000,
-            "corrupt header: the length prefix says 10000 header bytes but only 69 bytes follow it; ",
+            "header length 10000 does not fit a 77-byte file; the file is truncated or not safetensors",
         ),
-        ("json", b'{"w": ', b"", None, "corrupt header: not JSON (byte 6: Expecting value); "),
-        ("utf8", b'{"\xff": 1}', b"", None, "corrupt header: not UTF-8 (byte 2: invalid start byte); "),
-        ("list", [1, 2], b"", None, "corrupt header: expected a JSON object of tensors, found list; "),
+        (
+            "json",
+            b'{"w": ',
+            b"",
+            None,
+            "the safetensors header is not valid JSON (Expecting value: line 1 column 7 (char 6))",
+        ),
+        (
+            "utf8",
+            b'{"\xff": 1}',
+            b"",
+            None,
+            "the safetensors header is not valid JSON ('utf-8' codec can't decode byte 0xff in position 2: "
+            "invalid start byte)",
+        ),
+        ("list", [1, 2], b"", None, "the safetensors header is a list, not a JSON object"),
         (
             "entry",
             {"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}},
             b"\0" * 8,
             None,
-            'tensor \'w\': corrupt header entry {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}: '
-            "it needs 'dtype' (a string), 'shape' (non-negative integers) and 'data_offsets' ([begin, end] "
-            "non-negative integers); ",
+            "tensor 'w' has shape [-2]; a shape is a list of non-negative ints",
         ),
         (
             "backwards",
             {"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}},
             b"\0" * 8,
             None,
-            "tensor 'w': header lies about offsets: data_offsets [8, 0] end before they begin; ",
+            "tensor 'w' has data_offsets [8, 0] outside the file's 8-byte data region",
         ),
         (
             "length",
             {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 6]}},
             b"\0" * 8,
             None,
-            "tensor 'w': header lies about offsets: data_offsets [0, 6] span 6 bytes but shape [2] of F32 "
-            "needs 8; ",
+            "tensor 'w' spans 6 bytes, but shape (2,) of float32 needs 8",
         ),
         (
             "beyond",
             {"w": {"dtype": "F32", "shape": [2], "data_offsets": [64, 72]}},
             b"\0" * 8,
             None,
-            "tensor 'w': header lies about offsets: data_offsets [64, 72] run past the 8 bytes of the data "
-            "region; ",
+            "tensor 'w' has data_offsets [64, 72] outside the file's 8-byte data region",
         ),
         (
             "truncated",
             _GOOD,
             b"\0" * 5,
             None,
-            "truncated file: the header describes 8 data bytes but only 5 are present, cutting off 'w'; ",
+            "tensor 'w' has data_offsets [0, 8] outside the file's 5-byte data region",
         ),
     ],
 )
 def test_each_corrupt_file_fails_validation_with_its_message(
     tmp_path: Path, *, case: str, header: object, data: bytes, length: int | None, problem: str
 ) -> None:
-    """Every kind of corrupt file is reported with a message naming the file, the tensor and the fix."""
+    """Every kind of corrupt file is reported naming file, tensor and fix, and its tensors as unknown."""
     path = tmp_path / f"{case}.safetensors"
     if header is None:
         path.write_bytes(b"\x01\x02\x03\x04\x05")
     else:
         _raw(path, header, data, length)
-    whole = f"{path}: {problem}{_RESAVE}"
-    expected = _message(path, whole)
-    if case in ("short", "prefix", "json", "utf8", "list"):
-        # The header is unreadable, so the expected tensor is also reported missing.
-        missing = f"{path}: tensor 'w' is missing; add it to the checkpoint or map its name with prefix_map"
-        expected = _message(path, whole, missing)
+    unknown = (
+        f"{path}: tensor 'w' is in none of the readable files; it may be in {path}, whose header could "
+        "not be read (see above)"
+    )
+    expected = _message(path, f"{path}: {problem}; {_RESAVE}", unknown)
     with CheckpointReader(path) as reader, pytest.raises(PlanError, match=re.escape(expected)):
         reader.validate([TensorSpec(name="w", shape=(2,), dtype="float32")])
 
 
-def test_unknown_dtype_and_overlapping_ranges_are_reported_together(tmp_path: Path) -> None:
-    """An unknown dtype and two overlapping tensors are all listed, and their tensors are not read."""
+def test_overlapping_ranges_make_the_file_unusable(tmp_path: Path) -> None:
+    """Two tensors whose byte ranges overlap are reported, and nothing of the file is read."""
     header = {
         "__metadata__": {"format": "pt"},
-        "q": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]},
         "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
         "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
     }
     path = _raw(tmp_path / "x.safetensors", header, b"\0" * 12)
     specs = [TensorSpec(name=n, shape=(2,), dtype="float32") for n in ("a", "b")]
-    known = ", ".join(checkpoint_module.SAFETENSORS_DTYPES)
-    dtype_problem = f"{path}: tensor 'q': unknown dtype 'F4'; torchferry reads {known}; convert it"
-    overlap = (
-        f"{path}: tensors 'a' and 'b': header lies about offsets: their data ranges [0, 8) and [4, 12) "
-        f"overlap; {_RESAVE}"
+    overlap = f"{path}: tensors 'a' and 'b' overlap in the data region (bytes 0-8 and 4-12); {_RESAVE}"
+    unknown = (
+        f"{path}: 2 expected tensors ('a', 'b') are in none of the readable files; they may be in {path}, "
+        "whose header could not be read (see above)"
     )
     out = torch.full((16,), 7, dtype=torch.uint8)
     with CheckpointReader(path) as reader:
-        with pytest.raises(PlanError, match=re.escape(_message(path, dtype_problem, overlap))):
+        assert reader.unreadable == (str(path),)
+        with pytest.raises(PlanError, match=re.escape(_message(path, overlap, unknown))):
             reader.validate(specs)
-        with pytest.raises(PlanError, match=re.escape(_message(path, overlap))):
+        with pytest.raises(PlanError, match=re.escape(_message(path, unknown))):
             reader.read_into(pack(specs), out)
     assert torch.equal(out, torch.full((16,), 7, dtype=torch.uint8))
 

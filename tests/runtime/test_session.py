@@ -133,17 +133,15 @@ def test_second_session_on_same_pipeline_is_refused() -> None:
     torchferry.offload(p, device="cpu").close()
 
 
-def test_pipeline_already_on_a_device_is_refused() -> None:
-    """A pipeline whose weights are not in host memory is rejected with what to do, and left untouched."""
+def test_meta_pipeline_without_checkpoint_is_refused() -> None:
+    """A pipeline with weights on the meta device and no checkpoint is rejected with what to do, untouched."""
     p = toy.build(0)
     p.vae.to("meta")
     message = (
-        "torchferry.offload cannot take over this pipeline:\n"
-        "  vae.fc1.weight: found on meta\n  vae.fc1.bias: found on meta\n"
-        "  vae.fc2.weight: found on meta\n  vae.fc2.bias: found on meta\n"
-        "The layerwise plan keeps every weight in host memory and moves it itself: build or load the "
-        "pipeline on the CPU (or call pipeline.to('cpu')) before torchferry.offload(...), and let the "
-        "session place it on the device."
+        "torchferry.offload cannot take over this pipeline: 4 tensor(s) are on the meta device "
+        "(vae.fc1.weight, vae.fc1.bias, vae.fc2.weight, ...) and no checkpoint was given to fill them; "
+        "pass checkpoint=<a .safetensors file, a folder of them or an *.index.json> to "
+        "torchferry.offload(...), or load the weights into the pipeline on the CPU first"
     )
     before = p.transformer.blocks[0].q.weight.data_ptr()
     with pytest.raises(PlanError, match=re.escape(message)):

@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+from torchferry.runtime._checkpoint import CheckpointReader
+from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger, SlotPool
-from torchferry.runtime._engine import Engine, Program, execute, listing
-from torchferry.runtime._host import Group, HostStore, Unit
+from torchferry.runtime._engine import Engine, Program, execute, listing, schedule_text
+from torchferry.runtime._host import Group, HostStore, Prepared, Sharding, Unit
+from torchferry.runtime._meta import meta_parameters
 from torchferry.runtime._streams import CudaStreams, StreamContext, Transfer, stream_context
 
 __all__ = [
+    "CheckpointReader",
+    "Comm",
     "CudaStreams",
     "Engine",
     "Group",
     "HostStore",
     "Ledger",
+    "Prepared",
     "Program",
+    "Sharding",
     "SlotPool",
     "StreamContext",
     "Transfer",
     "Unit",
     "execute",
     "listing",
+    "meta_parameters",
+    "schedule_text",
     "stream_context",
 ]

@@ -2,8 +2,9 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header naming every tensor's
 dtype, shape and ``data_offsets`` (relative to the end of the header), then the raw bytes. The
-reader parses the headers itself (only the headers are read when it opens), checks them, and copies
-tensor bytes only when asked, into buffers laid out by `torchferry.topology.pack`.
+reader reads and checks headers with `torchferry.topology.read_header` (one parser serves planning
+and loading; only the headers are read when it opens) and copies tensor bytes only when asked, into
+buffers laid out by `torchferry.topology.pack`.
 
 [Note: why windows of the file are mapped per copy]
 Each copy maps a bounded window of the file with Python's `mmap` (``ACCESS_COPY``: a private
@@ -15,8 +16,8 @@ mapped pages plus the host buffers). With windows of at most `WINDOW_BYTES` the 
 buffers plus one window, the bytes never pass through an intermediate tensor, and the page cache is
 still shared by every process reading the same file. `safetensors.safe_open` was not used: its
 ``get_tensor`` returns views of a whole-file mapping (copies, in older releases), so how much of the
-file stays resident is out of the reader's hands, and its header errors are not the located,
-all-at-once report `validate` gives. `torch.UntypedStorage.from_file` maps whole files too.
+file stays resident is out of the reader's hands. `torch.UntypedStorage.from_file` maps whole
+files too.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import json
 import mmap
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from itertools import pairwise
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, NoReturn, TypeAlias
@@ -34,32 +34,16 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
+from torchferry.topology._checkpoint import SAFETENSORS_DTYPES as _HEADER_DTYPES
+from torchferry.topology._checkpoint import read_header
 from torchferry.topology._frozen import FrozenMap
-from torchferry.topology._model import Block, Component, TensorSpec, Topology, dtype_size
+from torchferry.topology._model import Block, Component, TensorSpec, Topology
 from torchferry.topology._plan import Plan
 
 __all__ = ["SAFETENSORS_DTYPES", "WINDOW_BYTES", "CheckpointEntry", "CheckpointReader"]
 
-#: safetensors dtype codes torchferry reads, with the torch dtype name each one holds.
-SAFETENSORS_DTYPES: FrozenMap[str, str] = FrozenMap(
-    {
-        "BOOL": "bool",
-        "U8": "uint8",
-        "I8": "int8",
-        "F8_E5M2": "float8_e5m2",
-        "F8_E4M3": "float8_e4m3fn",
-        "I16": "int16",
-        "U16": "uint16",
-        "F16": "float16",
-        "BF16": "bfloat16",
-        "I32": "int32",
-        "U32": "uint32",
-        "F32": "float32",
-        "F64": "float64",
-        "I64": "int64",
-        "C64": "complex64",
-    }
-)
+#: safetensors dtype codes torchferry reads, with the torch dtype name each one holds (topology's table).
+SAFETENSORS_DTYPES: FrozenMap[str, str] = FrozenMap(dict(_HEADER_DTYPES))
 
 #: The most bytes of a file mapped at once while copying (see the Note at the top of this module).
 WINDOW_BYTES = 16 * 2**20
@@ -85,166 +69,34 @@ class CheckpointEntry:
         return self.end - self.begin
 
 
-@attrs.define
-class _Parsed:
-    """What one file's header yielded: sound entries, problems, and keys whose entry is unusable."""
-
-    entries: list[CheckpointEntry] = attrs.field(factory=list)
-    problems: list[str] = attrs.field(factory=list)
-    broken: dict[str, str] = attrs.field(factory=dict)
-
-
 def _shape_text(shape: Iterable[int]) -> str:
     return str(list(shape))
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _problem(exc: PlanError) -> str:
+    """A header problem from `read_header`, with the fix for a damaged file appended."""
+    return f"{exc}; {_RESAVE}"
 
 
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _entries(file: str, handle: BinaryIO) -> list[CheckpointEntry]:
+    """One file's checked entries with absolute offsets; `read_header` is the one header parser.
 
-
-def _parse_header(file: str, handle: BinaryIO, size: int) -> _Parsed:
-    """Read and check one file's header; never reads a tensor's bytes."""
-    out = _Parsed()
-    if size < 8:
-        out.problems.append(
-            f"{file}: corrupt header: the file has {size} bytes, fewer than the 8-byte length prefix; "
-            f"{_RESAVE}"
+    Raises `PlanError` for the file's first header problem (the file is then unusable as a whole).
+    """
+    header = read_header(file)
+    handle.seek(0)
+    data_start = 8 + int.from_bytes(handle.read(8), "little")
+    return [
+        CheckpointEntry(
+            key=e.name,
+            file=file,
+            dtype=e.dtype,
+            shape=e.shape,
+            begin=data_start + e.begin,
+            end=data_start + e.end,
         )
-        return out
-    length = int.from_bytes(handle.read(8), "little")
-    if length > size - 8:
-        out.problems.append(
-            f"{file}: corrupt header: the length prefix says {length} header bytes but only {size - 8} "
-            f"bytes follow it; {_RESAVE}"
-        )
-        return out
-    raw = handle.read(length)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        out.problems.append(f"{file}: corrupt header: not UTF-8 (byte {exc.start}: {exc.reason}); {_RESAVE}")
-        return out
-    except json.JSONDecodeError as exc:
-        out.problems.append(f"{file}: corrupt header: not JSON (byte {exc.pos}: {exc.msg}); {_RESAVE}")
-        return out
-    if not isinstance(header, dict):
-        out.problems.append(
-            f"{file}: corrupt header: expected a JSON object of tensors, found {type(header).__name__}; "
-            f"{_RESAVE}"
-        )
-        return out
-    data_start = 8 + length
-    available = size - data_start
-    ranged: list[tuple[int, int, str]] = []
-    for key, value in header.items():
-        if key == "__metadata__":
-            continue
-        problem = _entry_problem(file, key, value)
-        if problem is not None:
-            out.problems.append(problem)
-            out.broken[key] = problem
-            continue
-        code, shape, (begin, end) = value["dtype"], tuple(value["shape"]), value["data_offsets"]
-        if code not in SAFETENSORS_DTYPES:
-            known = ", ".join(SAFETENSORS_DTYPES)
-            problem = f"{file}: tensor {key!r}: unknown dtype {code!r}; torchferry reads {known}; convert it"
-        elif end < begin:
-            problem = (
-                f"{file}: tensor {key!r}: header lies about offsets: data_offsets [{begin}, {end}] end "
-                f"before they begin; {_RESAVE}"
-            )
-        elif end - begin != _numel(shape) * _itemsize(code):
-            problem = (
-                f"{file}: tensor {key!r}: header lies about offsets: data_offsets [{begin}, {end}] span "
-                f"{end - begin} bytes but shape {_shape_text(shape)} of {code} needs "
-                f"{_numel(shape) * _itemsize(code)}; {_RESAVE}"
-            )
-        if problem is not None:
-            out.problems.append(problem)
-            out.broken[key] = problem
-            continue
-        ranged.append((begin, end, key))
-        out.entries.append(
-            CheckpointEntry(
-                key=key,
-                file=file,
-                dtype=SAFETENSORS_DTYPES[code],
-                shape=shape,
-                begin=data_start + begin,
-                end=data_start + end,
-            )
-        )
-    _check_ranges(file, ranged, available, out)
-    return out
-
-
-def _itemsize(code: str) -> int:
-    return dtype_size(SAFETENSORS_DTYPES[code])
-
-
-def _entry_problem(file: str, key: str, value: object) -> str | None:
-    """A message when a header entry lacks a well-typed dtype, shape or data_offsets."""
-    ok = (
-        isinstance(value, dict)
-        and isinstance(value.get("dtype"), str)
-        and isinstance(value.get("shape"), list)
-        and all(_is_int(d) and d >= 0 for d in value["shape"])
-        and isinstance(value.get("data_offsets"), list)
-        and len(value["data_offsets"]) == 2
-        and all(_is_int(o) and o >= 0 for o in value["data_offsets"])
-    )
-    if ok:
-        return None
-    return (
-        f"{file}: tensor {key!r}: corrupt header entry {json.dumps(value)}: it needs 'dtype' (a string), "
-        f"'shape' (non-negative integers) and 'data_offsets' ([begin, end] non-negative integers); "
-        f"{_RESAVE}"
-    )
-
-
-def _check_ranges(file: str, ranged: list[tuple[int, int, str]], available: int, out: _Parsed) -> None:
-    """Overlapping ranges and ranges past the data region; a gap-free layout cut short is a truncated file."""
-    ordered = sorted(ranged)
-    bad: set[str] = set()
-    for (b0, e0, k0), (b1, e1, k1) in pairwise(ordered):
-        if b1 < e0:
-            problem = (
-                f"{file}: tensors {k0!r} and {k1!r}: header lies about offsets: their data ranges "
-                f"[{b0}, {e0}) and [{b1}, {e1}) overlap; {_RESAVE}"
-            )
-            out.problems.append(problem)
-            out.broken.setdefault(k0, problem)
-            out.broken.setdefault(k1, problem)
-            bad.update((k0, k1))
-    past = [(b, e, k) for b, e, k in ordered if e > available and k not in bad]
-    if past:
-        tiled = not bad and ordered[0][0] == 0 and all(e == nb for (_, e, _), (nb, _, _) in pairwise(ordered))
-        if tiled:
-            names = ", ".join(repr(k) for _, _, k in past)
-            problem = (
-                f"{file}: truncated file: the header describes {ordered[-1][1]} data bytes but only "
-                f"{available} are present, cutting off {names}; {_RESAVE}"
-            )
-            out.problems.append(problem)
-            for _, _, k in past:
-                out.broken[k] = problem
-        else:
-            for b, e, k in past:
-                problem = (
-                    f"{file}: tensor {k!r}: header lies about offsets: data_offsets [{b}, {e}] run past "
-                    f"the {available} bytes of the data region; {_RESAVE}"
-                )
-                out.problems.append(problem)
-                out.broken[k] = problem
-    broken = set(out.broken)
-    out.entries = [e for e in out.entries if e.key not in broken]
+        for e in header
+    ]
 
 
 def _expected_specs(expected: Expected) -> list[TensorSpec]:
@@ -298,6 +150,7 @@ class CheckpointReader:
         entries: dict[str, CheckpointEntry] = {}
         problems: list[str] = []
         broken: dict[str, str] = {}
+        unreadable: list[str] = []
         try:
             for file in files:
                 try:
@@ -312,10 +165,15 @@ class CheckpointReader:
                     broken.update(dict.fromkeys(listed, problem))
                     continue
                 self._handles[file] = handle
-                parsed = _parse_header(file, handle, os.fstat(handle.fileno()).st_size)
-                problems.extend(parsed.problems)
-                broken.update(parsed.broken)
-                for entry in parsed.entries:
+                try:
+                    found = _entries(file, handle)
+                except PlanError as exc:
+                    problem = _problem(exc)
+                    problems.append(problem)
+                    unreadable.append(file)
+                    broken.update(dict.fromkeys((k for k, f in (index or {}).items() if f == file), problem))
+                    continue
+                for entry in found:
                     if entry.key in entries:
                         problem = (
                             f"{self.path}: tensor {entry.key!r} appears in both {entries[entry.key].file} "
@@ -343,6 +201,8 @@ class CheckpointReader:
         self.entries: FrozenMap[str, CheckpointEntry] = FrozenMap(entries)
         #: Problems found in the headers (and index), in file order; `validate` reports them.
         self.problems: tuple[str, ...] = tuple(problems)
+        #: Files whose header could not be read (their tensors are unknown).
+        self.unreadable: tuple[str, ...] = tuple(unreadable)
         self._broken = broken
 
     def _locate(self, path: Path) -> tuple[list[str], dict[str, str] | None]:
@@ -388,9 +248,17 @@ class CheckpointReader:
     # -- checks --------------------------------------------------------------------------------------
 
     def _spec_problems(
-        self, spec: TensorSpec, prefix_map: Mapping[str, str] | None, claimed: set[str] | None = None
+        self,
+        spec: TensorSpec,
+        prefix_map: Mapping[str, str] | None,
+        claimed: set[str] | None = None,
+        unknown: list[str] | None = None,
     ) -> tuple[CheckpointEntry | None, list[str]]:
-        """The entry that serves ``spec`` (owner name first, then aliases) and any mismatch found."""
+        """The entry that serves ``spec`` (owner name first, then aliases) and any mismatch found.
+
+        A tensor not found while some file's header is unreadable goes to ``unknown`` (see
+        `_unknown`), so a damaged file is one problem rather than one per tensor.
+        """
         keys = [self.key(n, prefix_map) for n in (spec.name, *spec.aliases)]
         if claimed is not None:
             claimed.update(keys)
@@ -401,6 +269,11 @@ class CheckpointReader:
                 return None, broken[:1] if claimed is None else []
             looked = "" if keys[0] == spec.name else f" (looked up as {keys[0]!r})"
             also = f" or any of its aliases {list(spec.aliases)}" if spec.aliases else ""
+            if self.unreadable:
+                if unknown is None:
+                    return None, self._unknown([f"{spec.name!r}{looked}{also}"])
+                unknown.append(f"{spec.name!r}{looked}{also}")
+                return None, []
             return None, [
                 f"{self.path}: tensor {spec.name!r}{looked}{also} is missing; add it to the checkpoint or "
                 f"map its name with prefix_map"
@@ -420,6 +293,21 @@ class CheckpointReader:
                     f"never converts dtypes)"
                 )
         return present[0], problems
+
+    def _unknown(self, names: list[str]) -> list[str]:
+        """One problem for every expected tensor not found in the files whose headers were readable."""
+        if not names:
+            return []
+        files = ", ".join(self.unreadable)
+        if len(names) == 1:
+            what, it = f"tensor {names[0]} is", "it"
+        else:
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            what, it = f"{len(names)} expected tensors ({shown}) are", "they"
+        return [
+            f"{self.path}: {what} in none of the readable files; {it} may be in {files}, whose header "
+            "could not be read (see above)"
+        ]
 
     def _fail(self, problems: list[str]) -> NoReturn:
         problems = list(dict.fromkeys(problems))  # one problem can concern several tensors
@@ -447,8 +335,10 @@ class CheckpointReader:
         self._check_open()
         problems = list(self.problems)
         claimed: set[str] = set()
+        unknown: list[str] = []
         for spec in _expected_specs(expected):
-            problems.extend(self._spec_problems(spec, prefix_map, claimed)[1])
+            problems.extend(self._spec_problems(spec, prefix_map, claimed, unknown)[1])
+        problems.extend(self._unknown(unknown))
         if not allow_extra:
             problems.extend(
                 f"{self.entries[k].file}: tensor {k!r} is not expected by the model; remove it, map the "
@@ -495,6 +385,7 @@ class CheckpointReader:
                 f"read_into: out holds {out.numel()} bytes but the range [{start}, {end}) is {end - start}"
             )
         problems: list[str] = []
+        unknown: list[str] = []
         # (file or None to keep the bytes, source offset, destination offset, length)
         segments: list[tuple[str | None, int, int, int]] = []
         for spec, off in sorted(placed, key=lambda p: p[1]):
@@ -504,10 +395,11 @@ class CheckpointReader:
             if spec.buffer and not spec.persistent:
                 segments.append((None, 0, lo - start, hi - lo))
                 continue
-            entry, found = self._spec_problems(spec, prefix_map)
+            entry, found = self._spec_problems(spec, prefix_map, None, unknown)
             problems.extend(found)
             if entry is not None and not found:
                 segments.append((entry.file, entry.begin + lo - off, lo - start, hi - lo))
+        problems.extend(self._unknown(unknown))
         if problems:
             self._fail(problems)
         flat = out.view(-1)

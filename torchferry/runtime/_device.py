@@ -95,6 +95,7 @@ class SlotPool:
 
     def _free(self, name: str) -> None:
         slot, transfer = self.slots.pop(name)
+        self.streams.settle()
         transfer.data.untyped_storage().resize_(0)
         self.parked[name] = (slot, transfer)
         self.ledger.sub(slot.nbytes)

@@ -5,6 +5,18 @@ context and the ledger, and installs forward hooks at the blocks and components 
 A schedule is compiled once into a `Program`: its ops as prebound ``(handler, unit, op)`` triples and,
 for every anchor, the index one past that anchor's last op. Reaching an anchor runs every pending op
 up to there, so ops keyed to a block the model skipped still run, in order, before anything later.
+
+[Note: the multi-rank engine]
+With a `Comm` (the distributed strategy, all-gathered blocks, more than one rank) every rank holds
+only its shard of each all-gathered block (see `HostStore`). A ``load ... from shard`` copies that
+shard into a shard slot on the copy stream; the ``gather`` that follows all-gathers the ranks' shards
+into the block's slot on the comm stream, in the schedule's chunks, and the block's tensors point
+into the slot as after any load. Collectives could hang if ranks disagreed, so the ranks agree
+first: when the engine opens, on the plan (then on whether every rank could open: a rank whose
+checkpoint is bad fails alone, the others fail with it, and nothing is changed anywhere), and
+before the first collective of each distinct schedule, on its text. A disagreement raises
+`ExecutionError` on every rank at once. Teardown needs no collective: `close` leaves sharded tensors
+as placeholders unless asked to gather them (`close(gather=True)`, a collective).
 """
 
 from __future__ import annotations
@@ -12,17 +24,21 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from collections.abc import Callable, Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from torchferry._errors import ExecutionError
+from torchferry._errors import ExecutionError, OffloadWarning, PlanError
 from torchferry.policies import DEVICE, Op, Placement, Schedule, Step
+from torchferry.policies._layout import layout
+from torchferry.runtime._checkpoint import CheckpointReader
+from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger, SlotPool
-from torchferry.runtime._host import HOST, READY, STAGED_IN, Group, HostStore, Unit, find_attr
+from torchferry.runtime._host import HOST, READY, STAGED_IN, Group, HostStore, Sharding, Unit, find_attr
 from torchferry.runtime._streams import StreamContext, Transfer, stream_context
 from torchferry.topology import Plan
 
@@ -56,6 +72,20 @@ def _step_name(step: Step) -> str:
     return f"{step.component or '(pipeline)'}#{step.index}"
 
 
+def _portable(plan: Plan) -> str:
+    """The plan's digest without its checkpoint path, which may differ between hosts."""
+    if plan.config.checkpoint is None:
+        return plan.digest
+    return attrs.evolve(plan, config=attrs.evolve(plan.config, checkpoint=None)).digest
+
+
+def schedule_text(schedule: Schedule, plan: Plan) -> str:
+    """The text ranks compare before a schedule's first collective (its canonical form)."""
+    from torchferry.policies import format_schedule
+
+    return format_schedule(attrs.evolve(schedule, plan=_portable(plan)), sim=False)
+
+
 @attrs.define(slots=True, eq=False)
 class Program:
     """A compiled schedule: prebound op calls, anchor stops, and how far it has run (``pc``)."""
@@ -66,6 +96,8 @@ class Program:
     entry: dict[str, str]
     exit: dict[str, str]
     slots: frozenset[str]
+    collective: bool = False
+    agreed: bool = False
     pc: int = 0
 
 
@@ -79,7 +111,14 @@ class Engine:
     """
 
     def __init__(
-        self, pipeline: Any, plan: Plan, *, device: torch.device | str, pin_memory: bool = True
+        self,
+        pipeline: Any,
+        plan: Plan,
+        *,
+        device: torch.device | str,
+        pin_memory: bool = True,
+        comm: Comm | None = None,
+        prefix_map: Mapping[str, str] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.plan = plan
@@ -87,7 +126,21 @@ class Engine:
         self.streams: StreamContext = stream_context(self.device)
         self.ledger = Ledger()
         pin = pin_memory and self.device.type == "cuda" and torch.cuda.is_available()
-        self.store = HostStore.build(pipeline, plan, pin=pin)
+        world = plan.config.dp_size
+        if world > 1 and (comm is None or comm.world != world):
+            have = "no process group" if comm is None else f"a process group of {comm.world} ranks"
+            raise PlanError(
+                f"the plan all-gathers weights across {world} ranks but the engine was given {have}; "
+                f"pass the {world}-rank group (torchferry.offload(..., process_group=...)) or set the "
+                "parallel layout to its size"
+            )
+        #: The weight-shard group's collectives, or ``None`` when nothing is all-gathered.
+        self.comm = comm if world > 1 else None
+        sharding = None
+        if self.comm is not None:
+            self.comm.agree("the plan", _portable(plan))
+            sharding = Sharding(rank=self.comm.rank, world=world, names=layout(plan).allgather)
+        self.store = self._open(pipeline, plan, pin, sharding, prefix_map)
         self.slots = SlotPool(self.streams, self.ledger)
         # Why: unit -> where it is on the device (slot name or DEVICE); checked against entry and exit.
         self.placed: dict[str, str] = {}
@@ -107,6 +160,44 @@ class Engine:
         self._hooks: dict[str, tuple[RemovableHandle, RemovableHandle]] = {}
         self._tops = frozenset(c.path for c in plan.components)
         self._load_takes_device: dict[str, bool] = {}
+        # Why: shard slot -> the unit whose shard it holds, so a gather reads the shard it names.
+        self.shards: dict[str, Unit] = {}
+        # Why: (shard slot, bytes) -> (slot buffer, its first bytes), so a steady shard load builds nothing.
+        self._shard_views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Why: chunked gathers on NCCL land in one staging buffer, allocated once.
+        self._staging: Transfer | None = None
+
+    def _open(
+        self,
+        pipeline: Any,
+        plan: Plan,
+        pin: bool,
+        sharding: Sharding | None,
+        prefix_map: Mapping[str, str] | None,
+    ) -> HostStore:
+        """Check, read and take over; with several ranks, only once every rank could do the first two."""
+        failure: BaseException | None = None
+        prepared = None
+        try:
+            path = plan.config.checkpoint
+            if path is None:
+                prepared = HostStore.prepare(pipeline, plan, pin=pin, sharding=sharding)
+            else:
+                with CheckpointReader(path, prefix_map=prefix_map) as reader:
+                    prepared = HostStore.prepare(pipeline, plan, pin=pin, reader=reader, sharding=sharding)
+        except Exception as exc:
+            failure = exc
+        if self.comm is not None:
+            try:
+                self.comm.agree("open the session", "ready", ok=failure is None)
+            except ExecutionError:
+                if failure is not None:
+                    raise failure from None
+                raise
+        if failure is not None:
+            raise failure
+        assert prepared is not None
+        return prepared.commit()
 
     # ------------------------------------------------------------------------------------ hooks
     @property
@@ -200,6 +291,8 @@ class Engine:
                 problem = (
                     f"a load moves one block or remainder, and {op.unit!r} is {len(unit.groups)} buffers"
                 )
+            elif op.kind in ("load", "gather") and op.src is not None:
+                problem = self._shard_problem(unit, op, names)
             if problem is not None or unit is None:
                 raise ExecutionError(
                     f"cannot run op {i} of step {_step_name(schedule.step)}: {problem}\n"
@@ -217,11 +310,36 @@ class Engine:
             entry={p.unit: p.where for p in schedule.entry},
             exit={p.unit: p.where for p in schedule.exit},
             slots=frozenset(op.slot for op in schedule.ops if op.slot is not None),
+            collective=any(op.kind == "gather" for op in schedule.ops),
         )
         self.anchor(dict.fromkeys(op.anchor for op in schedule.ops))
         self.anchor(self._blocks_of(schedule.step.component))
         self._programs[schedule] = program
         return program
+
+    def _shard_problem(self, unit: Unit, op: Op, slots: set[str]) -> str | None:
+        """Why this rank cannot run a shard load or a gather of ``unit``, or ``None`` when it can."""
+        if op.kind == "load" and op.src != "shard":
+            return f"a load's source must be 'shard' (this rank's shard) or none, not {op.src!r}"
+        if op.kind == "gather" and op.src not in slots:
+            return f"gather source slot {op.src!r} is not in the slot table"
+        if self.comm is None:
+            return (
+                f"{op.unit} is all-gathered across ranks, but this engine has no weight-shard group (the "
+                "plan's shard group size is 1); use a plan whose parallel layout matches the process group"
+            )
+        group = unit.groups[0] if len(unit.groups) == 1 else None
+        if group is None or group.shard is None:
+            return f"{op.unit} is not sharded on this rank (the plan does not all-gather it)"
+        shard = group.host.numel()
+        expect = shard if op.kind == "load" else shard * self.comm.world
+        if op.nbytes and op.nbytes != expect:
+            return (
+                f"the schedule moves {op.nbytes} bytes but this rank's {op.kind} of {op.unit} is {expect} "
+                f"bytes ({self.comm.world} ranks, {shard}-byte shards); the schedule was made for another "
+                "plan or world size"
+            )
+        return None
 
     def _blocks_of(self, component: str) -> list[str]:
         """Block paths a forward of ``component`` runs, so each one's residency is checked."""
@@ -246,6 +364,11 @@ class Engine:
                 f"{', '.join(map(str, schedule.entry)) or '(nothing)'} but the device holds {have}; "
                 "run the step that leaves it there first, or build the schedule with this entry"
             )
+        if program.collective and not program.agreed and self.comm is not None:
+            self.comm.agree(
+                f"the schedule of step {_step_name(schedule.step)}", schedule_text(schedule, self.plan)
+            )
+            program.agreed = True
         self.streams.begin()
         self.slots.prepare(schedule.slots, occupied=self.placed.values(), used=program.slots)
         self.ledger.mark()
@@ -288,18 +411,51 @@ class Engine:
         for name in list(self.staged):
             self._drop_staged(name)
         self.store.reset()
+        self.shards.clear()
         self.transfers.clear()
         self.occupants.clear()
         self.placed.clear()
         self.residency = ()
 
-    def close(self) -> None:
-        """Remove every hook, free device memory and give each tensor host storage of its own again."""
+    def close(self, *, gather: bool = False) -> None:
+        """Remove every hook, free device memory and give each tensor host storage of its own again.
+
+        Tensors of blocks this rank holds only a shard of stay placeholders (shape ``(0,)``), and
+        their host shards are kept, unless ``gather`` is true: then every rank of the weight-shard
+        group must call it (a collective), and full host copies are re-assembled first. `gather_host`
+        does the same later, after a plain close.
+        """
         self.unhook()
         self.abort()
         self.slots.clear()
         self._programs.clear()
+        if self._staging is not None:
+            self.ledger.sub(self._staging.data.numel())
+            self._staging = None
+        if gather:
+            self.gather_host()
         self.store.close()
+        if self.store.sharded:
+            names = [g.name for g in self.store.sharded]
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            warnings.warn(
+                f"torchferry: this rank holds only its 1/{self.plan.config.dp_size} shard of {len(names)} "
+                f"all-gathered block(s) ({shown}), so their tensors are left empty (shape (0,)); call "
+                "close(gather=True) on every rank (a collective) to get full weights back",
+                OffloadWarning,
+                stacklevel=3,
+            )
+
+    def gather_host(self) -> None:
+        """Re-assemble full host copies of every sharded block, one block at a time (a collective).
+
+        Every rank of the weight-shard group must call it, in the same order of sessions.
+        """
+        if self.comm is None:
+            return
+        for group in self.store.sharded:
+            group.unshard(self.comm.gather_host(group.host, group.name))
+            self.store.give_back(group)
 
     def _run(self, program: Program, stop: int) -> None:
         calls = program.calls
@@ -321,27 +477,90 @@ class Engine:
     # ------------------------------------------------------------------------------ handlers
     def _load(self, unit: Unit, op: Op) -> None:
         if op.src is not None:
-            raise ExecutionError(
-                f"load of {op.unit} from {op.src!r} needs the multi-rank runtime, which this engine is not"
-            )
+            self._load_shard(unit, op)
+            return
         assert op.slot is not None
         slot = self.slots.get(op.slot)
+        self._claim(unit, op)
+        group = unit.groups[0]
+        if group.shard is not None:
+            raise ExecutionError(
+                f"load of {unit.name}: this rank holds only its shard of the block; the schedule must "
+                "load the shard and all-gather it (the distributed_layerwise policy does)"
+            )
+        dst, views = group.views(op.slot, slot.data)
+        self.streams.copy_in(slot, dst, group.host)
+        self._placed_in(unit, op.slot, slot, views)
+
+    def _claim(self, unit: Unit, op: Op) -> None:
+        assert op.slot is not None
         held = self.occupants.get(op.slot)
         if held is not None and held is not unit:
             raise ExecutionError(
-                f"load of {unit.name} into slot {op.slot} while {held.name} still occupies it"
+                f"{op.kind} of {unit.name} into slot {op.slot} while {held.name} still occupies it"
             )
+
+    def _placed_in(self, unit: Unit, name: str, slot: Transfer, views: tuple[torch.Tensor, ...]) -> None:
         group = unit.groups[0]
-        dst, views = group.views(op.slot, slot.data)
-        self.streams.copy_in(slot, dst, group.host)
         group.point(views)
         group.where = STAGED_IN
         self.transfers[unit.name] = slot
-        self.occupants[op.slot] = unit
-        self.placed[unit.name] = op.slot
+        self.occupants[name] = unit
+        self.placed[unit.name] = name
+
+    def _load_shard(self, unit: Unit, op: Op) -> None:
+        """Copy this rank's shard of the block into a shard slot (compile checked it is sharded)."""
+        assert op.slot is not None
+        group = unit.groups[0]
+        slot = self.slots.get(op.slot)
+        size = group.host.numel()
+        cached = self._shard_views.get((op.slot, size))
+        if cached is None or cached[0] is not slot.data:
+            cached = (slot.data, slot.data.narrow(0, 0, size))
+            self._shard_views[op.slot, size] = cached
+        self.streams.copy_in(slot, cached[1], group.host)
+        self.shards[op.slot] = unit
 
     def _gather(self, unit: Unit, op: Op) -> None:
-        raise ExecutionError(f"gather of {op.unit} needs the multi-rank runtime, which this engine is not")
+        """All-gather the ranks' shards held in slot ``op.src`` into the block's slot ``op.slot``."""
+        assert op.slot is not None and op.src is not None and self.comm is not None
+        if self.shards.get(op.src) is not unit:
+            held = self.shards.get(op.src)
+            raise ExecutionError(
+                f"gather of {unit.name} from slot {op.src}, which holds "
+                f"{'no shard' if held is None else 'the shard of ' + held.name}; load its shard first"
+            )
+        self._claim(unit, op)
+        group = unit.groups[0]
+        src = self.slots.get(op.src)
+        slot = self.slots.get(op.slot)
+        size = group.host.numel()
+        cached = self._shard_views.get((op.src, size))
+        shard = cached[1] if cached is not None and cached[0] is src.data else src.data.narrow(0, 0, size)
+        staging = self._staging_for(size, op.chunks)
+        comm = self.comm
+
+        def run() -> None:
+            comm.all_gather(slot.data, shard, op.chunks, unit.name, staging)
+
+        self.streams.collective(slot, src, run)
+        del self.shards[op.src]
+        _, views = group.views(op.slot, slot.data)
+        self._placed_in(unit, op.slot, slot, views)
+
+    def _staging_for(self, size: int, chunks: int) -> torch.Tensor | None:
+        """The staging buffer a chunked gather needs on this backend (grown once to the largest)."""
+        comm = self.comm
+        if comm is None or chunks <= 1 or not comm.staged:
+            return None
+        need = comm.world * -(-size // chunks)
+        if self._staging is None or self._staging.data.numel() < need:
+            if self._staging is not None:
+                self.ledger.sub(self._staging.data.numel())
+            self._staging = self.streams.transfer(need)
+            self.ledger.add(need)
+            self.streams.fence()
+        return self._staging.data
 
     def _wait(self, unit: Unit, op: Op) -> None:
         transfer = self.transfers.get(unit.name)
@@ -365,6 +584,13 @@ class Engine:
         self.placed.pop(unit.name, None)
 
     def _stage(self, unit: Unit, op: Op) -> None:
+        sharded = [g.name for g in unit.groups if g.shard is not None]
+        if sharded:
+            raise ExecutionError(
+                f"stage of {unit.name}: this rank holds only shards of {', '.join(sharded)}, which are "
+                "all-gathered into ring slots, never staged; keep all-gathered blocks out of a policy's "
+                "resident set"
+            )
         if unit.name in self.staged:
             self._drop_staged(unit.name)
         held = []

@@ -11,22 +11,61 @@ object under several names) stay tied. A tensor whose elements are dense in memo
 Host buffers are filled once when a session opens and are never written or freed while it lives: a
 device copy can always be dropped, and no failure can lose a weight. `HostStore.close` gives every
 tensor ordinary storage of its own again.
+
+[Note: filling from a checkpoint]
+With a `CheckpointReader` the buffers fill from the safetensors files (one block at a time, straight
+from mapped windows of the file into the buffer), never from the module, so the pipeline may be
+built with its parameters on the meta device: host memory then peaks near the model's size once.
+Opening is two phases: `HostStore.prepare` checks everything (the live tensors against the plan,
+the checkpoint against the topology) and reads every buffer without touching the pipeline; only
+`Prepared.commit` mutates it (meta tensors become CPU tensors in place, by `torch.utils.swap_tensors`,
+so their identity and ties survive, then every tensor is re-pointed). Any failure before commit
+leaves the pipeline exactly as it was. Checkpoint bytes are in row-major order; a tensor whose
+module stores it with other strides (a transposed weight) is rearranged into those strides.
+
+Non-persistent buffers (RoPE tables and the like) are not in checkpoints: their bytes come from the
+module, which must have computed them on the CPU. Build the pipeline under `meta_parameters()`
+(parameters on meta, buffers as the module makes them); a non-persistent buffer left on the meta
+device (``with torch.device("meta")`` puts everything there) cannot be recomputed and is rejected.
+
+[Note: sharded groups]
+Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
+``[rank * shard, (rank + 1) * shard)`` of the block's packed buffer, zero-padded past the block's end
+(``shard = policies.shard_nbytes(block, world)``); from a checkpoint only those bytes are read.
+Outside a step the tensors of a sharded group are placeholders of shape ``(0,)`` (this rank has no
+full copy to point them at): running a block that is not resident is an `ExecutionError`, and
+reading its weights directly shows empty tensors. They point into a device slot while the block is
+resident, and the session's ``close(gather=True)`` re-assembles full host copies (a collective).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+from torch import nn
 
 from torchferry._errors import PlanError
 from torchferry.policies import rest_unit
 from torchferry.topology import Component, Plan, TensorSpec, pack
 
-__all__ = ["HOST", "READY", "STAGED_IN", "Group", "HostStore", "Unit", "find_attr"]
+if TYPE_CHECKING:
+    from torchferry.runtime._checkpoint import CheckpointReader
+
+__all__ = [
+    "HOST",
+    "READY",
+    "STAGED_IN",
+    "Group",
+    "HostStore",
+    "Prepared",
+    "Sharding",
+    "Unit",
+    "find_attr",
+]
 
 #: Where a group's tensors point: host memory, device memory not yet waited for, device memory ready.
 HOST, STAGED_IN, READY = 0, 1, 2
@@ -37,25 +76,24 @@ def find_attr(root: Any, dotted: str) -> Any:
     return functools.reduce(getattr, dotted.split("."), root) if dotted else root
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name)
-    assert isinstance(dtype, torch.dtype)
-    return dtype
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    strides: list[int] = []
+    expected = 1
+    for size in reversed(shape):
+        strides.insert(0, expected)
+        expected *= size
+    return tuple(strides)
 
 
 def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
     """``t``'s strides if its elements fill a gap-free range of memory, else contiguous strides."""
-    contiguous: list[int] = []
-    expected = 1
-    for size in reversed(t.shape):
-        contiguous.insert(0, expected)
-        expected *= size
+    contiguous = _contiguous(t.shape)
     if t.is_contiguous():
-        return tuple(contiguous)
+        return contiguous
     expected = 1
     for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1):
         if stride != expected:
-            return tuple(contiguous)
+            return contiguous
         expected *= size
     return tuple(t.stride())
 
@@ -70,9 +108,30 @@ class Piece:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
 
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        """This tensor's view into ``flat`` (a ``uint8`` buffer laid out like its group)."""
-        return flat.narrow(0, self.offset, self.nbytes).view(self.dtype).as_strided(self.shape, self.stride)
+    def view(self, flat: torch.Tensor, at: int | None = None) -> torch.Tensor:
+        """This tensor's view into ``flat`` (a ``uint8`` buffer laid out like its group), or at ``at``."""
+        offset = self.offset if at is None else at
+        return flat.narrow(0, offset, self.nbytes).view(self.dtype).as_strided(self.shape, self.stride)
+
+    @property
+    def row_major(self) -> bool:
+        """Whether the bytes are in the row-major order checkpoints store."""
+        return self.stride == _contiguous(self.shape)
+
+    def arranged(self, source: torch.Tensor) -> torch.Tensor:
+        """``source``'s values as this piece stores them: ``nbytes`` bytes in the piece's strides."""
+        flat = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.view(flat, 0).copy_(source)
+        return flat
+
+
+@attrs.frozen(kw_only=True)
+class Sharding:
+    """This rank's part of the weight-shard group: it keeps 1/``world`` of every group in ``names``."""
+
+    rank: int
+    world: int
+    names: frozenset[str]
 
 
 @attrs.define(slots=True, eq=False)
@@ -81,6 +140,8 @@ class Group:
 
     ``where`` is `HOST`, `STAGED_IN` or `READY`; ``device_views`` caches, per slot name, the byte range
     and tensor views into the slot's buffer last used, so a repeated load into a slot builds nothing.
+    ``shard`` is the byte range ``[start, end)`` of the packed group this rank holds when it holds
+    only a shard (then ``host`` is those bytes and ``host_views`` are placeholders); else ``None``.
     """
 
     name: str
@@ -93,6 +154,7 @@ class Group:
     device_views: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] = attrs.field(
         factory=dict
     )
+    shard: tuple[int, int] | None = None
 
     def views(self, key: str, flat: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The group's bytes of ``flat`` and its tensors' views, cached per ``key`` while ``flat`` stays."""
@@ -114,6 +176,14 @@ class Group:
         if self.where != HOST:
             self.point(self.host_views)
             self.where = HOST
+
+    def unshard(self, full: torch.Tensor) -> None:
+        """Adopt ``full`` (the whole packed group, at least ``nbytes`` bytes) as the host buffer."""
+        self.host = full
+        self.host_views = tuple(p.view(full) for p in self.pieces)
+        self.shard = None
+        self.where = -1  # force the re-point
+        self.to_host()
 
 
 @attrs.define(slots=True, eq=False)
@@ -144,16 +214,75 @@ class HostStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of host memory the store holds."""
-        return sum(g.nbytes for g in self.groups.values())
+        """Bytes of host memory the store holds (a sharded group counts its shard only)."""
+        return sum(g.host.numel() for g in self.groups.values())
+
+    @property
+    def sharded(self) -> tuple[Group, ...]:
+        """The groups this rank holds only a shard of."""
+        return tuple(g for g in self.groups.values() if g.shard is not None)
 
     @classmethod
-    def build(cls, pipeline: Any, plan: Plan, *, pin: bool) -> HostStore:
+    def build(
+        cls,
+        pipeline: Any,
+        plan: Plan,
+        *,
+        pin: bool,
+        reader: CheckpointReader | None = None,
+        sharding: Sharding | None = None,
+    ) -> HostStore:
         """Lay out, check and fill the host buffers for ``plan``; raises `PlanError` before mutating."""
+        return cls.prepare(pipeline, plan, pin=pin, reader=reader, sharding=sharding).commit()
+
+    @classmethod
+    def prepare(
+        cls,
+        pipeline: Any,
+        plan: Plan,
+        *,
+        pin: bool,
+        reader: CheckpointReader | None = None,
+        sharding: Sharding | None = None,
+    ) -> Prepared:
+        """Check everything and, from a checkpoint, read every buffer, without touching the pipeline.
+
+        Raises `PlanError` for a pipeline or checkpoint that cannot serve ``plan`` (every problem at
+        once); see the Notes at the top of this module.
+        """
         specs = _group_specs(plan)
         lookup = _Lookup(pipeline)
         resolved = {name: [lookup.tensor(s) for s in group] for name, group in specs.items()}
-        problems = [p for name, group in specs.items() for p in _check(group, resolved[name])]
+        loose = _loose_specs(plan, specs)
+        loose_live = [lookup.tensor(s) for s in loose]
+        problems: list[str] = []
+        meta: list[str] = []
+        on_meta: list[str] = []
+        unmanaged: list[str] = []
+        for name, group in specs.items():
+            _check(group, resolved[name], problems, meta, on_meta)
+        _check(loose, loose_live, problems, meta, on_meta, missing_ok=True)
+        _check_unmanaged(pipeline, plan, meta, unmanaged)
+        if meta and reader is None:
+            raise PlanError(
+                f"torchferry.offload cannot take over this pipeline: {len(meta)} tensor(s) are on the meta "
+                f"device ({_some(meta)}) and no checkpoint was given to fill them; pass checkpoint=<a "
+                ".safetensors file, a folder of them or an *.index.json> to torchferry.offload(...), or "
+                "load the weights into the pipeline on the CPU first"
+            )
+        if on_meta or unmanaged:
+            raise PlanError(
+                "torchferry.offload cannot fill this pipeline from its checkpoint: "
+                + (
+                    f"{len(on_meta)} non-persistent buffer(s) are on the meta device ({_some(on_meta)}), "
+                    "and checkpoints do not hold such buffers nor can torchferry recompute them; build the "
+                    "pipeline under torchferry.meta_parameters() (parameters on meta, buffers computed on "
+                    "the CPU as the module makes them) instead of torch.device('meta')"
+                    if on_meta
+                    else f"{len(unmanaged)} tensor(s) on the meta device belong to no component torchferry "
+                    f"manages ({_some(unmanaged)}), so nothing would fill them; give them real values first"
+                )
+            )
         if problems:
             raise PlanError(
                 "torchferry.offload cannot take over this pipeline:\n  "
@@ -163,11 +292,31 @@ class HostStore:
                 "build or load the pipeline on the CPU (or call pipeline.to('cpu')) before "
                 "torchferry.offload(...), and let the session place it on the device."
             )
-        groups: dict[str, Group] = {}
+        if reader is not None:
+            reader.validate(plan.topology)
+        layouts: dict[str, tuple[tuple[Piece, ...], int]] = {}
         for name, group in specs.items():
-            groups[name] = _fill(name, group, resolved[name], pin=pin)
-        units = _units(plan, groups, pipeline)
-        return cls(groups, units, pin)
+            layouts[name] = _layout(group, resolved[name])
+        buffers: dict[str, torch.Tensor] = {}
+        loose_values: list[torch.Tensor | None] = []
+        if reader is not None:
+            for name, group in specs.items():
+                pieces, nbytes = layouts[name]
+                span = _span(name, nbytes, sharding)
+                buffers[name] = _read(reader, group, pieces, resolved[name], span, pin=pin)
+            for spec, live in zip(loose, loose_live, strict=True):
+                loose_values.append(_read_loose(reader, spec, live))
+        return Prepared(
+            pipeline=pipeline,
+            plan=plan,
+            pin=pin,
+            sharding=sharding,
+            specs=specs,
+            live=resolved,
+            layouts=layouts,
+            buffers=buffers,
+            loose=list(zip(loose_live, loose_values, strict=True)) if reader is not None else [],
+        )
 
     def reset(self) -> None:
         """Point every tensor back at host memory (error recovery; host bytes are never lost)."""
@@ -176,18 +325,92 @@ class HostStore:
             group.device_views.clear()
 
     def close(self) -> None:
-        """Give every tensor ordinary storage of its own again, bit-identical, strides kept."""
-        for group in self.groups.values():
-            group.to_host()
-            fresh = []
-            for piece, view in zip(group.pieces, group.host_views, strict=True):
-                t = torch.empty_strided(piece.shape, piece.stride, dtype=piece.dtype)
-                t.copy_(view)
-                fresh.append(t)
-            group.point(fresh)
-            group.device_views.clear()
-        self.groups.clear()
+        """Give every tensor ordinary storage of its own again, bit-identical, strides kept.
+
+        Group by group, each host buffer dropped as soon as its tensors have their own copies, so
+        closing peaks at the host store plus one group. Sharded groups cannot be given back without
+        their peers' shards: they keep their placeholders and stay in ``groups`` (host shards are
+        never dropped) until `Group.unshard` gives them their full bytes and `give_back` or `close`
+        runs again.
+        """
+        for name in list(self.groups):
+            group = self.groups[name]
+            if group.shard is None:
+                self.give_back(group)
+            else:
+                group.to_host()
+                group.device_views.clear()
         self.units.clear()
+
+    def give_back(self, group: Group) -> None:
+        """Give ``group``'s tensors storage of their own and drop the group (it must hold full bytes)."""
+        group.to_host()
+        group.device_views.clear()
+        fresh = []
+        for piece, view in zip(group.pieces, group.host_views, strict=True):
+            t = torch.empty_strided(piece.shape, piece.stride, dtype=piece.dtype)
+            t.copy_(view)
+            fresh.append(t)
+        group.point(fresh)
+        group.host_views = tuple(fresh)
+        group.host = torch.empty(0, dtype=torch.uint8)
+        del self.groups[group.name]
+
+
+@attrs.define(eq=False)
+class Prepared:
+    """A checked (and, from a checkpoint, fully read) host store whose `commit` takes the pipeline over."""
+
+    pipeline: Any
+    plan: Plan
+    pin: bool
+    sharding: Sharding | None
+    specs: dict[str, list[TensorSpec]]
+    live: dict[str, list[torch.Tensor | None]]
+    layouts: dict[str, tuple[tuple[Piece, ...], int]]
+    buffers: dict[str, torch.Tensor]
+    loose: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+
+    def commit(self) -> HostStore:
+        """Re-point the pipeline's tensors at the host buffers (filling them from the module if no
+        checkpoint was read); the only step that mutates the pipeline, and it cannot fail."""
+        groups: dict[str, Group] = {}
+        for name, tensors in self.live.items():
+            pieces, nbytes = self.layouts[name]
+            span = _span(name, nbytes, self.sharding)
+            ordered = list(_ordered(self.specs[name], tensors))
+            host = self.buffers.get(name)
+            if host is None:
+                host = _from_module(ordered, pieces, nbytes, span, pin=self.pin)
+            for t in ordered:
+                if t.is_meta:
+                    _materialise(t)
+            if span is None:
+                views = tuple(p.view(host) for p in pieces)
+            else:
+                views = tuple(torch.empty(0, dtype=p.dtype) for p in pieces)
+            with torch.no_grad():
+                for t, v in zip(ordered, views, strict=True):
+                    t.data = v
+            groups[name] = Group(
+                name=name,
+                tensors=tuple(ordered),
+                pieces=pieces,
+                nbytes=nbytes,
+                host=host,
+                host_views=views,
+                shard=span,
+            )
+        for live, value in self.loose:
+            if live is None or value is None:
+                continue
+            if live.is_meta:
+                _materialise(live)
+            with torch.no_grad():
+                live.data = value
+        self.buffers = {}
+        units = _units(self.plan, groups, self.pipeline)
+        return HostStore(groups, units, self.pin)
 
 
 class _Lookup:
@@ -205,40 +428,168 @@ class _Lookup:
         return t if isinstance(t, torch.Tensor) else None
 
 
-def _check(specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor | None]) -> Iterator[str]:
+def _check(
+    specs: Sequence[TensorSpec],
+    tensors: Sequence[torch.Tensor | None],
+    problems: list[str],
+    meta: list[str],
+    buffers: list[str],
+    *,
+    missing_ok: bool = False,
+) -> None:
     for spec, t in zip(specs, tensors, strict=True):
         if t is None:
-            yield f"{spec.name}: not found on the pipeline (the topology is stale; discover it again)"
+            if not missing_ok:
+                problems.append(
+                    f"{spec.name}: not found on the pipeline (the topology is stale; discover it again)"
+                )
         elif tuple(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
-            yield (
+            problems.append(
                 f"{spec.name}: the pipeline holds {tuple(t.shape)} {t.dtype}, the topology says "
                 f"{spec.shape} {spec.dtype} (discover it again)"
             )
+        elif t.is_meta:
+            if spec.buffer and not spec.persistent:
+                buffers.append(spec.name)
+            meta.append(spec.name)
         elif t.device.type != "cpu":
-            yield f"{spec.name}: found on {t.device}"
+            problems.append(f"{spec.name}: found on {t.device}")
 
 
-def _fill(
-    name: str, specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor | None], *, pin: bool
-) -> Group:
+def _check_unmanaged(pipeline: Any, plan: Plan, meta: list[str], unmanaged: list[str]) -> None:
+    """Meta tensors of the pipeline that no component of the topology owns: nothing would fill them."""
+    if not isinstance(pipeline, nn.Module):
+        return
+    known = {n for c in plan.topology.components for s in c.all_tensors() for n in (s.name, *s.aliases)}
+    named = [*pipeline.named_parameters(), *pipeline.named_buffers()]
+    for name, t in named:
+        if t.is_meta and name not in known:
+            meta.append(name)
+            unmanaged.append(name)
+
+
+def _some(names: Sequence[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _loose_specs(plan: Plan, specs: Mapping[str, Sequence[TensorSpec]]) -> list[TensorSpec]:
+    """Tensors of the topology no group holds (on-demand components'): filled in place from a checkpoint."""
+    covered = {s.name for group in specs.values() for s in group}
+    return [s for c in plan.topology.components for s in c.all_tensors() if s.name not in covered]
+
+
+def _ordered(specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor | None]) -> Iterator[torch.Tensor]:
+    live = {s.name: t for s, t in zip(specs, tensors, strict=True)}
+    for spec, _ in pack(specs):
+        t = live[spec.name]
+        assert t is not None
+        yield t
+
+
+def _layout(
+    specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor | None]
+) -> tuple[tuple[Piece, ...], int]:
+    """The pieces of a group in `pack` order (strides from the live tensors) and its byte count."""
     live = {s.name: t for s, t in zip(specs, tensors, strict=True)}
     pieces: list[Piece] = []
-    ordered: list[torch.Tensor] = []
     for spec, offset in pack(specs):
         t = live[spec.name]
         assert t is not None
         pieces.append(Piece(offset, spec.nbytes, t.dtype, tuple(t.shape), _dense_strides(t)))
-        ordered.append(t)
-    nbytes = sum(s.nbytes for s in specs)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    views = tuple(p.view(host) for p in pieces)
+    return tuple(pieces), sum(s.nbytes for s in specs)
+
+
+def _span(name: str, nbytes: int, sharding: Sharding | None) -> tuple[int, int] | None:
+    """The byte range of group ``name`` this rank keeps, or ``None`` when it keeps all of it."""
+    if sharding is None or name not in sharding.names:
+        return None
+    from torchferry.policies._layout import shard_nbytes
+
+    shard = shard_nbytes(nbytes, sharding.world)
+    return sharding.rank * shard, (sharding.rank + 1) * shard
+
+
+def _from_module(
+    tensors: Sequence[torch.Tensor],
+    pieces: Sequence[Piece],
+    nbytes: int,
+    span: tuple[int, int] | None,
+    *,
+    pin: bool,
+) -> torch.Tensor:
+    """The group's host buffer filled from the module's own tensors (only the span when sharded)."""
+    start, end = span if span is not None else (0, nbytes)
+    host = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin)
+    packed = host if span is None else torch.empty(nbytes, dtype=torch.uint8)
     with torch.no_grad():
-        for t, v in zip(ordered, views, strict=True):
-            v.copy_(t.data)
-            t.data = v
-    return Group(
-        name=name, tensors=tuple(ordered), pieces=tuple(pieces), nbytes=nbytes, host=host, host_views=views
-    )
+        for t, p in zip(tensors, pieces, strict=True):
+            p.view(packed).copy_(t.data)
+    if span is not None:
+        stop = max(start, min(end, nbytes))
+        host[: stop - start].copy_(packed[start:stop])
+        host[stop - start :].zero_()
+    return host
+
+
+def _read(
+    reader: CheckpointReader,
+    specs: Sequence[TensorSpec],
+    pieces: Sequence[Piece],
+    tensors: Sequence[torch.Tensor | None],
+    span: tuple[int, int] | None,
+    *,
+    pin: bool,
+) -> torch.Tensor:
+    """The group's host buffer (or this rank's span of it) read from the checkpoint.
+
+    Checkpoint bytes are row-major; pieces stored with other strides are rearranged, and the bytes of
+    non-persistent buffers come from the module (see the Note at the top).
+    """
+    layout = pack(specs)
+    nbytes = sum(s.nbytes for s in specs)
+    start, end = span if span is not None else (0, nbytes)
+    host = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin)
+    reader.read_into(layout, host, start, end)
+    live = {s.name: t for s, t in zip(specs, tensors, strict=True)}
+    for (spec, offset), piece in zip(layout, pieces, strict=True):
+        lo, hi = max(offset, start), min(offset + spec.nbytes, end)
+        if lo >= hi:
+            continue
+        source: torch.Tensor
+        if spec.buffer and not spec.persistent:
+            t = live[spec.name]
+            assert t is not None
+            source = t.detach()
+        elif piece.row_major:
+            continue
+        elif (lo, hi) == (offset, offset + spec.nbytes):
+            source = host[lo - start : hi - start].clone().view(piece.dtype).view(piece.shape)
+        else:
+            source = reader.read_tensor(spec.name)
+        arranged = piece.arranged(source)
+        host[lo - start : hi - start].copy_(arranged[lo - offset : hi - offset])
+    return host
+
+
+def _read_loose(reader: CheckpointReader, spec: TensorSpec, live: torch.Tensor | None) -> torch.Tensor | None:
+    """A fresh CPU tensor for an on-demand component's tensor, from the checkpoint, in its strides."""
+    if live is None or (spec.buffer and not spec.persistent):
+        return None
+    value = reader.read_tensor(spec.name)
+    strides = _dense_strides(live)
+    if strides == _contiguous(value.shape):
+        return value
+    out = torch.empty_strided(tuple(live.shape), strides, dtype=value.dtype)
+    out.copy_(value)
+    return out
+
+
+def _materialise(t: torch.Tensor) -> None:
+    """Turn meta tensor ``t`` into an empty CPU tensor in place (same object, so ties survive)."""
+    fresh = torch.empty(0, dtype=t.dtype)
+    if isinstance(t, nn.Parameter):
+        fresh = nn.Parameter(fresh, requires_grad=t.requires_grad)
+    torch.utils.swap_tensors(t, fresh)  # type: ignore[no-untyped-call]
 
 
 def _group_specs(plan: Plan) -> dict[str, list[TensorSpec]]:

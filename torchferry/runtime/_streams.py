@@ -27,6 +27,7 @@ one code path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -66,11 +67,25 @@ class StreamContext:
         """Copy host bytes ``src`` into ``dst_bytes`` (a view of ``dst.data``), ordered after ``dst.free``."""
         dst_bytes.copy_(src)
 
+    def collective(self, dst: Transfer, src: Transfer, run: Callable[[], None]) -> None:
+        """Run ``run`` (a collective reading ``src`` and writing ``dst``) on the comm stream.
+
+        It is ordered after ``src``'s copy and after ``dst.free``; ``dst.ready`` is recorded after it,
+        and ``src.free`` too (so the next copy into ``src`` waits for the collective to read it).
+        """
+        run()
+
     def wait(self, transfer: Transfer) -> None:
         """Make the compute stream wait until ``transfer`` is written."""
 
     def release(self, transfer: Transfer) -> None:
         """Mark the point after which compute no longer reads ``transfer`` (its ``free`` event)."""
+
+    def fence(self) -> None:
+        """Order the copy and comm streams after everything compute has issued (fresh scratch memory)."""
+
+    def settle(self) -> None:
+        """Order compute after everything the copy and comm streams issued (before memory is freed)."""
 
     def synchronize(self) -> None:
         """Block the host until every stream is idle (teardown and error recovery only)."""
@@ -105,6 +120,19 @@ class CudaStreams(StreamContext):
             dst_bytes.copy_(src, non_blocking=True)
         dst.ready.record(self.copy)
 
+    def collective(self, dst: Transfer, src: Transfer, run: Callable[[], None]) -> None:
+        self.comm.wait_event(src.ready)
+        if dst.free is None:
+            self.comm.wait_stream(self.compute)
+        else:
+            self.comm.wait_event(dst.free)
+        with torch.cuda.stream(self.comm):
+            run()
+        dst.ready.record(self.comm)
+        if src.free is None:
+            src.free = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        src.free.record(self.comm)
+
     def wait(self, transfer: Transfer) -> None:
         self.compute.wait_event(transfer.ready)
 
@@ -112,6 +140,17 @@ class CudaStreams(StreamContext):
         if transfer.free is None:
             transfer.free = torch.cuda.Event()  # type: ignore[no-untyped-call]
         transfer.free.record(self.compute)
+
+    def fence(self) -> None:
+        self.copy.wait_stream(self.compute)
+        self.comm.wait_stream(self.compute)
+
+    def settle(self) -> None:
+        # Why: slot memory goes back to the allocator under the compute stream; a copy or gather
+        # still in flight on another stream (a prefetch the next step never waits for) must finish
+        # before compute can reuse it.
+        self.compute.wait_stream(self.copy)
+        self.compute.wait_stream(self.comm)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

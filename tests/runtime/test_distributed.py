@@ -1,0 +1,288 @@
+"""The multi-rank runtime on spawned gloo processes: sharded host weights, all-gathers, agreement, failures.
+
+Spawning is slow, so each test runs one batch of checks on every rank (the ``_...`` workers below run
+inside the children and return what they saw) and asserts on the results in the parent.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchferry
+from torchferry import ExecutionError, OffloadWarning, PlanError, policies, toy
+from torchferry._multiproc import RankError, run_ranks
+from torchferry.policies import shard_nbytes
+from torchferry.runtime import CheckpointReader
+
+pytestmark = pytest.mark.dist
+
+CALLS: list[dict[str, Any]] = [{"steps": 2}, {"steps": 3, "skip": {1: {2}, 2: {7}}}]
+
+#: name -> (offload options, two experts, from the checkpoint on a meta-built pipeline)
+CASES: dict[str, tuple[dict[str, Any], bool, bool]] = {
+    "allgather": ({"prefetch_depth": 2}, False, False),
+    "allgather-chunked-experts": (
+        {"chunk_bytes": 4096, "components": {"dit", "text_encoder"}, "encoder_transfer": "allgather"},
+        True,
+        False,
+    ),
+    "rank-local": ({"dit_transfer": "rank-local"}, False, False),
+    "rank-local-resident": ({"dit_transfer": "rank-local", "resident_layers": 2}, False, False),
+    "allgather-encoder-resident-dit": (
+        {
+            "dit_transfer": "rank-local",
+            "resident_layers": 2,
+            "encoder_transfer": "allgather",
+            "components": {"dit", "text_encoder"},
+        },
+        False,
+        False,
+    ),
+    "checkpoint-allgather-chunked": ({"chunk_bytes": 5000}, False, True),
+    "checkpoint-rank-local-resident": ({"dit_transfer": "rank-local", "resident_layers": 1}, False, True),
+}
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(keep_vars=True), b.state_dict(keep_vars=True)
+    return sa.keys() == sb.keys() and all(
+        torch.equal(sa[k], sb[k]) and sa[k].stride() == sb[k].stride() for k in sa
+    )
+
+
+def _snapshot(p: torch.nn.Module) -> dict[str, tuple[int, str]]:
+    named = [*p.named_parameters(remove_duplicate=False), *p.named_buffers(remove_duplicate=False)]
+    return {n: (id(t), f"{t.device}:{0 if t.is_meta else t.data_ptr()}") for n, t in named}
+
+
+class _Reads:
+    """Counts the checkpoint bytes the reader copies (wrapping its real copy routine)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._copy = CheckpointReader._copy
+
+    def __enter__(self) -> _Reads:
+        reads = self
+
+        def copy(reader: CheckpointReader, file: str, src: int, dst: torch.Tensor) -> None:
+            reads.bytes += dst.numel()
+            reads._copy(reader, file, src, dst)
+
+        CheckpointReader._copy = copy  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        CheckpointReader._copy = self._copy  # type: ignore[method-assign]
+
+
+# ------------------------------------------------------------------------------ workers (children)
+
+
+def _equivalence(rank: int, world: int, checkpoint: str) -> dict[str, dict[str, Any]]:
+    """Every case of CASES on this rank: outputs, host bytes, bytes read, and the way back."""
+    seen: dict[str, dict[str, Any]] = {}
+    refs = {two: toy.build(0, two_experts=two) for two in (False, True)}
+    expected = {two: [refs[two]("a cat", **call) for call in CALLS] for two in (False, True)}
+    for name, (options, two, from_checkpoint) in CASES.items():
+        p = toy.build_empty(two_experts=two) if from_checkpoint else toy.build(0, two_experts=two)
+        extra = {"checkpoint": checkpoint} if from_checkpoint else {}
+        with _Reads() as reads:
+            session = torchferry.offload(
+                p, strategy="distributed_layerwise", device="cpu", **options, **extra
+            )
+        row: dict[str, Any] = {"read": reads.bytes}
+        row["outputs"] = [torch.equal(p("a cat", **c), e) for c, e in zip(CALLS, expected[two], strict=True)]
+        plan = session.plan
+        streamed = {b.path: b.nbytes for c in plan.components for b in c.blocks}
+        sharded = session.engine.store.sharded
+        row["shards"] = {g.name: (g.host.numel(), streamed[g.name]) for g in sharded}
+        row["host"] = session.host_bytes
+        row["full_host"] = sum(g.nbytes for g in session.engine.store.groups.values())
+        row["gathers"] = sum(op.kind == "gather" for s in session.schedules.values() for op in s.ops)
+        row["chunks"] = max((op.chunks for s in session.schedules.values() for op in s.ops), default=1)
+        if sharded:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                session.close()
+            row["warned"] = [str(w.message) for w in caught if issubclass(w.category, OffloadWarning)]
+            row["empty"] = all(t.shape == (0,) for g in sharded for t in g.tensors)
+            session.close(gather=True)
+        else:
+            session.close()
+        row["restored"] = _same(p, refs[two])
+        seen[name] = row
+    return seen
+
+
+def _disagree(rank: int, world: int, good: str, bad: str) -> dict[str, tuple[str, str, float, bool]]:
+    """Ranks that disagree on the plan, on a schedule, or on whether their checkpoint is sound."""
+    seen: dict[str, tuple[str, str, float, bool]] = {}
+
+    def attempt(name: str, p: torch.nn.Module, run: Any) -> None:
+        before = _snapshot(p)
+        start = time.monotonic()
+        try:
+            run()
+            seen[name] = ("ok", "", time.monotonic() - start, _snapshot(p) == before)
+        except (ExecutionError, PlanError) as exc:
+            seen[name] = (type(exc).__name__, str(exc), time.monotonic() - start, _snapshot(p) == before)
+
+    p = toy.build(0)
+    depth = 2 if rank == 1 else 1
+    attempt(
+        "plan",
+        p,
+        lambda: torchferry.offload(p, strategy="distributed_layerwise", device="cpu", prefetch_depth=depth),
+    )
+    policy = policies.distributed_layerwise(depth=depth)
+    session = torchferry.offload(p, strategy="distributed_layerwise", device="cpu", policy=policy)
+    attempt("schedule", p, lambda: p("a cat"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadWarning)
+        session.close()
+    session.close(gather=True)
+    seen["usable"] = ("ok", "", 0.0, _same(p, toy.build(0)))
+    q = toy.build_empty()
+    path = bad if rank == 1 else good
+    attempt(
+        "checkpoint",
+        q,
+        lambda: torchferry.offload(q, strategy="distributed_layerwise", device="cpu", checkpoint=path),
+    )
+    return seen
+
+
+def _dies(rank: int, world: int) -> tuple[str, str, float]:
+    """The last rank exits in the middle of a step; the others report how their step failed."""
+    p = toy.build(0)
+    session = torchferry.offload(p, strategy="distributed_layerwise", device="cpu")
+    if rank == world - 1:
+        p.transformer.blocks[3].register_forward_pre_hook(lambda m, a: os._exit(7))
+    start = time.monotonic()
+    try:
+        p("a cat")
+    except ExecutionError as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OffloadWarning)
+            session.close()  # no collective: must not hang on the dead peer
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "ok", "", time.monotonic() - start
+
+
+# -------------------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The toy (seed 0) saved once for the module's spawned runs."""
+    path = tmp_path_factory.mktemp("dist") / "toy.safetensors"
+    toy.save_checkpoint(toy.build(0), path)
+    return path
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_mode_is_bit_identical_to_the_resident_run(world: int, checkpoint: Path) -> None:
+    """Sharded and rank-local streaming on N ranks reproduce the plain run; shards are 1/N, padded."""
+    results = run_ranks(_equivalence, world, str(checkpoint), timeout=90)
+    rope = 16 * 4  # transformer.freqs: a non-persistent buffer, computed by the module, never read
+    transposed = 32 * 32 * 4  # each block's out.weight, read whole where a shard boundary cuts it
+    for rank, seen in enumerate(results):
+        for name, row in seen.items():
+            where = f"rank {rank}, {name}"
+            assert row["outputs"] == [True, True], where
+            assert row["restored"], where
+            gathers = name.startswith(("allgather", "checkpoint-allgather"))
+            assert (row["gathers"] > 0) == gathers, where
+            assert bool(row["shards"]) == gathers, where
+            for held, nbytes in row["shards"].values():
+                assert held == shard_nbytes(nbytes, world) == math.ceil(math.ceil(nbytes / world) / 16) * 16
+                assert world == 2 or nbytes % world != 0  # an odd count that does not divide the block
+            assert row["host"] == row["full_host"] - sum(n - h for h, n in row["shards"].values()), where
+            if gathers:
+                names = list(row["shards"])
+                shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+                assert row["empty"], where
+                assert row["warned"] == [
+                    f"torchferry: this rank holds only its 1/{world} shard of {len(names)} all-gathered "
+                    f"block(s) ({shown}), so their tensors are left empty (shape (0,)); call "
+                    "close(gather=True) on every rank (a collective) to get full weights back"
+                ], where
+        assert seen["allgather-chunked-experts"]["chunks"] > 1
+        sharded = seen["checkpoint-allgather-chunked"]
+        padding = sum(h - min(h, max(0, n - rank * h)) for h, n in sharded["shards"].values())
+        extra = sharded["read"] - (sharded["host"] - rope - padding)
+        assert 0 <= extra <= len(sharded["shards"]) * transposed  # this rank's shard bytes, not the block's
+        assert (
+            seen["checkpoint-rank-local-resident"]["read"]
+            == seen["checkpoint-rank-local-resident"]["host"] - rope
+        )
+
+
+def test_disagreeing_ranks_fail_together_and_fast(checkpoint: Path, tmp_path: Path) -> None:
+    """A different plan, a different schedule or one bad checkpoint raise on every rank within 30 s."""
+    bad = tmp_path / "bad.safetensors"
+    raw = checkpoint.read_bytes()
+    bad.write_bytes(raw[:-4])
+    results = run_ranks(_disagree, 2, str(checkpoint), str(bad), timeout=90, group_timeout=30)
+    digest = r"[0-9a-f]{12}"
+    for rank, seen in enumerate(results):
+        kind, message, seconds, untouched = seen["plan"]
+        assert kind == "ExecutionError" and untouched and seconds < 30
+        assert re.fullmatch(
+            rf"the ranks of the 2-rank weight-shard group disagree on the plan \(this is rank {rank}; "
+            rf"digests rank 0: {digest}; rank 1: {digest}\); every rank must open "
+            r"torchferry\.offload\(\.\.\.\) on the same pipeline with the same config and policy, and run "
+            r"the same components in the same order, so that all issue the same collectives",
+            message,
+        ), message
+        kind, message, seconds, _ = seen["schedule"]
+        assert kind == "ExecutionError" and seconds < 30
+        assert re.fullmatch(
+            rf"the ranks of the 2-rank weight-shard group disagree on the schedule of step transformer#0 "
+            rf"\(this is rank {rank}; digests rank 0: {digest}; rank 1: {digest}\); .*",
+            message,
+        ), message
+        assert seen["usable"][3]
+        kind, message, seconds, untouched = seen["checkpoint"]
+        assert untouched and seconds < 30
+        if rank == 1:
+            assert kind == "PlanError" and message.startswith(f"checkpoint {bad} cannot fill"), message
+        else:
+            assert kind == "ExecutionError"
+            assert message == (
+                "rank(s) 1 of the 2-rank weight-shard group could not open the session (see the error on "
+                "those ranks); nothing was changed on rank 0"
+            )
+
+
+def test_a_rank_that_dies_mid_step_fails_the_others_within_the_timeout() -> None:
+    """When one rank exits during a step the others raise a clear ExecutionError instead of hanging."""
+    start = time.monotonic()
+    with pytest.raises(RankError) as caught:
+        run_ranks(_dies, 3, timeout=60, group_timeout=10)
+    assert time.monotonic() - start < 40
+    error = caught.value
+    assert [(f.rank, f.kind, f.message) for f in error.failures] == [
+        (2, "exited", "exit code 7, without a result")
+    ]
+    for rank in (0, 1):
+        kind, message, seconds = error.results[rank]
+        assert kind == "ExecutionError" and seconds < 15
+        assert re.fullmatch(
+            rf"all-gather of transformer\.blocks\.\d+ failed on rank {rank} of 3 \(gloo\): \w+: .*; a peer "
+            r"rank died, stalled past the process group's timeout \(the group's timeout is 10 s\), or issued "
+            r"a different collective\. Host weights are intact and this step was aborted; the process group "
+            r"is likely unusable now, so close\(\) the session \(that needs no collective\) and restart the "
+            r"ranks",
+            message,
+        ), message

@@ -1,0 +1,117 @@
+"""The benchmarks keep running: each runs in its reduced mode on the CPU, and the shared helpers are right."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _module(name: str) -> Any:
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def _run(script: str, *args: str) -> str:
+    """Run ``benchmarks/<script>`` as its users do, in a fresh interpreter, and return its output."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
+    """gpu_check --quick on CPU notes its skips; layerwise matches the resident output and simulated peak."""
+    out = _run("gpu_check.py", "--quick", "--cpu", "--out", str(tmp_path))
+    assert "no CUDA device (or --cpu): skipped" in out
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = result["rows"]
+    assert {"resident", "torchferry layerwise d1", "torchferry layerwise d2"} <= set(rows)
+    for depth in (1, 2):
+        row = rows[f"torchferry layerwise d{depth}"]
+        assert row["identical"] is True
+        assert row["predicted_peak_bytes"] > 0
+        assert row["ledger_peak_bytes"] == row["predicted_peak_bytes"]
+        assert row["copy"]["copies"] >= result["size"]["blocks"]
+        assert row["copy"]["overlap_fraction"] == 0.0
+        assert row["measured_peak_bytes"] is None
+    assert result["bandwidth"] == {}
+    assert result["machine"]["nproc"] == os.cpu_count()
+
+
+def test_overhead_quick_compares_every_variant(tmp_path: Path) -> None:
+    """overhead --quick times every offloader on one Wan model, and each output equals the resident one."""
+    target = tmp_path / "overhead.json"
+    out = _run("overhead.py", "--quick", "--out", str(target))
+    assert "us/block over resident" in out
+    result = json.loads(target.read_text())
+    rows = result["rows"]
+    assert {"resident", "torchferry layerwise", "torchferry model_level", "diffusers block_level"} <= set(
+        rows
+    )
+    assert all(row["identical"] for row in rows.values())
+    assert rows["resident"]["overhead_per_block_us"] == 0.0
+    assert rows["diffusers block_level"]["over_diffusers_block_level"] == 1.0
+    assert result["verdict"]["target"] == 0.1
+
+
+def test_scaling_quick_fits_every_slope(tmp_path: Path) -> None:
+    """scaling --quick times every cost on the whole grid and fits a growth slope for each."""
+    target = tmp_path / "scaling.json"
+    out = _run("scaling.py", "--quick", "--out", str(target))
+    assert "fitted log-log slopes" in out
+    result = json.loads(target.read_text())
+    assert len(result["seconds"]) == 9
+    assert all(len(cell) == 2 + 5 for cell in result["seconds"])
+    for cost, slopes in result["slopes"].items():
+        assert math.isfinite(slopes["blocks"]), cost
+        assert math.isfinite(slopes["block_bytes"]), cost
+    # planning reads no tensor bytes, so its cost cannot grow with the block size
+    assert abs(result["slopes"]["schedule"]["block_bytes"]) < 0.3
+
+
+def test_loglog_slope_recovers_exponent() -> None:
+    """loglog_slope returns the exponent of an exact power law."""
+    common = _module("_common")
+    xs = [10.0, 40.0, 160.0]
+    assert common.loglog_slope(xs, [3 * x**1.5 for x in xs]) == pytest.approx(1.5)
+    assert common.loglog_slope(xs, [7.0, 7.0, 7.0]) == pytest.approx(0.0)
+
+
+def test_stats_and_table() -> None:
+    """Stats keep median, min and max, and table right-aligns every column but the first."""
+    common = _module("_common")
+    stats = common.Stats.of([3.0, 1.0, 2.0, 10.0])
+    assert (stats.median, stats.min, stats.max, stats.n) == (2.5, 1.0, 10.0, 4)
+    assert common.table(["name", "value"], [["a", 1.5], ["long", None]]).splitlines() == [
+        "name  value",
+        "----  -----",
+        "a       1.5",
+        "long      -",
+    ]
+
+
+def test_overlap_fraction_counts_only_covered_copy_time() -> None:
+    """overlap_fraction is the share of copy time during which some compute ran, counting overlaps once."""
+    gpu_check = _module("gpu_check")
+    copies = [(0.0, 2.0), (4.0, 6.0)]
+    computes = [(1.0, 3.0), (1.5, 2.5), (5.0, 9.0)]
+    assert gpu_check.overlap_fraction(copies, computes) == pytest.approx(0.5)
+    assert gpu_check.overlap_fraction(copies, []) == 0.0

@@ -1,0 +1,500 @@
+"""The command line: ``torchferry plan`` and ``torchferry demo``, called in-process through ``main``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchferry
+from torchferry import policies, topology, toy
+from torchferry._demo import ensure_checkpoint
+from torchferry.cli import main
+from torchferry.topology import KNOWN_ALIASES, KNOWN_MODELS, known_topology
+
+GIB = 1024**3
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``main(argv)``'s exit status, stdout and stderr."""
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    code, out, err = run(capsys, "plan", *argv, "--format", "json")
+    assert code == 0, err
+    doc: dict[str, Any] = json.loads(out)
+    return doc
+
+
+def row(doc: dict[str, Any], strategy: str) -> dict[str, Any]:
+    (found,) = [r for r in doc["strategies"] if r["strategy"] == strategy]
+    return found
+
+
+# ------------------------------------------------------------------------------------ plan: known ids
+
+MODELS = ["wan2.2-t2v-a14b", "flux.1-dev", "qwen-image"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_plan_json_component_bytes_match_the_known_topology(
+    capsys: pytest.CaptureFixture[str], model: str
+) -> None:
+    """Total and per-component bytes and block counts in the JSON equal known_topology's exactly."""
+    doc = plan_json(capsys, model, "--device-memory", "24GiB")
+    topo = known_topology(model)
+    assert doc["torchferry_plan"] == 1
+    assert doc["total_bytes"] == topo.nbytes
+    assert [(c["path"], c["nbytes"], c["blocks"]) for c in doc["components"]] == [
+        (c.path, c.nbytes, len(c.blocks)) for c in topo.components
+    ]
+    for c, comp in zip(doc["components"], topo.components, strict=True):
+        assert c["rest_bytes"] + sum(b.nbytes for b in comp.blocks) == comp.nbytes
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_plan_recommendation_fits_the_budget(capsys: pytest.CaptureFixture[str], model: str) -> None:
+    """At 24 GiB nothing fits resident; the recommended strategy's simulated peak fits, and is auto's."""
+    doc = plan_json(capsys, model, "--device-memory", "24GiB")
+    budget = 24 * GIB
+    none = row(doc, "none")
+    assert none["peak_device_bytes"] == doc["total_bytes"]
+    assert none["fits"] is False
+    rec = doc["recommended"]
+    assert rec == row(doc, "auto")
+    assert rec["fits"] is True
+    assert rec["peak_device_bytes"] <= budget
+    assert rec["step_s"] >= rec["resident_step_s"] > 0
+    assert [r["strategy"] for r in doc["strategies"]] == [
+        "none",
+        "model_level",
+        "layerwise",
+        "distributed_layerwise",
+        "auto",
+    ]
+
+
+def test_plan_wan_peaks_and_step_time(capsys: pytest.CaptureFixture[str]) -> None:
+    """Wan2.2 A14B: model-level holds one expert and the VAE; the compute estimate is FLOPs over TFLOP/s."""
+    doc = plan_json(capsys, "wan2.2-t2v-a14b", "--device-memory", "24GiB", "--tflops", "200")
+    topo = known_topology("wan2.2-t2v-a14b")
+    model_level = row(doc, "model_level")
+    assert model_level["peak_device_bytes"] == (
+        topo.component("transformer").nbytes + topo.component("vae").nbytes
+    )
+    assert model_level["fits"] is False
+    known = topology.known_model("wan2.2-t2v-a14b")
+    resident_step = sum(known.block_flops()) / 200e12 * known.forwards_per_step
+    assert row(doc, "layerwise")["resident_step_s"] == pytest.approx(resident_step)
+    assert doc["assumptions"]["forwards_per_step"] == 2
+    # A 670 MiB block moves in 28 ms at 25 GB/s while it computes for over 0.8 s: streaming is free.
+    assert row(doc, "layerwise")["overhead"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_plan_text_report(capsys: pytest.CaptureFixture[str]) -> None:
+    """The text report names every component with its bytes, every strategy row and the recommendation."""
+    code, out, err = run(capsys, "plan", "flux.1-dev", "--device-memory", "24GiB", "--block-ms", "10")
+    assert code == 0, err
+    topo = known_topology("flux.1-dev")
+    assert f"total: {policies.format_bytes(topo.nbytes, exact=False)} ({topo.nbytes} bytes)" in out
+    for c in topo.components:
+        line = next(line for line in out.splitlines() if line.startswith(f"{c.path} "))
+        assert policies.format_bytes(c.nbytes, exact=False) in line
+    assert "57 x 270.1 MiB-648.2 MiB" in out
+    assert "compute: 10 ms per block (given)" in out
+    for name in ("none()", "model_level()", "layerwise(depth=1)", "distributed_layerwise(depth=1)", "auto: "):
+        assert any(line.startswith(name) for line in out.splitlines()), name
+    assert re.search(r"^recommended: layerwise\(depth=\d", out, re.MULTILINE)
+
+
+def test_plan_single_strategy_and_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    """--strategy evaluates one row at --depth; --show-schedule prints that strategy's steady DiT step."""
+    args = ["qwen-image", "--device-memory", "24GiB", "--strategy", "layerwise", "--depth", "2"]
+    doc = plan_json(capsys, *args, "--show-schedule")
+    assert [r["policy"] for r in doc["strategies"]] == ["layerwise(depth=2)"]
+    assert doc["recommended"] is None
+    schedule = policies.parse_schedule(doc["schedule"])
+    assert schedule.policy == "layerwise(depth=2)"
+    assert schedule.step.component == "transformer" and schedule.step.index == 1
+    code, out, _ = run(capsys, "plan", *args, "--show-schedule")
+    assert code == 0
+    assert "# torchferry schedule v1" in out
+
+
+def test_plan_world_size_lets_auto_pick_distributed(capsys: pytest.CaptureFixture[str]) -> None:
+    """Transfer-bound Qwen-Image at 12 GB/s: with 4 ranks given, auto shares the copies and is faster."""
+    common = ["qwen-image", "--device-memory", "24GiB", "--h2d", "12GB/s"]
+    single = plan_json(capsys, *common)
+    shared = plan_json(capsys, *common, "--world-size", "4")
+    assert single["recommended"]["policy"].startswith("layerwise(")
+    assert shared["recommended"]["policy"].startswith("distributed_layerwise(")
+    assert shared["recommended"]["step_s"] < single["recommended"]["step_s"]
+    assert shared["recommended"]["host_bytes_per_rank"] < single["recommended"]["host_bytes_per_rank"]
+
+
+def test_plan_resolution_changes_compute(capsys: pytest.CaptureFixture[str]) -> None:
+    """A smaller --resolution means fewer FLOPs per block, so a shorter resident step."""
+    full = plan_json(capsys, "flux.1-dev", "--device-memory", "24GiB", "--strategy", "none")
+    small = plan_json(
+        capsys, "flux.1-dev", "--device-memory", "24GiB", "--strategy", "none", "--resolution", "512x512"
+    )
+    assert small["assumptions"]["resolution"] == {"height": 512, "width": 512, "frames": 1}
+    assert small["strategies"][0]["resident_step_s"] < full["strategies"][0]["resident_step_s"] / 3
+
+
+def test_plan_list(capsys: pytest.CaptureFixture[str]) -> None:
+    """--list shows every known id and alias with its total size, in text and JSON."""
+    code, out, _ = run(capsys, "plan", "--list")
+    assert code == 0
+    for model in (*KNOWN_MODELS, *KNOWN_ALIASES):
+        line = next(line for line in out.splitlines() if line.startswith(model + " "))
+        assert policies.format_bytes(known_topology(model).nbytes, exact=False) in line
+    code, out, _ = run(capsys, "plan", "--list", "--format", "json")
+    doc = json.loads(out)
+    assert [m["id"] for m in doc["models"]] == [*KNOWN_MODELS, *KNOWN_ALIASES]
+    assert all(m["total_bytes"] == known_topology(m["id"]).nbytes for m in doc["models"])
+
+
+# ------------------------------------------------------------------------------------- plan: errors
+
+
+def expect_error(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    code, out, err = run(capsys, *argv)
+    assert (code, out, err) == (2, "", message + "\n")
+
+
+def test_unknown_id_lists_known_ids(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown id is one line naming every known id and alias, exit status 2."""
+    expect_error(
+        capsys,
+        ["plan", "flux.2-dev", "--device-memory", "24GiB"],
+        "torchferry plan: error: unknown model id 'flux.2-dev': torchferry knows "
+        + ", ".join(KNOWN_MODELS)
+        + "; aliases: ltx-video-2b-0.9.1 (ltx-video-2b), ltx-video-2b-0.9.5 (ltx-video-2b). "
+        "Pass one of these ids, or a safetensors file, folder or *.index.json.",
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--device-memory", "24 parsecs"],
+            "argument --device-memory: cannot read '24 parsecs' as a size; write a number with a unit such "
+            "as 24GiB, 80GB or 512MiB (see torchferry plan --help)",
+        ),
+        (
+            ["--device-memory", "24GiB", "--h2d", "25GB"],
+            "argument --h2d: cannot read '25GB' as a bandwidth; write a size per second such as 25GB/s "
+            "(see torchferry plan --help)",
+        ),
+        (
+            ["--device-memory", "24GiB", "--resolution", "1024"],
+            "argument --resolution: cannot read '1024' as a resolution; write WIDTHxHEIGHT or "
+            "WIDTHxHEIGHTxFRAMES, such as 1024x1024 or 1280x720x81 (see torchferry plan --help)",
+        ),
+        (
+            ["--device-memory", "24GiB", "--depth", "0"],
+            "argument --depth: '0' must be at least 1 (see torchferry plan --help)",
+        ),
+        ([], "plan needs --device-memory SIZE, the device budget (e.g. 24GiB)"),
+        (
+            ["--device-memory", "24GiB", "--block-ms", "5", "--tflops", "100"],
+            "--block-ms and --tflops are two ways to set compute time; pass one of them",
+        ),
+    ],
+)
+def test_bad_options(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    """A size, rate, resolution or depth that does not parse, or no budget, is one line and status 2."""
+    expect_error(capsys, ["plan", "flux.1-dev", *argv], f"torchferry plan: error: {message}")
+
+
+def test_missing_path(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A checkpoint path that does not exist is one line and status 2."""
+    missing = tmp_path / "nope.safetensors"
+    expect_error(
+        capsys,
+        ["plan", str(missing), "--device-memory", "24GiB"],
+        f"torchferry plan: error: {missing}: no such checkpoint file or folder",
+    )
+
+
+def test_corrupt_header(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A checkpoint whose header is not JSON is one line naming the file, status 2."""
+    path = tmp_path / "broken.safetensors"
+    path.write_bytes((8).to_bytes(8, "little") + b"not json" + b"\0" * 16)
+    expect_error(
+        capsys,
+        ["plan", str(path), "--device-memory", "24GiB"],
+        f"torchferry plan: error: {path}: the safetensors header is not valid JSON "
+        "(Expecting value: line 1 column 1 (char 0))",
+    )
+
+
+def test_no_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """No command is one line and status 2."""
+    expect_error(
+        capsys, [], "torchferry: error: the following arguments are required: COMMAND (see torchferry --help)"
+    )
+
+
+# --------------------------------------------------------------------------------- plan: checkpoints
+
+
+def write_sparse(path: Path, tensors: dict[str, tuple[int, ...]]) -> None:
+    """A bf16 safetensors file whose data region is a sparse hole (nothing real to read)."""
+    header: dict[str, object] = {}
+    offset = 0
+    for name, shape in tensors.items():
+        nbytes = math.prod(shape) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as handle:
+        handle.write(len(raw).to_bytes(8, "little"))
+        handle.write(raw)
+        handle.truncate(8 + len(raw) + offset)
+
+
+def wan_like_folder(folder: Path, blocks: int = 40, shards: int = 4) -> int:
+    """A 60 GiB DiT in ``shards`` files plus an index: 1.5 GiB blocks named ``blocks.<i>.*``."""
+    folder.mkdir()
+    width = 16384
+    per = blocks // shards
+    weight_map: dict[str, str] = {}
+    for s in range(shards):
+        tensors: dict[str, tuple[int, ...]] = {}
+        if s == 0:
+            tensors["patch_embedding.weight"] = (width, 64)
+        for i in range(s * per, (s + 1) * per):
+            for part in ("attn.qkv", "ffn.up", "ffn.down"):
+                tensors[f"blocks.{i}.{part}.weight"] = (width, width)
+        name = f"model-{s:05d}-of-{shards:05d}.safetensors"
+        write_sparse(folder / name, tensors)
+        weight_map.update(dict.fromkeys(tensors, name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return width * 64 * 2 + blocks * 3 * width * width * 2
+
+
+def test_plan_sixty_gigabyte_folder_in_well_under_a_second(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A 60 GiB sharded checkpoint plans from headers alone, blocks found, in well under a second."""
+    folder = tmp_path / "dit"
+    total = wan_like_folder(folder)
+    start = time.perf_counter()
+    doc = plan_json(capsys, str(folder), "--device-memory", "24GiB", "--block-ms", "50")
+    assert time.perf_counter() - start < 1.0
+    assert doc["planning_s"] < 1.0
+    assert doc["total_bytes"] == total
+    (dit,) = doc["components"]
+    assert (dit["path"], dit["kind"], dit["blocks"]) == ("", "dit", 40)
+    assert dit["block_min_bytes"] == dit["block_max_bytes"] == 3 * 16384 * 16384 * 2
+    assert row(doc, "model_level")["applicable"] is False
+    assert doc["recommended"]["fits"] is True
+    assert doc["recommended"]["peak_device_bytes"] <= 24 * GIB
+    # Through the index the same checkpoint plans the same.
+    again = plan_json(
+        capsys, str(folder / "model.safetensors.index.json"), "--device-memory", "24GiB", "--block-ms", "50"
+    )
+    assert again["components"] == doc["components"]
+    assert again["recommended"] == doc["recommended"]
+
+
+def test_plan_checkpoint_block_attrs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Two numbered block lists are both found, shorter name first; --block-attrs overrides the guess."""
+    path = tmp_path / "flux-like.safetensors"
+    tensors: dict[str, tuple[int, ...]] = {"x_embedder.weight": (64, 64)}
+    tensors |= {f"single_transformer_blocks.{i}.linear.weight": (64, 64) for i in range(3)}
+    tensors |= {f"transformer_blocks.{i}.ff.net.0.proj.weight": (64, 128) for i in range(2)}
+    write_sparse(path, tensors)
+    doc = plan_json(
+        capsys, str(path), "--device-memory", "1GiB", "--strategy", "layerwise", "--show-schedule"
+    )
+    assert doc["components"][0]["blocks"] == 5
+    ring = policies.parse_schedule(doc["schedule"])
+    loads = [op.unit for op in ring.ops if op.kind == "wait" and "blocks" in op.unit]
+    assert loads[:2] == ["transformer_blocks.0", "transformer_blocks.1"]
+    only = plan_json(capsys, str(path), "--device-memory", "1GiB", "--block-attrs", "transformer_blocks")
+    assert only["components"][0]["blocks"] == 2
+
+
+def test_plan_predicts_the_peak_the_runtime_measures(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Planned from the demo checkpoint's headers, each strategy's peak is what a session measures,
+    less the one buffer a checkpoint does not hold."""
+    path, _ = ensure_checkpoint(tmp_path)
+    doc = plan_json(capsys, str(path), "--device-memory", "20MiB", "--block-ms", "1")
+    assert [(c["path"], c["kind"], c["blocks"]) for c in doc["components"]] == [
+        ("transformer", "dit", 12),
+        ("text_encoder", "encoder", 4),
+        ("vae", "vae", 0),
+    ]
+    assert row(doc, "none")["peak_device_bytes"] == path.stat().st_size - 8 - int.from_bytes(
+        path.read_bytes()[:8], "little"
+    )
+    for strategy, options in [
+        ("model_level", {}),
+        ("layerwise", {"prefetch_depth": 1}),
+    ]:
+        pipeline = toy.build_empty(hidden=256, blocks=12, encoder_blocks=4)
+        with torchferry.offload(
+            pipeline,
+            strategy=strategy,
+            device="cpu",
+            components={"dit", "text_encoder"},
+            checkpoint=str(path),
+            **options,
+        ) as session:
+            pipeline("a cat", steps=2)
+            measured = session.peak_device_bytes
+        # The one difference: the DiT's non-persistent ``freqs`` buffer (128 fp32), in no checkpoint.
+        assert measured - row(doc, strategy)["peak_device_bytes"] == 128 * 4, strategy
+    assert row(doc, "auto")["fits"] is True
+
+
+# -------------------------------------------------------------------------------------------- demo
+
+
+def test_demo_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The demo runs every strategy from the cached checkpoint, all outputs identical, and draws a step."""
+    svg = tmp_path / "step.svg"
+    start = time.perf_counter()
+    code, out, err = run(
+        capsys,
+        "demo",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--steps",
+        "2",
+        "--calls",
+        "2",
+        "--timeline",
+        str(svg),
+    )
+    elapsed = time.perf_counter() - start
+    assert code == 0, out + err
+    assert elapsed < 30
+    lines = out.splitlines()
+    assert lines[0].split() == ["strategy", "peak", "device", "time/step", "overhead", "outputs", "identical"]
+    rows = {line.split("  ")[0]: line for line in lines[1:6]}
+    assert list(rows) == [
+        "resident (no offload)",
+        "model_level",
+        "layerwise(depth=1)",
+        "layerwise(depth=2)",
+        "distributed_layerwise(depth=1), 2 ranks",
+    ]
+    assert rows["resident (no offload)"].endswith("(reference)")
+    assert all(line.endswith("  yes") for name, line in rows.items() if name != "resident (no offload)")
+    assert "checkpoint written" in err and "resident:" in err and "starting 2 local processes" in err
+    peak = {name: re.split(r"\s{2,}", line)[1] for name, line in rows.items()}
+    assert peak["resident (no offload)"] == "35.3 MiB"  # every weight of the demo toy
+    mib = {name: float(value.removesuffix(" MiB")) for name, value in peak.items()}
+    assert mib["layerwise(depth=1)"] < mib["layerwise(depth=2)"] < mib["model_level"] < 35.3
+    root = ET.parse(svg).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    texts = [t.text for t in root.iter(f"{ns}text")]
+    assert {"copy (H2D)", "comm (all-gather)", "compute"} <= set(texts)
+    fills = {r.get("fill") for r in root.iter(f"{ns}rect")}
+    assert {"#4c78a8", "#f58518", "#54a24b"} <= fills
+
+
+def test_demo_device_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A device that is not one, or CUDA where there is none, is one line and status 2."""
+    expect_error(
+        capsys,
+        ["demo", "--device", "warp9"],
+        "torchferry demo: error: argument --device: 'warp9' is not a device; write cpu, cuda or cuda:N "
+        "(see torchferry demo --help)",
+    )
+    if torch.cuda.is_available():  # the second message is about machines without CUDA
+        return
+    expect_error(
+        capsys,
+        ["demo", "--device", "cuda", "--cache-dir", str(tmp_path)],
+        "torchferry demo: error: --device cuda: CUDA is not available here; use --device cpu",
+    )
+
+
+def test_demo_checkpoint_is_written_once(tmp_path: Path) -> None:
+    """The checkpoint is written on first use, reused after, and rewritten when it is corrupt."""
+    path, written = ensure_checkpoint(tmp_path)
+    assert written and path.parent == tmp_path
+    stamp = path.stat().st_mtime_ns
+    assert ensure_checkpoint(tmp_path) == (path, False)
+    assert path.stat().st_mtime_ns == stamp
+    path.write_bytes(b"broken")
+    assert ensure_checkpoint(tmp_path) == (path, True)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_simulated_timeline_accounts_for_the_step() -> None:
+    """The timeline's computes sum to the resident makespan, its stalls to the stall total, and its last
+    interval ends at the makespan; every all-gather starts after its shard's copy ends."""
+    topo = topology.discover(toy.build(0))
+    config = topology.OffloadConfig(
+        strategy="distributed_layerwise",
+        components={"dit", "text_encoder"},
+        parallel=topology.ParallelLayout(data_parallel_size=2),
+    )
+    plan = topology.resolve(topo, config)
+    policy = policies.distributed_layerwise(1)
+    first = policy(plan, policies.Step(component="transformer"))
+    steady = policy(plan, policies.Step(component="transformer", index=1, entry=first.exit))
+    # Copies slower than compute, so the compute stream stalls.
+    report = policies.simulate(steady, policies.CostModel(h2d_bytes_per_s=1e6, block_s=0.001))
+    timeline = report.timeline
+    assert {i.stream for i in timeline} == {"copy", "comm", "compute"}
+    computes = [i for i in timeline if i.kind == "compute"]
+    stalls = [i for i in timeline if i.kind == "stall"]
+    assert len(computes) == 9  # the component and its 8 blocks
+    assert sum(i.end_s - i.start_s for i in computes) == pytest.approx(report.resident_makespan_s)
+    assert report.total_stall_s > 0
+    assert sum(i.end_s - i.start_s for i in stalls) == pytest.approx(report.total_stall_s)
+    assert max(i.end_s for i in timeline) == pytest.approx(report.makespan_s)
+    copied = {i.label: i.end_s for i in timeline if i.kind == "load"}
+    gathers = [i for i in timeline if i.kind == "gather"]
+    assert gathers and all(g.start_s >= copied[g.label] for g in gathers)
+    for stream in ("copy", "comm", "compute"):
+        spans = sorted((i.start_s, i.end_s) for i in timeline if i.stream == stream)
+        assert all(a[1] <= b[0] + 1e-12 for a, b in itertools.pairwise(spans)), stream
+
+
+# ---------------------------------------------------------------------------------- entry points
+
+
+def test_python_dash_m_help() -> None:
+    """``python -m torchferry --help`` prints both commands and exits 0."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torchferry", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "demo" in done.stdout and "plan" in done.stdout
+
+
+def test_console_script_is_main() -> None:
+    """The installed ``torchferry`` console script points at ``torchferry.cli:main``."""
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "torchferry"]
+    assert script.value == "torchferry.cli:main"
+    assert script.load() is main

@@ -1,0 +1,488 @@
+"""`torchferry demo`: the bundled toy pipeline, resident and under every strategy, side by side.
+
+The toy's weights are a function of a seed; they are written once to a safetensors checkpoint in a
+cache folder and every run loads from it. Each strategy runs the same prompt the same number of
+times; the first call warms up, the others are timed per DiT forward (one denoising step). The
+table compares peak device bytes (weights the runtime holds on the device; all of them when
+resident), time per step, the overhead over the resident run, and whether every output equals the
+resident output bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+import torch
+
+import torchferry
+from torchferry import policies, topology, toy
+from torchferry._errors import OffloadError
+from torchferry._timeline import Bar, render_svg
+
+__all__ = ["DEMO_TOY", "DemoRow", "cache_folder", "ensure_checkpoint", "format_table", "run", "timeline_svg"]
+
+#: The demo's toy: big enough that streaming shows in the numbers, small enough for two CPU cores.
+DEMO_TOY: dict[str, int] = {"hidden": 256, "blocks": 12, "encoder_blocks": 4}
+_HIDDEN, _BLOCKS, _ENCODER_BLOCKS = DEMO_TOY["hidden"], DEMO_TOY["blocks"], DEMO_TOY["encoder_blocks"]
+SEED = 0
+PROMPT = "a lighthouse at dusk"
+_FORMAT = 1
+_COMPONENTS = frozenset({"dit", "text_encoder"})
+#: Processes of the distributed row.
+DISTRIBUTED_WORLD = 2
+
+
+def cache_folder(override: str | os.PathLike[str] | None = None) -> Path:
+    """``override``, else ``$TORCHFERRY_CACHE``, else ``~/.cache/torchferry``."""
+    if override is not None:
+        return Path(override).expanduser()
+    env = os.environ.get("TORCHFERRY_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "torchferry"
+
+
+def _checkpoint_name() -> str:
+    shape = "-".join(f"{k}{v}" for k, v in DEMO_TOY.items())
+    return f"toy-v{_FORMAT}-{shape}-seed{SEED}.safetensors"
+
+
+def _skeleton() -> toy.ToyPipeline:
+    return toy.ToyPipeline(hidden=_HIDDEN, blocks=_BLOCKS, encoder_blocks=_ENCODER_BLOCKS).eval()
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def ensure_checkpoint(folder: Path) -> tuple[Path, bool]:
+    """The demo checkpoint in ``folder`` and whether it was (re)written.
+
+    A file already there is kept when it loads into the toy and equals the seeded weights; otherwise
+    it is rewritten (through a temporary file, so an interrupted run never leaves half a checkpoint).
+    """
+    path = folder / _checkpoint_name()
+    seeded = toy.build(SEED, hidden=_HIDDEN, blocks=_BLOCKS, encoder_blocks=_ENCODER_BLOCKS)
+    if path.is_file():
+        try:
+            loaded = toy.load_checkpoint(_skeleton(), path)
+        except Exception:  # any unreadable file is simply rewritten
+            loaded = None
+        if loaded is not None and _same_weights(loaded, seeded):
+            return path, False
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f".{path.name}.{os.getpid()}.partial"
+    toy.save_checkpoint(seeded, partial)
+    os.replace(partial, path)
+    return path, True
+
+
+def _weight_bytes(module: torch.nn.Module) -> int:
+    seen: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@attrs.frozen(kw_only=True)
+class DemoRow:
+    """One line of the demo's table; ``identical`` is ``None`` for the reference, ``error`` says why a
+    strategy could not run."""
+
+    strategy: str
+    peak_device_bytes: int = 0
+    step_s: float = 0.0
+    calls: int = 0
+    identical: bool | None = None
+    note: str = ""
+    error: str | None = None
+
+
+class _Progress:
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        print(f"torchferry demo [{elapsed:6.2f} s] {message}", file=self.stream, flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def _step_timer(dit: torch.nn.Module, device: torch.device) -> Iterator[list[float]]:
+    """Seconds of every forward of ``dit``, outermost around any hooks already installed."""
+    times: list[float] = []
+    started: list[float] = []
+
+    def pre(module: torch.nn.Module, args: Any) -> None:
+        _sync(device)
+        started.append(time.perf_counter())
+
+    def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+        _sync(device)
+        times.append(time.perf_counter() - started.pop())
+
+    handles = [dit.register_forward_pre_hook(pre, prepend=True), dit.register_forward_hook(post)]
+    try:
+        yield times
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _calls(
+    pipeline: toy.ToyPipeline, device: torch.device, steps: int, calls: int
+) -> tuple[list[torch.Tensor], float]:
+    """Outputs of ``calls`` pipeline calls, and the median step time of all calls after the first."""
+    outputs: list[torch.Tensor] = []
+    with _step_timer(pipeline.transformer, device) as times:
+        for _ in range(calls):
+            outputs.append(pipeline(PROMPT, steps=steps, seed=SEED, device=device).cpu())
+    measured = times[steps:] if calls > 1 else times
+    return outputs, statistics.median(measured)
+
+
+def _empty() -> toy.ToyPipeline:
+    """The demo toy with its parameters on the meta device, for a session to fill from the checkpoint."""
+    return toy.build_empty(hidden=_HIDDEN, blocks=_BLOCKS, encoder_blocks=_ENCODER_BLOCKS)
+
+
+def _run_strategy(
+    label: str,
+    *,
+    checkpoint: Path,
+    reference: Sequence[torch.Tensor],
+    device: torch.device,
+    steps: int,
+    calls: int,
+    **options: Any,
+) -> DemoRow:
+    """One strategy in this process: weights read from ``checkpoint`` straight into host buffers."""
+    pipeline = _empty()
+    with torchferry.offload(
+        pipeline, device=device, components=_COMPONENTS, checkpoint=str(checkpoint), **options
+    ) as session:
+        outputs, step_s = _calls(pipeline, device, steps, calls)
+        peak = session.peak_device_bytes
+    identical = all(torch.equal(a, b) for a, b in zip(outputs, reference, strict=True))
+    return DemoRow(strategy=label, peak_device_bytes=peak, step_s=step_s, calls=calls, identical=identical)
+
+
+#: What a rank sends back: its outputs as (raw float32 bytes, shape), its step time and peak bytes.
+#: Plain bytes, not tensors: a tensor crosses a process boundary as a shared-memory handle, which
+#: does not outlive the rank that made it.
+_RankResult = tuple[list[tuple[bytes, tuple[int, ...]]], float, int]
+
+
+def _rank_device(device: str, rank: int) -> torch.device:
+    """Rank ``rank``'s device: its own GPU when ``device`` names CUDA without an index."""
+    if device == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device(device)
+
+
+@attrs.frozen(kw_only=True)
+class _RankJob:
+    """What every rank of the distributed row needs (pickled to each process)."""
+
+    checkpoint: str
+    device: str
+    steps: int
+    calls: int
+
+
+def _distributed_rank(rank: int, world: int, job: _RankJob) -> _RankResult:
+    """One rank of the distributed row (runs in a process `run_ranks` spawned, gloo group joined)."""
+    target = _rank_device(job.device, rank)
+    pipeline = _empty()
+    session = torchferry.offload(
+        pipeline,
+        strategy="distributed_layerwise",
+        device=target,
+        components=_COMPONENTS,
+        checkpoint=job.checkpoint,
+        dit_transfer="allgather",
+    )
+    try:
+        outputs, step_s = _calls(pipeline, target, job.steps, job.calls)
+        peak = session.peak_device_bytes
+    except BaseException:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            session.close()
+        raise
+    session.close(gather=True)
+    raw = [(o.contiguous().numpy().tobytes(), tuple(o.shape)) for o in outputs]
+    return raw, step_s, peak
+
+
+def _distributed(
+    checkpoint: Path,
+    reference: Sequence[torch.Tensor],
+    *,
+    device: torch.device,
+    steps: int,
+    calls: int,
+    world: int,
+) -> DemoRow:
+    """Distributed layerwise over ``world`` local processes joined by a gloo group."""
+    from torchferry._multiproc import run_ranks
+
+    label = f"distributed_layerwise(depth=1), {world} ranks"
+    threads = max(1, torch.get_num_threads() // world)
+    job = _RankJob(checkpoint=str(checkpoint), device=str(device), steps=steps, calls=calls)
+    results = run_ranks(_distributed_rank, world, job, threads=threads, timeout=300.0)
+    identical = True
+    for raw, _, _ in results:
+        outputs = [torch.frombuffer(bytearray(b), dtype=torch.float32).reshape(shape) for b, shape in raw]
+        identical = identical and all(torch.equal(a, b) for a, b in zip(outputs, reference, strict=True))
+    per = "thread" if threads == 1 else "threads"
+    return DemoRow(
+        strategy=label,
+        peak_device_bytes=max(peak for _, _, peak in results),
+        step_s=max(step for _, step, _ in results),
+        calls=calls,
+        identical=identical,
+        note=f"per rank (the slowest); the {world} processes share this machine, {threads} {per} each",
+    )
+
+
+def _bytes(n: int) -> str:
+    return policies.format_bytes(n, exact=False)
+
+
+def format_table(rows: Sequence[DemoRow], resident_step_s: float) -> str:
+    """The demo's result table."""
+    header = ["strategy", "peak device", "time/step", "overhead", "outputs identical"]
+    body: list[list[str]] = []
+    for r in rows:
+        if r.error is not None:
+            body.append([r.strategy, "-", "-", "-", f"FAILED: {r.error}"])
+            continue
+        if r.identical is None:
+            overhead, same = "-", "(reference)"
+        else:
+            overhead = f"{(r.step_s / resident_step_s - 1) * 100:+.1f}%" if resident_step_s > 0 else "-"
+            same = "yes" if r.identical else "NO"
+        body.append([r.strategy, _bytes(r.peak_device_bytes), f"{r.step_s * 1e3:.2f} ms", overhead, same])
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    right = {1, 2, 3}
+    out = []
+    for line in [header, *body]:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        ]
+        out.append("  ".join(cells).rstrip())
+    return "\n".join(out) + "\n"
+
+
+def timeline_svg(
+    pipeline: torch.nn.Module,
+    cost: policies.CostModel,
+    *,
+    world: int = 2,
+    depth: int = 1,
+    provenance: str = "",
+) -> str:
+    """An SVG of the simulated copy, comm and compute streams of one steady DiT step.
+
+    The step is distributed layerwise over ``world`` ranks (so all three streams are busy), planned
+    for the pipeline's own topology and replayed under ``cost``; ``provenance`` says where the cost
+    model's figures came from.
+    """
+    topo = topology.discover(pipeline)
+    config = topology.OffloadConfig(
+        strategy="distributed_layerwise",
+        components=_COMPONENTS,
+        prefetch_depth=depth,
+        dit_transfer="allgather",
+        parallel=topology.ParallelLayout(data_parallel_size=world),
+    )
+    plan = topology.resolve(topo, config)
+    policy = policies.distributed_layerwise(depth)
+    first = policy(plan, policies.Step(component="transformer"))
+    steady = policy(plan, policies.Step(component="transformer", index=1, entry=first.exit))
+    report = policies.simulate(steady, cost)
+    lanes: dict[str, list[Bar]] = {"copy (H2D)": [], "comm (all-gather)": [], "compute": []}
+    lane_of = {"copy": "copy (H2D)", "comm": "comm (all-gather)", "compute": "compute"}
+    for interval in report.timeline:
+        kind = interval.kind if interval.kind == "stall" else interval.stream
+        label = f"{interval.kind} {interval.label}"
+        lanes[lane_of[interval.stream]].append(
+            Bar(start_s=interval.start_s, end_s=interval.end_s, label=label, kind=kind)
+        )
+    block_ms = cost.compute_seconds("transformer.blocks.0", block=True) * 1e3
+    subtitle = (
+        f"{steady.policy} x {world} ranks, steady step, simulated: {block_ms:.3f} ms/block, "
+        f"H2D {cost.h2d_bytes_per_s / 1e9:.1f} GB/s, all-gather {cost.collective_bytes_per_s / 1e9:.1f} GB/s"
+        f"{f' ({provenance})' if provenance else ''}; {report.makespan_s * 1e3:.2f} ms vs "
+        f"{report.resident_makespan_s * 1e3:.2f} ms resident"
+    )
+    return render_svg(lanes, title="torchferry demo: one denoising step, stream by stream", subtitle=subtitle)
+
+
+def _copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a 16 MiB host-to-device copy on this machine (best of five)."""
+    src = torch.empty(1 << 24, dtype=torch.uint8)
+    if device.type == "cuda":
+        src = src.pin_memory()
+    dst = torch.empty_like(src, device=device)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=device.type == "cuda")
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() / max(best, 1e-9)
+
+
+def run(
+    *,
+    device: str | None = None,
+    steps: int = 8,
+    calls: int = 3,
+    cache_dir: str | os.PathLike[str] | None = None,
+    timeline: str | os.PathLike[str] | None = None,
+    distributed: bool = True,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Run the demo; 0 when every output equals the resident one, 1 when any differs or fails.
+
+    On the CPU every process computes on one thread, so the resident run, the single-process
+    strategies and each rank of the distributed row are timed alike (and steadier on a busy machine).
+    """
+    target = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise OffloadError(f"--device {device}: CUDA is not available here; use --device cpu")
+    threads = torch.get_num_threads()
+    if target.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return _run(
+            target,
+            steps=steps,
+            calls=calls,
+            cache_dir=cache_dir,
+            timeline=timeline,
+            distributed=distributed,
+            stdout=out if out is not None else sys.stdout,
+            progress=_Progress(err if err is not None else sys.stderr),
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(
+    target: torch.device,
+    *,
+    steps: int,
+    calls: int,
+    cache_dir: str | os.PathLike[str] | None,
+    timeline: str | os.PathLike[str] | None,
+    distributed: bool,
+    stdout: TextIO,
+    progress: _Progress,
+) -> int:
+    on = f"{target}, 1 compute thread per process" if target.type == "cpu" else str(target)
+    progress(f"device {on}; toy pipeline {DEMO_TOY}, {steps} steps x {calls} calls per strategy")
+
+    folder = cache_folder(cache_dir)
+    checkpoint, written = ensure_checkpoint(folder)
+    size = checkpoint.stat().st_size
+    progress(f"checkpoint {'written' if written else 'reused'}: {checkpoint} ({_bytes(size)})")
+
+    resident = toy.load_checkpoint(_skeleton(), checkpoint).to(target)
+    assert isinstance(resident, toy.ToyPipeline)
+    reference, resident_step_s = _calls(resident, target, steps, calls)
+    rows = [
+        DemoRow(
+            strategy="resident (no offload)",
+            peak_device_bytes=_weight_bytes(resident),
+            step_s=resident_step_s,
+            calls=calls,
+        )
+    ]
+    progress(f"resident: {resident_step_s * 1e3:.2f} ms per step")
+    del resident
+
+    runs: list[tuple[str, dict[str, Any]]] = [
+        ("model_level", {"strategy": "model_level"}),
+        ("layerwise(depth=1)", {"strategy": "layerwise", "prefetch_depth": 1}),
+        ("layerwise(depth=2)", {"strategy": "layerwise", "prefetch_depth": 2}),
+    ]
+    for name, options in runs:
+        t0 = time.perf_counter()
+        row = _run_strategy(
+            name,
+            checkpoint=checkpoint,
+            reference=reference,
+            device=target,
+            steps=steps,
+            calls=calls,
+            **options,
+        )
+        rows.append(row)
+        progress(
+            f"{row.strategy}: {row.step_s * 1e3:.2f} ms per step, peak {_bytes(row.peak_device_bytes)}, "
+            f"outputs {'identical' if row.identical else 'DIFFER'} ({time.perf_counter() - t0:.2f} s)"
+        )
+    if distributed:
+        t0 = time.perf_counter()
+        progress(f"distributed_layerwise: starting {DISTRIBUTED_WORLD} local processes (gloo)")
+        try:
+            row = _distributed(
+                checkpoint, reference, device=target, steps=steps, calls=calls, world=DISTRIBUTED_WORLD
+            )
+        except OffloadError as exc:
+            first = str(exc).splitlines()[0]
+            row = DemoRow(strategy=f"distributed_layerwise(depth=1), {DISTRIBUTED_WORLD} ranks", error=first)
+        rows.append(row)
+        progress(
+            f"{row.strategy}: {row.step_s * 1e3:.2f} ms per step, peak {_bytes(row.peak_device_bytes)} "
+            f"per rank, outputs {'identical' if row.identical else 'DIFFER'} "
+            f"({time.perf_counter() - t0:.2f} s)"
+        )
+
+    if timeline is not None:
+        per_block = resident_step_s / _BLOCKS
+        bandwidth = _copy_bandwidth(target)
+        cost = policies.CostModel(
+            h2d_bytes_per_s=bandwidth, collective_bytes_per_s=bandwidth, block_s=per_block
+        )
+        provenance = "measured here; all-gather assumed at the H2D rate"
+        Path(timeline).write_text(timeline_svg(_empty(), cost, provenance=provenance))
+        progress(f"timeline written to {timeline}")
+
+    stdout.write(format_table(rows, resident_step_s))
+    where = "host memory standing in for a device" if target.type == "cpu" else str(target)
+    timed = f"calls 2-{calls}" if calls > 2 else "call 2" if calls == 2 else "the only call (no warm-up)"
+    stdout.write(
+        f"peak device: weight bytes held on {target} ({where}); time/step: median DiT forward of "
+        f"{timed}, {steps} steps each\n"
+    )
+    stdout.writelines(f"{r.strategy}: {r.note}\n" for r in rows if r.note and r.error is None)
+    differ = [r.strategy for r in rows if r.identical is False]
+    failed = [r.strategy for r in rows if r.error is not None]
+    if differ:
+        stdout.write(f"outputs differ from the resident run under: {', '.join(differ)}\n")
+    if failed:
+        stdout.write(f"could not run: {', '.join(failed)}\n")
+    if differ or failed:
+        return 1
+    return 0

@@ -1,0 +1,658 @@
+"""`torchferry plan`: what a model is made of, which strategy fits a device budget, and at what cost.
+
+Everything here is pure planning: the model comes from a known id's shipped tensor specs or from a
+checkpoint's headers (never its data), each strategy is resolved into a plan, its policy builds the
+schedules of one generation (encoders, each DiT twice so the second step is the steady state, the
+VAE), and `simulate` replays them under a cost model. The peak is the largest simulated peak of
+those steps; the step time is the steady DiT step times the forwards one denoising step makes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from torchferry import policies, topology
+from torchferry._errors import OffloadError
+from torchferry.policies import CostModel, Policy, Schedule, Step
+from torchferry.topology import (
+    KnownModel,
+    OffloadConfig,
+    ParallelLayout,
+    Plan,
+    Resolution,
+    SelectableComponent,
+    Topology,
+)
+
+__all__ = [
+    "JSON_VERSION",
+    "ComponentRow",
+    "Options",
+    "PlanReport",
+    "StrategyRow",
+    "build_report",
+    "detect_block_attrs",
+    "format_list",
+    "format_report",
+    "list_document",
+    "load_model",
+    "parse_resolution",
+    "report_document",
+]
+
+#: Version of the JSON documents `torchferry plan --format json` prints.
+JSON_VERSION = 1
+#: The device FLOP/s assumed when none is given: an RTX 4090-class GPU's achieved bf16 throughput.
+DEFAULT_TFLOPS = 150.0
+STRATEGY_ORDER = ("none", "model_level", "layerwise", "distributed_layerwise", "auto")
+
+_RESOLUTION = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?:x\s*(\d+)\s*f?)?\s*$", re.IGNORECASE)
+_NUMBERED = re.compile(r"^(.+?)\.(\d+)\.")
+
+
+def parse_resolution(text: str) -> Resolution:
+    """``"1280x720x81"`` -> width 1280, height 720, 81 frames; ``"1024x1024"`` -> one frame."""
+    match = _RESOLUTION.match(text)
+    if match is None or any(int(g) < 1 for g in match.groups() if g is not None):
+        raise ValueError(
+            f"cannot read {text!r} as a resolution; write WIDTHxHEIGHT or WIDTHxHEIGHTxFRAMES, "
+            "such as 1024x1024 or 1280x720x81"
+        )
+    width, height, frames = match.groups()
+    return Resolution(height=int(height), width=int(width), frames=int(frames or 1))
+
+
+# ------------------------------------------------------------------------------------------ input
+
+
+def _looks_like_path(model: str) -> bool:
+    return (
+        os.path.exists(model) or "/" in model or os.sep in model or model.endswith((".safetensors", ".json"))
+    )
+
+
+def detect_block_attrs(names: Sequence[str]) -> tuple[str, ...]:
+    """Block attributes guessed from tensor names: prefixes followed by at least two distinct indices.
+
+    ``blocks.0.attn.q.weight`` and ``blocks.1.…`` make ``blocks`` a block attribute; the shortest
+    numbered prefix of a name wins (so ``blocks.3.ffn.net.0`` counts for ``blocks`` only). Shorter
+    attributes come first (``transformer_blocks`` before ``single_transformer_blocks``).
+    """
+    indices: dict[str, set[int]] = {}
+    for name in names:
+        match = _NUMBERED.match(name)
+        if match:
+            indices.setdefault(match.group(1), set()).add(int(match.group(2)))
+    found = [attr for attr, seen in indices.items() if len(seen) >= 2]
+    return tuple(sorted(found, key=lambda a: (len(a), a)))
+
+
+def _by_component(attrs_: Sequence[str], names: Sequence[str]) -> dict[str, tuple[str, ...]] | None:
+    """A prefix mapping for a checkpoint of a whole pipeline, or ``None`` for a single model.
+
+    A pipeline checkpoint names tensors ``<component>.<attr>.<i>…``: every guessed block attribute
+    is dotted and they start with at least two different components (``transformer.blocks``,
+    ``text_encoder.blocks``). Every first name part becomes a component, with the block attributes
+    under it (none for, say, a VAE).
+    """
+    if not attrs_ or not all("." in a for a in attrs_):
+        return None
+    if len({a.split(".", 1)[0] for a in attrs_}) < 2 or not all("." in n for n in names):
+        return None
+    mapping: dict[str, list[str]] = {n.split(".", 1)[0]: [] for n in names}
+    for a in attrs_:
+        head, rest = a.split(".", 1)
+        mapping[head].append(rest)
+    return {k: tuple(v) for k, v in mapping.items()}
+
+
+def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[Topology, KnownModel | None]:
+    """The topology ``model`` names (a known id, or a checkpoint file, folder or ``*.index.json``).
+
+    A checkpoint is read through its headers only; its block attributes are ``block_attrs`` or,
+    when not given, guessed with `detect_block_attrs` (a checkpoint of a whole pipeline, its tensors
+    named ``<component>.…``, becomes one component per name prefix). Unknown ids and broken
+    checkpoints raise `PlanError`.
+    """
+    if not _looks_like_path(model):
+        return topology.known_topology(model), topology.known_model(model)
+    if block_attrs is not None:
+        return topology.from_checkpoint(model, block_attrs=tuple(block_attrs)), None
+    flat = topology.from_checkpoint(model, block_attrs=())
+    names = [t.name for c in flat.components for t in c.all_tensors()]
+    guessed = detect_block_attrs(names)
+    if not guessed:
+        return flat, None
+    mapping = _by_component(guessed, names)
+    if mapping is not None:
+        return topology.from_checkpoint(model, block_attrs=mapping), None
+    return topology.from_checkpoint(model, block_attrs=guessed), None
+
+
+# ------------------------------------------------------------------------------------------ model
+
+
+@attrs.frozen(kw_only=True)
+class Options:
+    """What the user asked `torchferry plan` to assume."""
+
+    budget_bytes: int
+    h2d_bytes_per_s: float = 25e9
+    collective_bytes_per_s: float = 100e9
+    world_size: int | None = None
+    depth: int = 1
+    strategy: str | None = None
+    resolution: Resolution | None = None
+    tflops: float | None = None
+    block_ms: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ComponentRow:
+    """One component: its bytes, and its blocks (count, smallest and largest) and the remainder."""
+
+    path: str
+    kind: str
+    class_name: str
+    nbytes: int
+    blocks: int
+    block_min_bytes: int
+    block_max_bytes: int
+    rest_bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class StrategyRow:
+    """One strategy under the budget: fit, simulated peak, steady step time, or why it does not apply.
+
+    ``step_s`` and ``resident_step_s`` are one denoising step of the first DiT (all its forwards),
+    with weights streaming and with every weight already on the device.
+    """
+
+    strategy: str
+    policy: str = ""
+    fits: bool = False
+    peak_device_bytes: int = 0
+    step_s: float = 0.0
+    resident_step_s: float = 0.0
+    host_bytes_per_rank: int = 0
+    notes: tuple[str, ...] = ()
+    error: str | None = None
+
+    @property
+    def overhead(self) -> float:
+        if self.resident_step_s <= 0:
+            return 0.0
+        return self.step_s / self.resident_step_s - 1.0
+
+
+@attrs.frozen(kw_only=True)
+class PlanReport:
+    """Everything `torchferry plan` prints."""
+
+    model: str
+    source: str
+    pipeline_class: str
+    total_bytes: int
+    components: tuple[ComponentRow, ...]
+    options: Options
+    compute: str
+    block_s: float
+    forwards_per_step: int
+    world_size: int
+    hf_repo: str
+    rows: tuple[StrategyRow, ...]
+    recommended: StrategyRow | None
+    schedule: Schedule | None = None
+    warnings: tuple[str, ...] = ()
+
+
+def _component_row(c: topology.Component) -> ComponentRow:
+    sizes = [b.nbytes for b in c.blocks]
+    return ComponentRow(
+        path=c.path,
+        kind=c.kind,
+        class_name=c.class_name,
+        nbytes=c.nbytes,
+        blocks=len(sizes),
+        block_min_bytes=min(sizes, default=0),
+        block_max_bytes=max(sizes, default=0),
+        rest_bytes=c.nbytes - sum(sizes),
+    )
+
+
+def _one_line(error: Exception) -> str:
+    lines = [line.strip().lstrip("- ").strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        lines = lines[1:]
+    return "; ".join(lines)
+
+
+class _Planner:
+    """Resolves, schedules and simulates the strategies of one topology under one set of options."""
+
+    def __init__(self, topo: Topology, known: KnownModel | None, options: Options) -> None:
+        self.topo = topo
+        self.known = known
+        self.options = options
+        self.warnings: list[str] = []
+        selection: list[SelectableComponent] = []
+        if topo.of_kind("dit"):
+            selection.append("dit")
+        if topo.of_kind("encoder"):
+            selection.append("text_encoder")
+        self.selection = frozenset(selection)
+        dits = topo.of_kind("dit")
+        self.dit = dits[0].path if dits else None
+        self.forwards = known.forwards_per_step if known is not None else 1
+        # Distributed rows need ranks: 2 unless the user said how many; only then may auto pick them.
+        self.world = options.world_size or 2
+        self.cost, self.compute, self.block_s = self._cost()
+
+    def _cost(self) -> tuple[CostModel, str, float]:
+        o = self.options
+        link = CostModel(h2d_bytes_per_s=o.h2d_bytes_per_s, collective_bytes_per_s=o.collective_bytes_per_s)
+        if o.block_ms is not None:
+            s = o.block_ms / 1e3
+            return attrs.evolve(link, block_s=s), f"{o.block_ms:g} ms per block (given)", s
+        known = self.known
+        if known is None:
+            s = policies.DEFAULT_COST.block_s
+            return (
+                attrs.evolve(link, block_s=s),
+                f"{s * 1e3:g} ms per block (assumed: a checkpoint's FLOPs are unknown; pass --block-ms)",
+                s,
+            )
+        tflops = o.tflops if o.tflops is not None else DEFAULT_TFLOPS
+        res = o.resolution or known.resolution
+        per_block = known.block_flops(res)
+        flops: dict[str, float] = {}
+        for path in known.dit_paths:
+            blocks = self.topo.component(path).blocks
+            for block, f in zip(blocks, per_block, strict=False):
+                flops[block.path] = float(f * known.batch_per_forward)
+        mean = sum(per_block) / len(per_block) * known.batch_per_forward
+        s = mean / (tflops * 1e12)
+        assumed = "given" if o.tflops is not None else "assumed: RTX 4090-class bf16; pass --tflops"
+        batch = f" x batch {known.batch_per_forward}" if known.batch_per_forward > 1 else ""
+        text = (
+            f"{mean / known.batch_per_forward / 1e12:.2f} TFLOP per block{batch} at {res} "
+            f"({known.tokens(res)} latent + {known.text_tokens} text tokens) "
+            f"on {tflops:g} TFLOP/s ({assumed})"
+        )
+        cost = attrs.evolve(link, block_s=s, flops=flops, device_flops_per_s=tflops * 1e12)
+        return cost, text, s
+
+    def config(self, strategy: str) -> OffloadConfig:
+        o = self.options
+        if strategy == "none":
+            return OffloadConfig(strategy="none")
+        if strategy == "model_level":
+            return OffloadConfig(strategy="model_level", components=self.selection)
+        if strategy == "layerwise":
+            return OffloadConfig(strategy="layerwise", components=self.selection, prefetch_depth=o.depth)
+        return OffloadConfig(
+            strategy="distributed_layerwise",
+            components=self.selection,
+            prefetch_depth=o.depth,
+            dit_transfer="allgather",
+            encoder_transfer="rank-local",
+            parallel=ParallelLayout(data_parallel_size=self.world),
+        )
+
+    def resolve(self, strategy: str) -> Plan:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = topology.resolve(self.topo, self.config(strategy))
+        for w in caught:
+            text = f"{strategy}: {w.message}"
+            if text not in self.warnings:
+                self.warnings.append(text)
+        return plan
+
+    def generation(self, policy: Policy, plan: Plan) -> tuple[list[Schedule], Schedule | None]:
+        """The schedules of one generation in order, and the steady step of the first DiT."""
+        order: list[tuple[str, int]] = []
+        for c in plan.components:
+            if c.kind == "encoder":
+                order.append((c.path, 0))
+        for c in plan.components:
+            if c.kind == "dit":
+                order += [(c.path, 0), (c.path, 1)]
+        for c in plan.components:
+            if c.kind not in ("encoder", "dit"):
+                order.append((c.path, 0))
+        schedules: list[Schedule] = []
+        steady: Schedule | None = None
+        entry: tuple[policies.Placement, ...] = ()
+        for i, (path, index) in enumerate(order):
+            following = order[i + 1][0] if i + 1 < len(order) else None
+            nxt = None if following == path else following
+            schedule = policy(plan, Step(component=path, index=index, entry=entry, next=nxt))
+            schedules.append(schedule)
+            entry = schedule.exit
+            if path == self.dit and index == 1:
+                # The steady state repeats this component: its next step is itself again.
+                steady = policy(plan, Step(component=path, index=1, entry=schedules[-2].exit))
+        return schedules, steady
+
+    def resident_forward_s(self) -> float:
+        """Compute seconds of one forward of the first DiT with every weight on the device."""
+        if self.dit is None:
+            return 0.0
+        dit = self.topo.component(self.dit)
+        blocks = sum(self.cost.compute_seconds(b.path, block=True) for c in dit.walk() for b in c.blocks)
+        return blocks + self.cost.compute_seconds(dit.path, block=False)
+
+    def host_bytes(self, plan: Plan) -> int:
+        world = plan.config.dp_size
+        total = self.topo.nbytes
+        if world <= 1 or not plan.config.uses_allgather("dit"):
+            return total
+        for c in plan.components:
+            if c.kind == "dit" and c.selected:
+                for s in c.stacks:
+                    for b in s.streaming:
+                        total += policies.shard_nbytes(b.nbytes, world) - b.nbytes
+        return total
+
+    def row(self, strategy: str, policy: Policy, plan: Plan, notes: Sequence[str] = ()) -> StrategyRow:
+        schedules, steady = self.generation(policy, plan)
+        peak = max((policies.simulate(s, self.cost).peak_device_bytes for s in schedules), default=0)
+        step_s = resident_s = 0.0
+        if steady is not None:
+            # A whole-component schedule anchors no block, so `simulate` implies no block computes:
+            # the resident forward is summed here, and the schedule adds what its transfers cost.
+            report = policies.simulate(steady, self.cost)
+            resident_s = self.resident_forward_s() * self.forwards
+            step_s = resident_s + max(report.makespan_s - report.resident_makespan_s, 0.0) * self.forwards
+        return StrategyRow(
+            strategy=strategy,
+            policy=(steady or schedules[0]).policy if schedules else "",
+            fits=peak <= self.options.budget_bytes,
+            peak_device_bytes=peak,
+            step_s=step_s,
+            resident_step_s=resident_s,
+            host_bytes_per_rank=self.host_bytes(plan),
+            notes=tuple(notes),
+        )
+
+    def fixed(self, strategy: str) -> tuple[StrategyRow, Schedule | None]:
+        try:
+            plan = self.resolve(strategy)
+            factory: dict[str, Policy] = {
+                "none": policies.none(),
+                "model_level": policies.model_level(),
+                "layerwise": policies.layerwise(self.options.depth),
+                "distributed_layerwise": policies.distributed_layerwise(self.options.depth),
+            }
+            notes = []
+            if strategy == "distributed_layerwise":
+                notes.append(f"per rank of {self.world}")
+            if strategy == "model_level" and len(self.topo.of_kind("dit")) > 1:
+                notes.append("swaps experts at the boundary")
+            row = self.row(strategy, factory[strategy], plan, notes)
+            return row, self.generation(factory[strategy], plan)[1]
+        except OffloadError as exc:
+            return StrategyRow(strategy=strategy, error=_one_line(exc)), None
+
+    def auto(self) -> tuple[StrategyRow, Schedule | None]:
+        candidates = ["layerwise"]
+        if (self.options.world_size or 1) > 1:
+            candidates.append("distributed_layerwise")
+        best: tuple[StrategyRow, Schedule | None] | None = None
+        problems: list[str] = []
+        for strategy in candidates:
+            try:
+                plan = self.resolve(strategy)
+                choice = policies.choose(plan, self.options.budget_bytes, self.cost)
+            except OffloadError as exc:
+                problems.append(_one_line(exc))
+                continue
+            policy = choice.policy()
+            notes = []
+            if choice.resident:
+                notes.append(f"{len(choice.resident)} resident blocks ({choice.placement})")
+            if choice.strategy == "distributed_layerwise":
+                notes.append(f"per rank of {self.world}")
+            row = attrs.evolve(self.row("auto", policy, plan, notes), strategy="auto")
+            candidate = (row, self.generation(policy, plan)[1])
+            if best is None or row.step_s < best[0].step_s * (1 - 1e-9):
+                best = candidate
+        if best is None:
+            return StrategyRow(strategy="auto", error=problems[0] if problems else "nothing to plan"), None
+        return best
+
+
+def build_report(model: str, topo: Topology, known: KnownModel | None, options: Options) -> PlanReport:
+    """Evaluate the requested strategies (all, by default) and auto's choice for ``topo``."""
+    planner = _Planner(topo, known, options)
+    wanted = [options.strategy] if options.strategy else list(STRATEGY_ORDER)
+    rows: list[StrategyRow] = []
+    schedules: dict[str, Schedule | None] = {}
+    for strategy in wanted:
+        row, steady = planner.auto() if strategy == "auto" else planner.fixed(strategy)
+        rows.append(row)
+        schedules[strategy] = steady
+    recommended = next((r for r in rows if r.strategy == "auto" and r.error is None), None)
+    shown = "auto" if recommended is not None else wanted[0]
+    return PlanReport(
+        model=model,
+        source=topo.source,
+        pipeline_class=topo.pipeline_class,
+        total_bytes=topo.nbytes,
+        components=tuple(_component_row(c) for c in topo.components),
+        options=options,
+        compute=planner.compute,
+        block_s=planner.block_s,
+        forwards_per_step=planner.forwards,
+        world_size=planner.world,
+        hf_repo=known.hf_repo if known is not None else "",
+        rows=tuple(rows),
+        recommended=recommended,
+        schedule=schedules.get(shown),
+        warnings=tuple(planner.warnings),
+    )
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def _b(nbytes: int) -> str:
+    return policies.format_bytes(nbytes, exact=False)
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    out = []
+    for r in [header, *rows]:
+        cells = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        out.append("  ".join(cells).rstrip())
+    return out
+
+
+def _blocks(c: ComponentRow) -> str:
+    if not c.blocks:
+        return "-"
+    if c.block_min_bytes == c.block_max_bytes:
+        return f"{c.blocks} x {_b(c.block_max_bytes)}"
+    return f"{c.blocks} x {_b(c.block_min_bytes)}-{_b(c.block_max_bytes)}"
+
+
+def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
+    """The readable report `torchferry plan` prints."""
+    o = report.options
+    kind, _, where = report.source.partition(":")
+    if kind == "known":
+        where = f"known model; tensor shapes from the published config of {report.hf_repo}"
+    elif kind == "checkpoint":
+        where = f"safetensors headers of {where}"
+    title = f"{report.model}" + (f" ({report.pipeline_class})" if report.pipeline_class else "")
+    lines = [title, where, f"total: {_b(report.total_bytes)} ({report.total_bytes} bytes)", ""]
+    lines += _table(
+        ["component", "kind", "class", "bytes", "blocks", "remainder"],
+        [
+            [c.path or "(root)", c.kind, c.class_name or "-", _b(c.nbytes), _blocks(c), _b(c.rest_bytes)]
+            for c in report.components
+        ],
+        {3, 5},
+    )
+    forwards = (
+        f", {report.forwards_per_step} DiT forwards per denoising step (guidance)"
+        if report.forwards_per_step > 1
+        else ""
+    )
+    ranks = (
+        f"{report.world_size} ranks (given; auto considers them)"
+        if o.world_size
+        else f"{report.world_size} ranks (assumed; pass --world-size to set it and let auto use them)"
+    )
+    lines += [
+        "",
+        f"device memory {_b(o.budget_bytes)} · host-to-device {o.h2d_bytes_per_s / 1e9:g} GB/s · "
+        f"all-gather {o.collective_bytes_per_s / 1e9:g} GB/s · ring depth {o.depth}",
+        f"distributed rows: {ranks}",
+        f"compute: {report.compute}",
+    ]
+    if o.block_ms is None and report.hf_repo:  # derived from FLOPs: say what it comes to
+        lines.append(f"         = {_seconds(report.block_s)} per block{forwards}")
+    elif forwards:
+        lines.append(f"         {forwards.lstrip(', ')}")
+    lines.append("")
+    table: list[list[str]] = []
+    for r in report.rows:
+        if r.error is not None:
+            table.append([r.strategy, "n/a", "-", "-", "-", r.error])
+            continue
+        name = r.policy if r.strategy != "auto" else f"auto: {r.policy}"
+        table.append(
+            [
+                name,
+                "yes" if r.fits else "no",
+                _b(r.peak_device_bytes),
+                _seconds(r.step_s),
+                f"+{r.overhead * 100:.1f}%",
+                "; ".join(r.notes),
+            ]
+        )
+    lines += _table(["strategy", "fits", "peak device", "step", "overhead", "notes"], table, {2, 3, 4})
+    lines.append("")
+    rec = report.recommended
+    if rec is not None:
+        lines.append(
+            f"recommended: {rec.policy} — peak {_b(rec.peak_device_bytes)} of {_b(o.budget_bytes)}, "
+            f"step {_seconds(rec.step_s)} (+{rec.overhead * 100:.1f}% over all-resident "
+            f"{_seconds(rec.resident_step_s)})"
+        )
+    elif any(r.strategy == "auto" for r in report.rows):
+        lines.append(f"recommended: nothing fits {_b(o.budget_bytes)}")
+    lines.extend(f"warning: {w}" for w in report.warnings)
+    if show_schedule and report.schedule is not None:
+        lines += ["", policies.format_schedule(report.schedule).rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def _row_document(r: StrategyRow) -> dict[str, Any]:
+    if r.error is not None:
+        return {"strategy": r.strategy, "applicable": False, "error": r.error}
+    return {
+        "strategy": r.strategy,
+        "applicable": True,
+        "policy": r.policy,
+        "fits": r.fits,
+        "peak_device_bytes": r.peak_device_bytes,
+        "host_bytes_per_rank": r.host_bytes_per_rank,
+        "step_s": r.step_s,
+        "resident_step_s": r.resident_step_s,
+        "overhead": r.overhead if math.isfinite(r.overhead) else None,
+        "notes": list(r.notes),
+    }
+
+
+def report_document(report: PlanReport, *, show_schedule: bool = False) -> dict[str, Any]:
+    """The stable JSON document of a report (``"torchferry_plan": 1``)."""
+    o = report.options
+    res = o.resolution
+    doc: dict[str, Any] = {
+        "torchferry_plan": JSON_VERSION,
+        "model": report.model,
+        "source": report.source,
+        "hf_repo": report.hf_repo or None,
+        "pipeline_class": report.pipeline_class,
+        "total_bytes": report.total_bytes,
+        "components": [attrs.asdict(c) for c in report.components],
+        "assumptions": {
+            "device_memory_bytes": o.budget_bytes,
+            "h2d_bytes_per_s": o.h2d_bytes_per_s,
+            "collective_bytes_per_s": o.collective_bytes_per_s,
+            "world_size": report.world_size,
+            "world_size_given": o.world_size is not None,
+            "depth": o.depth,
+            "resolution": None if res is None else attrs.asdict(res),
+            "tflops": o.tflops,
+            "block_ms": o.block_ms,
+            "compute": report.compute,
+            "block_s": report.block_s,
+            "forwards_per_step": report.forwards_per_step,
+        },
+        "strategies": [_row_document(r) for r in report.rows],
+        "recommended": None if report.recommended is None else _row_document(report.recommended),
+        "warnings": list(report.warnings),
+    }
+    if show_schedule:
+        doc["schedule"] = None if report.schedule is None else policies.format_schedule(report.schedule)
+    return doc
+
+
+def list_document() -> list[dict[str, Any]]:
+    """Every known model id with its pipeline class and sizes."""
+    out = []
+    for model_id in topology.KNOWN_MODELS:
+        topo = topology.known_topology(model_id)
+        out.append(
+            {
+                "id": model_id,
+                "pipeline_class": topo.pipeline_class,
+                "hf_repo": topology.known_model(model_id).hf_repo,
+                "total_bytes": topo.nbytes,
+                "components": {c.path: c.nbytes for c in topo.components},
+            }
+        )
+    for alias, base in topology.KNOWN_ALIASES.items():
+        topo = topology.known_topology(alias)
+        out.append(
+            {
+                "id": alias,
+                "alias_of": base,
+                "pipeline_class": topo.pipeline_class,
+                "hf_repo": topology.known_model(alias).hf_repo,
+                "total_bytes": topo.nbytes,
+                "components": {c.path: c.nbytes for c in topo.components},
+            }
+        )
+    return out
+
+
+def format_list() -> str:
+    """The table `torchferry plan --list` prints."""
+    rows = []
+    for entry in list_document():
+        comps = entry["components"]
+        dits = sum(n for p, n in comps.items() if p.startswith("transformer"))
+        name = entry["id"] + (f" (= {entry['alias_of']}, other VAE)" if "alias_of" in entry else "")
+        rows.append([name, entry["pipeline_class"], _b(entry["total_bytes"]), _b(dits), str(len(comps))])
+    lines = _table(["id", "pipeline", "total", "DiT(s)", "components"], rows, {2, 3, 4})
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,185 @@
+"""`Comm`: the weight-shard process group, as the runtime uses it.
+
+Every collective the runtime issues goes through here: the agreement exchanges before anything
+could hang (`Comm.agree`), the all-gather of a block's shards into its device slot
+(`Comm.all_gather`), and the re-assembly of full host weights when a session gives them back
+(`Comm.gather_host`). A failed collective (a peer died, stalled past the group's timeout, or issued a
+different collective) becomes an `ExecutionError` that says so; host weights are never touched.
+
+[Note: chunked gathers keep the block's byte order]
+A full slot holds the ranks' shards back to back: rank ``r``'s shard at ``[r * S, (r + 1) * S)``,
+which is exactly the block's packed bytes followed by zero padding. A gather in ``k`` chunks moves
+piece ``j`` (bytes ``[j * c, min((j + 1) * c, S))``, ``c = ceil(S / k)``) of every rank's shard at
+once. With gloo the outputs are ``world`` views of the slot, one at each rank's offset, so the bytes
+land in place with no staging memory. NCCL needs one contiguous output, so a chunk is gathered into
+a staging buffer of ``world * c`` bytes (allocated once) and copied into the ``world`` places with
+one strided copy on the same stream.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchferry._errors import ExecutionError, OffloadError
+
+__all__ = ["Comm"]
+
+_DIGEST = 32
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
+def _timeout(group: Any, device: torch.device) -> str:
+    """`` (the group's timeout is N s)`` when the group says, else nothing (only for messages)."""
+    try:
+        timeout = group._get_backend(device).options._timeout
+    except Exception:  # a private API, and the group may be broken already
+        return ""
+    if isinstance(timeout, datetime.timedelta):
+        return f" (the group's timeout is {timeout.total_seconds():g} s)"
+    return ""
+
+
+class Comm:
+    """One process group used for weight shards: its rank, size and backend, and its collectives.
+
+    ``device`` is where collective buffers live: the CPU for gloo, the session's device otherwise.
+    """
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        self.group = group
+        self.rank: int = dist.get_rank(group)
+        self.world: int = dist.get_world_size(group)
+        self.backend: str = str(dist.get_backend(group))
+        self.device = torch.device("cpu") if self.backend == "gloo" else device
+        # Why: (slot, shard bytes, piece) -> per-chunk output views, so steady steps build nothing; the
+        # slot tensor is kept in the entry, so a recycled id never returns another slot's views.
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, list[list[torch.Tensor]]]] = {}
+
+    @property
+    def staged(self) -> bool:
+        """Whether a chunked gather needs a staging buffer (every backend but gloo)."""
+        return self.backend != "gloo"
+
+    def _run(self, what: str, fn: Callable[..., object], *args: Any) -> None:
+        try:
+            fn(*args, group=self.group)
+        except OffloadError:
+            raise
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise ExecutionError(
+                f"{what} failed on rank {self.rank} of {self.world} ({self.backend}): "
+                f"{type(exc).__name__}: {first}; a peer rank died, stalled past the process group's "
+                f"timeout{_timeout(self.group, self.device)}, or issued a different collective. Host "
+                "weights are intact and this step was aborted; the process group is likely unusable now, so "
+                "close() the session (that needs no collective) and restart the ranks"
+            ) from exc
+
+    # ------------------------------------------------------------------------------ agreement
+    def agree(self, what: str, text: str, *, ok: bool = True) -> list[tuple[str, bool]]:
+        """All-gather a digest of ``text`` and an ok flag from every rank; returns them in rank order.
+
+        Raises `ExecutionError` on every rank alike when the digests differ (a rank would otherwise
+        issue different collectives and hang its peers) or when a rank reports it is not ok.
+        """
+        digest = hashlib.sha256(text.encode()).digest()
+        mine = torch.tensor([*digest, int(ok)], dtype=torch.uint8, device=self.device)
+        out = torch.empty(self.world * (_DIGEST + 1), dtype=torch.uint8, device=self.device)
+        self._run(f"the check that every rank agrees on {what}", _all_gather_single, out, mine)
+        rows = out.cpu().view(self.world, _DIGEST + 1)
+        seen = [
+            (bytes(rows[r, :_DIGEST].tolist()).hex()[:12], bool(rows[r, _DIGEST])) for r in range(self.world)
+        ]
+        failed = [r for r, (_, good) in enumerate(seen) if not good]
+        if failed:
+            raise ExecutionError(
+                f"rank(s) {', '.join(map(str, failed))} of the {self.world}-rank weight-shard group could "
+                f"not {what} (see the error on those ranks); nothing was changed on rank {self.rank}"
+            )
+        digests = [d for d, _ in seen]
+        if len(set(digests)) > 1:
+            groups: dict[str, list[int]] = {}
+            for r, d in enumerate(digests):
+                groups.setdefault(d, []).append(r)
+            listed = "; ".join(
+                f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d}" for d, rs in groups.items()
+            )
+            raise ExecutionError(
+                f"the ranks of the {self.world}-rank weight-shard group disagree on {what} (this is rank "
+                f"{self.rank}; digests {listed}); every rank must open torchferry.offload(...) on the same "
+                "pipeline with the same config and policy, and run the same components in the same order, "
+                "so that all issue the same collectives"
+            )
+        return seen
+
+    # -------------------------------------------------------------------------------- gathers
+    def all_gather(
+        self,
+        slot: torch.Tensor,
+        shard: torch.Tensor,
+        chunks: int,
+        what: str,
+        staging: torch.Tensor | None = None,
+    ) -> None:
+        """Gather every rank's ``shard`` (``S`` bytes) into the first ``world * S`` bytes of ``slot``.
+
+        ``chunks`` pieces, byte order as the Note at the top says; ``staging`` (``world *
+        ceil(S / chunks)`` bytes) is needed for chunked gathers on backends other than gloo.
+        """
+        size = shard.numel()
+        full = slot.narrow(0, 0, self.world * size)
+        if chunks <= 1 or size == 0:
+            self._run(f"all-gather of {what}", _all_gather_single, full, shard)
+            return
+        piece = -(-size // chunks)
+        count = -(-size // piece)
+        if not self.staged:
+            for j, outputs in enumerate(self._chunk_views(slot, size, piece)):
+                lo = j * piece
+                part = shard.narrow(0, lo, outputs[0].numel())
+                self._run(f"all-gather of {what} (chunk {j + 1} of {count})", dist.all_gather, outputs, part)
+            return
+        assert staging is not None
+        grid = full.view(self.world, size)
+        for j in range(count):
+            lo = j * piece
+            n = min(piece, size - lo)
+            out = staging.narrow(0, 0, self.world * n)
+            self._run(
+                f"all-gather of {what} (chunk {j + 1} of {count})",
+                _all_gather_single,
+                out,
+                shard.narrow(0, lo, n),
+            )
+            grid[:, lo : lo + n].copy_(out.view(self.world, n))
+
+    def _chunk_views(self, slot: torch.Tensor, size: int, piece: int) -> list[list[torch.Tensor]]:
+        """Per chunk, the ``world`` views of ``slot`` its pieces land in (cached while ``slot`` lives)."""
+        key = (id(slot), size, piece)
+        cached = self._views.get(key)
+        if cached is not None and cached[0] is slot:
+            return cached[1]
+        grid = slot.narrow(0, 0, self.world * size).view(self.world, size)
+        views = [
+            [grid[r, lo : lo + min(piece, size - lo)] for r in range(self.world)]
+            for lo in range(0, size, piece)
+        ]
+        self._views[key] = (slot, views)
+        return views
+
+    def gather_host(self, shard: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's host ``shard`` put together: a new CPU tensor of ``world * S`` bytes (collective)."""
+        src = shard.to(self.device)
+        out = torch.empty(self.world * shard.numel(), dtype=torch.uint8, device=self.device)
+        self._run(f"re-assembly of {what}", _all_gather_single, out, src)
+        return out.cpu() if out.device.type != "cpu" else out
