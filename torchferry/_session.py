@@ -182,6 +182,7 @@ class Session:
         self._last: tuple[str, int] | None = None
         # Why: what followed each step last time, so a policy can prefetch across a switch.
         self._follows: dict[tuple[str, int], str | None] = {}
+        self._index_free = policies.is_index_free(policy)
         # Why: the most device bytes each step held while it ran, to compare with `policies.simulate`.
         self.step_peaks: dict[Step, int] = {}
         self._step: Step | None = None
@@ -215,7 +216,12 @@ class Session:
             self._follows[last] = None if last[0] == component else component
         key = (component, index)
         self._last = key
+        if len(self._follows) > MAX_SCHEDULES:  # a model called in a loop counts forwards without end
+            self._follows.pop(next(iter(self._follows)))
         step = Step(component=component, index=index, entry=engine.residency, next=self._follows.get(key))
+        if self._index_free:
+            # One schedule serves every forward that starts from the same residency (`index_free`).
+            step = attrs.evolve(step, index=0)
         schedule = self.schedules.get(step)
         if schedule is None:
             schedule = self.policy(self.plan, step)

@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchferry
 from torchferry import ExecutionError, PlanError, policies, topology, toy
+from torchferry.topology import Plan
 
 STRATEGIES: list[tuple[str, dict[str, Any]]] = [
     ("none", {}),
@@ -57,8 +58,10 @@ def test_two_experts_switch_components() -> None:
         p("a cat", steps=4)
         p("a cat", steps=4)
         steps = {(s.component, s.index, s.next) for s in session.schedules}
-    assert ("transformer", 1, "transformer_2") in steps
-    assert ("transformer_2", 1, "vae") in steps
+    # Built-in policies are index-free: schedules are shared across forwards, keyed with index 0.
+    assert ("transformer", 0, "transformer_2") in steps
+    assert ("transformer_2", 0, "vae") in steps
+    assert {s.index for s in session.schedules} == {0}
 
 
 def test_on_demand_component_uses_its_lifecycle() -> None:
@@ -210,3 +213,29 @@ def test_steady_state_issues_only_block_copies() -> None:
         loads = sum(op.kind == "load" for op in last.ops)
     assert streamed - resident == Counter({"aten.copy_.default": loads})
     assert resident - streamed == Counter()
+
+
+def test_a_model_called_in_a_loop_reuses_one_schedule() -> None:
+    """Forwards of one component from the same residency share one schedule and one compiled program."""
+    p = toy.build(0)
+    with torchferry.offload(p, strategy="layerwise", device="cpu") as session:
+        p("a cat", steps=20)
+        dit_steps = [s for s in session.schedules if s.component == "transformer"]
+        assert len(dit_steps) <= 2  # the first forward's entry differs from the steady state's
+        assert len(session.engine._programs) == len(session.schedules)
+
+
+def test_a_policy_not_declared_index_free_gets_every_index() -> None:
+    """A user policy that may read the index is asked once per index, so it can act on it."""
+    seen: list[int] = []
+    base = policies.layerwise(1)
+
+    def counting(plan: Plan, step: policies.Step, /) -> policies.Schedule:
+        seen.append(step.index)
+        return base(plan, step)
+
+    p = toy.build(0)
+    expected = p("a cat", steps=3)
+    with torchferry.offload(p, strategy="layerwise", device="cpu", policy=counting):
+        assert torch.equal(p("a cat", steps=3), expected)
+    assert sorted(i for i in set(seen)) == [0, 1, 2]

@@ -18,10 +18,12 @@ from torchferry.policies._ir import (
     Step,
     StreamName,
     When,
+    index_free,
+    is_index_free,
     rest_unit,
 )
 from torchferry.policies._layout import shard_nbytes
-from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, simulate
+from torchferry.policies._sim import DEFAULT_COST, CostModel, Interval, SimReport, simulate
 from torchferry.policies._text import format_bytes, format_schedule, parse_schedule
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "OP_KINDS",
     "Choice",
     "CostModel",
+    "Interval",
     "Op",
     "OpKind",
     "Placement",
@@ -49,6 +52,8 @@ __all__ = [
     "distributed_layerwise",
     "format_bytes",
     "format_schedule",
+    "index_free",
+    "is_index_free",
     "layerwise",
     "model_level",
     "none",

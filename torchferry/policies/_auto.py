@@ -28,7 +28,7 @@ from torchferry.policies._builtin import (
     none,
     ring_slots,
 )
-from torchferry.policies._ir import Policy, Schedule, Step
+from torchferry.policies._ir import Policy, Schedule, Step, index_free
 from torchferry.policies._layout import layout
 from torchferry.policies._sim import DEFAULT_COST, CostModel, simulate
 from torchferry.policies._text import format_bytes
@@ -279,4 +279,4 @@ def auto(budget_bytes: int, cost: CostModel = DEFAULT_COST, max_depth: int = 4) 
             notes.append(f"resident blocks{placement}: {paths}")
         return attrs.evolve(schedule, policy=name, notes=tuple(notes))
 
-    return auto_policy
+    return index_free(auto_policy)

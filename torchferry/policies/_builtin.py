@@ -36,6 +36,8 @@ from torchferry.policies._ir import (
     Step,
     StreamName,
     When,
+    index_free,
+    is_index_free,
 )
 from torchferry.policies._layout import Layout, forward_blocks, layout, shard_nbytes
 from torchferry.topology import Component, Plan
@@ -214,7 +216,7 @@ def none() -> Policy:
     def none_policy(plan: Plan, step: Step, /) -> Schedule:
         return _whole(plan, step, swap=False, policy="none()")
 
-    return none_policy
+    return index_free(none_policy)
 
 
 def model_level() -> Policy:
@@ -225,7 +227,7 @@ def model_level() -> Policy:
     def model_level_policy(plan: Plan, step: Step, /) -> Schedule:
         return _whole(plan, step, swap=True, policy="model_level()")
 
-    return model_level_policy
+    return index_free(model_level_policy)
 
 
 # ------------------------------------------------------------------------------------------- ring
@@ -377,7 +379,7 @@ def layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Policy:
     def layerwise_policy(plan: Plan, step: Step, /) -> Schedule:
         return _ring(plan, step, depth=d, resident=extra, gather=False, policy=name, notes=notes)
 
-    return layerwise_policy
+    return index_free(layerwise_policy)
 
 
 def distributed_layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Policy:
@@ -394,9 +396,10 @@ def distributed_layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Polic
     def distributed_layerwise_policy(plan: Plan, step: Step, /) -> Schedule:
         return _ring(plan, step, depth=d, resident=extra, gather=True, policy=name, notes=notes)
 
-    return distributed_layerwise_policy
+    return index_free(distributed_layerwise_policy)
 
 
 def cached(policy: Policy, maxsize: int | None = 1024) -> Policy:
     """``policy`` memoised by ``(plan, step)``: valid because policies are pure and their inputs hashable."""
-    return lru_cache(maxsize=maxsize)(policy)
+    memo: Policy = lru_cache(maxsize=maxsize)(policy)
+    return index_free(memo) if is_index_free(policy) else memo

@@ -25,6 +25,7 @@ Op kinds (stream in brackets):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Literal, Protocol
 
@@ -45,6 +46,8 @@ __all__ = [
     "Step",
     "StreamName",
     "When",
+    "index_free",
+    "is_index_free",
     "rest_unit",
 ]
 
@@ -181,3 +184,26 @@ class Policy(Protocol):
     """
 
     def __call__(self, plan: Plan, step: Step, /) -> Schedule: ...
+
+
+_INDEX_FREE: weakref.WeakSet[Policy] = weakref.WeakSet()
+
+
+def index_free(policy: Policy) -> Policy:
+    """Declare that ``policy``'s schedules depend on nothing in a `Step` but its component, entry and next.
+
+    A session then builds one schedule for all forwards of a component that start from the same
+    residency, instead of one per ``Step.index`` (a model called in a loop would otherwise build and
+    compile a new schedule every forward). Such a schedule's header shows index 0. Every built-in
+    policy is index-free; a user policy that reads ``step.index`` must not be marked.
+    """
+    _INDEX_FREE.add(policy)
+    return policy
+
+
+def is_index_free(policy: Policy) -> bool:
+    """Whether ``policy`` was declared with `index_free`."""
+    try:
+        return policy in _INDEX_FREE
+    except TypeError:  # an unhashable or non-weakrefable callable cannot have been declared
+        return False

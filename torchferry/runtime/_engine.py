@@ -46,6 +46,9 @@ __all__ = ["Engine", "Program", "execute", "listing"]
 
 Handler = Callable[["Engine", Unit, Op], None]
 
+#: Compiled schedules an engine keeps (oldest dropped first).
+MAX_PROGRAMS = 512
+
 _WHERE = {HOST: "in host memory", STAGED_IN: "still in flight (loaded but never waited for)", READY: "ready"}
 
 
@@ -314,6 +317,8 @@ class Engine:
         )
         self.anchor(dict.fromkeys(op.anchor for op in schedule.ops))
         self.anchor(self._blocks_of(schedule.step.component))
+        if len(self._programs) >= MAX_PROGRAMS:  # bounded: a policy that is not index-free makes many
+            self._programs.pop(next(iter(self._programs)))
         self._programs[schedule] = program
         return program
 
