@@ -7,6 +7,7 @@ device waited for weights.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from xml.sax.saxutils import escape
 
@@ -48,15 +49,18 @@ def render_svg(lanes: Mapping[str, Sequence[Bar]], *, title: str, subtitle: str 
     """An SVG document with one lane per entry of ``lanes`` (in order) and a time axis."""
     span = max((bar.end_s for bars in lanes.values() for bar in bars), default=0.0) or 1e-9
     scale = (_WIDTH - _LEFT - 20) / span
-    top = 56
+    notes = textwrap.wrap(subtitle, 180) if subtitle else []
+    top = 44 + 14 * len(notes)
     height = top + _LANE_H * len(lanes) + 50
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{height}" '
         f'font-family="sans-serif" font-size="11">',
         f'<rect width="{_WIDTH}" height="{height}" fill="white"/>',
         f'<text x="10" y="20" font-size="15" font-weight="bold">{escape(title)}</text>',
-        f'<text x="10" y="38" fill="#555">{escape(subtitle)}</text>',
     ]
+    out.extend(
+        f'<text x="10" y="{38 + 14 * i}" fill="#555">{escape(line)}</text>' for i, line in enumerate(notes)
+    )
     for row, (lane, bars) in enumerate(lanes.items()):
         y = top + row * _LANE_H
         out.append(f'<text x="10" y="{y + 18}">{escape(lane)}</text>')

@@ -8,7 +8,9 @@ it>``, and exit status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -266,6 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as shell tools do
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's final flush quiet
+        return 0
     except (OffloadError, ValueError, OSError) as exc:
         message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"{prog}: error: {message}", file=sys.stderr)
