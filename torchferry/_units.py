@@ -1,10 +1,13 @@
-"""Parsing and printing of byte counts and rates as people write them (``24GiB``, ``25GB/s``)."""
+"""Reading byte counts and rates as people write them (``24GiB``, ``25GB/s``).
+
+Printing them is `torchferry.policies.format_bytes`.
+"""
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["format_bytes", "format_rate", "parse_bytes", "parse_rate"]
+__all__ = ["parse_bytes", "parse_rate"]
 
 _UNITS = {
     "": 1,
@@ -46,18 +49,3 @@ def parse_rate(text: str) -> float:
     if value <= 0:
         raise ValueError(f"bandwidth {text!r} must be positive")
     return float(value)
-
-
-def format_bytes(n: float) -> str:
-    """Binary units with one decimal: ``702788608`` -> ``670.2 MiB``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def format_rate(bytes_per_s: float) -> str:
-    """Decimal gigabytes per second, as link bandwidths are quoted: ``25.0 GB/s``."""
-    return f"{bytes_per_s / 1e9:.1f} GB/s"
