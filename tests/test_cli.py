@@ -373,7 +373,8 @@ def test_plan_predicts_the_peak_the_runtime_measures(
 
 
 def test_demo_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """The demo runs every strategy from the cached checkpoint, all outputs identical, and draws a step."""
+    """The demo runs every strategy from the cached checkpoint, all outputs identical, and draws one step
+    of the distributed run simulated above the same step measured."""
     svg = tmp_path / "step.svg"
     start = time.perf_counter()
     code, out, err = run(
@@ -410,10 +411,24 @@ def test_demo_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     assert mib["layerwise(depth=1)"] < mib["layerwise(depth=2)"] < mib["model_level"] < 35.3
     root = ET.parse(svg).getroot()
     ns = "{http://www.w3.org/2000/svg}"
-    texts = [t.text for t in root.iter(f"{ns}text")]
-    assert {"copy (H2D)", "comm (all-gather)", "compute"} <= set(texts)
-    fills = {r.get("fill") for r in root.iter(f"{ns}rect")}
-    assert {"#4c78a8", "#f58518", "#54a24b"} <= fills
+    panels = [g for g in root.iter(f"{ns}g") if g.get("class") == "panel"]
+    assert len(panels) == 2
+    for panel, heading in zip(
+        panels,
+        ["simulated (policies.simulate under a cost model)", "measured on cpu (synchronous copies), rank 0"],
+        strict=True,
+    ):
+        texts = [t.text for t in panel.iter(f"{ns}text")]
+        assert texts[0] == heading
+        assert {"copy (H2D)", "comm (all-gather)", "compute"} <= set(texts)
+        fills = {r.get("fill") for r in panel.iter(f"{ns}rect")}
+        assert {"#4c78a8", "#f58518", "#54a24b"} <= fills
+        bars = [t.text or "" for t in panel.iter(f"{ns}title")]
+        # one steady step: the 12 blocks' computes, and a shard copy and an all-gather for each
+        for kind in ("compute", "load", "gather"):
+            assert len({b.split(":")[0] for b in bars if b.startswith(f"{kind} transformer.blocks.")}) == 12
+    note = " ".join(t.text or "" for t in panels[1].iter(f"{ns}text"))
+    assert "host clock" in note and "in 12 copies" in note and "in 12 all-gathers" in note
 
 
 def test_demo_device_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

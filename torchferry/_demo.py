@@ -5,7 +5,9 @@ cache folder and every run loads from it. Each strategy runs the same prompt the
 times; the first call warms up, the others are timed per DiT forward (one denoising step). The
 table compares peak device bytes (weights the runtime holds on the device; all of them when
 resident), time per step, the overhead over the resident run, and whether every output equals the
-resident output bit for bit.
+resident output bit for bit. With a timeline, one more call of the distributed run (or, without it,
+of layerwise depth 1) traces one steady DiT step (`Session.trace`), drawn below the same step
+simulated.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import torch
 import torchferry
 from torchferry import policies, topology, toy
 from torchferry._errors import OffloadError
-from torchferry._timeline import Bar, render_svg
+from torchferry._timeline import Panel, lanes_of, render_panels
+from torchferry.runtime import StepTrace
 
 __all__ = ["DEMO_TOY", "DemoRow", "cache_folder", "ensure_checkpoint", "format_table", "run", "timeline_svg"]
 
@@ -155,6 +158,18 @@ def _calls(
     return outputs, statistics.median(measured)
 
 
+def _traced_call(session: torchferry.Session, pipeline: toy.ToyPipeline, device: torch.device) -> StepTrace:
+    """The middle DiT step of a three-step call, traced: a steady step that prefetches the next one.
+
+    An untraced call of the same length goes first, so the session has seen that a DiT step follows
+    the traced one (what `policies.Step.next` says) whatever call length ran before.
+    """
+    pipeline(PROMPT, steps=3, seed=SEED, device=device)
+    with session.trace("transformer", skip=1) as tracer:
+        pipeline(PROMPT, steps=3, seed=SEED, device=device)
+    return tracer.result
+
+
 def _empty() -> toy.ToyPipeline:
     """The demo toy with its parameters on the meta device, for a session to fill from the checkpoint."""
     return toy.build_empty(hidden=_HIDDEN, blocks=_BLOCKS, encoder_blocks=_ENCODER_BLOCKS)
@@ -168,23 +183,31 @@ def _run_strategy(
     device: torch.device,
     steps: int,
     calls: int,
+    trace: bool = False,
     **options: Any,
-) -> DemoRow:
-    """One strategy in this process: weights read from ``checkpoint`` straight into host buffers."""
+) -> tuple[DemoRow, StepTrace | None]:
+    """One strategy in this process: weights read from ``checkpoint`` straight into host buffers.
+
+    With ``trace``, one steady step of an extra call after the timed ones is traced too.
+    """
     pipeline = _empty()
+    traced = None
     with torchferry.offload(
         pipeline, device=device, components=_COMPONENTS, checkpoint=str(checkpoint), **options
     ) as session:
         outputs, step_s = _calls(pipeline, device, steps, calls)
         peak = session.peak_device_bytes
+        if trace:
+            traced = _traced_call(session, pipeline, device)
     identical = all(torch.equal(a, b) for a, b in zip(outputs, reference, strict=True))
-    return DemoRow(strategy=label, peak_device_bytes=peak, step_s=step_s, calls=calls, identical=identical)
+    row = DemoRow(strategy=label, peak_device_bytes=peak, step_s=step_s, calls=calls, identical=identical)
+    return row, traced
 
 
-#: What a rank sends back: its outputs as (raw float32 bytes, shape), its step time and peak bytes.
-#: Plain bytes, not tensors: a tensor crosses a process boundary as a shared-memory handle, which
-#: does not outlive the rank that made it.
-_RankResult = tuple[list[tuple[bytes, tuple[int, ...]]], float, int]
+#: What a rank sends back: its outputs as (raw float32 bytes, shape), its step time, peak bytes and
+#: traced step (if asked). Plain bytes, not tensors: a tensor crosses a process boundary as a
+#: shared-memory handle, which does not outlive the rank that made it.
+_RankResult = tuple[list[tuple[bytes, tuple[int, ...]]], float, int, StepTrace | None]
 
 
 def _rank_device(device: str, rank: int) -> torch.device:
@@ -202,6 +225,7 @@ class _RankJob:
     device: str
     steps: int
     calls: int
+    trace: bool = False
 
 
 def _distributed_rank(rank: int, world: int, job: _RankJob) -> _RankResult:
@@ -219,6 +243,8 @@ def _distributed_rank(rank: int, world: int, job: _RankJob) -> _RankResult:
     try:
         outputs, step_s = _calls(pipeline, target, job.steps, job.calls)
         peak = session.peak_device_bytes
+        # Every rank runs the traced call (its gathers are collectives); each traces its own step.
+        traced = _traced_call(session, pipeline, target) if job.trace else None
     except BaseException:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -226,7 +252,7 @@ def _distributed_rank(rank: int, world: int, job: _RankJob) -> _RankResult:
         raise
     session.close(gather=True)
     raw = [(o.contiguous().numpy().tobytes(), tuple(o.shape)) for o in outputs]
-    return raw, step_s, peak
+    return raw, step_s, peak, traced
 
 
 def _distributed(
@@ -237,27 +263,29 @@ def _distributed(
     steps: int,
     calls: int,
     world: int,
-) -> DemoRow:
-    """Distributed layerwise over ``world`` local processes joined by a gloo group."""
+    trace: bool = False,
+) -> tuple[DemoRow, StepTrace | None]:
+    """Distributed layerwise over ``world`` local processes joined by a gloo group (and rank 0's trace)."""
     from torchferry._multiproc import run_ranks
 
     label = f"distributed_layerwise(depth=1), {world} ranks"
     threads = max(1, torch.get_num_threads() // world)
-    job = _RankJob(checkpoint=str(checkpoint), device=str(device), steps=steps, calls=calls)
+    job = _RankJob(checkpoint=str(checkpoint), device=str(device), steps=steps, calls=calls, trace=trace)
     results = run_ranks(_distributed_rank, world, job, threads=threads, timeout=300.0)
     identical = True
-    for raw, _, _ in results:
+    for raw, _, _, _ in results:
         outputs = [torch.frombuffer(bytearray(b), dtype=torch.float32).reshape(shape) for b, shape in raw]
         identical = identical and all(torch.equal(a, b) for a, b in zip(outputs, reference, strict=True))
     per = "thread" if threads == 1 else "threads"
-    return DemoRow(
+    row = DemoRow(
         strategy=label,
-        peak_device_bytes=max(peak for _, _, peak in results),
-        step_s=max(step for _, step, _ in results),
+        peak_device_bytes=max(peak for _, _, peak, _ in results),
+        step_s=max(step for _, step, _, _ in results),
         calls=calls,
         identical=identical,
         note=f"per rank (the slowest); the {world} processes share this machine, {threads} {per} each",
     )
+    return row, results[0][3]
 
 
 def _bytes(n: int) -> str:
@@ -290,6 +318,24 @@ def format_table(rows: Sequence[DemoRow], resident_step_s: float) -> str:
     return "\n".join(out) + "\n"
 
 
+def _measured_note(trace: StepTrace, ranks: str) -> str:
+    """The measured panel's figures: step time, and each stream's busy time and op count."""
+    copies, comms = trace.on("copy"), trace.on("comm")
+    blocks = [s for s in trace.on("compute") if s.kind == "compute"]
+    moved = sum(s.nbytes for s in copies)
+    stalls = (
+        f"stalls {trace.stall_s * 1e3:.3f} ms"
+        if trace.clock == "cuda events"
+        else "no stalls to see: each copy ran on the compute thread, in a gap between blocks"
+    )
+    return (
+        f"{trace.schedule.policy}{ranks}, steady step, {trace.clock}: {trace.wall_s * 1e3:.2f} ms; "
+        f"copy {trace.busy_s('copy') * 1e3:.3f} ms in {len(copies)} copies ({_bytes(moved)}), "
+        + (f"comm {trace.busy_s('comm') * 1e3:.3f} ms in {len(comms)} all-gathers, " if comms else "")
+        + f"compute {sum(s.duration_s for s in blocks) * 1e3:.3f} ms in {len(blocks)} blocks; {stalls}"
+    )
+
+
 def timeline_svg(
     pipeline: torch.nn.Module,
     cost: policies.CostModel,
@@ -297,42 +343,57 @@ def timeline_svg(
     world: int = 2,
     depth: int = 1,
     provenance: str = "",
+    measured: StepTrace | None = None,
 ) -> str:
-    """An SVG of the simulated copy, comm and compute streams of one steady DiT step.
+    """An SVG of the copy, comm and compute streams of one steady DiT step, simulated and measured.
 
-    The step is distributed layerwise over ``world`` ranks (so all three streams are busy), planned
-    for the pipeline's own topology and replayed under ``cost``; ``provenance`` says where the cost
-    model's figures came from.
+    The step is distributed layerwise over ``world`` ranks (so all three streams are busy), or
+    layerwise when ``world`` is 1, planned for the pipeline's own topology and replayed under
+    ``cost``; ``provenance`` says where the cost model's figures came from. ``measured``, a trace of
+    the same step (`Session.trace`), is drawn below it to the same time scale.
     """
     topo = topology.discover(pipeline)
+    distributed = world > 1
     config = topology.OffloadConfig(
-        strategy="distributed_layerwise",
+        strategy="distributed_layerwise" if distributed else "layerwise",
         components=_COMPONENTS,
         prefetch_depth=depth,
-        dit_transfer="allgather",
+        dit_transfer="allgather" if distributed else "rank-local",
         parallel=topology.ParallelLayout(data_parallel_size=world),
     )
     plan = topology.resolve(topo, config)
-    policy = policies.distributed_layerwise(depth)
+    policy = policies.distributed_layerwise(depth) if distributed else policies.layerwise(depth)
     first = policy(plan, policies.Step(component="transformer"))
     steady = policy(plan, policies.Step(component="transformer", index=1, entry=first.exit))
     report = policies.simulate(steady, cost)
-    lanes: dict[str, list[Bar]] = {"copy (H2D)": [], "comm (all-gather)": [], "compute": []}
-    lane_of = {"copy": "copy (H2D)", "comm": "comm (all-gather)", "compute": "compute"}
-    for interval in report.timeline:
-        kind = interval.kind if interval.kind == "stall" else interval.stream
-        label = f"{interval.kind} {interval.label}"
-        lanes[lane_of[interval.stream]].append(
-            Bar(start_s=interval.start_s, end_s=interval.end_s, label=label, kind=kind)
-        )
     block_ms = cost.compute_seconds("transformer.blocks.0", block=True) * 1e3
-    subtitle = (
-        f"{steady.policy} x {world} ranks, steady step, simulated: {block_ms:.3f} ms/block, "
-        f"H2D {cost.h2d_bytes_per_s / 1e9:.1f} GB/s, all-gather {cost.collective_bytes_per_s / 1e9:.1f} GB/s"
-        f"{f' ({provenance})' if provenance else ''}; {report.makespan_s * 1e3:.2f} ms vs "
-        f"{report.resident_makespan_s * 1e3:.2f} ms resident"
+    ranks = f" x {world} ranks" if distributed else ""
+    gather = f", all-gather {cost.collective_bytes_per_s / 1e9:.1f} GB/s" if distributed else ""
+    simulated = Panel(
+        heading="simulated (policies.simulate under a cost model)",
+        lanes=lanes_of(report.timeline),
+        note=(
+            f"{steady.policy}{ranks}, steady step: {block_ms:.3f} ms/block, "
+            f"H2D {cost.h2d_bytes_per_s / 1e9:.1f} GB/s{gather}"
+            f"{f' ({provenance})' if provenance else ''}; {report.makespan_s * 1e3:.2f} ms vs "
+            f"{report.resident_makespan_s * 1e3:.2f} ms resident"
+        ),
     )
-    return render_svg(lanes, title="torchferry demo: one denoising step, stream by stream", subtitle=subtitle)
+    panels = [simulated]
+    if measured is not None:
+        how = (
+            "measured with CUDA events"
+            if measured.clock == "cuda events"
+            else f"measured on {measured.device} (synchronous copies)"
+        )
+        rank = ", rank 0" if distributed else ""
+        panels.append(
+            Panel(heading=how + rank, lanes=lanes_of(measured.spans), note=_measured_note(measured, ranks))
+        )
+    subtitle = "simulated above, measured below, to one time scale" if measured is not None else ""
+    return render_panels(
+        panels, title="torchferry demo: one denoising step, stream by stream", subtitle=subtitle
+    )
 
 
 def _copy_bandwidth(device: torch.device) -> float:
@@ -426,17 +487,22 @@ def _run(
         ("layerwise(depth=1)", {"strategy": "layerwise", "prefetch_depth": 1}),
         ("layerwise(depth=2)", {"strategy": "layerwise", "prefetch_depth": 2}),
     ]
+    # Why: the measured step of the timeline, by world size: distributed, else layerwise depth 1.
+    traces: dict[int, StepTrace] = {}
     for name, options in runs:
         t0 = time.perf_counter()
-        row = _run_strategy(
+        row, traced = _run_strategy(
             name,
             checkpoint=checkpoint,
             reference=reference,
             device=target,
             steps=steps,
             calls=calls,
+            trace=timeline is not None and name == "layerwise(depth=1)",
             **options,
         )
+        if traced is not None:
+            traces[1] = traced
         rows.append(row)
         progress(
             f"{row.strategy}: {row.step_s * 1e3:.2f} ms per step, peak {_bytes(row.peak_device_bytes)}, "
@@ -446,9 +512,17 @@ def _run(
         t0 = time.perf_counter()
         progress(f"distributed_layerwise: starting {DISTRIBUTED_WORLD} local processes (gloo)")
         try:
-            row = _distributed(
-                checkpoint, reference, device=target, steps=steps, calls=calls, world=DISTRIBUTED_WORLD
+            row, traced = _distributed(
+                checkpoint,
+                reference,
+                device=target,
+                steps=steps,
+                calls=calls,
+                world=DISTRIBUTED_WORLD,
+                trace=timeline is not None,
             )
+            if traced is not None:
+                traces[DISTRIBUTED_WORLD] = traced
         except OffloadError as exc:
             first = str(exc).splitlines()[0]
             row = DemoRow(strategy=f"distributed_layerwise(depth=1), {DISTRIBUTED_WORLD} ranks", error=first)
@@ -466,7 +540,9 @@ def _run(
             h2d_bytes_per_s=bandwidth, collective_bytes_per_s=bandwidth, block_s=per_block
         )
         provenance = "measured here; all-gather assumed at the H2D rate"
-        Path(timeline).write_text(timeline_svg(_empty(), cost, provenance=provenance))
+        world = max(traces, default=DISTRIBUTED_WORLD)
+        svg = timeline_svg(_empty(), cost, world=world, provenance=provenance, measured=traces.get(world))
+        Path(timeline).write_text(svg)
         progress(f"timeline written to {timeline}")
 
     stdout.write(format_table(rows, resident_step_s))

@@ -21,7 +21,7 @@ import torch
 from torchferry import policies, topology
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
-from torchferry.runtime import Comm, Engine
+from torchferry.runtime import Comm, Engine, Tracer
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
 __all__ = ["Session", "default_policy", "offload"]
@@ -242,6 +242,40 @@ class Session:
         if step is not None:
             peak = self.engine.ledger.step_peak
             self.step_peaks[step] = max(peak, self.step_peaks.get(step, peak))
+
+    @contextlib.contextmanager
+    def trace(self, component: str, *, skip: int = 0) -> Iterator[Tracer]:
+        """Measure one step of ``component`` run inside the block: when each op and block ran, and where.
+
+        The first ``skip`` steps of ``component`` that start in the block run untraced (the first
+        step of a pipeline call starts from another component's residency; later ones are steady);
+        the next one is traced. After it, ``tracer.result`` is a `StepTrace`: every copy (copy
+        stream), collective (comm stream), block forward and stall (compute stream) as a `Span` in
+        seconds from the step's start, timed with CUDA events on CUDA (one synchronize when the step
+        ends) and with the host clock on the CPU (see `Tracer`). Steps that are not traced cost nothing
+        extra, and tracing changes no output::
+
+            with session.trace("transformer", skip=1) as tracer:
+                pipe(prompt, steps=2)
+            print(tracer.result.busy_s("copy"), tracer.result.wall_s)
+        """
+        tops = [c.path for c in self.plan.components]
+        if component not in tops:
+            raise PlanError(
+                f"session.trace({component!r}): not a top-level component of this plan; trace one of "
+                f"{', '.join(map(repr, tops))}"
+            )
+        if skip < 0:
+            raise PlanError(f"session.trace(skip={skip}): skip counts steps, so it must be 0 or more")
+        if self.engine.tracing is not None or self.engine.tracer is not None:
+            raise ExecutionError("session.trace(): a trace is already running on this session; end it first")
+        tracer = Tracer(self.device, component, skip=skip)
+        self.engine.tracing = tracer
+        try:
+            yield tracer
+        finally:
+            if self.engine.tracing is tracer:
+                self.engine.tracing = None
 
     @contextlib.contextmanager
     def running(self, component: str) -> Iterator[None]:

@@ -9,6 +9,7 @@ from torchferry.runtime._engine import Engine, Program, execute, listing, schedu
 from torchferry.runtime._host import Group, HostStore, Prepared, Sharding, Unit
 from torchferry.runtime._meta import meta_parameters
 from torchferry.runtime._streams import CudaStreams, StreamContext, Transfer, stream_context
+from torchferry.runtime._trace import Span, StepTrace, Tracer
 
 __all__ = [
     "CheckpointReader",
@@ -22,7 +23,10 @@ __all__ = [
     "Program",
     "Sharding",
     "SlotPool",
+    "Span",
+    "StepTrace",
     "StreamContext",
+    "Tracer",
     "Transfer",
     "Unit",
     "execute",

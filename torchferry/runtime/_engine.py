@@ -40,6 +40,7 @@ from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger, SlotPool
 from torchferry.runtime._host import HOST, READY, STAGED_IN, Group, HostStore, Sharding, Unit, find_attr
 from torchferry.runtime._streams import StreamContext, Transfer, stream_context
+from torchferry.runtime._trace import Tracer
 from torchferry.topology import Plan
 
 __all__ = ["Engine", "Program", "execute", "listing"]
@@ -169,6 +170,11 @@ class Engine:
         self._shard_views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Why: chunked gathers on NCCL land in one staging buffer, allocated once.
         self._staging: Transfer | None = None
+        #: A tracer waiting for the step it measures (see `Tracer`); ``None``: nothing is traced.
+        self.tracing: Tracer | None = None
+        # Why: the tracer of the step running now; checked once per op and per block hook.
+        self.tracer: Tracer | None = None
+        self._blocks = frozenset(b.path for top in plan.components for c in top.walk() for b in c.blocks)
 
     def _open(
         self,
@@ -230,11 +236,12 @@ class Engine:
                 if unit is not None and len(unit.groups) == 1 and path not in self._tops
                 else None
             )
-            pre = module.register_forward_pre_hook(self._pre_hook(path, group))
-            post = module.register_forward_hook(self._post_hook(path), always_call=True)
+            block = path in self._blocks
+            pre = module.register_forward_pre_hook(self._pre_hook(path, group, block))
+            post = module.register_forward_hook(self._post_hook(path, block), always_call=True)
             self._hooks[path] = (pre, post)
 
-    def _pre_hook(self, path: str, group: Group | None) -> Callable[..., None]:
+    def _pre_hook(self, path: str, group: Group | None, block: bool) -> Callable[..., None]:
         key = f"before {path}"
         top = path in self._tops
 
@@ -249,10 +256,12 @@ class Engine:
                 self._run(program, stop)
             if group is not None and group.where != READY:
                 self._not_resident(path, group, program)
+            if block and self.tracer is not None:
+                self.tracer.block_begin(path)
 
         return pre
 
-    def _post_hook(self, path: str) -> Callable[..., None]:
+    def _post_hook(self, path: str, block: bool) -> Callable[..., None]:
         key = f"after {path}"
         top = path in self._tops
 
@@ -260,6 +269,8 @@ class Engine:
             failing = sys.exc_info()[1] is not None
             program = self.program
             if program is not None and not failing:
+                if block and self.tracer is not None:
+                    self.tracer.block_end(path)
                 stop = program.stops.get(key)
                 if stop is not None and stop > program.pc:
                     self._run(program, stop)
@@ -379,6 +390,9 @@ class Engine:
         self.ledger.mark()
         program.pc = 0
         self.program = program
+        if self.tracing is not None and self.tracing.wants(schedule.step):
+            self.tracer = self.streams.tracer = self.tracing
+            self.tracer.start(schedule, self.streams)
         return program
 
     def finish(self) -> None:
@@ -406,10 +420,23 @@ class Engine:
             )
         self.residency = schedule.exit
         self.last = schedule
+        tracer = self.tracer
+        if tracer is not None:
+            self._untrace()
+            tracer.stop()
+
+    def _untrace(self) -> None:
+        """The traced step is over: nothing is timed from here on, and the tracer is disarmed."""
+        self.tracer = self.streams.tracer = None
+        self.tracing = None
 
     def abort(self) -> None:
         """Drop every device copy and point all weights at host memory: always safe, never loses one."""
         self.program = None
+        tracer = self.tracer
+        if tracer is not None:
+            self._untrace()
+            tracer.fail()
         self.streams.synchronize()
         for path in list(self.acquired):
             self._release_module(path)
@@ -465,8 +492,11 @@ class Engine:
     def _run(self, program: Program, stop: int) -> None:
         calls = program.calls
         i = program.pc
+        tracer = self.tracer
         while i < stop:
             handler, unit, op = calls[i]
+            if tracer is not None:
+                tracer.at(i, op)
             handler(self, unit, op)
             i += 1
             program.pc = i
@@ -629,10 +659,14 @@ class Engine:
         if takes is None:
             takes = bool(inspect.signature(load).parameters)
             self._load_takes_device[unit.name] = takes
+        tracer = self.tracer
+        begin = None if tracer is None else tracer.compute_mark()
         if takes:
             load(self.device)
         else:
             load()
+        if tracer is not None:
+            tracer.span("compute", begin, tracer.compute_mark())
         nbytes = op.nbytes or self.plan.topology.component(unit.name).nbytes
         self.acquired[unit.name] = nbytes
         self.ledger.add(nbytes)

@@ -28,10 +28,13 @@ one code path.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+
+if TYPE_CHECKING:
+    from torchferry.runtime._trace import Tracer
 
 __all__ = ["CudaStreams", "StreamContext", "Transfer", "stream_context"]
 
@@ -52,6 +55,8 @@ class StreamContext:
     """Issues copies and stream waits; the CPU base class runs everything synchronously."""
 
     device: torch.device
+    #: The tracer of the step being traced (see `Tracer`), else ``None``: one check per copy.
+    tracer: Tracer | None = None
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -65,7 +70,13 @@ class StreamContext:
 
     def copy_in(self, dst: Transfer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
         """Copy host bytes ``src`` into ``dst_bytes`` (a view of ``dst.data``), ordered after ``dst.free``."""
+        tracer = self.tracer
+        if tracer is None:
+            dst_bytes.copy_(src)
+            return
+        begin = tracer.mark()
         dst_bytes.copy_(src)
+        tracer.span("copy", begin, tracer.mark(), dst_bytes.nbytes)
 
     def collective(self, dst: Transfer, src: Transfer, run: Callable[[], None]) -> None:
         """Run ``run`` (a collective reading ``src`` and writing ``dst``) on the comm stream.
@@ -73,7 +84,13 @@ class StreamContext:
         It is ordered after ``src``'s copy and after ``dst.free``; ``dst.ready`` is recorded after it,
         and ``src.free`` too (so the next copy into ``src`` waits for the collective to read it).
         """
+        tracer = self.tracer
+        if tracer is None:
+            run()
+            return
+        begin = tracer.mark()
         run()
+        tracer.span("comm", begin, tracer.mark())
 
     def wait(self, transfer: Transfer) -> None:
         """Make the compute stream wait until ``transfer`` is written."""
@@ -116,8 +133,14 @@ class CudaStreams(StreamContext):
             self.copy.wait_stream(self.compute)
         else:
             self.copy.wait_event(dst.free)
+        tracer = self.tracer
         with torch.cuda.stream(self.copy):
-            dst_bytes.copy_(src, non_blocking=True)
+            if tracer is None:
+                dst_bytes.copy_(src, non_blocking=True)
+            else:
+                begin = tracer.mark(self.copy)
+                dst_bytes.copy_(src, non_blocking=True)
+                tracer.span("copy", begin, tracer.mark(self.copy), dst_bytes.nbytes)
         dst.ready.record(self.copy)
 
     def collective(self, dst: Transfer, src: Transfer, run: Callable[[], None]) -> None:
@@ -126,15 +149,27 @@ class CudaStreams(StreamContext):
             self.comm.wait_stream(self.compute)
         else:
             self.comm.wait_event(dst.free)
+        tracer = self.tracer
         with torch.cuda.stream(self.comm):
-            run()
+            if tracer is None:
+                run()
+            else:
+                begin = tracer.mark(self.comm)
+                run()
+                tracer.span("comm", begin, tracer.mark(self.comm))
         dst.ready.record(self.comm)
         if src.free is None:
             src.free = torch.cuda.Event()  # type: ignore[no-untyped-call]
         src.free.record(self.comm)
 
     def wait(self, transfer: Transfer) -> None:
+        tracer = self.tracer
+        if tracer is None:
+            self.compute.wait_event(transfer.ready)
+            return
+        begin = tracer.mark(self.compute)
         self.compute.wait_event(transfer.ready)
+        tracer.span("compute", begin, tracer.mark(self.compute), kind="stall")
 
     def release(self, transfer: Transfer) -> None:
         if transfer.free is None:
