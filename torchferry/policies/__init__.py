@@ -8,6 +8,7 @@ from torchferry.policies._check import INVARIANTS, check
 from torchferry.policies._ir import (
     DEVICE,
     OP_KINDS,
+    OP_STREAM,
     Op,
     OpKind,
     Placement,
@@ -31,6 +32,7 @@ __all__ = [
     "DEVICE",
     "INVARIANTS",
     "OP_KINDS",
+    "OP_STREAM",
     "Choice",
     "CostModel",
     "Interval",

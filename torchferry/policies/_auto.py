@@ -9,18 +9,22 @@ Search: for each depth, the most resident blocks that fit, placed three ways (le
 evenly, spread evenly from the first block); then the fewest resident blocks that keep the best
 time (so memory is not spent where transfers already hide behind compute). Spread resident blocks
 give the copy stream compute time to hide behind when transfers are slower than compute.
+
+Whole-component strategies: a plan that fits the budget whole gets `none`, one that streams no
+blocks gets `model_level`; otherwise model-level swapping competes with the best ring when it fits,
+its transfers spread over ``CostModel.forwards_per_call``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import Literal
 
 import attrs
 
 from torchferry._errors import ScheduleError
 from torchferry.policies._builtin import (
-    _natural,
     compress_paths,
     distributed_layerwise,
     layerwise,
@@ -29,25 +33,28 @@ from torchferry.policies._builtin import (
     ring_slots,
 )
 from torchferry.policies._ir import Policy, Schedule, Step, index_free
-from torchferry.policies._layout import layout
+from torchferry.policies._layout import layout, swaps
 from torchferry.policies._sim import DEFAULT_COST, CostModel, simulate
 from torchferry.policies._text import format_bytes
-from torchferry.topology import Plan
+from torchferry.topology import Plan, Strategy
 
 __all__ = ["Choice", "auto", "choose", "footprint", "steady_step_s"]
 
 _TIE = 1e-9
-PLACEMENTS = ("leading", "spread", "spread-first")
+#: How resident blocks are spread over the streaming pool: the first ones, evenly from a half step
+#: in, or evenly from the first block.
+PlacementName = Literal["leading", "spread", "spread-first"]
+PLACEMENTS: tuple[PlacementName, ...] = ("leading", "spread", "spread-first")
 
 
 @attrs.frozen(kw_only=True)
 class Choice:
     """What `auto` picked: the policy, its resident blocks, the simulated step and the footprint."""
 
-    strategy: str
+    strategy: Strategy
     depth: int
     resident: tuple[str, ...]
-    placement: str
+    placement: PlacementName | Literal[""]
     step_s: float
     resident_step_s: float
     footprint: int
@@ -85,7 +92,7 @@ def steady_step_s(
     return total, base
 
 
-def _place(pool: Sequence[str], count: int, how: str) -> tuple[str, ...]:
+def _place(pool: Sequence[str], count: int, how: PlacementName) -> tuple[str, ...]:
     n = len(pool)
     if count <= 0:
         return ()
@@ -105,8 +112,8 @@ def choose(plan: Plan, budget_bytes: int, cost: CostModel = DEFAULT_COST, max_de
     total = sum(c.nbytes for c in plan.components if not c.on_demand) + max(lay.acquired.values(), default=0)
     streaming = [c.path for c in plan.components if lay.streamed.get(c.path)]
     if total <= budget_bytes or not streaming:
-        strategy = "none" if total <= budget_bytes else "model_level"
-        need = total if strategy == "none" else _model_level_bytes(plan)
+        whole: Strategy = "none" if total <= budget_bytes else "model_level"
+        need = total if whole == "none" else _model_level_bytes(plan)
         if need > budget_bytes:
             raise ScheduleError(
                 f"auto(budget={format_bytes(budget_bytes)}): plan {plan.digest} streams no blocks and "
@@ -114,7 +121,7 @@ def choose(plan: Plan, budget_bytes: int, cost: CostModel = DEFAULT_COST, max_de
                 f"with strategy='layerwise'"
             )
         return Choice(
-            strategy=strategy,
+            strategy=whole,
             depth=1,
             resident=(),
             placement="",
@@ -124,7 +131,8 @@ def choose(plan: Plan, budget_bytes: int, cost: CostModel = DEFAULT_COST, max_de
             candidates=1,
         )
     gather = plan.config.distributed
-    strategy = "distributed_layerwise" if gather else "layerwise"
+    strategy: Strategy = "distributed_layerwise" if gather else "layerwise"
+    factory = distributed_layerwise if gather else layerwise
     dits = [c for c in streaming if plan.component(c).kind == "dit"] or streaming
     pool = [b.path for c in dits for b in lay.streamed[c]]
     sizes = lay.sizes
@@ -133,7 +141,6 @@ def choose(plan: Plan, budget_bytes: int, cost: CostModel = DEFAULT_COST, max_de
     def score(depth: int, resident: tuple[str, ...]) -> tuple[float, float]:
         key = (depth, resident)
         if key not in scored:
-            factory = distributed_layerwise if gather else layerwise
             scored[key] = steady_step_s(factory(depth, resident), plan, cost, dits)
         return scored[key]
 
@@ -155,12 +162,12 @@ def choose(plan: Plan, budget_bytes: int, cost: CostModel = DEFAULT_COST, max_de
                 break
 
         def best_at(
-            count: int, depth: int = depth, free: int = free
-        ) -> tuple[float, float, tuple[str, ...], str]:
+            count: int, depth: int = depth, fits: Callable[[tuple[str, ...]], bool] = fits
+        ) -> tuple[float, float, tuple[str, ...], PlacementName]:
             options = []
             for how in PLACEMENTS:
                 resident = _place(pool, count, how)
-                if sum(sizes[b] for b in resident) <= free:
+                if fits(resident):
                     t, r = score(depth, resident)
                     options.append((t, r, resident, how))
             return min(options, key=lambda o: (o[0], PLACEMENTS.index(o[3])))
@@ -211,7 +218,7 @@ def _model_level_choice(
     that transfer spread over ``cost.forwards_per_call``; within a forward it streams nothing.
     """
     need = _model_level_bytes(plan)
-    swapped = [c for c in plan.components if c.selected and c.kind in ("dit", "encoder") and not c.on_demand]
+    swapped = [c for c in plan.components if swaps(c)]
     if need > budget_bytes or not any(c.kind == "encoder" for c in swapped):
         return None
     # The all-resident time of a forward, from the ring's baseline (a whole-component schedule has
@@ -233,14 +240,10 @@ def _model_level_choice(
 
 
 def _model_level_bytes(plan: Plan) -> int:
-    swap = [
-        c.nbytes for c in plan.components if c.selected and c.kind in ("dit", "encoder") and not c.on_demand
-    ]
-    kept = sum(
-        c.nbytes
-        for c in plan.components
-        if not (c.selected and c.kind in ("dit", "encoder")) and not c.on_demand
-    )
+    """Device bytes of model-level swapping: what stays, the largest swapped component, the largest
+    acquired one."""
+    swap = [c.nbytes for c in plan.components if swaps(c)]
+    kept = sum(c.nbytes for c in plan.components if not swaps(c) and not c.on_demand)
     acquired = max((c.nbytes for c in plan.components if c.on_demand), default=0)
     return kept + max(swap, default=0) + acquired
 
@@ -275,7 +278,7 @@ def auto(budget_bytes: int, cost: CostModel = DEFAULT_COST, max_depth: int = 4) 
                 f"(+{overhead * 100:.2f}%), best of {choice.candidates} simulated candidates"
             )
             placement = f" ({choice.placement})" if choice.resident else ""
-            paths = compress_paths(sorted(choice.resident, key=_natural))
+            paths = compress_paths(choice.resident)
             notes.append(f"resident blocks{placement}: {paths}")
         return attrs.evolve(schedule, policy=name, notes=tuple(notes))
 

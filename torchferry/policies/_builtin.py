@@ -27,6 +27,7 @@ from functools import lru_cache
 from torchferry._errors import ScheduleError
 from torchferry.policies._ir import (
     DEVICE,
+    OP_STREAM,
     Op,
     OpKind,
     Placement,
@@ -34,12 +35,11 @@ from torchferry.policies._ir import (
     Schedule,
     Slot,
     Step,
-    StreamName,
     When,
     index_free,
     is_index_free,
 )
-from torchferry.policies._layout import Layout, forward_blocks, layout, shard_nbytes
+from torchferry.policies._layout import Layout, forward_blocks, layout, shard_nbytes, swaps
 from torchferry.topology import Component, Plan
 
 __all__ = [
@@ -49,13 +49,20 @@ __all__ = [
     "layerwise",
     "model_level",
     "none",
+    "ring_slots",
 ]
 
 
+def _natural(path: str) -> tuple[tuple[int, str], ...]:
+    """Sort key that orders ``blocks.2`` before ``blocks.10``."""
+    return tuple((int(p), "") if p.isdigit() else (-1, p) for p in path.split("."))
+
+
 def compress_paths(paths: Iterable[str]) -> str:
-    """``transformer.blocks.{0,3,7}``: paths sharing a parent written once (for notes)."""
+    """``transformer.blocks.{0,3,7}``: paths in natural order, those sharing a parent written once (for
+    notes); ``none`` when there are none."""
     groups: dict[str, list[str]] = {}
-    for p in paths:
+    for p in sorted(paths, key=_natural):
         parent, _, leaf = p.rpartition(".")
         groups.setdefault(parent, []).append(leaf)
     parts = []
@@ -100,7 +107,6 @@ class _Builder:
         self,
         when: When,
         anchor: str,
-        stream: StreamName,
         kind: OpKind,
         unit: str,
         *,
@@ -109,11 +115,12 @@ class _Builder:
         nbytes: int = 0,
         chunks: int = 1,
     ) -> None:
+        """Append one op, on the stream its kind runs on."""
         self.ops.append(
             Op(
                 when=when,
                 anchor=anchor,
-                stream=stream,
+                stream=OP_STREAM[kind],
                 kind=kind,
                 unit=unit,
                 slot=slot,
@@ -124,6 +131,7 @@ class _Builder:
         )
 
     def _place(self, unit: str, where: str, nbytes: int) -> None:
+        """``unit`` is now at ``where`` (the latest placed last in the exit)."""
         self.where[unit] = where
         self.size[unit] = nbytes
         if unit in self.order:
@@ -135,16 +143,22 @@ class _Builder:
         self.order.remove(unit)
 
     def stage(self, when: When, anchor: str, unit: str, nbytes: int) -> None:
-        self.emit(when, anchor, "copy", "stage", unit, nbytes=nbytes)
+        self.emit(when, anchor, "stage", unit, nbytes=nbytes)
         self._place(unit, DEVICE, nbytes)
 
     def unstage(self, when: When, anchor: str, unit: str) -> None:
-        self.emit(when, anchor, "copy", "unstage", unit)
+        self.emit(when, anchor, "unstage", unit)
         self._drop(unit)
+
+    def occupy(self, slot: str, unit: str, nbytes: int) -> None:
+        """``unit`` (``nbytes`` on the device) now holds the free block slot ``slot``."""
+        self.free.remove(slot)
+        self.occupant[slot] = unit
+        self._place(unit, slot, nbytes)
 
     def evict(self, when: When, anchor: str, unit: str) -> None:
         slot = self.where[unit]
-        self.emit(when, anchor, "compute", "evict", unit)
+        self.emit(when, anchor, "evict", unit)
         self._drop(unit)
         del self.occupant[slot]
         self.free.append(slot)
@@ -181,11 +195,11 @@ def _whole(plan: Plan, step: Step, *, swap: bool, policy: str) -> Schedule:
     top = _top(plan, step.component)
     c = top.path
     b = _Builder(step, ())
-    swappable = [x for x in plan.components if swap and x.selected and not x.on_demand]
+    swappable = [x for x in plan.components if swap and swaps(x)]
     dits = {x.path for x in swappable if x.kind == "dit"}
     encoders = {x.path for x in swappable if x.kind == "encoder"}
     on_demand = {x.path for x in plan.components if x.on_demand}
-    sizes = {x.path: x.nbytes for x in plan.components}
+    sizes = layout(plan).sizes
     kept = [x.path for x in plan.components if x.path not in dits | encoders | on_demand]
     if c in dits:
         out = (dits | encoders) - {c}
@@ -202,11 +216,10 @@ def _whole(plan: Plan, step: Step, *, swap: bool, policy: str) -> Schedule:
         if unit not in b.where and unit in sizes:
             b.stage("before", c, unit, sizes[unit])
     if c in on_demand:
-        b.emit("before", c, "compute", "acquire", c, nbytes=sizes[c])
+        b.emit("before", c, "acquire", c, nbytes=sizes[c])
+        b.emit("after", c, "release", c)
     else:
-        b.emit("before", c, "compute", "wait", c)
-    if c in on_demand:
-        b.emit("after", c, "compute", "release", c)
+        b.emit("before", c, "wait", c)
     return b.schedule(policy, plan)
 
 
@@ -288,19 +301,17 @@ def _ring(
         if unit not in b.where:
             b.stage("before", c, unit, lay.sizes[unit])
     for unit in lay.top_acquired(c):
-        b.emit("before", c, "compute", "acquire", unit, nbytes=lay.acquired[unit])
+        b.emit("before", c, "acquire", unit, nbytes=lay.acquired[unit])
     for unit in mine:
         if unit not in lay.resident:
-            b.emit("before", c, "compute", "wait", unit)
+            b.emit("before", c, "wait", unit)
 
-    queue = list(lay.streamed.get(c, ()))
-    n = len(queue)
+    # The queue: this pass's streaming blocks, then the first ``depth`` of the next pass's.
     nxt = step.next if step.next is not None else c
-    tail = lay.streamed.get(nxt) if nxt != c else tuple(queue)
-    if tail is None:
-        _top(plan, nxt)
-        tail = ()
-    queue += tail[:depth]
+    if nxt not in lay.streamed:
+        _top(plan, nxt)  # raises: the step's next names no top-level component
+    queue = [*lay.streamed[c], *lay.streamed[nxt][:depth]]
+    n = len(lay.streamed[c])
     names = [blk.path for blk in queue]
     nbytes = {blk.path: blk.nbytes for blk in queue}
     shard_slot = 0
@@ -315,33 +326,32 @@ def _ring(
                     s.name for s in slots if s.name in b.occupant and b.occupant[s.name] not in window
                 )
                 b.evict(when, anchor, b.occupant[stale])
-            slot = b.free.pop(0)
+            slot = b.free[0]
             if unit in allgather:
                 shard = shard_nbytes(nbytes[unit], world)
                 k = _chunks(shard, plan.config.chunk_bytes)
                 h = f"h{shard_slot % 2}"
                 shard_slot += 1
-                b.emit(when, anchor, "copy", "load", unit, slot=h, src="shard", nbytes=shard, chunks=k)
-                b.emit(when, anchor, "comm", "gather", unit, slot=slot, src=h, nbytes=shard * world, chunks=k)
+                b.emit(when, anchor, "load", unit, slot=h, src="shard", nbytes=shard, chunks=k)
+                b.emit(when, anchor, "gather", unit, slot=slot, src=h, nbytes=shard * world, chunks=k)
                 size = shard * world
             else:
-                b.emit(when, anchor, "copy", "load", unit, slot=slot, nbytes=nbytes[unit])
+                b.emit(when, anchor, "load", unit, slot=slot, nbytes=nbytes[unit])
                 size = nbytes[unit]
-            b.occupant[slot] = unit
-            b._place(unit, slot, size)
+            b.occupy(slot, unit, size)
 
     j = 0
     for blk in forward_blocks(top):
         streamed = j < n and names[j] == blk.path
         ensure("before", blk.path, names[j : j + depth + 1])
-        b.emit("before", blk.path, "compute", "wait", blk.path)
+        b.emit("before", blk.path, "wait", blk.path)
         if streamed:
             j += 1
             if blk.path not in names[j : j + depth + 1]:
                 b.evict("after", blk.path, blk.path)
     ensure("after", c, names[j : j + depth + 1])
     for unit in lay.top_acquired(c):
-        b.emit("after", c, "compute", "release", unit)
+        b.emit("after", c, "release", unit)
     return b.schedule(policy, plan, notes)
 
 
@@ -353,17 +363,18 @@ def _depth(depth: int) -> int:
     return depth
 
 
-def _name(base: str, depth: int, resident: frozenset[str]) -> tuple[str, tuple[str, ...]]:
-    if not resident:
-        return f"{base}(depth={depth})", ()
-    return (
-        f"{base}(depth={depth}, resident={len(resident)})",
-        (f"resident blocks: {compress_paths(sorted(resident, key=_natural))}",),
-    )
+def _ring_policy(base: str, depth: int, resident: Iterable[str], *, gather: bool) -> Policy:
+    """The ring policy ``base(depth=..., resident=...)`` (see the ring note); its name and notes say
+    which extra blocks stay resident."""
+    d = _depth(depth)
+    extra = frozenset(resident)
+    name = f"{base}(depth={d}, resident={len(extra)})" if extra else f"{base}(depth={d})"
+    notes = (f"resident blocks: {compress_paths(extra)}",) if extra else ()
 
+    def ring_policy(plan: Plan, step: Step, /) -> Schedule:
+        return _ring(plan, step, depth=d, resident=extra, gather=gather, policy=name, notes=notes)
 
-def _natural(path: str) -> tuple[tuple[int, str], ...]:
-    return tuple((int(p), "") if p.isdigit() else (-1, p) for p in path.split("."))
+    return index_free(ring_policy)
 
 
 def layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Policy:
@@ -372,14 +383,7 @@ def layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Policy:
     ``resident`` names extra blocks (any, not only leading ones) to keep on the device for good, on
     top of the plan's resident heads.
     """
-    d = _depth(depth)
-    extra = frozenset(resident)
-    name, notes = _name("layerwise", d, extra)
-
-    def layerwise_policy(plan: Plan, step: Step, /) -> Schedule:
-        return _ring(plan, step, depth=d, resident=extra, gather=False, policy=name, notes=notes)
-
-    return index_free(layerwise_policy)
+    return _ring_policy("layerwise", depth, resident, gather=False)
 
 
 def distributed_layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Policy:
@@ -389,14 +393,7 @@ def distributed_layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Polic
     whole blocks. The schedule is the same on every rank; the runtime derives each rank's shard
     offset as ``rank * shard_nbytes(block, world)``.
     """
-    d = _depth(depth)
-    extra = frozenset(resident)
-    name, notes = _name("distributed_layerwise", d, extra)
-
-    def distributed_layerwise_policy(plan: Plan, step: Step, /) -> Schedule:
-        return _ring(plan, step, depth=d, resident=extra, gather=True, policy=name, notes=notes)
-
-    return index_free(distributed_layerwise_policy)
+    return _ring_policy("distributed_layerwise", depth, resident, gather=True)
 
 
 def cached(policy: Policy, maxsize: int | None = 1024) -> Policy:

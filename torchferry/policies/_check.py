@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from functools import lru_cache
+
 import attrs
 
 from torchferry._errors import ScheduleError
-from torchferry.policies._ir import DEVICE, Op, Schedule, rest_unit
-from torchferry.policies._layout import Layout, forward_blocks, layout, shard_nbytes
+from torchferry.policies._ir import DEVICE, OP_STREAM, Op, Schedule, rest_unit
+from torchferry.policies._layout import Layout, forward_blocks, has_blocks, layout, shard_nbytes
 from torchferry.policies._text import format_bytes, format_schedule
 from torchferry.topology import Component, Plan
 
@@ -19,20 +22,23 @@ INVARIANTS: dict[int, str] = {
     3: "each op's byte count is its unit's and fits the slot it goes to",
     4: "device bytes never exceed config.device_memory_bytes",
     5: "the exit residency is exactly what the entry and the ops leave",
-    6: "collectives match on every rank: only all-gathered blocks gather, right after their shard load",
+    6: "collectives match on every rank: only all-gathered blocks of loaded components gather, right "
+    "after their shard load",
     7: "the schedule is well formed: its plan, step, anchors in forward order, streams, units and slots",
 }
 
-_STREAM = {
-    "load": "copy",
-    "stage": "copy",
-    "unstage": "copy",
-    "gather": "comm",
-    "wait": "compute",
-    "evict": "compute",
-    "acquire": "compute",
-    "release": "compute",
-}
+
+# Header lines of the listing: 1 the version, 2 the policy, 3 the plan, 4 the step.
+_PLAN_LINE = 3
+_STEP_LINE = 4
+
+
+@lru_cache(maxsize=64)
+def _stub_blocks(plan: Plan) -> Mapping[str, str]:
+    """Block path -> the stub component (declared but not loaded on this rank) whose forward runs it."""
+    return {
+        b.path: c.path for top in plan.components for c in top.walk() if c.stub for b in forward_blocks(c)
+    }
 
 
 @attrs.define
@@ -48,9 +54,11 @@ class _Checker:
         self.plan = plan
         self.found: list[_Violation] = []
         self.lay: Layout = layout(plan)
+        # Line numbers of the listing (`format_schedule`): the header, the notes, any step-entry rows,
+        # the slots, the entry rows (at least one), the ops, the exit.
         entry_rows = max(len(schedule.entry), 1)
         step_rows = max(len(schedule.step.entry), 1) if schedule.step.entry != schedule.entry else 0
-        self.entry_line = 5 + len(schedule.notes) + step_rows + len(schedule.slots)
+        self.entry_line = _STEP_LINE + 1 + len(schedule.notes) + step_rows + len(schedule.slots)
         self.op_line0 = self.entry_line + entry_rows
         self.exit_line = self.op_line0 + len(schedule.ops)
         self.slots = {s.name: s for s in schedule.slots}
@@ -67,6 +75,8 @@ class _Checker:
         self.over_reported = False
         self.covers: dict[str, list[str]] = {}
         self.whole: set[str] = set()
+        # forward position -> line of the last op anchored there (where that point's compute reads)
+        self.point_line: dict[int, int] = {}
 
     def add(self, line: int, number: int, text: str) -> None:
         self.found.append(_Violation(line=line, number=number, text=text))
@@ -101,7 +111,9 @@ class _Checker:
                 return top, [b.path for b in forward_blocks(top)]
         known = ", ".join(repr(c.path) for c in self.plan.components)
         self.add(
-            4, 7, f"step component {self.s.step.component!r} is not a top-level component; known: {known}"
+            _STEP_LINE,
+            7,
+            f"step component {self.s.step.component!r} is not a top-level component; known: {known}",
         )
         return None, []
 
@@ -135,7 +147,7 @@ class _Checker:
 
     def component_reads(self, top: Component, line: int, when: str) -> None:
         for c in top.walk():
-            blocky = any(st.blocks for x in c.walk() for st in x.stacks)
+            blocky = has_blocks(c)
             if blocky and not c.tensors:
                 continue
             unit = rest_unit(c.path) if blocky else c.path
@@ -147,7 +159,9 @@ class _Checker:
         s = self.s
         if s.plan != self.plan.digest:
             self.add(
-                3, 7, f"schedule was made for plan {s.plan}, not this plan {self.plan.digest}; rebuild it"
+                _PLAN_LINE,
+                7,
+                f"schedule was made for plan {s.plan}, not this plan {self.plan.digest}; rebuild it",
             )
         top, blocks = self.forward()
         for k, p in enumerate(s.entry):
@@ -194,26 +208,32 @@ class _Checker:
                 position = pos
                 if top is not None:
                     done = self.computes(top, blocks, done, pos, line)
+                self.point_line[pos] = line
             self.op(op, line)
         if top is not None:
             self.computes(top, blocks, done, 2 * len(blocks) + 2, self.exit_line - 1)
         self.exit()
 
     def computes(self, top: Component, blocks: list[str], done: int, pos: int, line: int) -> int:
-        """Run the forward's reads between the last position done and ``pos`` (exclusive)."""
+        """Run the forward's reads between the last position done and ``pos`` (exclusive).
+
+        The compute at a point follows that point's ops, so its reads are reported on the point's last
+        op (where a missing wait belongs), or on ``line``, the first op after it, when it has none.
+        """
         for p in range(done + 1, pos):
+            at = self.point_line.get(p, line)
             if p == 0:
-                self.component_reads(top, line, "start")
+                self.component_reads(top, at, "start")
             elif p % 2 == 1 and p < 2 * len(blocks):
                 b = blocks[(p - 1) // 2]
-                self.reads_ready(b, self.covers[b], line, f"block {b}", block=True)
+                self.reads_ready(b, self.covers[b], at, f"block {b}", block=True)
             if p == 2 * len(blocks):
-                self.component_reads(top, line, "end")
+                self.component_reads(top, at, "end")
         return max(done, pos - 1)
 
     def op(self, op: Op, line: int) -> None:
-        if _STREAM[op.kind] != op.stream:
-            self.add(line, 7, f"{op.kind} runs on the {_STREAM[op.kind]} stream, not {op.stream}")
+        if OP_STREAM[op.kind] != op.stream:
+            self.add(line, 7, f"{op.kind} runs on the {OP_STREAM[op.kind]} stream, not {op.stream}")
         size = self.size(op.unit)
         if size is None and op.kind not in ("evict", "unstage", "release", "wait"):
             self.add(line, 7, f"{op.unit} is no unit of this plan")
@@ -295,6 +315,15 @@ class _Checker:
                 line,
                 6,
                 f"{op.unit} is not all-gathered under this plan (world {self.world}); load it whole instead",
+            )
+        stub = _stub_blocks(self.plan).get(op.unit)
+        if stub is not None:
+            self.add(
+                line,
+                6,
+                f"gather of {op.unit} is a collective on {stub!r}, which this plan marks as a stub (not "
+                f"loaded on this rank), so the ranks would not agree on it; stream {stub!r} rank-local "
+                "or load it on every rank",
             )
         if shard_op is None or shard_op[0] != op.unit:
             self.add(
@@ -432,8 +461,9 @@ def check(schedule: Schedule, plan: Plan) -> None:
        ``plan.config.device_memory_bytes``.
     5. The exit residency is exactly what the entry and the ops leave; acquired units are released.
     6. Collective order is identical across ranks: only blocks that the plan all-gathers (world > 1)
-       are gathered, each right after its shard load, with the same chunk count; everything else
-       depends only on the plan and the step, which every rank shares.
+       are gathered, never a block of a component the plan marks as a stub (loaded on some ranks
+       only), each right after its shard load, with the same chunk count; everything else depends
+       only on the plan and the step, which every rank shares.
     7. The schedule is well formed: made for this plan, its step a top-level component, every op
        anchored at a point of that forward in forward order, on its kind's stream, naming units of
        the plan and slots of the table.

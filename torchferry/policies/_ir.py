@@ -10,7 +10,7 @@ Units are named by path:
 - a component's non-block remainder: ``<component>:rest``;
 - a whole component: its path (``text_encoder``).
 
-Op kinds (stream in brackets):
+Op kinds (stream in brackets; `OP_STREAM` maps each kind to it):
 - ``load`` [copy]: copy a unit's host bytes into ``slot`` (with ``src="shard"`` only this rank's shard
   of the block goes into a shard slot);
 - ``gather`` [comm]: all-gather the shards held in slot ``src`` into the full block slot ``slot``,
@@ -26,7 +26,8 @@ Op kinds (stream in brackets):
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Literal, Protocol
 
 import attrs
@@ -36,6 +37,7 @@ from torchferry.topology import Plan
 __all__ = [
     "DEVICE",
     "OP_KINDS",
+    "OP_STREAM",
     "Op",
     "OpKind",
     "Placement",
@@ -57,6 +59,19 @@ OpKind = Literal["load", "gather", "wait", "evict", "stage", "unstage", "acquire
 SlotKind = Literal["block", "shard"]
 
 OP_KINDS: tuple[OpKind, ...] = ("load", "gather", "wait", "evict", "stage", "unstage", "acquire", "release")
+#: The stream each op kind runs on (see the list above).
+OP_STREAM: Mapping[OpKind, StreamName] = MappingProxyType(
+    {
+        "load": "copy",
+        "gather": "comm",
+        "wait": "compute",
+        "evict": "compute",
+        "stage": "copy",
+        "unstage": "copy",
+        "acquire": "compute",
+        "release": "compute",
+    }
+)
 
 #: The placement of a unit that has device memory of its own (staged), rather than a shared slot.
 DEVICE = "device"
@@ -148,8 +163,8 @@ def _slots(value: Iterable[Slot]) -> tuple[Slot, ...]:
     return tuple(value)
 
 
-def _notes(value: object) -> tuple[str, ...]:
-    return tuple(str(v) for v in value)  # type: ignore[attr-defined]
+def _notes(value: Iterable[object]) -> tuple[str, ...]:
+    return tuple(str(v) for v in value)
 
 
 @attrs.frozen(kw_only=True, cache_hash=True)

@@ -6,19 +6,21 @@ Pure helpers shared by the policies, `check` and `auto`. A *unit* is a block pat
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from functools import lru_cache
 
 import attrs
 
 from torchferry.policies._ir import rest_unit
-from torchferry.topology import Block, Component, Plan
+from torchferry.topology import Block, Component, Plan, Transfer
 
 __all__ = [
     "Layout",
     "forward_blocks",
+    "has_blocks",
     "layout",
     "shard_nbytes",
+    "swaps",
     "transfer_of",
 ]
 
@@ -44,11 +46,18 @@ def forward_blocks(component: Component) -> tuple[Block, ...]:
     return tuple(b for c in component.walk() for s in c.stacks for b in s.blocks)
 
 
-def _has_blocks(component: Component) -> bool:
+def has_blocks(component: Component) -> bool:
+    """Whether ``component`` or one of its children has a block to stream or keep."""
     return any(s.blocks for c in component.walk() for s in c.stacks)
 
 
-def transfer_of(plan: Plan, component: Component) -> str:
+def swaps(component: Component) -> bool:
+    """Whether model-level swapping moves ``component`` whole: a selected DiT or encoder that does
+    not own its residency (on-demand components bring themselves)."""
+    return component.selected and component.kind in ("dit", "encoder") and not component.on_demand
+
+
+def transfer_of(plan: Plan, component: Component) -> Transfer:
     """``allgather`` when the distributed strategy shards ``component``'s blocks, else ``rank-local``."""
     kind = component.kind
     if kind == "dit":
@@ -60,7 +69,7 @@ def transfer_of(plan: Plan, component: Component) -> str:
 
 @attrs.frozen(kw_only=True)
 class Layout:
-    """The scheduling facts of one plan under one resident-block choice.
+    """The scheduling facts of one plan under one resident-block choice (shared by a cache: read only).
 
     - ``sizes``: bytes of every unit the plan can name (blocks, remainders, whole components).
     - ``kept``: units that get their own device memory once and keep it (remainders, unstreamed
@@ -68,18 +77,16 @@ class Layout:
     - ``acquired``: on-demand component -> bytes its own lifecycle brings to the device.
     - ``streamed``: component path -> the blocks its forward streams through the ring, in order.
     - ``resident``: block paths kept on the device for good.
-    - ``owner``: block path -> the top-level component it belongs to.
     - ``covers``: unit -> the top-level component whose forward reads it.
     - ``allgather``: streamed block paths whose transfer is sharded and all-gathered.
     """
 
-    sizes: dict[str, int]
+    sizes: Mapping[str, int]
     kept: tuple[str, ...]
-    acquired: dict[str, int]
-    streamed: dict[str, tuple[Block, ...]]
+    acquired: Mapping[str, int]
+    streamed: Mapping[str, tuple[Block, ...]]
     resident: frozenset[str]
-    owner: dict[str, str]
-    covers: dict[str, str]
+    covers: Mapping[str, str]
     allgather: frozenset[str]
 
     def top_kept(self, top: str) -> tuple[str, ...]:
@@ -87,26 +94,17 @@ class Layout:
         return tuple(u for u in self.kept if self.covers.get(u) == top)
 
     def top_acquired(self, top: str) -> tuple[str, ...]:
+        """On-demand units acquired for the forward of top-level component ``top``."""
         return tuple(u for u in self.acquired if self.covers.get(u) == top)
 
-    @property
-    def largest_streamed(self) -> int:
-        return max((b.nbytes for blocks in self.streamed.values() for b in blocks), default=0)
 
-
-def _walk_units(
-    plan: Plan,
-    top: Component,
-    component: Component,
-    extra: frozenset[str],
-    out: _Units,
-) -> None:
+def _walk_units(top: Component, component: Component, extra: frozenset[str], out: _Units) -> None:
     if component.on_demand:
-        streamed = sum(b.nbytes for b in forward_blocks(component) if _streams(b, component, extra, plan))
+        streamed = sum(b.nbytes for b, head in _iter_blocks(component) if not head and b.path not in extra)
         out.acquired[component.path] = component.nbytes - streamed
         out.covers[component.path] = top.path
         return
-    if not _has_blocks(component):
+    if not has_blocks(component):
         out.kept.append(component.path)
         out.sizes[component.path] = component.nbytes
         out.covers[component.path] = top.path
@@ -123,17 +121,7 @@ def _walk_units(
                 out.resident.add(block.path)
                 out.covers[block.path] = top.path
     for child in component.children:
-        _walk_units(plan, top, child, extra, out)
-
-
-def _streams(block: Block, component: Component, extra: frozenset[str], plan: Plan) -> bool:
-    if block.path in extra:
-        return False
-    for c in component.walk():
-        for s in c.stacks:
-            if block in s.resident:
-                return False
-    return True
+        _walk_units(top, child, extra, out)
 
 
 @attrs.define
@@ -145,11 +133,12 @@ class _Units:
     resident: set[str] = attrs.field(factory=set)
 
 
-def _iter_blocks(top: Component) -> Iterator[tuple[Component, Block, bool]]:
+def _iter_blocks(top: Component) -> Iterator[tuple[Block, bool]]:
+    """Every block of ``top`` in forward order, with whether it is in its stack's resident head."""
     for c in top.walk():
         for s in c.stacks:
             for i, b in enumerate(s.blocks):
-                yield c, b, i < s.resident_head
+                yield b, i < s.resident_head
 
 
 @lru_cache(maxsize=256)
@@ -157,20 +146,17 @@ def layout(plan: Plan, extra_resident: frozenset[str] = frozenset()) -> Layout:
     """The `Layout` of ``plan`` with ``extra_resident`` block paths kept on the device as well."""
     out = _Units()
     streamed: dict[str, tuple[Block, ...]] = {}
-    owner: dict[str, str] = {}
     allgather: set[str] = set()
     for top in plan.components:
-        _walk_units(plan, top, top, extra_resident, out)
+        _walk_units(top, top, extra_resident, out)
         out.sizes[top.path] = top.nbytes
         blocks: list[Block] = []
-        gathers = (
-            plan.config.distributed and plan.config.dp_size > 1 and transfer_of(plan, top) == "allgather"
-        )
+        # dp_size > 1 only under the distributed strategy, the only one whose transfer may all-gather.
+        gathers = plan.config.dp_size > 1 and transfer_of(plan, top) == "allgather"
         for c in top.walk():
             out.sizes.setdefault(c.path, c.nbytes)
             out.sizes[rest_unit(c.path)] = c.rest_bytes
-        for _, b, head in _iter_blocks(top):
-            owner[b.path] = top.path
+        for b, head in _iter_blocks(top):
             out.sizes[b.path] = b.nbytes
             if not head and b.path not in extra_resident:
                 blocks.append(b)
@@ -184,7 +170,6 @@ def layout(plan: Plan, extra_resident: frozenset[str] = frozenset()) -> Layout:
         acquired=out.acquired,
         streamed=streamed,
         resident=frozenset(out.resident),
-        owner=owner,
         covers=out.covers,
         allgather=frozenset(allgather),
     )

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 import attrs
 
 from torchferry.policies._ir import DEVICE, Op, Schedule, StreamName
+from torchferry.policies._text import format_bytes
 from torchferry.topology import FrozenMap
 
 __all__ = ["DEFAULT_COST", "CostModel", "Interval", "SimReport", "simulate"]
@@ -149,8 +150,6 @@ class SimReport:
 
     def summary(self) -> str:
         """The ``# sim:`` line of the canonical text."""
-        from torchferry.policies._text import format_bytes
-
         return (
             f"# sim: peak {format_bytes(self.peak_device_bytes, exact=False)}"
             f" · makespan {self.makespan_s:.4f} s · resident {self.resident_makespan_s:.4f} s"
@@ -224,7 +223,6 @@ class _Replay:
         self.stall.setdefault(anchor, 0.0)
 
     def op(self, index: int, op: Op) -> None:
-        cost = self.cost
         kind = op.kind
         if kind == "wait":
             start = max(self.compute, self.ready.get(op.unit, 0.0))
@@ -238,25 +236,25 @@ class _Replay:
             if slot is not None:
                 self.slot_free[slot] = self.compute
         elif kind == "acquire":
-            begin = self.compute
-            self.compute += cost.h2d_seconds(op.nbytes) + cost.launch_s
-            self._busy("compute", begin, self.compute, kind="acquire", label=op.unit, op=index)
-            self.ready[op.unit] = self.compute
-            self.held[op.unit] = op.nbytes
-            self._grow(op.nbytes, index)
+            self.compute = self._whole(index, op, "compute", self.compute)
         elif kind in ("release", "unstage"):
             self.current -= self.held.pop(op.unit, 0)
         elif kind == "stage":
-            begin = self.copy
-            self.copy += cost.h2d_seconds(op.nbytes) + cost.launch_s
-            self._busy("copy", begin, self.copy, kind="stage", label=op.unit, op=index)
-            self.ready[op.unit] = self.copy
-            self.held[op.unit] = op.nbytes
-            self._grow(op.nbytes, index)
+            self.copy = self._whole(index, op, "copy", self.copy)
         elif kind == "load":
             self._load(index, op)
         elif kind == "gather":
             self._gather(index, op)
+
+    def _whole(self, index: int, op: Op, stream: StreamName, start: float) -> float:
+        """A whole unit's host-to-device copy on ``stream`` from ``start`` (a stage or an acquire): the
+        unit is ready and holds its bytes from its end, which is returned."""
+        end = start + (self.cost.h2d_seconds(op.nbytes) + self.cost.launch_s)
+        self._busy(stream, start, end, kind=op.kind, label=op.unit, op=index)
+        self.ready[op.unit] = end
+        self.held[op.unit] = op.nbytes
+        self._grow(op.nbytes, index)
+        return end
 
     def _load(self, index: int, op: Op) -> None:
         slot = op.slot or ""

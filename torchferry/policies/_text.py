@@ -16,8 +16,8 @@ Layout (one line each, columns aligned; blank lines ignored by the parser)::
 
 Byte counts print in binary units with the exact count in brackets, so the text parses back to
 the same schedule. Tokens that are empty, hold whitespace or quotes, or could read as a keyword
-(a bare model's component path is ``""``) print as JSON strings. ``# step-entry`` lines appear only
-when the step's entry differs from the schedule's.
+(a bare model's component path is ``""``) print as JSON strings. ``step-entry`` rows, before the
+slots, appear only when the step's entry differs from the schedule's.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import json
 import re
 
 from torchferry._errors import ScheduleError
-from torchferry.policies._ir import OP_KINDS, Op, Placement, Schedule, Slot, Step
+from torchferry.policies._ir import OP_KINDS, Op, Placement, Schedule, Slot, SlotKind, Step, StreamName, When
 
 __all__ = ["HEADER", "format_bytes", "format_op", "format_schedule", "parse_schedule"]
 
@@ -38,9 +38,9 @@ _KEYWORDS = {"->", "from", "chunks", "(none)", "before", "after", "entry", "exit
 _TOKEN = re.compile(r'(?:"(?:[^"\\]|\\.)*"|[^\s"]+)+')
 _EXACT = re.compile(r"\((\d+)\)")
 _NUMBER = re.compile(r"\d+(\.\d+)?")
-_WHEN = ("before", "after")
-_STREAMS = ("copy", "comm", "compute")
-_SLOT_KINDS = ("block", "shard")
+_WHEN: tuple[When, ...] = ("before", "after")
+_STREAMS: tuple[StreamName, ...] = ("copy", "comm", "compute")
+_SLOT_KINDS: tuple[SlotKind, ...] = ("block", "shard")
 
 
 def format_bytes(nbytes: int, *, exact: bool = True) -> str:
@@ -245,9 +245,9 @@ def _op(line: _Line, tokens: list[str]) -> Op:
         else:
             nbytes, i = _bytes(line, tokens, i)
     return Op(
-        when=when,  # type: ignore[arg-type]
+        when=when,
         anchor=_untoken(line, anchor),
-        stream=stream,  # type: ignore[arg-type]
+        stream=stream,
         kind=kind,
         unit=_untoken(line, unit),
         slot=slot,
@@ -315,13 +315,14 @@ def parse_schedule(text: str) -> Schedule:
             if p is not None:
                 step_entry.append(p)
         elif tag == "slot":
-            if section > 1 or len(tokens) < 4 or tokens[2] not in _SLOT_KINDS:
+            kind = tokens[2] if len(tokens) >= 4 else ""
+            if section > 1 or kind not in _SLOT_KINDS:
                 raise line.error("expected 'slot <name> block|shard <bytes>' before the ops")
             section = 1
             nbytes, end = _bytes(line, tokens, 3)
             if end != len(tokens):
                 raise line.error(f"unexpected {tokens[end]!r} after the byte count")
-            slots.append(Slot(name=_untoken(line, tokens[1]), nbytes=nbytes, kind=tokens[2]))  # type: ignore[arg-type]
+            slots.append(Slot(name=_untoken(line, tokens[1]), nbytes=nbytes, kind=kind))
         elif tag == "entry":
             if section > 1:
                 raise line.error("'entry' must come before the ops")

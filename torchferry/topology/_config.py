@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterable, Mapping
-from typing import Any, Literal, cast
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any, Literal, TypeVar, cast
 
 import attrs
 
@@ -44,6 +44,9 @@ _LAYER_OPTION_KEYS: tuple[str, ...] = ("weight_transfer", "resident_layers")
 
 logger = logging.getLogger("torchferry")
 
+_T = TypeVar("_T")
+_S = TypeVar("_S", bound=str)
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -70,21 +73,54 @@ def _choices(values: Iterable[str]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# ParallelLayout
+# Field validators: every message names the field as ``<Class>.<field>``
 
 
-def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    where = f"{type(instance).__name__}.{attribute.name}"
+def _where(instance: object, attribute: attrs.Attribute[_T]) -> str:
+    return f"{type(instance).__name__}.{attribute.name}"
+
+
+def _positive(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    where = _where(instance, attribute)
     if _require_int(where, value) < 1:
         raise PlanError(f"{where} must be >= 1, got {value}")
 
 
-def _bool_field(instance: object, attribute: attrs.Attribute[bool], value: bool) -> None:
-    _require_bool(f"{type(instance).__name__}.{attribute.name}", value)
+def _non_negative(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    where = _where(instance, attribute)
+    if _require_int(where, value) < 0:
+        raise PlanError(f"{where} must be >= 0, got {value}")
 
 
-def _int_field(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    _require_int(f"{type(instance).__name__}.{attribute.name}", value)
+def _positive_or_none(instance: object, attribute: attrs.Attribute[int | None], value: object) -> None:
+    if value is None:
+        return
+    where = _where(instance, attribute)
+    if _require_int(where, value) <= 0:
+        raise PlanError(f"{where} must be a positive number of bytes or None, got {value}")
+
+
+def _bool_field(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:
+    _require_bool(_where(instance, attribute), value)
+
+
+def _int_field(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    _require_int(_where(instance, attribute), value)
+
+
+def _one_of(choices: tuple[_S, ...]) -> Callable[[object, attrs.Attribute[_S], object], None]:
+    def check(instance: object, attribute: attrs.Attribute[_S], value: object) -> None:
+        where = _where(instance, attribute)
+        if not isinstance(value, str):
+            raise TypeError(f"{where} must be a str, got {_type_name(value)} {value!r}")
+        if value not in choices:
+            raise PlanError(f"{where} is {value!r}; choose one of {_choices(choices)}")
+
+    return check
+
+
+# ---------------------------------------------------------------------------------------------
+# ParallelLayout
 
 
 @attrs.frozen(kw_only=True, cache_hash=True)
@@ -150,47 +186,12 @@ def _check_components(
         )
 
 
-def _one_of(choices: tuple[str, ...]) -> Any:
-    def check(_: object, attribute: attrs.Attribute[str], value: object) -> None:
-        where = f"OffloadConfig.{attribute.name}"
-        if not isinstance(value, str):
-            raise TypeError(f"{where} must be a str, got {_type_name(value)} {value!r}")
-        if value not in choices:
-            raise PlanError(f"{where} is {value!r}; choose one of {_choices(choices)}")
-
-    return check
-
-
-def _non_negative(_: object, attribute: attrs.Attribute[int], value: object) -> None:
-    where = f"OffloadConfig.{attribute.name}"
-    if _require_int(where, value) < 0:
-        raise PlanError(f"{where} must be >= 0, got {value}")
-
-
-def _at_least_one(_: object, attribute: attrs.Attribute[int], value: object) -> None:
-    where = f"OffloadConfig.{attribute.name}"
-    if _require_int(where, value) < 1:
-        raise PlanError(f"{where} must be >= 1, got {value}")
-
-
-def _positive_or_none(_: object, attribute: attrs.Attribute[int | None], value: object) -> None:
-    if value is None:
-        return
-    where = f"OffloadConfig.{attribute.name}"
-    if _require_int(where, value) <= 0:
-        raise PlanError(f"{where} must be a positive number of bytes or None, got {value}")
-
-
 def _path_or_none(value: str | os.PathLike[str] | None) -> str | None:
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     raise TypeError(f"OffloadConfig.checkpoint must be a path or None, got {_type_name(value)} {value!r}")
-
-
-def _bool_config(_: object, attribute: attrs.Attribute[bool], value: object) -> None:
-    _require_bool(f"OffloadConfig.{attribute.name}", value)
 
 
 def _layout(_: object, __: attrs.Attribute[ParallelLayout], value: object) -> None:
@@ -227,8 +228,8 @@ class OffloadConfig:
     components: frozenset[str] | None = attrs.field(
         default=None, converter=_components_converter, validator=_check_components
     )
-    pin_memory: bool = attrs.field(default=True, validator=_bool_config)
-    prefetch_depth: int = attrs.field(default=1, validator=_at_least_one)
+    pin_memory: bool = attrs.field(default=True, validator=_bool_field)
+    prefetch_depth: int = attrs.field(default=1, validator=_positive)
     device_memory_bytes: int | None = attrs.field(default=None, validator=_positive_or_none)
     checkpoint: str | None = attrs.field(default=None, converter=_path_or_none)
     chunk_bytes: int | None = attrs.field(default=None, validator=_positive_or_none)

@@ -9,8 +9,7 @@ never moves, allocates or writes anything.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 import torch
@@ -192,15 +191,10 @@ def _registry_pipeline(pipeline: object) -> tuple[tuple[str, ComponentKind], ...
     return _registry.pipeline_components(type(pipeline).__name__)
 
 
-def _registry_block_attrs(class_name: str) -> tuple[str, ...] | None:
-    """Block attributes the registry of known model classes gives, if it knows the class."""
-    return _registry.block_attrs_for(class_name)
-
-
-def _as_attrs(value: object) -> tuple[str, ...]:
+def _as_attrs(value: str | Iterable[object]) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
-    return tuple(str(v) for v in value)  # type: ignore[attr-defined]
+    return tuple(str(v) for v in value)
 
 
 def _dit_block_attrs(module: nn.Module, path: str, declaration: Declaration | None) -> tuple[str, ...]:
@@ -220,18 +214,16 @@ def _dit_block_attrs(module: nn.Module, path: str, declaration: Declaration | No
             f"deprecated, declare _layerwise_offload_blocks_attrs = ({singular!r},) instead",
         )
         return _as_attrs(singular)
-    return _registry_block_attrs(type(module).__name__) or ()
+    return _registry.block_attrs_for(type(module).__name__) or ()
 
 
-def _has_block_attrs(module: object, declaration: Declaration | None) -> bool:
+def _has_block_attrs(module: nn.Module, declaration: Declaration | None) -> bool:
     """Whether ``module`` is itself a model with blocks (a bare DiT rather than a pipeline)."""
-    if not isinstance(module, nn.Module):
-        return False
     if declaration is not None and "" in declaration.block_attrs:
         return True
     if any(hasattr(module, a) for a in ("_layerwise_offload_blocks_attrs", "_layerwise_offload_blocks_attr")):
         return True
-    return _registry_block_attrs(type(module).__name__) is not None
+    return _registry.block_attrs_for(type(module).__name__) is not None
 
 
 def _blocks_of(container: object, attr: str, owner_class: str, problems: list[str]) -> list[nn.Module]:
@@ -577,7 +569,7 @@ def _build(sk: _Skeleton, owned: list[tuple[_Occurrence, tuple[str, ...]]]) -> C
 # ---------------------------------------------------------------------------------------------
 
 
-def discover(pipeline: Any, declaration: Declaration | None = None) -> Topology:
+def discover(pipeline: object, declaration: Declaration | None = None) -> Topology:
     """Describe ``pipeline`` as a `Topology`, reading module structure and tensor metadata only.
 
     ``pipeline`` is an ``nn.Module`` or any object whose attributes are components (diffusers
@@ -615,7 +607,7 @@ def discover(pipeline: Any, declaration: Declaration | None = None) -> Topology:
             "vae": _declared_list(pipeline, "_vae_modules"),
             "resident": _declared_list(pipeline, "_resident_modules"),
         }
-    elif _has_block_attrs(pipeline, declaration):
+    elif isinstance(pipeline, nn.Module) and _has_block_attrs(pipeline, declaration):
         declares = True
         lists = {"dit": [("", pipeline)], "encoder": [], "vae": [], "resident": []}
     else:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, overload
 
 K = TypeVar("K")
 V = TypeVar("V")
+T = TypeVar("T")
 
 __all__ = ["FrozenMap"]
 
@@ -14,12 +15,10 @@ __all__ = ["FrozenMap"]
 class FrozenMap(Mapping[K, V], Generic[K, V]):
     """An immutable mapping that hashes and compares by its items, kept in insertion order."""
 
-    __slots__ = ("_hash", "_items", "_map")
+    __slots__ = ("_hash", "_map")
 
     def __init__(self, items: Mapping[K, V] | tuple[tuple[K, V], ...] = ()) -> None:
-        pairs = tuple(items.items()) if isinstance(items, Mapping) else tuple(items)
-        self._map: dict[K, V] = dict(pairs)
-        self._items = tuple(self._map.items())
+        self._map: dict[K, V] = dict(items)
         self._hash: int | None = None
 
     def __getitem__(self, key: K) -> V:
@@ -31,14 +30,28 @@ class FrozenMap(Mapping[K, V], Generic[K, V]):
     def __len__(self) -> int:
         return len(self._map)
 
+    # Membership and lookups go straight to the dict: `Mapping`'s defaults raise and catch a
+    # `KeyError` on every miss, and cost models and declarations are probed mostly for misses.
+    def __contains__(self, key: object) -> bool:
+        return key in self._map
+
+    @overload
+    def get(self, key: K, /) -> V | None: ...
+    @overload
+    def get(self, key: K, /, default: V | T) -> V | T: ...
+    def get(self, key: K, /, default: object = None) -> object:
+        return self._map.get(key, default)
+
     def __hash__(self) -> int:
         if self._hash is None:
-            self._hash = hash(frozenset(self._items))
+            self._hash = hash(frozenset(self._map.items()))
         return self._hash
 
     def __eq__(self, other: object) -> bool:
+        if isinstance(other, FrozenMap):
+            return self._map == other._map
         if isinstance(other, Mapping):
-            return dict(self._map) == dict(other)
+            return self._map == dict(other)
         return NotImplemented
 
     def __repr__(self) -> str:

@@ -8,7 +8,7 @@ a bare model offloaded on its own is the single component with path ``""``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Literal
+from typing import Literal, SupportsIndex
 
 import attrs
 from attrs import field as _field
@@ -71,14 +71,14 @@ def join_path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else (prefix or name)
 
 
-def _shape(value: object) -> tuple[int, ...]:
-    return tuple(int(d) for d in value)  # type: ignore[attr-defined]
+def _shape(value: Iterable[SupportsIndex]) -> tuple[int, ...]:
+    return tuple(int(d) for d in value)
 
 
-def _str_tuple(value: object) -> tuple[str, ...]:
+def _str_tuple(value: str | Iterable[object]) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
-    return tuple(str(v) for v in value)  # type: ignore[attr-defined]
+    return tuple(str(v) for v in value)
 
 
 @attrs.frozen(kw_only=True, cache_hash=True)
@@ -266,7 +266,7 @@ def find_component(components: Iterable[Component], path: str, where: str) -> Co
     raise KeyError(f"no component {path!r} in this {where}; known: {known}")
 
 
-def _frozen_map_of_tuples(value: Mapping[str, object]) -> FrozenMap[str, tuple[str, ...]]:
+def _frozen_map_of_tuples(value: Mapping[str, str | Iterable[object]]) -> FrozenMap[str, tuple[str, ...]]:
     return FrozenMap(tuple((str(k), _str_tuple(v)) for k, v in value.items()))
 
 
@@ -274,10 +274,8 @@ def _frozen_map_of_str(value: Mapping[str, object]) -> FrozenMap[str, str]:
     return FrozenMap(tuple((str(k), str(v)) for k, v in value.items()))
 
 
-def _frozenset_of_str(value: object) -> frozenset[str]:
-    if isinstance(value, str):
-        return frozenset((value,))
-    return frozenset(str(v) for v in value)  # type: ignore[attr-defined]
+def _frozenset_of_str(value: str | Iterable[object]) -> frozenset[str]:
+    return frozenset(_str_tuple(value))
 
 
 @attrs.frozen(kw_only=True, cache_hash=True)

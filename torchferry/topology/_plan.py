@@ -58,9 +58,10 @@ def canonical(value: object) -> object:
     """A process-independent, ordered rendering of frozen data (sets sorted) for hashing."""
     if isinstance(value, TensorSpec):  # the bulk of any plan: a flat tuple is enough and fast
         return (value.name, value.shape, value.dtype, value.buffer, value.persistent, value.aliases)
-    if attrs.has(type(value)):
-        fields = [f for f in attrs.fields(type(value)) if f.eq]  # type: ignore[arg-type]
-        return (type(value).__name__, tuple((f.name, canonical(getattr(value, f.name))) for f in fields))
+    cls = type(value)
+    if attrs.has(cls):
+        fields = [f for f in attrs.fields(cls) if f.eq]
+        return (cls.__name__, tuple((f.name, canonical(getattr(value, f.name))) for f in fields))
     if isinstance(value, (frozenset, set)):
         return ("set", tuple(sorted(repr(canonical(v)) for v in value)))
     if isinstance(value, FrozenMap):

@@ -138,7 +138,9 @@ def block_attrs_for(class_name: str) -> tuple[str, ...] | None:
 def encoder_block_layouts_for(class_name: str) -> tuple[tuple[str, ...], ...]:
     """Every known block layout of the text-encoder class ``class_name``, newest first (may be empty).
 
-    `discover` takes the first layout whose paths all exist on the module it holds.
+    Only the first (newest) layout is declared for a known pipeline (`encoder_block_attrs_for`); on
+    an older transformers layout its paths are not found and `resolve` reports the encoder's
+    problems (errors when strict, warnings otherwise).
     """
     return ENCODER_BLOCK_LAYOUTS.get(class_name, ())
 
