@@ -279,14 +279,21 @@ class Session:
 
     @contextlib.contextmanager
     def running(self, component: str) -> Iterator[None]:
-        """Treat the body as a forward of ``component`` (for calls such as ``vae.decode()``)."""
-        self.enter(component)
-        try:
+        """Treat the body as a forward of ``component`` (for calls such as ``vae.decode()``).
+
+        The component's step runs around the body exactly as around its forward: its ``before`` ops
+        first, its ``after`` ops and the end-of-step checks after, or recovery if the body raises.
+        """
+        if self._closed:
+            raise ExecutionError(f"session.running({component!r}): this session is closed; open a new one")
+        tops = [c.path for c in self.plan.components]
+        if component not in tops:
+            raise PlanError(
+                f"session.running({component!r}): not a top-level component of this plan; run one of "
+                f"{', '.join(map(repr, tops))}"
+            )
+        with self.engine.forward(component):
             yield
-        except BaseException:
-            self.leave(component, True)
-            raise
-        self.leave(component, False)
 
     # ------------------------------------------------------------------------------- figures
     @property

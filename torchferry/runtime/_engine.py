@@ -17,6 +17,16 @@ checkpoint is bad fails alone, the others fail with it, and nothing is changed a
 before the first collective of each distinct schedule, on its text. A disagreement raises
 `ExecutionError` on every rank at once. Teardown needs no collective: `close` leaves sharded tensors
 as placeholders unless asked to gather them (`close(gather=True)`, a collective).
+
+[Note: inference mode]
+The engine's own tensors (host buffers, device slots, staged copies, the views parameters point at,
+and the tensors `close` gives back) are ordinary tensors whatever mode the caller runs in. Tensors
+made under ``torch.inference_mode()`` can never again be written outside it nor take part in
+autograd: a slot first allocated during an inference-mode call could not be loaded by the next plain
+call, and a pipeline opened or closed inside one would come back with inference-tensor weights. So
+every entry point that makes or re-points tensors (opening, the hooks, `abort`, `close`,
+`gather_host`) turns inference mode off for its own work (`_ordinary`); the model's forward itself
+still runs in the caller's mode.
 """
 
 from __future__ import annotations
@@ -70,6 +80,11 @@ def listing(schedule: Schedule, mark: int | None, note: str = "here") -> str:
     if mark is not None and mark >= len(schedule.ops):
         lines.append(f"(end of schedule)  <-- {note}")
     return "\n".join(lines)
+
+
+def _ordinary() -> contextlib.AbstractContextManager[None]:
+    """Inference mode off while the engine makes or re-points tensors (see [Note: inference mode])."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
 def _step_name(step: Step) -> str:
@@ -162,6 +177,8 @@ class Engine:
         self.program: Program | None = None
         self._programs: dict[Schedule, Program] = {}
         self._hooks: dict[str, tuple[RemovableHandle, RemovableHandle]] = {}
+        # Why: each anchor's module and hook functions, so `forward` can fire them around other calls.
+        self._hook_calls: dict[str, tuple[torch.nn.Module, Callable[..., None], Callable[..., None]]] = {}
         self._tops = frozenset(c.path for c in plan.components)
         self._load_takes_device: dict[str, bool] = {}
         # Why: shard slot -> the unit whose shard it holds, so a gather reads the shard it names.
@@ -185,6 +202,17 @@ class Engine:
         prefix_map: Mapping[str, str] | None,
     ) -> HostStore:
         """Check, read and take over; with several ranks, only once every rank could do the first two."""
+        with _ordinary():
+            return self._take_over(pipeline, plan, pin, sharding, prefix_map)
+
+    def _take_over(
+        self,
+        pipeline: Any,
+        plan: Plan,
+        pin: bool,
+        sharding: Sharding | None,
+        prefix_map: Mapping[str, str] | None,
+    ) -> HostStore:
         failure: BaseException | None = None
         prepared = None
         try:
@@ -237,15 +265,38 @@ class Engine:
                 else None
             )
             block = path in self._blocks
-            pre = module.register_forward_pre_hook(self._pre_hook(path, group, block))
-            post = module.register_forward_hook(self._post_hook(path, block), always_call=True)
+            before, after = self._pre_hook(path, group, block), self._post_hook(path, block)
+            pre = module.register_forward_pre_hook(before)
+            post = module.register_forward_hook(after, always_call=True)
             self._hooks[path] = (pre, post)
+            self._hook_calls[path] = (module, before, after)
+
+    @contextlib.contextmanager
+    def forward(self, path: str) -> Iterator[None]:
+        """Treat the body as a forward of the anchored module at ``path``: its hooks fire around it.
+
+        For calls that bypass the module's own forward (``vae.decode()``): the pre hook runs first
+        (a top-level component's step starts and its ``before`` ops run), the post hook after (its
+        ``after`` ops run and the step finishes), or, if anything raises, the post hook sees the
+        failure and the step is abandoned, as around a forward that raised.
+        """
+        module, before, after = self._hook_calls[path]
+        try:
+            before(module, ())
+            yield
+        except BaseException:
+            after(module, (), None)
+            raise
+        after(module, (), None)
 
     def _pre_hook(self, path: str, group: Group | None, block: bool) -> Callable[..., None]:
         key = f"before {path}"
         top = path in self._tops
 
         def pre(module: torch.nn.Module, args: Any) -> None:
+            if torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):
+                    return pre(module, args)
             if top and self.driver is not None:
                 self.driver.enter(path)
             program = self.program
@@ -266,6 +317,9 @@ class Engine:
         top = path in self._tops
 
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):
+                    return post(module, args, output)
             failing = sys.exc_info()[1] is not None
             program = self.program
             if program is not None and not failing:
@@ -284,6 +338,7 @@ class Engine:
             pre.remove()
             post.remove()
         self._hooks.clear()
+        self._hook_calls.clear()
 
     # ------------------------------------------------------------------------------ programs
     def compile(self, schedule: Schedule) -> Program:
@@ -432,6 +487,10 @@ class Engine:
 
     def abort(self) -> None:
         """Drop every device copy and point all weights at host memory: always safe, never loses one."""
+        with _ordinary():
+            self._abort()
+
+    def _abort(self) -> None:
         self.program = None
         tracer = self.tracer
         if tracer is not None:
@@ -457,6 +516,10 @@ class Engine:
         group must call it (a collective), and full host copies are re-assembled first. `gather_host`
         does the same later, after a plain close.
         """
+        with _ordinary():
+            self._close(gather)
+
+    def _close(self, gather: bool) -> None:
         self.unhook()
         self.abort()
         self.slots.clear()
@@ -475,7 +538,7 @@ class Engine:
                 f"all-gathered block(s) ({shown}), so their tensors are left empty (shape (0,)); call "
                 "close(gather=True) on every rank (a collective) to get full weights back",
                 OffloadWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
 
     def gather_host(self) -> None:
@@ -485,8 +548,12 @@ class Engine:
         """
         if self.comm is None:
             return
+        with _ordinary():
+            self._gather_host(self.comm)
+
+    def _gather_host(self, comm: Comm) -> None:
         for group in self.store.sharded:
-            group.unshard(self.comm.gather_host(group.host, group.name))
+            group.unshard(comm.gather_host(group.host, group.name))
             self.store.give_back(group)
 
     def _run(self, program: Program, stop: int) -> None:
