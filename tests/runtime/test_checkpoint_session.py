@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from module_checks import hook_count, same_weights
 from safetensors.torch import load_file, save_file
 
 import torchferry
@@ -25,16 +26,6 @@ def _snapshot(p: torch.nn.Module) -> Snapshot:
     return {n: (id(t), f"{t.device}:{0 if t.is_meta else t.data_ptr()}", tuple(t.shape)) for n, t in named}
 
 
-def _hooks(p: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in p.modules())
-
-
-def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    sa, sb = a.state_dict(keep_vars=True), b.state_dict(keep_vars=True)
-    return sa.keys() == sb.keys() and all(
-        torch.equal(sa[k], sb[k]) and sa[k].stride() == sb[k].stride() and sa[k].device == sb[k].device
-        for k in sa
-    )
 
 
 def _save(tmp_path: Path, form: str, two_experts: bool = False) -> Path:
@@ -70,11 +61,11 @@ def test_meta_built_pipeline_runs_bit_identical(tmp_path: Path, form: str, two_e
         assert not any(t.is_meta for t in [*p.parameters(), *p.buffers()])
         assert torch.equal(p("a cat", steps=3), ref("a cat", steps=3))
         assert torch.equal(p("a cat", steps=3, skip=skip), ref("a cat", steps=3, skip=skip))
-    assert _same(p, ref)
+    assert same_weights(p, ref)
     block = p.transformer.blocks[0]
     assert block.out.weight.stride() == (1, 32)  # the transposed weight keeps its strides
     assert block.norm_k.weight is block.norm_q.weight
-    assert _hooks(p) == 0
+    assert hook_count(p) == 0
 
 
 def test_meta_parameters_keep_buffers_and_ties() -> None:
@@ -104,7 +95,7 @@ def test_on_demand_component_is_filled_in_place(tmp_path: Path) -> None:
     ):
         assert not p.vae.fc1.weight.is_meta
         assert torch.equal(p("a cat"), ref("a cat"))
-    assert _same(p, ref)
+    assert same_weights(p, ref)
 
 
 def test_checkpoint_values_replace_a_built_pipelines_own(tmp_path: Path) -> None:
@@ -113,7 +104,7 @@ def test_checkpoint_values_replace_a_built_pipelines_own(tmp_path: Path) -> None
     p, ref = toy.build(5), toy.build(0)
     with torchferry.offload(p, strategy="layerwise", device="cpu", checkpoint=path):
         assert torch.equal(p("a cat"), ref("a cat"))
-    assert _same(p, ref)
+    assert same_weights(p, ref)
 
 
 def test_rank_local_distributed_strategy_on_one_process(tmp_path: Path) -> None:
@@ -133,7 +124,7 @@ def test_rank_local_distributed_strategy_on_one_process(tmp_path: Path) -> None:
         assert session.schedules and all(
             op.kind != "gather" for schedule in session.schedules.values() for op in schedule.ops
         )
-    assert _same(p, ref)
+    assert same_weights(p, ref)
 
 
 def test_meta_device_build_is_refused_for_its_buffers(tmp_path: Path) -> None:
@@ -151,7 +142,7 @@ def test_meta_device_build_is_refused_for_its_buffers(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match=re.escape(message)):
         torchferry.offload(p, strategy="layerwise", device="cpu", checkpoint=path)
     assert _snapshot(p) == before
-    assert _hooks(p) == 0
+    assert hook_count(p) == 0
 
 
 def test_distributed_allgather_needs_a_process_group() -> None:
@@ -284,7 +275,7 @@ def test_corrupt_checkpoint_raises_and_leaves_pipeline_untouched(
     with pytest.raises(PlanError, match=re.escape(message) + r"\Z"):
         torchferry.offload(p, strategy="layerwise", device="cpu", checkpoint=path)
     assert _snapshot(p) == before
-    assert _hooks(p) == 0
+    assert hook_count(p) == 0
     if not empty:
         torchferry.offload(p, strategy="layerwise", device="cpu").close()  # usable, and not left "open"
 
@@ -298,4 +289,4 @@ def test_meta_built_pipeline_streams_on_cuda(tmp_path: Path) -> None:
     with torchferry.offload(p, strategy="layerwise", device="cuda", checkpoint=path, prefetch_depth=2):
         for _ in range(2):
             assert torch.equal(p("a cat", device="cuda"), ref("a cat", device="cuda"))
-    assert _same(p, toy.build(0))
+    assert same_weights(p, toy.build(0))

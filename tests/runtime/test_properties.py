@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from module_checks import hook_count
 
 import torchferry
 from torchferry import OffloadWarning, policies, topology, toy
@@ -270,9 +271,6 @@ def calls(draw: st.DrawFn, shape: Shape, min_size: int = 2, max_size: int = 4) -
 
 
 # ------------------------------------------------------------------------------- invariants
-def _hooks(p: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in p.modules())
-
 
 def _named(p: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*p.named_parameters(remove_duplicate=False), *p.named_buffers(remove_duplicate=False)]
@@ -355,7 +353,7 @@ def assert_restored(p: torch.nn.Module, before: Mapping[str, Record], *, same_ob
         assert len(ptrs) == 1, sorted(group)
         storages.setdefault(tensors[next(iter(group))].untyped_storage().data_ptr(), set()).add(id(group))
     assert all(len(owners) == 1 for owners in storages.values()), "untied tensors share storage after close"
-    assert _hooks(p) == 0
+    assert hook_count(p) == 0
 
 
 def assert_peaks_simulated(session: Session) -> None:
@@ -427,7 +425,7 @@ def test_random_sessions_equal_the_plain_run(data: st.DataObject) -> None:
         session = request.open(p)
     for call in run:
         assert torch.equal(call(p), call(ref)), call
-        assert session.hook_count == _hooks(p)
+        assert session.hook_count == hook_count(p)
     assert_peaks_simulated(session)
     with torch.inference_mode(closed):
         assert_closed(session, p, before)
@@ -461,7 +459,7 @@ def test_a_fault_anywhere_leaves_the_pipeline_usable(data: st.DataObject) -> Non
             assert torch.equal(out, failing(ref))
     for call in after:
         assert torch.equal(call(p), call(ref)), call
-    assert session.hook_count == _hooks(p)
+    assert session.hook_count == hook_count(p)
     assert_peaks_simulated(session)
     assert_closed(session, p, before)
 
@@ -608,7 +606,7 @@ def test_component_forwards_in_any_order(data: st.DataObject) -> None:
             else:
                 assert not fault.fired
                 assert torch.equal(out, expected), action
-        assert session.hook_count == _hooks(p)
+        assert session.hook_count == hook_count(p)
     if session.step_peaks:
         assert_peaks_simulated(session)
     assert_closed(session, p, before)

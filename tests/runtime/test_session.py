@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from module_checks import hook_count, same_weights
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchferry
@@ -23,16 +24,6 @@ STRATEGIES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def _hooks(p: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in p.modules())
-
-
-def _same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    sa, sb = a.state_dict(keep_vars=True), b.state_dict(keep_vars=True)
-    return sa.keys() == sb.keys() and all(
-        torch.equal(sa[k], sb[k]) and sa[k].stride() == sb[k].stride() and sa[k].device == sb[k].device
-        for k in sa
-    )
 
 
 @pytest.mark.parametrize("two_experts", [False, True])
@@ -47,8 +38,8 @@ def test_outputs_bit_identical(strategy: str, options: dict[str, Any], two_exper
         assert torch.equal(p("a dog", steps=4), ref("a dog", steps=4))
         for step, peak in session.step_peaks.items():
             assert peak == policies.simulate(session.schedules[step]).peak_device_bytes, step
-    assert _same(p, ref)
-    assert _hooks(p) == 0
+    assert same_weights(p, ref)
+    assert hook_count(p) == 0
 
 
 def test_two_experts_switch_components() -> None:
@@ -80,7 +71,7 @@ def test_on_demand_component_uses_its_lifecycle() -> None:
             op.kind for step, sched in s.schedules.items() if step.component == "vae" for op in sched.ops
         ]
     assert "acquire" in kinds and "release" in kinds
-    assert _same(p, ref)
+    assert same_weights(p, ref)
 
 
 class _Fail:
@@ -106,9 +97,9 @@ def test_failure_inside_a_block_leaves_pipeline_usable(error: BaseException) -> 
             p("a cat")
         handle.remove()
         assert torch.equal(p("a cat"), ref("a cat"))
-        assert session.hook_count == _hooks(p)
-    assert _same(p, ref)
-    assert _hooks(p) == 0
+        assert session.hook_count == hook_count(p)
+    assert same_weights(p, ref)
+    assert hook_count(p) == 0
 
 
 def test_round_trip_reopen_other_strategy() -> None:
@@ -117,11 +108,11 @@ def test_round_trip_reopen_other_strategy() -> None:
     expected = ref("a cat")
     for strategy in ("layerwise", "model_level", "none", "layerwise"):
         session = torchferry.offload(p, strategy=strategy, device="cpu")
-        assert _same(p, ref)
+        assert same_weights(p, ref)
         assert torch.equal(p("a cat"), expected)
         session.close()
-        assert _same(p, ref)
-        assert _hooks(p) == 0
+        assert same_weights(p, ref)
+        assert hook_count(p) == 0
 
 
 def test_second_session_on_same_pipeline_is_refused() -> None:
@@ -150,7 +141,7 @@ def test_meta_pipeline_without_checkpoint_is_refused() -> None:
     with pytest.raises(PlanError, match=re.escape(message)):
         torchferry.offload(p, strategy="layerwise", device="cpu")
     assert p.transformer.blocks[0].q.weight.data_ptr() == before
-    assert _hooks(p) == 0
+    assert hook_count(p) == 0
 
 
 def test_unknown_option_is_refused() -> None:
@@ -166,14 +157,14 @@ def test_thousand_passes_leave_counts_unchanged() -> None:
         first = p("a cat", steps=1)
         p("a cat", steps=1)
         p("a cat", steps=1)
-        counts = (session.host_bytes, session.device_bytes, _hooks(p))
+        counts = (session.host_bytes, session.device_bytes, hook_count(p))
         schedules = len(session.schedules)
         allocations = session.engine.ledger.allocations
         p("a cat", steps=1)
         per_pass = session.engine.ledger.allocations - allocations
         for _ in range(1000):
             out = p("a cat", steps=1)
-        assert (session.host_bytes, session.device_bytes, _hooks(p)) == counts
+        assert (session.host_bytes, session.device_bytes, hook_count(p)) == counts
         assert session.engine.ledger.allocations == allocations + 1001 * per_pass
         assert len(session.schedules) == schedules
         assert torch.equal(out, first)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from module_checks import hook_count
 
 import torchferry
 from torchferry import ExecutionError, PlanError, runtime, topology, toy
@@ -19,10 +20,6 @@ from torchferry._multiproc import run_ranks
 from torchferry._timeline import LANES, lanes_of
 from torchferry.policies import Schedule
 from torchferry.runtime import StepTrace
-
-
-def _hooks(p: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in p.modules())
 
 
 @contextmanager
@@ -86,12 +83,12 @@ def test_tracing_changes_no_output_and_adds_no_hook() -> None:
     hook count never moves, and after the step nothing is left armed on the engine or its streams."""
     p, ref = toy.build(0), toy.build(0)
     with torchferry.offload(p, strategy="layerwise", device="cpu", prefetch_depth=2) as session:
-        before = _hooks(p)
+        before = hook_count(p)
         untraced = p("a cat", steps=3)
         with session.trace("transformer", skip=1) as tracer:
-            assert session.engine.tracing is tracer and _hooks(p) == before
+            assert session.engine.tracing is tracer and hook_count(p) == before
             traced = p("a cat", steps=3)
-        assert tracer.done and _hooks(p) == before == session.hook_count
+        assert tracer.done and hook_count(p) == before == session.hook_count
         assert session.engine.tracing is None and session.engine.tracer is None
         assert session.engine.streams.tracer is None
         again = p("a cat", steps=3)
