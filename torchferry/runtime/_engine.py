@@ -26,7 +26,24 @@ autograd: a slot first allocated during an inference-mode call could not be load
 call, and a pipeline opened or closed inside one would come back with inference-tensor weights. So
 every entry point that makes or re-points tensors (opening, the hooks, `abort`, `close`,
 `gather_host`) turns inference mode off for its own work (`_ordinary`); the model's forward itself
-still runs in the caller's mode.
+still runs in the caller's mode. (Turning inference mode off turns grad mode on, so the hooks also
+turn grad mode off for their work: a forward under inference mode never counts as one with grad.)
+
+[Note: gradients]
+torchferry serves inference; gradients through streamed weights are not supported, and they fail
+loudly rather than come out wrong. A block in a ring slot shares that slot with the blocks after it,
+and autograd keeps what a forward with grad saved (the weights, and views such as ``weight.t()``)
+pointing into the slot; re-pointing a tensor (``tensor.data = ...``) bumps no version counter, so
+a backward would read whichever block the slot holds by then. So a block that runs with grad
+enabled (its pre hook sees `torch.is_grad_enabled`) while its unit sits in a slot is remembered
+(``graded``), and when that unit leaves the slot (evict, or `abort`) every tensor of it that
+requires grad has its version counter bumped: a later backward raises autograd's "modified by an
+inplace operation" error. The first such block of a session warns (`OffloadWarning`). A component
+whose own remainder sits in a slot (a custom policy may stream one) is checked the same way around
+its forward. Staged units (``device`` placements, and every unit of the none and model_level
+strategies) keep device memory of their own that nothing else overwrites: unstaging only drops
+the engine's reference, what autograd saved stays valid, and their gradients are right. Under
+``torch.no_grad()`` or inference mode this costs one grad-mode check per block.
 """
 
 from __future__ import annotations
@@ -43,7 +60,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from torchferry._errors import ExecutionError, OffloadWarning, PlanError
-from torchferry.policies import DEVICE, Op, Placement, Schedule, Step
+from torchferry.policies import DEVICE, Op, Placement, Schedule, Step, rest_unit
 from torchferry.policies._layout import layout
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm
@@ -192,6 +209,9 @@ class Engine:
         # Why: the tracer of the step running now; checked once per op and per block hook.
         self.tracer: Tracer | None = None
         self._blocks = frozenset(b.path for top in plan.components for c in top.walk() for b in c.blocks)
+        # Why: units that sat in a slot while a forward with grad ran them; bumped when they leave it.
+        self.graded: set[Unit] = set()
+        self._warned_grad = False
 
     def _open(
         self,
@@ -295,20 +315,21 @@ class Engine:
 
         def pre(module: torch.nn.Module, args: Any) -> None:
             if torch.is_inference_mode_enabled():
-                with torch.inference_mode(False):
+                with torch.inference_mode(False), torch.no_grad():
                     return pre(module, args)
             if top and self.driver is not None:
                 self.driver.enter(path)
             program = self.program
-            if program is None:
-                return
-            stop = program.stops.get(key)
-            if stop is not None and stop > program.pc:
-                self._run(program, stop)
-            if group is not None and group.where != READY:
-                self._not_resident(path, group, program)
-            if block and self.tracer is not None:
-                self.tracer.block_begin(path)
+            if program is not None:
+                stop = program.stops.get(key)
+                if stop is not None and stop > program.pc:
+                    self._run(program, stop)
+                if group is not None and group.where != READY:
+                    self._not_resident(path, group, program)
+                if block and self.tracer is not None:
+                    self.tracer.block_begin(path)
+            if torch.is_grad_enabled():
+                self._with_grad(path, block)
 
         return pre
 
@@ -318,8 +339,10 @@ class Engine:
 
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
             if torch.is_inference_mode_enabled():
-                with torch.inference_mode(False):
+                with torch.inference_mode(False), torch.no_grad():
                     return post(module, args, output)
+            if not block and torch.is_grad_enabled():
+                self._with_grad(path, block)
             failing = sys.exc_info()[1] is not None
             program = self.program
             if program is not None and not failing:
@@ -332,6 +355,33 @@ class Engine:
                 self.driver.leave(path, failing)
 
         return post
+
+    def _with_grad(self, path: str, block: bool) -> None:
+        """A forward with grad runs at ``path``: remember its units in slots ([Note: gradients])."""
+        names = (path,) if block else (path, rest_unit(path))
+        for name in names:
+            where = self.placed.get(name)
+            if where is None or where == DEVICE or self.store.units[name] in self.graded:
+                continue
+            self.graded.add(self.store.units[name])
+            if not self._warned_grad:
+                self._warned_grad = True
+                warnings.warn(
+                    f"torchferry: {name} ran with gradients enabled while its weights stream through a "
+                    f"shared device slot ({where}); gradients through streamed weights are not supported, "
+                    "and a backward through this forward will raise (the slot is reused for the blocks "
+                    "that follow). Run the pipeline under torch.no_grad() or torch.inference_mode(), or "
+                    "use strategy='none' or 'model_level' if you need gradients",
+                    OffloadWarning,
+                    stacklevel=2,
+                )
+
+    def _invalidate(self, unit: Unit) -> None:
+        """``unit`` leaves its slot: make what autograd saved of it unusable (see [Note: gradients])."""
+        self.graded.discard(unit)
+        torch.autograd.graph.increment_version(
+            [t for group in unit.groups for t in group.tensors if t.requires_grad]
+        )
 
     def unhook(self) -> None:
         for pre, post in self._hooks.values():
@@ -497,6 +547,8 @@ class Engine:
             self._untrace()
             tracer.fail()
         self.streams.synchronize()
+        for unit in list(self.graded):
+            self._invalidate(unit)
         for path in list(self.acquired):
             self._release_module(path)
         for name in list(self.staged):
@@ -675,6 +727,8 @@ class Engine:
             group.where = READY
 
     def _evict(self, unit: Unit, op: Op) -> None:
+        if self.graded and unit in self.graded:
+            self._invalidate(unit)
         transfer = self.transfers.pop(unit.name, None)
         if transfer is not None:
             self.streams.release(transfer)
@@ -708,6 +762,8 @@ class Engine:
         self.placed[unit.name] = DEVICE
 
     def _unstage(self, unit: Unit, op: Op) -> None:
+        if self.graded and unit in self.graded:
+            self._invalidate(unit)
         self._drop_staged(unit.name)
         for group in unit.groups:
             group.to_host()
