@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
+from torchferry.runtime._checkpoint import CheckpointReader, save_safetensors
 from torchferry.topology import Declaration
 
 __all__ = [
@@ -287,14 +287,13 @@ def save_checkpoint(pipeline: nn.Module, path: str | Path) -> None:
         first = seen.setdefault(id(param), name)
         if first != name:
             del tensors[name]
-    save_file(tensors, str(path))
+    save_safetensors(tensors, path)
 
 
 def load_checkpoint(pipeline: nn.Module, path: str | Path) -> nn.Module:
     """Fill ``pipeline`` from a file written by `save_checkpoint` (strides and ties are kept)."""
-    tensors = load_file(str(path))
-    with torch.no_grad():
+    with CheckpointReader(path) as reader, torch.no_grad():
         for name, t in pipeline.state_dict(keep_vars=True).items():
-            if name in tensors:
-                t.copy_(tensors[name])
+            if name in reader.entries:
+                t.copy_(reader.read_tensor(name))
     return pipeline

@@ -545,3 +545,24 @@ def test_non_persistent_buffer_bytes_in_a_layout_are_left_for_the_caller(tmp_pat
             assert torch.equal(got, state[spec.name].reshape(-1).view(torch.uint8))
     assert rope_at < block.nbytes  # the buffer sits among the fp32 tensors, not at the end
     assert bool((out[block.nbytes + 16 :] == 0).all())
+
+
+def test_save_safetensors_writes_what_the_official_reader_reads(tmp_path: Path) -> None:
+    """torchferry's NumPy-free writer produces a file safetensors loads back exactly, views and empties too."""
+    from safetensors.torch import load_file
+
+    from torchferry.runtime._checkpoint import save_safetensors
+
+    tensors = {
+        "w.t": torch.randn(3, 4).t(),
+        "ids": torch.arange(5, dtype=torch.int64),
+        "half": torch.randn(7, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "flag": torch.tensor([True, False]),
+    }
+    path = tmp_path / "out.safetensors"
+    save_safetensors(tensors, path)
+    loaded = load_file(str(path))
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k], tensors[k]) and loaded[k].dtype == tensors[k].dtype for k in tensors)
+    assert not (tmp_path / "out.safetensors.partial").exists()

@@ -22,9 +22,11 @@ files too.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
+import struct
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -40,7 +42,13 @@ from torchferry.topology._frozen import FrozenMap
 from torchferry.topology._model import Block, Component, TensorSpec, Topology
 from torchferry.topology._plan import Plan
 
-__all__ = ["SAFETENSORS_DTYPES", "WINDOW_BYTES", "CheckpointEntry", "CheckpointReader"]
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "WINDOW_BYTES",
+    "CheckpointEntry",
+    "CheckpointReader",
+    "save_safetensors",
+]
 
 #: safetensors dtype codes torchferry reads, with the torch dtype name each one holds (topology's table).
 SAFETENSORS_DTYPES: FrozenMap[str, str] = FrozenMap(dict(_HEADER_DTYPES))
@@ -504,3 +512,48 @@ def _merge(
         current = seg
     if current is not None:
         yield current
+
+
+_DTYPE_CODES = {name: code for code, name in _HEADER_DTYPES.items()}
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
+    """Write CPU tensors to a safetensors file, in name order, through a temporary file then a rename.
+
+    This needs nothing beyond torch (``safetensors.torch.save_file`` needs NumPy), so the demo and a
+    checkpoint of a freshly built pipeline work on a bare install. Every tensor is written contiguous.
+    """
+    header: dict[str, object] = {}
+    blobs: list[torch.Tensor] = []
+    offset = 0
+    for name in sorted(tensors):
+        tensor = tensors[name].detach()
+        if tensor.device.type != "cpu":
+            raise ExecutionError(
+                f"save_safetensors: {name!r} is on {tensor.device}; move it to the CPU first"
+            )
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in _DTYPE_CODES:
+            known = ", ".join(sorted(_DTYPE_CODES))
+            raise ExecutionError(
+                f"save_safetensors: {name!r} has dtype {dtype}; safetensors stores only {known}"
+            )
+        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+        header[name] = {
+            "dtype": _DTYPE_CODES[dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + flat.numel()],
+        }
+        blobs.append(flat)
+        offset += flat.numel()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the format pads the header to 8 bytes with spaces
+    target = Path(path)
+    partial = target.with_name(target.name + ".partial")
+    with open(partial, "wb") as out:
+        out.write(struct.pack("<Q", len(text)))
+        out.write(text)
+        for flat in blobs:
+            if flat.numel():
+                out.write(ctypes.string_at(flat.data_ptr(), flat.numel()))
+    os.replace(partial, target)
