@@ -548,7 +548,7 @@ def test_non_persistent_buffer_bytes_in_a_layout_are_left_for_the_caller(tmp_pat
 
 
 def test_save_safetensors_writes_what_the_official_reader_reads(tmp_path: Path) -> None:
-    """torchferry's NumPy-free writer produces a file safetensors loads back exactly, views and empties too."""
+    """The NumPy-free writer makes a file safetensors loads back exactly, views and empties too."""
     from safetensors.torch import load_file
 
     from torchferry.runtime._checkpoint import save_safetensors
