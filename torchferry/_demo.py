@@ -12,6 +12,7 @@ simulated.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import statistics
 import sys
@@ -251,8 +252,14 @@ def _distributed_rank(rank: int, world: int, job: _RankJob) -> _RankResult:
             session.close()
         raise
     session.close(gather=True)
-    raw = [(o.contiguous().numpy().tobytes(), tuple(o.shape)) for o in outputs]
+    raw = [(_raw_bytes(o), tuple(o.shape)) for o in outputs]
     return raw, step_s, peak, traced
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's bytes for the trip back from a rank (no NumPy: a bare install has none)."""
+    flat = tensor.detach().to("cpu").contiguous()
+    return ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size())
 
 
 def _distributed(
