@@ -241,6 +241,8 @@ class Session:
         step = self._step
         if step is not None:
             peak = self.engine.ledger.step_peak
+            if step not in self.step_peaks and len(self.step_peaks) >= MAX_SCHEDULES:
+                self.step_peaks.pop(next(iter(self.step_peaks)))  # bounded, like the schedules
             self.step_peaks[step] = max(peak, self.step_peaks.get(step, peak))
 
     @contextlib.contextmanager

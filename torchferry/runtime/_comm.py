@@ -34,8 +34,7 @@ _DIGEST = 32
 
 
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, inp, group=group)
+    dist.all_gather_into_tensor(out, inp, group=group)
 
 
 def _timeout(group: Any, device: torch.device) -> str:

@@ -60,7 +60,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from torchferry._errors import ExecutionError, OffloadWarning, PlanError
-from torchferry.policies import DEVICE, Op, Placement, Schedule, Step, rest_unit
+from torchferry.policies import DEVICE, Op, Placement, Schedule, Step, format_schedule, rest_unit
 from torchferry.policies._layout import layout
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm
@@ -82,11 +82,6 @@ _WHERE = {HOST: "in host memory", STAGED_IN: "still in flight (loaded but never 
 
 def listing(schedule: Schedule, mark: int | None, note: str = "here") -> str:
     """The schedule's canonical text with op number ``mark`` flagged ``<-- note`` (``None``: no mark)."""
-    try:
-        from torchferry.policies import format_schedule
-    except ImportError:  # the policies package exports it once its text form lands
-        from torchferry.policies._text import format_schedule
-
     lines = format_schedule(schedule, sim=False).splitlines()
     op = -1
     for i, line in enumerate(lines):
