@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import torchferry
-from torchferry import policies, topology, toy
-from torchferry._demo import ensure_checkpoint
+from torchferry import policies, topology
 from torchferry.cli import main
+from torchferry.cli._demo import ensure_checkpoint
+from torchferry.testing import toy
 from torchferry.topology import KNOWN_ALIASES, KNOWN_MODELS, known_topology
 
 GIB = 1024**3

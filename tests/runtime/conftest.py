@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from torchferry import toy
 from torchferry.policies import Op, Schedule, Slot, Step, rest_unit
+from torchferry.testing import toy
 from torchferry.topology import Plan
 
 

@@ -15,7 +15,8 @@ from module_checks import hook_count, same_weights
 from safetensors.torch import load_file, save_file
 
 import torchferry
-from torchferry import PlanError, topology, toy
+from torchferry import PlanError, topology
+from torchferry.testing import toy
 
 Snapshot = dict[str, tuple[int, str, tuple[int, ...]]]
 

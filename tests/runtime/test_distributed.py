@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import torchferry
-from torchferry import ExecutionError, OffloadWarning, PlanError, policies, toy
-from torchferry._multiproc import RankError, run_ranks
+from torchferry import ExecutionError, OffloadWarning, PlanError, policies
 from torchferry.policies import shard_nbytes
 from torchferry.runtime import CheckpointReader
+from torchferry.testing import RankError, run_ranks, toy
 
 pytestmark = pytest.mark.dist
 

@@ -8,8 +8,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from torchferry import ExecutionError, policies, runtime, topology, toy
+from torchferry import ExecutionError, policies, runtime, topology
 from torchferry.policies import Schedule
+from torchferry.testing import toy
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

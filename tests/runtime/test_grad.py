@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import torchferry
-from torchferry import OffloadWarning, toy
+from torchferry import OffloadWarning
+from torchferry.testing import toy
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 

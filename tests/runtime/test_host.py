@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from torchferry import topology, toy
+from torchferry import topology
 from torchferry.runtime import HostStore
+from torchferry.testing import toy
 
 
 def _store(p: toy.ToyPipeline, strategy: str = "layerwise") -> tuple[HostStore, topology.Plan]:

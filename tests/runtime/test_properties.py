@@ -26,8 +26,9 @@ from hypothesis import strategies as st
 from module_checks import hook_count
 
 import torchferry
-from torchferry import OffloadWarning, policies, topology, toy
+from torchferry import OffloadWarning, policies, topology
 from torchferry._session import Session
+from torchferry.testing import toy
 from torchferry.topology import Plan
 
 #: Few, varied, reproducible examples: the same ones on every run (CI stays stable).

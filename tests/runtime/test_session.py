@@ -13,7 +13,8 @@ from module_checks import hook_count, same_weights
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchferry
-from torchferry import ExecutionError, PlanError, policies, topology, toy
+from torchferry import ExecutionError, PlanError, policies, topology
+from torchferry.testing import toy
 from torchferry.topology import Plan
 
 STRATEGIES: list[tuple[str, dict[str, Any]]] = [

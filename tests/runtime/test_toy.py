@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from torchferry import topology, toy
+from torchferry import topology
+from torchferry.testing import toy
 
 
 def test_weights_are_a_function_of_the_seed() -> None:

@@ -15,11 +15,11 @@ import torch
 from module_checks import hook_count
 
 import torchferry
-from torchferry import ExecutionError, PlanError, runtime, topology, toy
-from torchferry._multiproc import run_ranks
-from torchferry._timeline import LANES, lanes_of
+from torchferry import ExecutionError, PlanError, runtime, topology
+from torchferry.cli._timeline import LANES, lanes_of
 from torchferry.policies import Schedule
 from torchferry.runtime import StepTrace
+from torchferry.testing import run_ranks, toy
 
 
 @contextmanager

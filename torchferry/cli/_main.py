@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from torchferry._errors import OffloadError
-from torchferry._units import parse_bytes, parse_rate
+from torchferry.cli._units import parse_bytes, parse_rate
 
 __all__ = ["main"]
 
@@ -85,7 +85,7 @@ def _device(text: str) -> str:
 
 
 def _resolution(text: str) -> object:
-    from torchferry._plan_report import parse_resolution
+    from torchferry.cli._plan_report import parse_resolution
 
     try:
         return parse_resolution(text)
@@ -187,7 +187,7 @@ def _parser() -> _Parser:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from torchferry import _plan_report as report
+    from torchferry.cli import _plan_report as report
 
     if args.list:
         if args.format == "json":
@@ -240,7 +240,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from torchferry import _demo
+    from torchferry.cli import _demo
 
     return _demo.run(
         device=args.device,

@@ -27,10 +27,11 @@ import attrs
 import torch
 
 import torchferry
-from torchferry import policies, topology, toy
+from torchferry import policies, topology
 from torchferry._errors import OffloadError
-from torchferry._timeline import Panel, lanes_of, render_panels
+from torchferry.cli._timeline import Panel, lanes_of, render_panels
 from torchferry.runtime import StepTrace
+from torchferry.testing import toy
 
 __all__ = ["DEMO_TOY", "DemoRow", "cache_folder", "ensure_checkpoint", "format_table", "run", "timeline_svg"]
 
@@ -273,7 +274,7 @@ def _distributed(
     trace: bool = False,
 ) -> tuple[DemoRow, StepTrace | None]:
     """Distributed layerwise over ``world`` local processes joined by a gloo group (and rank 0's trace)."""
-    from torchferry._multiproc import run_ranks
+    from torchferry.testing import run_ranks
 
     label = f"distributed_layerwise(depth=1), {world} ranks"
     threads = max(1, torch.get_num_threads() // world)
