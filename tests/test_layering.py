@@ -19,11 +19,22 @@ def _imports(path: Path) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+            # ``from torchferry.x import _y`` reaches a private module as surely as ``torchferry.x._y``.
+            names.update(f"{node.module}.{alias.name}" for alias in node.names if alias.name.startswith("_"))
     return names
 
 
 def _modules(layer: str) -> list[Path]:
     return sorted((PACKAGE / layer).glob("*.py"))
+
+
+def _package_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).parts
+    return "torchferry" if len(parts) == 1 else f"torchferry.{parts[0]}"
+
+
+SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+ALL_MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
 @pytest.mark.parametrize("layer", ["topology", "policies"])
@@ -70,3 +81,32 @@ def test_topology_never_imports_policies() -> None:
         for path in _modules("topology")
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_subpackages_are_entered_through_their_init() -> None:
+    """A module imports another subpackage's names from its ``__init__``, never from its private modules."""
+    offenders = {
+        str(path.relative_to(PACKAGE)): sorted(
+            name
+            for name in _imports(path)
+            for sub in SUBPACKAGES
+            if name.startswith(f"torchferry.{sub}._") and _package_of(path) != f"torchferry.{sub}"
+        )
+        for path in ALL_MODULES
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+@pytest.mark.parametrize(
+    ("leaf", "allowed"),
+    [("cli", {"cli", "__main__.py"}), ("testing", {"testing", "cli"})],
+)
+def test_cli_and_testing_are_leaves(leaf: str, allowed: set[str]) -> None:
+    """Nothing in the layers or the session imports ``torchferry.cli`` or ``torchferry.testing``."""
+    offenders = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in ALL_MODULES
+        if path.relative_to(PACKAGE).parts[0] not in allowed
+        and any(name.split(".")[:2] == ["torchferry", leaf] for name in _imports(path))
+    )
+    assert offenders == []

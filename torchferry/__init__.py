@@ -12,7 +12,7 @@ from torchferry._errors import (
     TorchferryDeprecationWarning,
 )
 from torchferry._session import Session, offload
-from torchferry.runtime._meta import meta_parameters
+from torchferry.runtime import meta_parameters
 
 __version__ = "0.1.0"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# Imports written ``name as name`` are for the layers above, which enter only through this file
+# (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.policies._auto import Choice, auto, choose
 from torchferry.policies._builtin import cached, distributed_layerwise, layerwise, model_level, none
 from torchferry.policies._check import INVARIANTS, check
@@ -23,6 +25,7 @@ from torchferry.policies._ir import (
     is_index_free,
     rest_unit,
 )
+from torchferry.policies._layout import layout as layout
 from torchferry.policies._layout import shard_nbytes
 from torchferry.policies._sim import DEFAULT_COST, CostModel, Interval, SimReport, simulate
 from torchferry.policies._text import format_bytes, format_schedule, parse_schedule

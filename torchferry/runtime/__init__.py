@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+# Imports written ``name as name`` are for the layers above, which enter only through this file
+# (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.runtime._checkpoint import CheckpointReader
+from torchferry.runtime._checkpoint import save_safetensors as save_safetensors
 from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger, SlotPool
 from torchferry.runtime._engine import Engine, Program, execute, listing, schedule_text

@@ -36,11 +36,8 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
-from torchferry.topology._checkpoint import SAFETENSORS_DTYPES as _HEADER_DTYPES
-from torchferry.topology._checkpoint import read_header
-from torchferry.topology._frozen import FrozenMap
-from torchferry.topology._model import Block, Component, TensorSpec, Topology
-from torchferry.topology._plan import Plan
+from torchferry.topology import SAFETENSORS_DTYPES as _HEADER_DTYPES
+from torchferry.topology import Block, Component, FrozenMap, Plan, TensorSpec, Topology, read_header
 
 __all__ = [
     "SAFETENSORS_DTYPES",

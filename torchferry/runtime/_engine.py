@@ -60,8 +60,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from torchferry._errors import ExecutionError, OffloadWarning, PlanError
-from torchferry.policies import DEVICE, Op, Placement, Schedule, Step, format_schedule, rest_unit
-from torchferry.policies._layout import layout
+from torchferry.policies import DEVICE, Op, Placement, Schedule, Step, format_schedule, layout, rest_unit
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger, SlotPool

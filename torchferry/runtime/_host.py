@@ -503,7 +503,7 @@ def _span(name: str, nbytes: int, sharding: Sharding | None) -> tuple[int, int] 
     """The byte range of group ``name`` this rank keeps, or ``None`` when it keeps all of it."""
     if sharding is None or name not in sharding.names:
         return None
-    from torchferry.policies._layout import shard_nbytes
+    from torchferry.policies import shard_nbytes
 
     shard = shard_nbytes(nbytes, sharding.world)
     return sharding.rank * shard, (sharding.rank + 1) * shard

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from torchferry.runtime._checkpoint import CheckpointReader, save_safetensors
+from torchferry.runtime import CheckpointReader, save_safetensors
 from torchferry.topology import Declaration
 
 __all__ = [

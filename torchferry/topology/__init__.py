@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+# Imports written ``name as name`` are for the layers above, which enter only through this file
+# (tests/test_layering.py); they are not public and not in ``__all__``.
+from torchferry.topology._checkpoint import SAFETENSORS_DTYPES as SAFETENSORS_DTYPES
 from torchferry.topology._checkpoint import from_checkpoint
+from torchferry.topology._checkpoint import read_header as read_header
 from torchferry.topology._config import (
     COMPONENT_NAMES,
     STRATEGIES,
