@@ -21,13 +21,10 @@ import torch
 from torchferry import policies, topology
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
-from torchferry.runtime import Comm, Engine, Tracer
+from torchferry.runtime import Comm, Engine, Steps, Tracer
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
 __all__ = ["Session", "default_policy", "offload"]
-
-#: Schedules a session keeps (oldest dropped first); a pipeline call needs one per component forward.
-MAX_SCHEDULES = 512
 
 #: Pipelines a session is serving now, so a second session on the same pipeline is refused.
 _OPEN: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()
@@ -175,20 +172,21 @@ class Session:
         self.policy = policy
         self.device = device
         self.engine = Engine(
-            pipeline, plan, device=device, pin_memory=plan.config.pin_memory, comm=comm, prefix_map=prefix_map
+            pipeline,
+            plan,
+            device=device,
+            pin_memory=plan.config.pin_memory,
+            comm=comm,
+            prefix_map=prefix_map,
+            driver=self,
         )
-        self.schedules: dict[Step, Schedule] = {}
-        # Why: the step key that ran last, to number run lengths and learn what follows each step.
-        self._last: tuple[str, int] | None = None
-        # Why: what followed each step last time, so a policy can prefetch across a switch.
-        self._follows: dict[tuple[str, int], str | None] = {}
-        self._index_free = policies.is_index_free(policy)
+        self._steps = Steps(plan, policy, index_free=policies.is_index_free(policy))
+        self.schedules: dict[Step, Schedule] = self._steps.schedules
         # Why: the most device bytes each step held while it ran, to compare with `policies.simulate`.
-        self.step_peaks: dict[Step, int] = {}
+        self.step_peaks: dict[Step, int] = self._steps.peaks
         self._step: Step | None = None
         self._closed = False
         try:
-            self.engine.driver = self
             self.engine.anchor(self._anchors())
         except BaseException:
             self.engine.close()
@@ -207,43 +205,22 @@ class Session:
     def enter(self, component: str) -> None:
         """A top-level component's forward begins: start its step's schedule."""
         engine = self.engine
-        if engine.program is not None:
+        if engine.running:
             # A step that never finished (a KeyboardInterrupt skips forward hooks): start clean.
             engine.abort()
-        last = self._last
-        index = last[1] + 1 if last is not None and last[0] == component else 0
-        if last is not None:
-            self._follows[last] = None if last[0] == component else component
-        key = (component, index)
-        self._last = key
-        if len(self._follows) > MAX_SCHEDULES:  # a model called in a loop counts forwards without end
-            self._follows.pop(next(iter(self._follows)))
-        step = Step(component=component, index=index, entry=engine.residency, next=self._follows.get(key))
-        if self._index_free:
-            # One schedule serves every forward that starts from the same residency (`index_free`).
-            step = attrs.evolve(step, index=0)
-        schedule = self.schedules.get(step)
-        if schedule is None:
-            schedule = self.policy(self.plan, step)
-            if len(self.schedules) >= MAX_SCHEDULES:
-                self.schedules.pop(next(iter(self.schedules)))
-            self.schedules[step] = schedule
-        engine.begin(schedule)
+        step = self._steps.next(component, engine.residency)
+        engine.begin(self._steps.schedule(step))
         self._step = step
 
     def leave(self, component: str, failing: bool) -> None:
         """A top-level component's forward ended: check its step, or recover if it raised."""
         if failing:
             self.engine.abort()
-            self._last = None
+            self._steps.interrupted()
             return
         self.engine.finish()
-        step = self._step
-        if step is not None:
-            peak = self.engine.ledger.step_peak
-            if step not in self.step_peaks and len(self.step_peaks) >= MAX_SCHEDULES:
-                self.step_peaks.pop(next(iter(self.step_peaks)))  # bounded, like the schedules
-            self.step_peaks[step] = max(peak, self.step_peaks.get(step, peak))
+        if self._step is not None:
+            self._steps.finished(self._step, self.engine.step_peak)
 
     @contextlib.contextmanager
     def trace(self, component: str, *, skip: int = 0) -> Iterator[Tracer]:
@@ -269,15 +246,14 @@ class Session:
             )
         if skip < 0:
             raise PlanError(f"session.trace(skip={skip}): skip counts steps, so it must be 0 or more")
-        if self.engine.tracing is not None or self.engine.tracer is not None:
+        if self.engine.traced:
             raise ExecutionError("session.trace(): a trace is already running on this session; end it first")
         tracer = Tracer(self.device, component, skip=skip)
-        self.engine.tracing = tracer
+        self.engine.arm(tracer)
         try:
             yield tracer
         finally:
-            if self.engine.tracing is tracer:
-                self.engine.tracing = None
+            self.engine.disarm(tracer)
 
     @contextlib.contextmanager
     def running(self, component: str) -> Iterator[None]:
@@ -301,16 +277,16 @@ class Session:
     @property
     def device_bytes(self) -> int:
         """Device bytes the runtime holds now (slots, staged units, acquired components)."""
-        return self.engine.ledger.held
+        return self.engine.device_bytes
 
     @property
     def peak_device_bytes(self) -> int:
-        return self.engine.ledger.peak
+        return self.engine.peak_device_bytes
 
     @property
     def host_bytes(self) -> int:
         """Bytes of the host buffers that back every managed weight."""
-        return self.engine.store.nbytes
+        return self.engine.host_bytes
 
     @property
     def hook_count(self) -> int:

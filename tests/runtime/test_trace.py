@@ -109,14 +109,14 @@ def test_lanes_of_a_trace() -> None:
 
 
 def test_engine_traces_a_hand_written_schedule(hand_ring: Callable[..., Schedule]) -> None:
-    """An engine armed directly (`engine.tracing`) times the ring's staged remainder as a ``stage`` copy
+    """An engine armed directly (`engine.arm`) times the ring's staged remainder as a ``stage`` copy
     and every block load, labelled with its op."""
     p = toy.build(0)
     plan = topology.resolve(topology.discover(p), topology.OffloadConfig(strategy="layerwise"))
     schedule = hand_ring(plan)
     engine = runtime.Engine(p, plan, device="cpu")
     tracer = runtime.Tracer("cpu")
-    engine.tracing = tracer
+    engine.arm(tracer)
     g = torch.Generator().manual_seed(1)
     inputs = torch.randn(1, 16, 16, generator=g), torch.tensor([0.5]), torch.randn(1, 8, 32, generator=g)
     try:

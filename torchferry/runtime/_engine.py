@@ -1,10 +1,11 @@
 """The engine that carries out schedules on a live pipeline, and `execute`, its one-schedule form.
 
 An `Engine` binds one plan to one pipeline: it owns the host store, the device slots, the stream
-context and the ledger, and installs forward hooks at the blocks and components schedules anchor to.
-A schedule is compiled once into a `Program`: its ops as prebound ``(handler, unit, op)`` triples and,
-for every anchor, the index one past that anchor's last op. Reaching an anchor runs every pending op
-up to there, so ops keyed to a block the model skipped still run, in order, before anything later.
+context and the ledger, and installs forward hooks (`Hooks`) at the blocks and components schedules
+anchor to. A schedule is compiled once into a `Program`: its ops as prebound ``(handler, unit, op)``
+triples and, for every anchor, the index one past that anchor's last op. Reaching an anchor runs
+every pending op up to there, so ops keyed to a block the model skipped still run, in order, before
+anything later.
 
 [Note: the multi-rank engine]
 With a `Comm` (the distributed strategy, all-gathered blocks, more than one rank) every rank holds
@@ -29,68 +30,44 @@ every entry point that makes or re-points tensors (opening, the hooks, `abort`, 
 still runs in the caller's mode. (Turning inference mode off turns grad mode on, so the hooks also
 turn grad mode off for their work: a forward under inference mode never counts as one with grad.)
 
-[Note: gradients]
-torchferry serves inference; gradients through streamed weights are not supported, and they fail
-loudly rather than come out wrong. A block in a ring slot shares that slot with the blocks after it,
-and autograd keeps what a forward with grad saved (the weights, and views such as ``weight.t()``)
-pointing into the slot; re-pointing a tensor (``tensor.data = ...``) bumps no version counter, so
-a backward would read whichever block the slot holds by then. So a block that runs with grad
-enabled (its pre hook sees `torch.is_grad_enabled`) while its unit sits in a slot is remembered
-(``graded``), and when that unit leaves the slot (evict, or `abort`) every tensor of it that
-requires grad has its version counter bumped: a later backward raises autograd's "modified by an
-inplace operation" error. The first such block of a session warns (`OffloadWarning`). A component
-whose own remainder sits in a slot (a custom policy may stream one) is checked the same way around
-its forward. Staged units (``device`` placements, and every unit of the none and model_level
-strategies) keep device memory of their own that nothing else overwrites: unstaging only drops
-the engine's reference, what autograd saved stays valid, and their gradients are right. Under
-``torch.no_grad()`` or inference mode this costs one grad-mode check per block.
+The hooks, with the grad guard ([Note: gradients]), are in `_hooks`; compiling in `_program`; step
+naming and the schedule cache in `_steps`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import attrs
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from torchferry._errors import ExecutionError, OffloadWarning, PlanError
-from torchferry.policies import DEVICE, Op, Placement, Schedule, Step, format_schedule, layout, rest_unit
+from torchferry.policies import DEVICE, Op, Placement, Schedule, layout
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger, SlotPool
-from torchferry.runtime._host import HOST, READY, STAGED_IN, Group, HostStore, Sharding, Unit, find_attr
+from torchferry.runtime._hooks import Driver, GradGuard, Hooks
+from torchferry.runtime._host import HOST, READY, STAGED_IN, Group, HostStore, Sharding, Unit
+from torchferry.runtime._program import (
+    MAX_PROGRAMS,
+    Handler,
+    Program,
+    _portable,
+    compile_program,
+    listing,
+    schedule_text,
+)
+from torchferry.runtime._steps import step_name
 from torchferry.runtime._streams import StreamContext, Transfer, stream_context
 from torchferry.runtime._trace import Tracer
 from torchferry.topology import Plan
 
-__all__ = ["Engine", "Program", "execute", "listing"]
-
-Handler = Callable[["Engine", Unit, Op], None]
-
-#: Compiled schedules an engine keeps (oldest dropped first).
-MAX_PROGRAMS = 512
+__all__ = ["Engine", "execute"]
 
 _WHERE = {HOST: "in host memory", STAGED_IN: "still in flight (loaded but never waited for)", READY: "ready"}
-
-
-def listing(schedule: Schedule, mark: int | None, note: str = "here") -> str:
-    """The schedule's canonical text with op number ``mark`` flagged ``<-- note`` (``None``: no mark)."""
-    lines = format_schedule(schedule, sim=False).splitlines()
-    op = -1
-    for i, line in enumerate(lines):
-        if line.startswith(("before ", "after ")):
-            op += 1
-            if op == mark:
-                lines[i] = f"{line}  <-- {note}"
-    if mark is not None and mark >= len(schedule.ops):
-        lines.append(f"(end of schedule)  <-- {note}")
-    return "\n".join(lines)
 
 
 def _ordinary() -> contextlib.AbstractContextManager[None]:
@@ -98,46 +75,13 @@ def _ordinary() -> contextlib.AbstractContextManager[None]:
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
-def _step_name(step: Step) -> str:
-    return f"{step.component or '(pipeline)'}#{step.index}"
-
-
-def _portable(plan: Plan) -> str:
-    """The plan's digest without its checkpoint path, which may differ between hosts."""
-    if plan.config.checkpoint is None:
-        return plan.digest
-    return attrs.evolve(plan, config=attrs.evolve(plan.config, checkpoint=None)).digest
-
-
-def schedule_text(schedule: Schedule, plan: Plan) -> str:
-    """The text ranks compare before a schedule's first collective (its canonical form)."""
-    from torchferry.policies import format_schedule
-
-    return format_schedule(attrs.evolve(schedule, plan=_portable(plan)), sim=False)
-
-
-@attrs.define(slots=True, eq=False)
-class Program:
-    """A compiled schedule: prebound op calls, anchor stops, and how far it has run (``pc``)."""
-
-    schedule: Schedule
-    calls: tuple[tuple[Handler, Unit, Op], ...]
-    stops: dict[str, int]
-    entry: dict[str, str]
-    exit: dict[str, str]
-    slots: frozenset[str]
-    collective: bool = False
-    agreed: bool = False
-    pc: int = 0
-
-
 class Engine:
     """Carries out schedules for one plan on one pipeline; the only object that moves weights.
 
     Built from a pipeline on the CPU: every tensor the plan manages moves into the host store (see
     `HostStore`), so building raises `PlanError` before mutating anything when the pipeline cannot
-    be served. ``driver``, when set, is told when a top-level component's forward starts and ends (the
-    session uses it to pick each step's schedule).
+    be served. ``driver``, when given, is told when a top-level component's forward starts and ends
+    (the session uses it to pick each step's schedule).
     """
 
     def __init__(
@@ -149,6 +93,7 @@ class Engine:
         pin_memory: bool = True,
         comm: Comm | None = None,
         prefix_map: Mapping[str, str] | None = None,
+        driver: Driver | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.plan = plan
@@ -181,16 +126,13 @@ class Engine:
         # Why: staged units own device memory until unstaged; slots are shared and owned by the pool.
         self.staged: dict[str, tuple[tuple[Transfer, int], ...]] = {}
         self.acquired: dict[str, int] = {}
-        self.residency: tuple[Placement, ...] = ()
+        self._residency: tuple[Placement, ...] = ()
         # Why: the schedule that finished last, for inspection (what did the last step do?).
         self.last: Schedule | None = None
-        self.driver: Any = None
+        #: The program of the step running now (``None`` between steps).
         self.program: Program | None = None
         self._programs: dict[Schedule, Program] = {}
-        self._hooks: dict[str, tuple[RemovableHandle, RemovableHandle]] = {}
-        # Why: each anchor's module and hook functions, so `forward` can fire them around other calls.
-        self._hook_calls: dict[str, tuple[torch.nn.Module, Callable[..., None], Callable[..., None]]] = {}
-        self._tops = frozenset(c.path for c in plan.components)
+        self.hooks = Hooks(self, driver)
         self._load_takes_device: dict[str, bool] = {}
         # Why: shard slot -> the unit whose shard it holds, so a gather reads the shard it names.
         self.shards: dict[str, Unit] = {}
@@ -198,14 +140,11 @@ class Engine:
         self._shard_views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Why: chunked gathers on NCCL land in one staging buffer, allocated once.
         self._staging: Transfer | None = None
-        #: A tracer waiting for the step it measures (see `Tracer`); ``None``: nothing is traced.
-        self.tracing: Tracer | None = None
+        # Why: a tracer waiting for the step it measures (see `Tracer`, `arm`); ``None``: nothing is traced.
+        self._tracing: Tracer | None = None
         # Why: the tracer of the step running now; checked once per op and per block hook.
         self.tracer: Tracer | None = None
-        self._blocks = frozenset(b.path for top in plan.components for c in top.walk() for b in c.blocks)
-        # Why: units that sat in a slot while a forward with grad ran them; bumped when they leave it.
-        self.graded: set[Unit] = set()
-        self._warned_grad = False
+        self.guard = GradGuard()
 
     def _open(
         self,
@@ -250,43 +189,73 @@ class Engine:
         assert prepared is not None
         return prepared.commit()
 
-    # ------------------------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------------------- the seam
     @property
     def hook_count(self) -> int:
         """Forward hooks this engine has installed on the pipeline."""
-        return 2 * len(self._hooks)
+        return self.hooks.count
+
+    @property
+    def running(self) -> bool:
+        """Whether a step has begun and not yet finished or been aborted."""
+        return self.program is not None
+
+    @property
+    def residency(self) -> tuple[Placement, ...]:
+        """What the last finished step left on the device (``()`` after an abort)."""
+        return self._residency
+
+    @property
+    def step_peak(self) -> int:
+        """The most device bytes held since the running (or last) step began."""
+        return self.ledger.step_peak
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes held now (slots, staged units, acquired components)."""
+        return self.ledger.held
+
+    @property
+    def peak_device_bytes(self) -> int:
+        """The most device bytes ever held at once."""
+        return self.ledger.peak
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host buffers that back every managed weight."""
+        return self.store.nbytes
+
+    @property
+    def graded(self) -> set[Unit]:
+        """Units a forward with grad ran in a shared slot (see [Note: gradients])."""
+        return self.guard.graded
+
+    @property
+    def tracing(self) -> Tracer | None:
+        """The armed tracer still waiting for its step, if any."""
+        return self._tracing
+
+    @property
+    def traced(self) -> bool:
+        """Whether a tracer is armed or measuring a step now."""
+        return self._tracing is not None or self.tracer is not None
+
+    def arm(self, tracer: Tracer) -> None:
+        """Trace the first step ``tracer`` wants (see `Tracer`); one tracer at a time."""
+        if self.traced:
+            raise ExecutionError("engine.arm(): a trace is already running on this engine; end it first")
+        self._tracing = tracer
+
+    def disarm(self, tracer: Tracer) -> None:
+        """Stop waiting for ``tracer``'s step, if it has not started yet."""
+        if self._tracing is tracer:
+            self._tracing = None
 
     def anchor(self, paths: Iterable[str]) -> None:
         """Install forward pre/post hooks at each block or component path (once per path)."""
-        for path in paths:
-            if path in self._hooks:
-                continue
-            try:
-                module = find_attr(self.pipeline, path)
-            except AttributeError:
-                raise ExecutionError(
-                    f"schedule anchor {path!r} is not a module of this pipeline; the plan and the pipeline "
-                    "disagree (discover the topology of this pipeline again)"
-                ) from None
-            if not isinstance(module, torch.nn.Module):
-                raise ExecutionError(
-                    f"schedule anchor {path!r} is a {type(module).__name__}, not a torch module"
-                )
-            unit = self.store.units.get(path)
-            group = (
-                unit.groups[0]
-                if unit is not None and len(unit.groups) == 1 and path not in self._tops
-                else None
-            )
-            block = path in self._blocks
-            before, after = self._pre_hook(path, group, block), self._post_hook(path, block)
-            pre = module.register_forward_pre_hook(before)
-            post = module.register_forward_hook(after, always_call=True)
-            self._hooks[path] = (pre, post)
-            self._hook_calls[path] = (module, before, after)
+        self.hooks.anchor(paths)
 
-    @contextlib.contextmanager
-    def forward(self, path: str) -> Iterator[None]:
+    def forward(self, path: str) -> contextlib.AbstractContextManager[None]:
         """Treat the body as a forward of the anchored module at ``path``: its hooks fire around it.
 
         For calls that bypass the module's own forward (``vae.decode()``): the pre hook runs first
@@ -294,95 +263,11 @@ class Engine:
         ``after`` ops run and the step finishes), or, if anything raises, the post hook sees the
         failure and the step is abandoned, as around a forward that raised.
         """
-        module, before, after = self._hook_calls[path]
-        try:
-            before(module, ())
-            yield
-        except BaseException:
-            after(module, (), None)
-            raise
-        after(module, (), None)
-
-    def _pre_hook(self, path: str, group: Group | None, block: bool) -> Callable[..., None]:
-        key = f"before {path}"
-        top = path in self._tops
-
-        def pre(module: torch.nn.Module, args: Any) -> None:
-            if torch.is_inference_mode_enabled():
-                with torch.inference_mode(False), torch.no_grad():
-                    return pre(module, args)
-            if top and self.driver is not None:
-                self.driver.enter(path)
-            program = self.program
-            if program is not None:
-                stop = program.stops.get(key)
-                if stop is not None and stop > program.pc:
-                    self._run(program, stop)
-                if group is not None and group.where != READY:
-                    self._not_resident(path, group, program)
-                if block and self.tracer is not None:
-                    self.tracer.block_begin(path)
-            if torch.is_grad_enabled():
-                self._with_grad(path, block)
-
-        return pre
-
-    def _post_hook(self, path: str, block: bool) -> Callable[..., None]:
-        key = f"after {path}"
-        top = path in self._tops
-
-        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if torch.is_inference_mode_enabled():
-                with torch.inference_mode(False), torch.no_grad():
-                    return post(module, args, output)
-            if not block and torch.is_grad_enabled():
-                self._with_grad(path, block)
-            failing = sys.exc_info()[1] is not None
-            program = self.program
-            if program is not None and not failing:
-                if block and self.tracer is not None:
-                    self.tracer.block_end(path)
-                stop = program.stops.get(key)
-                if stop is not None and stop > program.pc:
-                    self._run(program, stop)
-            if top and self.driver is not None:
-                self.driver.leave(path, failing)
-
-        return post
-
-    def _with_grad(self, path: str, block: bool) -> None:
-        """A forward with grad runs at ``path``: remember its units in slots ([Note: gradients])."""
-        names = (path,) if block else (path, rest_unit(path))
-        for name in names:
-            where = self.placed.get(name)
-            if where is None or where == DEVICE or self.store.units[name] in self.graded:
-                continue
-            self.graded.add(self.store.units[name])
-            if not self._warned_grad:
-                self._warned_grad = True
-                warnings.warn(
-                    f"torchferry: {name} ran with gradients enabled while its weights stream through a "
-                    f"shared device slot ({where}); gradients through streamed weights are not supported, "
-                    "and a backward through this forward will raise (the slot is reused for the blocks "
-                    "that follow). Run the pipeline under torch.no_grad() or torch.inference_mode(), or "
-                    "use strategy='none' or 'model_level' if you need gradients",
-                    OffloadWarning,
-                    stacklevel=2,
-                )
-
-    def _invalidate(self, unit: Unit) -> None:
-        """``unit`` leaves its slot: make what autograd saved of it unusable (see [Note: gradients])."""
-        self.graded.discard(unit)
-        torch.autograd.graph.increment_version(
-            [t for group in unit.groups for t in group.tensors if t.requires_grad]
-        )
+        return self.hooks.forward(path)
 
     def unhook(self) -> None:
-        for pre, post in self._hooks.values():
-            pre.remove()
-            post.remove()
-        self._hooks.clear()
-        self._hook_calls.clear()
+        """Remove every hook from the pipeline."""
+        self.hooks.remove()
 
     # ------------------------------------------------------------------------------ programs
     def compile(self, schedule: Schedule) -> Program:
@@ -390,71 +275,13 @@ class Engine:
         program = self._programs.get(schedule)
         if program is not None:
             return program
-        calls: list[tuple[Handler, Unit, Op]] = []
-        stops: dict[str, int] = {}
-        names = {s.name for s in schedule.slots} | {p.where for p in schedule.entry}
-        for i, op in enumerate(schedule.ops):
-            unit = self.store.units.get(op.unit)
-            problem = None
-            if unit is None:
-                problem = f"unit {op.unit!r} is not in this plan"
-            elif op.slot is not None and op.slot not in names:
-                problem = f"slot {op.slot!r} is not in the slot table"
-            elif op.kind == "load" and op.src is None and len(unit.groups) != 1:
-                problem = (
-                    f"a load moves one block or remainder, and {op.unit!r} is {len(unit.groups)} buffers"
-                )
-            elif op.kind in ("load", "gather") and op.src is not None:
-                problem = self._shard_problem(unit, op, names)
-            if problem is not None or unit is None:
-                raise ExecutionError(
-                    f"cannot run op {i} of step {_step_name(schedule.step)}: {problem}\n"
-                    + listing(schedule, i)
-                )
-            calls.append((_HANDLERS[op.kind], unit, op))
-            stops[f"{op.when} {op.anchor}"] = i + 1
-        # The end of the step's own component is past every anchor inside it: whatever a skipped last
-        # block left pending runs there.
-        stops[f"after {schedule.step.component}"] = len(calls)
-        program = Program(
-            schedule=schedule,
-            calls=tuple(calls),
-            stops=stops,
-            entry={p.unit: p.where for p in schedule.entry},
-            exit={p.unit: p.where for p in schedule.exit},
-            slots=frozenset(op.slot for op in schedule.ops if op.slot is not None),
-            collective=any(op.kind == "gather" for op in schedule.ops),
-        )
+        program = compile_program(schedule, self.store.units, _HANDLERS, self.comm)
         self.anchor(dict.fromkeys(op.anchor for op in schedule.ops))
         self.anchor(self._blocks_of(schedule.step.component))
         if len(self._programs) >= MAX_PROGRAMS:  # bounded: a policy that is not index-free makes many
             self._programs.pop(next(iter(self._programs)))
         self._programs[schedule] = program
         return program
-
-    def _shard_problem(self, unit: Unit, op: Op, slots: set[str]) -> str | None:
-        """Why this rank cannot run a shard load or a gather of ``unit``, or ``None`` when it can."""
-        if op.kind == "load" and op.src != "shard":
-            return f"a load's source must be 'shard' (this rank's shard) or none, not {op.src!r}"
-        if op.kind == "gather" and op.src not in slots:
-            return f"gather source slot {op.src!r} is not in the slot table"
-        if self.comm is None:
-            return (
-                f"{op.unit} is all-gathered across ranks, but this engine has no weight-shard group (the "
-                "plan's shard group size is 1); use a plan whose parallel layout matches the process group"
-            )
-        group = unit.groups[0] if len(unit.groups) == 1 else None
-        if group is None or group.shard is None:
-            return f"{op.unit} is not sharded on this rank (the plan does not all-gather it)"
-        shard = group.host.numel()
-        expect = shard if op.kind == "load" else shard * self.comm.world
-        if op.nbytes and op.nbytes != expect:
-            return (
-                f"the schedule moves {op.nbytes} bytes but this rank's {op.kind} of {op.unit} is {expect} "
-                f"bytes ({self.comm.world} ranks, {shard}-byte shards); the schedule was made for another "
-                "plan or world size"
-            )
-        return None
 
     def _blocks_of(self, component: str) -> list[str]:
         """Block paths a forward of ``component`` runs, so each one's residency is checked."""
@@ -468,20 +295,20 @@ class Engine:
         """Start ``schedule``: its entry residency must be what the device holds now."""
         if self.program is not None:
             raise ExecutionError(
-                f"step {_step_name(schedule.step)} cannot start while step "
-                f"{_step_name(self.program.schedule.step)} is still running"
+                f"step {step_name(schedule.step)} cannot start while step "
+                f"{step_name(self.program.schedule.step)} is still running"
             )
         program = self.compile(schedule)
         if program.entry != self.placed:
             have = ", ".join(f"{u}@{w}" for u, w in self.placed.items()) or "(nothing)"
             raise ExecutionError(
-                f"step {_step_name(schedule.step)} expects entry residency "
+                f"step {step_name(schedule.step)} expects entry residency "
                 f"{', '.join(map(str, schedule.entry)) or '(nothing)'} but the device holds {have}; "
                 "run the step that leaves it there first, or build the schedule with this entry"
             )
         if program.collective and not program.agreed and self.comm is not None:
             self.comm.agree(
-                f"the schedule of step {_step_name(schedule.step)}", schedule_text(schedule, self.plan)
+                f"the schedule of step {step_name(schedule.step)}", schedule_text(schedule, self.plan)
             )
             program.agreed = True
         self.streams.begin()
@@ -489,8 +316,8 @@ class Engine:
         self.ledger.mark()
         program.pc = 0
         self.program = program
-        if self.tracing is not None and self.tracing.wants(schedule.step):
-            self.tracer = self.streams.tracer = self.tracing
+        if self._tracing is not None and self._tracing.wants(schedule.step):
+            self.tracer = self.streams.tracer = self._tracing
             self.tracer.start(schedule, self.streams)
         return program
 
@@ -505,7 +332,7 @@ class Engine:
             self.abort()
             op = schedule.ops[program.pc]
             raise ExecutionError(
-                f"step {_step_name(schedule.step)} ended with {len(program.calls) - program.pc} of its "
+                f"step {step_name(schedule.step)} ended with {len(program.calls) - program.pc} of its "
                 f"{len(program.calls)} ops never run: the forward never reached {op.when} {op.anchor!r} "
                 "(is the schedule for this component?)\n" + listing(schedule, program.pc)
             )
@@ -513,11 +340,11 @@ class Engine:
             have = ", ".join(f"{u}@{w}" for u, w in self.placed.items()) or "(nothing)"
             self.abort()
             raise ExecutionError(
-                f"step {_step_name(schedule.step)} left {have} on the device but its exit says "
+                f"step {step_name(schedule.step)} left {have} on the device but its exit says "
                 f"{', '.join(map(str, schedule.exit)) or '(nothing)'}\n"
                 + listing(schedule, len(schedule.ops))
             )
-        self.residency = schedule.exit
+        self._residency = schedule.exit
         self.last = schedule
         tracer = self.tracer
         if tracer is not None:
@@ -527,7 +354,7 @@ class Engine:
     def _untrace(self) -> None:
         """The traced step is over: nothing is timed from here on, and the tracer is disarmed."""
         self.tracer = self.streams.tracer = None
-        self.tracing = None
+        self._tracing = None
 
     def abort(self) -> None:
         """Drop every device copy and point all weights at host memory: always safe, never loses one."""
@@ -541,8 +368,7 @@ class Engine:
             self._untrace()
             tracer.fail()
         self.streams.synchronize()
-        for unit in list(self.graded):
-            self._invalidate(unit)
+        self.guard.leaving_all()
         for path in list(self.acquired):
             self._release_module(path)
         for name in list(self.staged):
@@ -552,7 +378,7 @@ class Engine:
         self.transfers.clear()
         self.occupants.clear()
         self.placed.clear()
-        self.residency = ()
+        self._residency = ()
 
     def close(self, *, gather: bool = False) -> None:
         """Remove every hook, free device memory and give each tensor host storage of its own again.
@@ -602,7 +428,8 @@ class Engine:
             group.unshard(comm.gather_host(group.host, group.name))
             self.store.give_back(group)
 
-    def _run(self, program: Program, stop: int) -> None:
+    def run(self, program: Program, stop: int) -> None:
+        """Run ``program``'s ops up to (not including) op ``stop``."""
         calls = program.calls
         i = program.pc
         tracer = self.tracer
@@ -614,10 +441,11 @@ class Engine:
             i += 1
             program.pc = i
 
-    def _not_resident(self, path: str, group: Group, program: Program) -> None:
+    def not_resident(self, path: str, group: Group, program: Program) -> None:
+        """Raise: block ``path`` was reached while ``group`` was not ready on the device."""
         raise ExecutionError(
             f"block {path} was reached while its weights were {_WHERE[group.where]}: step "
-            f"{_step_name(program.schedule.step)} had not made it resident by then (the mark is the next op "
+            f"{step_name(program.schedule.step)} had not made it resident by then (the mark is the next op "
             "to run); the schedule must load and wait for a block before it runs\n"
             + listing(program.schedule, program.pc)
         )
@@ -721,8 +549,8 @@ class Engine:
             group.where = READY
 
     def _evict(self, unit: Unit, op: Op) -> None:
-        if self.graded and unit in self.graded:
-            self._invalidate(unit)
+        if self.guard.graded:
+            self.guard.leaving(unit)
         transfer = self.transfers.pop(unit.name, None)
         if transfer is not None:
             self.streams.release(transfer)
@@ -756,8 +584,8 @@ class Engine:
         self.placed[unit.name] = DEVICE
 
     def _unstage(self, unit: Unit, op: Op) -> None:
-        if self.graded and unit in self.graded:
-            self._invalidate(unit)
+        if self.guard.graded:
+            self.guard.leaving(unit)
         self._drop_staged(unit.name)
         for group in unit.groups:
             group.to_host()

@@ -1,7 +1,7 @@
 """`Tracer`: measure one step, op by op and block by block, on the stream each ran on.
 
 [Note: tracing a step]
-A tracer is armed on an engine (``engine.tracing``; `Session.trace` does it) for one step of one
+A tracer is armed on an engine (``engine.arm(tracer)``; `Session.trace` does it) for one step of one
 component. When that step begins, the engine hands the tracer to itself and to its stream context;
 from then until the step finishes the stream context timestamps, on the stream that does the work,
 
@@ -99,7 +99,7 @@ class StepTrace:
 class Tracer:
     """Records one step of ``component`` (any component when ``None``), after skipping ``skip`` of them.
 
-    Arm it with ``engine.tracing = tracer`` (or use `Session.trace`); once the step has finished,
+    Arm it with ``engine.arm(tracer)`` (or use `Session.trace`); once the step has finished,
     `result` holds its `StepTrace`. The engine and the stream context call the other methods.
     """
 

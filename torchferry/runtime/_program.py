@@ -1,0 +1,134 @@
+"""A schedule compiled for one engine: ops bound to handlers, anchor stops, and the text ranks agree on.
+
+Compiling checks every op against the host store (its unit exists, its slot is in the slot table,
+a shard load or gather fits this rank's shard) and raises `ExecutionError` with the listing marked
+at the first op that cannot run, before anything moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import attrs
+
+from torchferry._errors import ExecutionError
+from torchferry.policies import Op, Schedule, format_schedule
+from torchferry.runtime._host import Unit
+from torchferry.runtime._steps import step_name
+from torchferry.topology import Plan
+
+if TYPE_CHECKING:
+    from torchferry.runtime._comm import Comm
+    from torchferry.runtime._engine import Engine
+
+__all__ = ["MAX_PROGRAMS", "Handler", "Program", "compile_program", "listing", "schedule_text"]
+
+Handler = Callable[["Engine", Unit, Op], None]
+
+#: Compiled schedules an engine keeps (oldest dropped first).
+MAX_PROGRAMS = 512
+
+
+def listing(schedule: Schedule, mark: int | None, note: str = "here") -> str:
+    """The schedule's canonical text with op number ``mark`` flagged ``<-- note`` (``None``: no mark)."""
+    lines = format_schedule(schedule, sim=False).splitlines()
+    op = -1
+    for i, line in enumerate(lines):
+        if line.startswith(("before ", "after ")):
+            op += 1
+            if op == mark:
+                lines[i] = f"{line}  <-- {note}"
+    if mark is not None and mark >= len(schedule.ops):
+        lines.append(f"(end of schedule)  <-- {note}")
+    return "\n".join(lines)
+
+
+def _portable(plan: Plan) -> str:
+    """The plan's digest without its checkpoint path, which may differ between hosts."""
+    if plan.config.checkpoint is None:
+        return plan.digest
+    return attrs.evolve(plan, config=attrs.evolve(plan.config, checkpoint=None)).digest
+
+
+def schedule_text(schedule: Schedule, plan: Plan) -> str:
+    """The text ranks compare before a schedule's first collective (its canonical form)."""
+    return format_schedule(attrs.evolve(schedule, plan=_portable(plan)), sim=False)
+
+
+@attrs.define(slots=True, eq=False)
+class Program:
+    """A compiled schedule: prebound op calls, anchor stops, and how far it has run (``pc``)."""
+
+    schedule: Schedule
+    calls: tuple[tuple[Handler, Unit, Op], ...]
+    stops: dict[str, int]
+    entry: dict[str, str]
+    exit: dict[str, str]
+    slots: frozenset[str]
+    collective: bool = False
+    agreed: bool = False
+    pc: int = 0
+
+
+def compile_program(
+    schedule: Schedule, units: Mapping[str, Unit], handlers: Mapping[str, Handler], comm: Comm | None
+) -> Program:
+    """``schedule`` bound to ``units`` and ``handlers``; an op that cannot run raises `ExecutionError`."""
+    calls: list[tuple[Handler, Unit, Op]] = []
+    stops: dict[str, int] = {}
+    names = {s.name for s in schedule.slots} | {p.where for p in schedule.entry}
+    for i, op in enumerate(schedule.ops):
+        unit = units.get(op.unit)
+        problem = None
+        if unit is None:
+            problem = f"unit {op.unit!r} is not in this plan"
+        elif op.slot is not None and op.slot not in names:
+            problem = f"slot {op.slot!r} is not in the slot table"
+        elif op.kind == "load" and op.src is None and len(unit.groups) != 1:
+            problem = f"a load moves one block or remainder, and {op.unit!r} is {len(unit.groups)} buffers"
+        elif op.kind in ("load", "gather") and op.src is not None:
+            problem = _shard_problem(unit, op, names, comm)
+        if problem is not None or unit is None:
+            raise ExecutionError(
+                f"cannot run op {i} of step {step_name(schedule.step)}: {problem}\n" + listing(schedule, i)
+            )
+        calls.append((handlers[op.kind], unit, op))
+        stops[f"{op.when} {op.anchor}"] = i + 1
+    # The end of the step's own component is past every anchor inside it: whatever a skipped last
+    # block left pending runs there.
+    stops[f"after {schedule.step.component}"] = len(calls)
+    return Program(
+        schedule=schedule,
+        calls=tuple(calls),
+        stops=stops,
+        entry={p.unit: p.where for p in schedule.entry},
+        exit={p.unit: p.where for p in schedule.exit},
+        slots=frozenset(op.slot for op in schedule.ops if op.slot is not None),
+        collective=any(op.kind == "gather" for op in schedule.ops),
+    )
+
+
+def _shard_problem(unit: Unit, op: Op, slots: set[str], comm: Comm | None) -> str | None:
+    """Why this rank cannot run a shard load or a gather of ``unit``, or ``None`` when it can."""
+    if op.kind == "load" and op.src != "shard":
+        return f"a load's source must be 'shard' (this rank's shard) or none, not {op.src!r}"
+    if op.kind == "gather" and op.src not in slots:
+        return f"gather source slot {op.src!r} is not in the slot table"
+    if comm is None:
+        return (
+            f"{op.unit} is all-gathered across ranks, but this engine has no weight-shard group (the "
+            "plan's shard group size is 1); use a plan whose parallel layout matches the process group"
+        )
+    group = unit.groups[0] if len(unit.groups) == 1 else None
+    if group is None or group.shard is None:
+        return f"{op.unit} is not sharded on this rank (the plan does not all-gather it)"
+    shard = group.host.numel()
+    expect = shard if op.kind == "load" else shard * comm.world
+    if op.nbytes and op.nbytes != expect:
+        return (
+            f"the schedule moves {op.nbytes} bytes but this rank's {op.kind} of {op.unit} is {expect} "
+            f"bytes ({comm.world} ranks, {shard}-byte shards); the schedule was made for another "
+            "plan or world size"
+        )
+    return None
