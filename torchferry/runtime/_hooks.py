@@ -35,7 +35,8 @@ from torch.utils.hooks import RemovableHandle
 
 from torchferry._errors import ExecutionError, OffloadWarning
 from torchferry.policies import DEVICE, rest_unit
-from torchferry.runtime._host import READY, Group, Unit, find_attr
+from torchferry.runtime._host import READY, Group, Unit
+from torchferry.topology import find_attr
 
 if TYPE_CHECKING:
     from torchferry.runtime._engine import Engine

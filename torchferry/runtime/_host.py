@@ -40,7 +40,6 @@ resident, and the session's ``close(gather=True)`` re-assembles full host copies
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +49,7 @@ from torch import nn
 
 from torchferry._errors import PlanError
 from torchferry.policies import rest_unit
-from torchferry.topology import Component, Plan, TensorSpec, pack
+from torchferry.topology import Component, Plan, TensorSpec, find_attr, pack
 
 if TYPE_CHECKING:
     from torchferry.runtime._checkpoint import CheckpointReader
@@ -64,16 +63,10 @@ __all__ = [
     "Prepared",
     "Sharding",
     "Unit",
-    "find_attr",
 ]
 
 #: Where a group's tensors point: host memory, device memory not yet waited for, device memory ready.
 HOST, STAGED_IN, READY = 0, 1, 2
-
-
-def find_attr(root: Any, dotted: str) -> Any:
-    """The object at ``dotted`` (``transformer.blocks.3``) under ``root``; ``""`` is ``root`` itself."""
-    return functools.reduce(getattr, dotted.split("."), root) if dotted else root
 
 
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
@@ -420,9 +413,8 @@ class _Lookup:
         self.pipeline = pipeline
 
     def tensor(self, spec: TensorSpec) -> torch.Tensor | None:
-        owner, _, leaf = spec.name.rpartition(".")
         try:
-            t = getattr(find_attr(self.pipeline, owner), leaf)
+            t = find_attr(self.pipeline, spec.name)
         except AttributeError:
             return None
         return t if isinstance(t, torch.Tensor) else None

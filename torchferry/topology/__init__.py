@@ -40,6 +40,7 @@ from torchferry.topology._model import (
     join_path,
     pack,
 )
+from torchferry.topology._model import find_attr as find_attr
 from torchferry.topology._plan import Plan, canonical
 from torchferry.topology._protocol import SupportsComponentDiscovery
 from torchferry.topology._registry import (

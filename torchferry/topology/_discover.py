@@ -26,6 +26,7 @@ from torchferry.topology._model import (
     Stack,
     TensorSpec,
     Topology,
+    find_attr,
     join_path,
 )
 from torchferry.topology._protocol import SupportsComponentDiscovery
@@ -85,17 +86,10 @@ class _Missing(Exception):
 
 
 def _get_path(root: object, dotted: str) -> object:
-    value = root
-    for part in dotted.split(".") if dotted else ():
-        # Registered submodules first: a child may shadow a method name (``double``, ``half``).
-        if isinstance(value, nn.Module) and part in value._modules:
-            value = value._modules[part]
-            continue
-        try:
-            value = getattr(value, part)
-        except AttributeError:
-            raise _Missing(dotted) from None
-    return value
+    try:
+        return find_attr(root, dotted)
+    except AttributeError:
+        raise _Missing(dotted) from None
 
 
 def _describe(value: object) -> str:

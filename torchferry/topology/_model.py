@@ -8,7 +8,7 @@ a bare model offloaded on its own is the single component with path ``""``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Literal, SupportsIndex
+from typing import Any, Literal, SupportsIndex
 
 import attrs
 from attrs import field as _field
@@ -25,6 +25,7 @@ __all__ = [
     "TensorSpec",
     "Topology",
     "dtype_size",
+    "find_attr",
     "find_component",
     "join_path",
     "pack",
@@ -64,6 +65,30 @@ def dtype_size(dtype: str) -> int:
     except KeyError:
         known = ", ".join(sorted(DTYPE_SIZES))
         raise ValueError(f"unknown dtype {dtype!r}; torchferry knows {known}") from None
+
+
+def find_attr(root: object, dotted: str) -> Any:
+    """The object at ``dotted`` (``transformer.blocks.3``) under ``root``; ``""`` is ``root`` itself.
+
+    Registered children come first (a module's ``_modules``, ``_parameters`` and ``_buffers``, read
+    without importing torch): a child may be named like a module method (``double``, ``half``,
+    ``float``, ``type``), and plain ``getattr`` would find the bound method. Raises
+    `AttributeError` when a part is missing.
+    """
+    value: Any = root
+    for part in dotted.split(".") if dotted else ():
+        for table in _CHILD_TABLES:
+            children = getattr(value, table, None)
+            if isinstance(children, dict) and part in children:
+                value = children[part]
+                break
+        else:
+            value = getattr(value, part)
+    return value
+
+
+#: Where `torch.nn.Module` registers its children, in the order it looks them up.
+_CHILD_TABLES = ("_modules", "_parameters", "_buffers")
 
 
 def join_path(prefix: str, name: str) -> str:
