@@ -125,3 +125,19 @@ def test_parse_errors_name_the_line(text: str, message: str) -> None:
     """Malformed text raises ScheduleError naming the line, the problem and the text."""
     with pytest.raises(ScheduleError, match=re.escape(message)):
         policies.parse_schedule(text)
+
+
+def test_marked_listing_keys_marks_by_op_index_and_exit() -> None:
+    """`format_marked` flags the op at each index, the end for ``"exit"``, and numbers lines on request."""
+    schedule = policies.layerwise(1)(ring_plan(3, 1 << 20), Step(component="transformer"))
+    plain = policies.format_schedule(schedule, sim=False).splitlines()
+    ops = [k for k, line in enumerate(plain) if line.startswith(("before ", "after "))]
+    marked = policies.format_marked(schedule, [2, "exit"], note="stop").splitlines()
+    assert marked[ops[2]] == plain[ops[2]] + "  <-- stop"
+    assert marked[-1] == "(end of schedule)  <-- stop"
+    assert sum(line.endswith("<-- stop") for line in marked) == 2
+    numbered = policies.format_marked(schedule, [0], lines=[1], numbered=True).splitlines()
+    width = len(str(len(plain)))
+    assert numbered[0] == f"  {1:>{width}} | {plain[0]}  <-- here"
+    assert numbered[ops[0]] == f"  {ops[0] + 1:>{width}} | {plain[ops[0]]}  <-- here"
+    assert len(numbered) == len(plain)

@@ -28,7 +28,7 @@ from torchferry.policies._ir import (
 from torchferry.policies._layout import layout as layout
 from torchferry.policies._layout import shard_nbytes
 from torchferry.policies._sim import DEFAULT_COST, CostModel, Interval, SimReport, simulate
-from torchferry.policies._text import format_bytes, format_schedule, parse_schedule
+from torchferry.policies._text import Mark, format_bytes, format_marked, format_schedule, parse_schedule
 
 __all__ = [
     "DEFAULT_COST",
@@ -39,6 +39,7 @@ __all__ = [
     "Choice",
     "CostModel",
     "Interval",
+    "Mark",
     "Op",
     "OpKind",
     "Placement",
@@ -56,6 +57,7 @@ __all__ = [
     "choose",
     "distributed_layerwise",
     "format_bytes",
+    "format_marked",
     "format_schedule",
     "index_free",
     "is_index_free",

@@ -10,7 +10,7 @@ import attrs
 from torchferry._errors import ScheduleError
 from torchferry.policies._ir import DEVICE, OP_STREAM, Op, Schedule, rest_unit
 from torchferry.policies._layout import Layout, forward_blocks, has_blocks, layout, shard_nbytes
-from torchferry.policies._text import format_bytes, format_schedule
+from torchferry.policies._text import format_bytes, format_marked
 from torchferry.topology import Component, Plan
 
 __all__ = ["INVARIANTS", "check"]
@@ -430,20 +430,14 @@ class _Checker:
             return
         s = self.s
         self.found.sort(key=lambda v: (v.line, v.number))
-        marked = {v.line for v in self.found}
-        lines = format_schedule(s, sim=False).splitlines()
-        width = len(str(len(lines)))
         n = len(self.found)
         head = (
             f"schedule {s.policy} for step {s.step.component!r} #{s.step.index} breaks "
             f"{n} invariant{'s' if n != 1 else ''} of policies.check:"
         )
         body = [f"  line {v.line}: [{v.number}] {v.text}" for v in self.found]
-        listing = [
-            f"  {k:>{width}} | {t}" + ("  <-- here" if k in marked else "")
-            for k, t in enumerate(lines, start=1)
-        ]
-        raise ScheduleError("\n".join([head, *body, "listing:", *listing]))
+        listing = format_marked(s, lines={v.line for v in self.found}, numbered=True)
+        raise ScheduleError("\n".join([head, *body, "listing:", listing]))
 
 
 def check(schedule: Schedule, plan: Plan) -> None:

@@ -24,11 +24,21 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
+from typing import Literal
 
 from torchferry._errors import ScheduleError
 from torchferry.policies._ir import OP_KINDS, Op, Placement, Schedule, Slot, SlotKind, Step, StreamName, When
 
-__all__ = ["HEADER", "format_bytes", "format_op", "format_schedule", "parse_schedule"]
+__all__ = [
+    "HEADER",
+    "Mark",
+    "format_bytes",
+    "format_marked",
+    "format_op",
+    "format_schedule",
+    "parse_schedule",
+]
 
 HEADER = "# torchferry schedule v1"
 
@@ -151,6 +161,42 @@ def format_schedule(schedule: Schedule, *, sim: bool = True) -> str:
 
         lines.append(simulate(s, DEFAULT_COST).summary())
     return "\n".join(lines) + "\n"
+
+
+#: What `format_marked` can mark: an op, by its index in ``schedule.ops``, or ``"exit"``, the end.
+Mark = int | Literal["exit"]
+
+
+def format_marked(
+    schedule: Schedule,
+    marks: Collection[Mark] = (),
+    *,
+    lines: Collection[int] = (),
+    note: str = "here",
+    numbered: bool = False,
+) -> str:
+    """The canonical text of ``schedule`` (no summary) with ``<-- note`` after each marked line.
+
+    ``marks`` names ops by index, and ``"exit"`` the end of the schedule (a last line
+    ``(end of schedule)`` when not ``numbered``, else the first exit row); ``lines`` names lines by
+    number (1-based), for marks on the header or the residency rows. ``numbered`` prefixes each line
+    with its number, as `check`'s report shows the listing. One renderer serves `check` and the
+    runtime's `ExecutionError`.
+    """
+    rows = format_schedule(schedule, sim=False).splitlines()
+    first_op = len(rows) - max(len(schedule.exit), 1) - len(schedule.ops)
+    marked = {n - 1 for n in lines}
+    marked.update(first_op + m for m in marks if m != "exit")
+    end = "exit" in marks
+    if end and numbered:
+        marked.add(first_op + len(schedule.ops))
+    if numbered:
+        width = len(str(len(rows)))
+        rows = [f"  {k:>{width}} | {t}" for k, t in enumerate(rows, start=1)]
+    rows = [f"{t}  <-- {note}" if k in marked else t for k, t in enumerate(rows)]
+    if end and not numbered:
+        rows.append(f"(end of schedule)  <-- {note}")
+    return "\n".join(rows)
 
 
 # --------------------------------------------------------------------------------------------- parse

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from torchferry._errors import ExecutionError
-from torchferry.policies import Op, Schedule, format_schedule
+from torchferry.policies import Op, Schedule, format_marked, format_schedule
 from torchferry.runtime._host import Unit
 from torchferry.runtime._steps import step_name
 from torchferry.topology import Plan
@@ -30,18 +30,9 @@ Handler = Callable[["Engine", Unit, Op], None]
 MAX_PROGRAMS = 512
 
 
-def listing(schedule: Schedule, mark: int | None, note: str = "here") -> str:
-    """The schedule's canonical text with op number ``mark`` flagged ``<-- note`` (``None``: no mark)."""
-    lines = format_schedule(schedule, sim=False).splitlines()
-    op = -1
-    for i, line in enumerate(lines):
-        if line.startswith(("before ", "after ")):
-            op += 1
-            if op == mark:
-                lines[i] = f"{line}  <-- {note}"
-    if mark is not None and mark >= len(schedule.ops):
-        lines.append(f"(end of schedule)  <-- {note}")
-    return "\n".join(lines)
+def listing(schedule: Schedule, pc: int) -> str:
+    """The schedule's listing marked at op ``pc``, the next op to run (past the last: the end)."""
+    return format_marked(schedule, ["exit" if pc >= len(schedule.ops) else pc])
 
 
 def _portable(plan: Plan) -> str:
