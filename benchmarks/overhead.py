@@ -8,7 +8,7 @@ The overhead per block is ``(median forward - median resident forward) / blocks`
 Variants: resident; torchferry ``layerwise`` (depth 1) and ``model_level``; torchferry layerwise
 with a policy that reuses one schedule for every steady step (what the session would cost if it
 cached schedules without the step index, see benchmarks/README.md); diffusers group offloading
-(``block_level``, one block per group, and ``leaf_level``) and accelerate's ``cpu_offload`` when
+(``block_level``, one block per pack, and ``leaf_level``) and accelerate's ``cpu_offload`` when
 those import. The device is the CPU, so torchferry's slots are separate CPU tensors and every load
 is a real copy; the others move nothing between a CPU "device" and the CPU, so one block's copy is
 measured on its own and the overhead is also shown without it. Every variant's output is checked
@@ -131,14 +131,14 @@ def block_copy_s(session: Any, repeats: int) -> float:
 
     Cycling over every block's buffer keeps the source out of the fastest caches, as in a forward.
     """
-    groups = [g for name, g in session.engine.store.groups.items() if ".blocks." in f".{name}"]
-    dst = torch.empty(max(g.nbytes for g in groups), dtype=torch.uint8)
+    packs = [g for name, g in session.engine.store.packs.items() if ".blocks." in f".{name}"]
+    dst = torch.empty(max(g.nbytes for g in packs), dtype=torch.uint8)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        for g in groups:
+        for g in packs:
             dst[: g.nbytes].copy_(g.host)
-        samples.append((time.perf_counter() - start) / len(groups))
+        samples.append((time.perf_counter() - start) / len(packs))
     return common.Stats.of(samples).median
 
 
@@ -168,14 +168,14 @@ def breakdown(session: Any, forward: Forward, blocks: int, per_block_s: float) -
         engine._programs.pop(s, None)
 
     compile_s = common.per_call(compile_call).median / blocks
-    name = next(n for n in engine.store.groups if n.endswith(f"blocks.{blocks // 2}"))
-    group = engine.store.groups[name]
-    scratch = torch.empty(group.nbytes, dtype=torch.uint8)
-    views = tuple(p.view(scratch) for p in group.pieces)
+    name = next(n for n in engine.store.packs if n.endswith(f"blocks.{blocks // 2}"))
+    pack = engine.store.packs[name]
+    scratch = torch.empty(pack.nbytes, dtype=torch.uint8)
+    views = tuple(p.view(scratch) for p in pack.pieces)
 
     def repoint() -> None:
-        group.point(views)
-        group.point(group.host_views)
+        pack.point(views)
+        pack.point(pack.host_views)
 
     repoint_s = common.per_call(repoint).median
     copy_s = block_copy_s(session, 50)
@@ -184,7 +184,7 @@ def breakdown(session: Any, forward: Forward, blocks: int, per_block_s: float) -
         "schedule_us": schedule_s * 1e6,
         "compile_us": compile_s * 1e6,
         "repoint_us": repoint_s * 1e6,
-        "tensors_per_block": len(group.tensors),
+        "tensors_per_block": len(pack.tensors),
         "copy_us": copy_s * 1e6,
         "hooks_dispatch_rest_us": rest * 1e6,
     }

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
+
+#: Golden files: plain text, compared whole; ``--update-golden`` rewrites them (CI never passes it).
+GOLDEN = Path(__file__).resolve().parent / "golden"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -22,3 +29,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest) -> Callable[[str, str, str], None]:
+    """``golden(name, text, accept)``: ``text`` must equal tests/golden/``name``.
+
+    A mismatch fails with a unified diff and ``accept``, the command that rewrites the file; a
+    missing file is written and fails (review it and rerun); ``--update-golden`` rewrites it.
+    """
+    update = bool(request.config.getoption("--update-golden"))
+
+    def check(name: str, text: str, accept: str) -> None:
+        path = GOLDEN / name
+        if update or not path.exists():
+            existed = path.exists()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            if not existed and not update:
+                pytest.fail(f"golden file {path} was missing and has been written; review it and rerun")
+            return
+        expected = path.read_text()
+        if expected != text:
+            diff = "".join(
+                difflib.unified_diff(expected.splitlines(True), text.splitlines(True), str(path), "current")
+            )
+            pytest.fail(f"{name} differs from {path}:\n{diff}\naccept it with: {accept}", pytrace=False)
+
+    return check

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import importlib
+import inspect
+import types
+from collections.abc import Callable
 
 import pytest
 
 import torchferry
 
 PACKAGES = ["torchferry", "torchferry.topology", "torchferry.policies", "torchferry.runtime"]
+#: Every package with a public ``__all__``, pinned whole in tests/golden/public_api.txt.
+SURFACE = [*PACKAGES, "torchferry.cli", "torchferry.testing"]
+ACCEPT = "python -m pytest tests/test_public_api.py --update-golden"
 
 
 @pytest.mark.parametrize("name", PACKAGES)
@@ -25,3 +31,24 @@ def test_error_family() -> None:
     assert issubclass(torchferry.PlanError, ValueError)
     assert issubclass(torchferry.ScheduleError, torchferry.OffloadError)
     assert issubclass(torchferry.ExecutionError, torchferry.OffloadError)
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, types.ModuleType):
+        return "module"
+    if inspect.isclass(value):
+        return "class"
+    if type(value).__module__ in ("typing", "typing_extensions") or isinstance(value, types.UnionType):
+        return "type alias"
+    if callable(value):
+        return "function"
+    return f"value: {type(value).__name__}"
+
+
+def test_public_surface_is_pinned(golden: Callable[[str, str, str], None]) -> None:
+    """Each package's ``__all__`` (names, kinds) equals tests/golden/public_api.txt: new exports are diffs."""
+    lines = []
+    for name in SURFACE:
+        module = importlib.import_module(name)
+        lines += [f"{name}.{n}  {_kind(getattr(module, n))}" for n in sorted(module.__all__)]
+    golden("public_api.txt", "\n".join(lines) + "\n", ACCEPT)

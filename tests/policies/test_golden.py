@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +14,8 @@ from torchferry.topology import Plan
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 ACCEPT = "python -m pytest tests/policies/test_golden.py --update-golden"
+#: Golden files other tests own (tests/test_public_api.py: the public surface).
+OTHER_GOLDENS = {"public_api.txt"}
 GB = 10**9
 MIB = 1 << 20
 
@@ -102,30 +103,17 @@ CASES: dict[str, Callable[[], Schedule]] = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_golden_schedule(name: str, request: pytest.FixtureRequest) -> None:
+def test_golden_schedule(name: str, golden: Callable[[str, str, str], None]) -> None:
     """The schedule's canonical text matches tests/golden/<name>.txt (and parses back to itself)."""
     schedule = CASES[name]()
     text = policies.format_schedule(schedule)
     assert policies.parse_schedule(text) == schedule
-    path = GOLDEN / f"{name}.txt"
-    if request.config.getoption("--update-golden") or not path.exists():
-        existed = path.exists()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        if not existed and not request.config.getoption("--update-golden"):
-            pytest.fail(f"golden file {path} was missing and has been written; review it and rerun")
-        return
-    expected = path.read_text()
-    if expected != text:
-        diff = "".join(
-            difflib.unified_diff(expected.splitlines(True), text.splitlines(True), str(path), "current")
-        )
-        pytest.fail(f"schedule differs from {path}:\n{diff}\naccept it with: {ACCEPT}", pytrace=False)
+    golden(f"{name}.txt", text, ACCEPT)
 
 
 def test_no_orphaned_golden_files() -> None:
     """Every tests/golden/**/*.txt file belongs to a case here."""
-    known = {f"{name}.txt" for name in CASES}
+    known = {f"{name}.txt" for name in CASES} | OTHER_GOLDENS
     orphans = sorted(
         str(p.relative_to(GOLDEN)) for p in GOLDEN.rglob("*.txt") if str(p.relative_to(GOLDEN)) not in known
     )

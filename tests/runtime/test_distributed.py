@@ -107,7 +107,7 @@ def _equivalence(rank: int, world: int, checkpoint: str) -> dict[str, dict[str, 
         sharded = session.engine.store.sharded
         row["shards"] = {g.name: (g.host.numel(), streamed[g.name]) for g in sharded}
         row["host"] = session.host_bytes
-        row["full_host"] = sum(g.nbytes for g in session.engine.store.groups.values())
+        row["full_host"] = sum(g.nbytes for g in session.engine.store.packs.values())
         row["gathers"] = sum(op.kind == "gather" for s in session.schedules.values() for op in s.ops)
         row["chunks"] = max((op.chunks for s in session.schedules.values() for op in s.ops), default=1)
         if sharded:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from torchferry import topology
-from torchferry.runtime import HostStore
+from torchferry.runtime._host import HostStore
 from torchferry.testing import toy
 
 
@@ -19,10 +19,10 @@ def test_block_buffers_match_topology_and_are_aligned() -> None:
     p = toy.build(0)
     store, plan = _store(p)
     for block in plan.component("transformer").blocks:
-        group = store.groups[block.path]
-        assert group.nbytes == block.nbytes == group.host.numel()
-        base = group.host.data_ptr()
-        for t in group.tensors:
+        pack = store.packs[block.path]
+        assert pack.nbytes == block.nbytes == pack.host.numel()
+        base = pack.host.data_ptr()
+        for t in pack.tensors:
             assert t.untyped_storage().data_ptr() == base
             assert (t.data_ptr() - base) % t.element_size() == 0
 

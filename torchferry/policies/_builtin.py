@@ -39,7 +39,7 @@ from torchferry.policies._ir import (
     index_free,
     is_index_free,
 )
-from torchferry.policies._layout import Layout, forward_blocks, layout, shard_nbytes, swaps
+from torchferry.policies._layout import PlanFacts, forward_blocks, layout, shard_nbytes, swaps
 from torchferry.topology import Component, Plan
 
 __all__ = [
@@ -252,7 +252,7 @@ def _chunks(shard: int, chunk_bytes: int | None) -> int:
     return -(-shard // chunk_bytes)
 
 
-def ring_slots(plan: Plan, lay: Layout, depth: int, allgather: frozenset[str]) -> tuple[Slot, ...]:
+def ring_slots(plan: Plan, lay: PlanFacts, depth: int, allgather: frozenset[str]) -> tuple[Slot, ...]:
     """The shared ring's block slots (``s0..s<depth>``) and, when some block is all-gathered, two
     shard slots (``h0``, ``h1``), each sized to the largest unit it will hold."""
     world = plan.config.dp_size

@@ -9,7 +9,7 @@ import attrs
 
 from torchferry._errors import ScheduleError
 from torchferry.policies._ir import DEVICE, OP_STREAM, Op, Schedule, rest_unit
-from torchferry.policies._layout import Layout, forward_blocks, has_blocks, layout, shard_nbytes
+from torchferry.policies._layout import PlanFacts, forward_blocks, has_blocks, layout, shard_nbytes
 from torchferry.policies._text import format_bytes, format_marked
 from torchferry.topology import Component, Plan
 
@@ -53,7 +53,7 @@ class _Checker:
         self.s = schedule
         self.plan = plan
         self.found: list[_Violation] = []
-        self.lay: Layout = layout(plan)
+        self.lay: PlanFacts = layout(plan)
         # Line numbers of the listing (`format_schedule`): the header, the notes, any step-entry rows,
         # the slots, the entry rows (at least one), the ops, the exit.
         entry_rows = max(len(schedule.entry), 1)

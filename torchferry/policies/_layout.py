@@ -15,7 +15,7 @@ from torchferry.policies._ir import rest_unit
 from torchferry.topology import Block, Component, Plan, Transfer
 
 __all__ = [
-    "Layout",
+    "PlanFacts",
     "forward_blocks",
     "has_blocks",
     "layout",
@@ -68,7 +68,7 @@ def transfer_of(plan: Plan, component: Component) -> Transfer:
 
 
 @attrs.frozen(kw_only=True)
-class Layout:
+class PlanFacts:
     """The scheduling facts of one plan under one resident-block choice (shared by a cache: read only).
 
     - ``sizes``: bytes of every unit the plan can name (blocks, remainders, whole components).
@@ -142,8 +142,8 @@ def _iter_blocks(top: Component) -> Iterator[tuple[Block, bool]]:
 
 
 @lru_cache(maxsize=256)
-def layout(plan: Plan, extra_resident: frozenset[str] = frozenset()) -> Layout:
-    """The `Layout` of ``plan`` with ``extra_resident`` block paths kept on the device as well."""
+def layout(plan: Plan, extra_resident: frozenset[str] = frozenset()) -> PlanFacts:
+    """The `PlanFacts` of ``plan`` with ``extra_resident`` block paths kept on the device as well."""
     out = _Units()
     streamed: dict[str, tuple[Block, ...]] = {}
     allgather: set[str] = set()
@@ -164,7 +164,7 @@ def layout(plan: Plan, extra_resident: frozenset[str] = frozenset()) -> Layout:
                 if gathers:
                     allgather.add(b.path)
         streamed[top.path] = tuple(blocks)
-    return Layout(
+    return PlanFacts(
         sizes=out.sizes,
         kept=tuple(out.kept),
         acquired=out.acquired,

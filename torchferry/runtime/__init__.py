@@ -1,4 +1,9 @@
-"""The only stateful layer: carries out schedules on real modules with streams and collectives."""
+"""The only stateful layer: carries out schedules on real modules with streams and collectives.
+
+The public names are what users and the docs reach for: `execute` (one schedule on a live
+pipeline), the `Engine` behind it and a session, tracing (`Tracer`, `StepTrace`, `Span`), the
+`listing` errors show, `CheckpointReader` and `meta_parameters`. Everything else is internal.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +11,20 @@ from __future__ import annotations
 # (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._checkpoint import save_safetensors as save_safetensors
-from torchferry.runtime._comm import Comm
-from torchferry.runtime._device import Ledger, SlotPool
+from torchferry.runtime._comm import Comm as Comm
 from torchferry.runtime._engine import Engine, execute
-from torchferry.runtime._hooks import Driver
-from torchferry.runtime._host import Group, HostStore, Prepared, Sharding, Unit
 from torchferry.runtime._meta import meta_parameters
-from torchferry.runtime._program import Program, listing, schedule_text
+from torchferry.runtime._program import listing
 from torchferry.runtime._steps import Steps as Steps
-from torchferry.runtime._streams import CudaStreams, StreamContext, Transfer, stream_context
 from torchferry.runtime._trace import Span, StepTrace, Tracer
 
 __all__ = [
     "CheckpointReader",
-    "Comm",
-    "CudaStreams",
-    "Driver",
     "Engine",
-    "Group",
-    "HostStore",
-    "Ledger",
-    "Prepared",
-    "Program",
-    "Sharding",
-    "SlotPool",
     "Span",
     "StepTrace",
-    "StreamContext",
     "Tracer",
-    "Transfer",
-    "Unit",
     "execute",
     "listing",
     "meta_parameters",
-    "schedule_text",
-    "stream_context",
 ]

@@ -8,7 +8,7 @@ import attrs
 
 from torchferry._errors import ExecutionError
 from torchferry.policies import Slot
-from torchferry.runtime._streams import StreamContext, Transfer
+from torchferry.runtime._streams import DeviceBuffer, StreamContext
 
 __all__ = ["Ledger", "SlotPool"]
 
@@ -51,9 +51,9 @@ class SlotPool:
     def __init__(self, streams: StreamContext, ledger: Ledger) -> None:
         self.streams = streams
         self.ledger = ledger
-        self.slots: dict[str, tuple[Slot, Transfer]] = {}
+        self.slots: dict[str, tuple[Slot, DeviceBuffer]] = {}
         # Why: freed slots keep their (empty) tensor, so views cached into it survive a re-allocation.
-        self.parked: dict[str, tuple[Slot, Transfer]] = {}
+        self.parked: dict[str, tuple[Slot, DeviceBuffer]] = {}
         self.table: dict[str, Slot] = {}
 
     def prepare(self, table: Iterable[Slot], occupied: Collection[str], used: Collection[str]) -> None:
@@ -76,7 +76,7 @@ class SlotPool:
                 )
             self._free(name)
 
-    def get(self, name: str) -> Transfer:
+    def get(self, name: str) -> DeviceBuffer:
         """The slot's memory, allocated now if this is its first use."""
         held = self.slots.get(name)
         if held is not None:

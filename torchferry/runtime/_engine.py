@@ -39,18 +39,18 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from torchferry._errors import ExecutionError, OffloadWarning, PlanError
-from torchferry.policies import DEVICE, Op, Placement, Schedule, layout
+from torchferry.policies import DEVICE, OP_KINDS, Op, Placement, Schedule, layout
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger, SlotPool
 from torchferry.runtime._hooks import Driver, GradGuard, Hooks
-from torchferry.runtime._host import HOST, READY, STAGED_IN, Group, HostStore, Sharding, Unit
+from torchferry.runtime._host import HostStore, Pack, PackState, Sharding, Unit
 from torchferry.runtime._program import (
     MAX_PROGRAMS,
     Handler,
@@ -61,13 +61,19 @@ from torchferry.runtime._program import (
     schedule_text,
 )
 from torchferry.runtime._steps import step_name
-from torchferry.runtime._streams import StreamContext, Transfer, stream_context
+from torchferry.runtime._streams import DeviceBuffer, StreamContext, stream_context
 from torchferry.runtime._trace import Tracer
 from torchferry.topology import Plan
 
-__all__ = ["Engine", "execute"]
+__all__ = ["RANGES", "Engine", "execute"]
 
-_WHERE = {HOST: "in host memory", STAGED_IN: "still in flight (loaded but never waited for)", READY: "ready"}
+#: The `torch.profiler` range each op runs in, by kind (``torchferry::load``, ``torchferry::gather``...),
+#: so a user's profiler trace shows torchferry's loads, gathers, waits and evicts by name. Opened only
+#: while a profiler is recording: one cheap check per `Engine.run` otherwise.
+RANGES: dict[str, str] = {kind: f"torchferry::{kind}" for kind in OP_KINDS}
+
+_profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
+
 
 
 def _ordinary() -> contextlib.AbstractContextManager[None]:
@@ -120,11 +126,11 @@ class Engine:
         # Why: unit -> where it is on the device (slot name or DEVICE); checked against entry and exit.
         self.placed: dict[str, str] = {}
         # Why: a unit's latest transfer into device memory, which a wait or evict refers to.
-        self.transfers: dict[str, Transfer] = {}
+        self.transfers: dict[str, DeviceBuffer] = {}
         # Why: slot name -> the unit whose bytes it holds, so a load never overwrites a live unit.
         self.occupants: dict[str, Unit] = {}
         # Why: staged units own device memory until unstaged; slots are shared and owned by the pool.
-        self.staged: dict[str, tuple[tuple[Transfer, int], ...]] = {}
+        self.staged: dict[str, tuple[tuple[DeviceBuffer, int], ...]] = {}
         self.acquired: dict[str, int] = {}
         self._residency: tuple[Placement, ...] = ()
         # Why: the schedule that finished last, for inspection (what did the last step do?).
@@ -139,7 +145,7 @@ class Engine:
         # Why: (shard slot, bytes) -> (slot buffer, its first bytes), so a steady shard load builds nothing.
         self._shard_views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Why: chunked gathers on NCCL land in one staging buffer, allocated once.
-        self._staging: Transfer | None = None
+        self._staging: DeviceBuffer | None = None
         # Why: a tracer waiting for the step it measures (see `Tracer`, `arm`); ``None``: nothing is traced.
         self._tracing: Tracer | None = None
         # Why: the tracer of the step running now; checked once per op and per block hook.
@@ -385,7 +391,7 @@ class Engine:
 
         Tensors of blocks this rank holds only a shard of stay placeholders (shape ``(0,)``), and
         their host shards are kept, unless ``gather`` is true: then every rank of the weight-shard
-        group must call it (a collective), and full host copies are re-assembled first. `gather_host`
+        pack must call it (a collective), and full host copies are re-assembled first. `gather_host`
         does the same later, after a plain close.
         """
         with _ordinary():
@@ -424,27 +430,32 @@ class Engine:
             self._gather_host(self.comm)
 
     def _gather_host(self, comm: Comm) -> None:
-        for group in self.store.sharded:
-            group.unshard(comm.gather_host(group.host, group.name))
-            self.store.give_back(group)
+        for pack in self.store.sharded:
+            pack.unshard(comm.gather_host(pack.host, pack.name))
+            self.store.give_back(pack)
 
     def run(self, program: Program, stop: int) -> None:
         """Run ``program``'s ops up to (not including) op ``stop``."""
         calls = program.calls
         i = program.pc
         tracer = self.tracer
+        profiling = _profiling()
         while i < stop:
             handler, unit, op = calls[i]
             if tracer is not None:
                 tracer.at(i, op)
-            handler(self, unit, op)
+            if profiling:
+                with torch.profiler.record_function(RANGES[op.kind]):
+                    handler(self, unit, op)
+            else:
+                handler(self, unit, op)
             i += 1
             program.pc = i
 
-    def not_resident(self, path: str, group: Group, program: Program) -> None:
-        """Raise: block ``path`` was reached while ``group`` was not ready on the device."""
+    def not_resident(self, path: str, pack: Pack, program: Program) -> None:
+        """Raise: block ``path`` was reached while ``pack`` was not ready on the device."""
         raise ExecutionError(
-            f"block {path} was reached while its weights were {_WHERE[group.where]}: step "
+            f"block {path} was reached while its weights were {pack.where.value}: step "
             f"{step_name(program.schedule.step)} had not made it resident by then (the mark is the next op "
             "to run); the schedule must load and wait for a block before it runs\n"
             + listing(program.schedule, program.pc)
@@ -458,14 +469,14 @@ class Engine:
         assert op.slot is not None
         slot = self.slots.get(op.slot)
         self._claim(unit, op)
-        group = unit.groups[0]
-        if group.shard is not None:
+        pack = unit.packs[0]
+        if pack.shard is not None:
             raise ExecutionError(
                 f"load of {unit.name}: this rank holds only its shard of the block; the schedule must "
                 "load the shard and all-gather it (the distributed_layerwise policy does)"
             )
-        dst, views = group.views(op.slot, slot.data)
-        self.streams.copy_in(slot, dst, group.host)
+        dst, views = pack.views(op.slot, slot.data)
+        self.streams.copy_in(slot, dst, pack.host)
         self._placed_in(unit, op.slot, slot, views)
 
     def _claim(self, unit: Unit, op: Op) -> None:
@@ -476,10 +487,10 @@ class Engine:
                 f"{op.kind} of {unit.name} into slot {op.slot} while {held.name} still occupies it"
             )
 
-    def _placed_in(self, unit: Unit, name: str, slot: Transfer, views: tuple[torch.Tensor, ...]) -> None:
-        group = unit.groups[0]
-        group.point(views)
-        group.where = STAGED_IN
+    def _placed_in(self, unit: Unit, name: str, slot: DeviceBuffer, views: tuple[torch.Tensor, ...]) -> None:
+        pack = unit.packs[0]
+        pack.point(views)
+        pack.where = PackState.IN_FLIGHT
         self.transfers[unit.name] = slot
         self.occupants[name] = unit
         self.placed[unit.name] = name
@@ -487,14 +498,14 @@ class Engine:
     def _load_shard(self, unit: Unit, op: Op) -> None:
         """Copy this rank's shard of the block into a shard slot (compile checked it is sharded)."""
         assert op.slot is not None
-        group = unit.groups[0]
+        pack = unit.packs[0]
         slot = self.slots.get(op.slot)
-        size = group.host.numel()
+        size = pack.host.numel()
         cached = self._shard_views.get((op.slot, size))
         if cached is None or cached[0] is not slot.data:
             cached = (slot.data, slot.data.narrow(0, 0, size))
             self._shard_views[op.slot, size] = cached
-        self.streams.copy_in(slot, cached[1], group.host)
+        self.streams.copy_in(slot, cached[1], pack.host)
         self.shards[op.slot] = unit
 
     def _gather(self, unit: Unit, op: Op) -> None:
@@ -507,10 +518,10 @@ class Engine:
                 f"{'no shard' if held is None else 'the shard of ' + held.name}; load its shard first"
             )
         self._claim(unit, op)
-        group = unit.groups[0]
+        pack = unit.packs[0]
         src = self.slots.get(op.src)
         slot = self.slots.get(op.slot)
-        size = group.host.numel()
+        size = pack.host.numel()
         cached = self._shard_views.get((op.src, size))
         shard = cached[1] if cached is not None and cached[0] is src.data else src.data.narrow(0, 0, size)
         staging = self._staging_for(size, op.chunks)
@@ -521,7 +532,7 @@ class Engine:
 
         self.streams.collective(slot, src, run)
         del self.shards[op.src]
-        _, views = group.views(op.slot, slot.data)
+        _, views = pack.views(op.slot, slot.data)
         self._placed_in(unit, op.slot, slot, views)
 
     def _staging_for(self, size: int, chunks: int) -> torch.Tensor | None:
@@ -545,8 +556,8 @@ class Engine:
                 return
             raise ExecutionError(f"wait for {unit.name}, which no load brought to the device")
         self.streams.wait(transfer)
-        for group in unit.groups:
-            group.where = READY
+        for pack in unit.packs:
+            pack.where = PackState.READY
 
     def _evict(self, unit: Unit, op: Op) -> None:
         if self.guard.graded:
@@ -557,12 +568,12 @@ class Engine:
         where = self.placed.get(unit.name)
         if where is not None and self.occupants.get(where) is unit:
             del self.occupants[where]
-        for group in unit.groups:
-            group.to_host()
+        for pack in unit.packs:
+            pack.to_host()
         self.placed.pop(unit.name, None)
 
     def _stage(self, unit: Unit, op: Op) -> None:
-        sharded = [g.name for g in unit.groups if g.shard is not None]
+        sharded = [g.name for g in unit.packs if g.shard is not None]
         if sharded:
             raise ExecutionError(
                 f"stage of {unit.name}: this rank holds only shards of {', '.join(sharded)}, which are "
@@ -572,14 +583,14 @@ class Engine:
         if unit.name in self.staged:
             self._drop_staged(unit.name)
         held = []
-        for group in unit.groups:
-            transfer = self.streams.transfer(group.nbytes)
-            self.ledger.add(group.nbytes)
-            self.streams.copy_in(transfer, transfer.data, group.host)
+        for pack in unit.packs:
+            transfer = self.streams.transfer(pack.nbytes)
+            self.ledger.add(pack.nbytes)
+            self.streams.copy_in(transfer, transfer.data, pack.host)
             self.streams.wait(transfer)
-            group.point(tuple(p.view(transfer.data) for p in group.pieces))
-            group.where = READY
-            held.append((transfer, group.nbytes))
+            pack.point(tuple(p.view(transfer.data) for p in pack.pieces))
+            pack.where = PackState.READY
+            held.append((transfer, pack.nbytes))
         self.staged[unit.name] = tuple(held)
         self.placed[unit.name] = DEVICE
 
@@ -587,8 +598,8 @@ class Engine:
         if self.guard.graded:
             self.guard.leaving(unit)
         self._drop_staged(unit.name)
-        for group in unit.groups:
-            group.to_host()
+        for pack in unit.packs:
+            pack.to_host()
         self.placed.pop(unit.name, None)
 
     def _drop_staged(self, name: str) -> None:

@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchferry._errors import ExecutionError, OffloadWarning
 from torchferry.policies import DEVICE, rest_unit
-from torchferry.runtime._host import READY, Group, Unit
+from torchferry.runtime._host import Pack, PackState, Unit
 from torchferry.topology import find_attr
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class GradGuard:
             return
         self.graded.discard(unit)
         torch.autograd.graph.increment_version(
-            [t for group in unit.groups for t in group.tensors if t.requires_grad]
+            [t for pack in unit.packs for t in pack.tensors if t.requires_grad]
         )
 
     def leaving_all(self) -> None:
@@ -137,13 +137,13 @@ class Hooks:
                     f"schedule anchor {path!r} is a {type(module).__name__}, not a torch module"
                 )
             unit = engine.store.units.get(path)
-            group = (
-                unit.groups[0]
-                if unit is not None and len(unit.groups) == 1 and path not in self._tops
+            pack = (
+                unit.packs[0]
+                if unit is not None and len(unit.packs) == 1 and path not in self._tops
                 else None
             )
             block = path in self._blocks
-            before, after = self._pre_hook(path, group, block), self._post_hook(path, block)
+            before, after = self._pre_hook(path, pack, block), self._post_hook(path, block)
             pre = module.register_forward_pre_hook(before)
             post = module.register_forward_hook(after, always_call=True)
             self._hooks[path] = (pre, post)
@@ -169,7 +169,7 @@ class Hooks:
         self._hooks.clear()
         self._calls.clear()
 
-    def _pre_hook(self, path: str, group: Group | None, block: bool) -> Callable[..., None]:
+    def _pre_hook(self, path: str, pack: Pack | None, block: bool) -> Callable[..., None]:
         key = f"before {path}"
         driver = self.driver if path in self._tops else None
         engine = self.engine
@@ -185,8 +185,8 @@ class Hooks:
                 stop = program.stops.get(key)
                 if stop is not None and stop > program.pc:
                     engine.run(program, stop)
-                if group is not None and group.where != READY:
-                    engine.not_resident(path, group, program)
+                if pack is not None and pack.where is not PackState.READY:
+                    engine.not_resident(path, pack, program)
                 if block and engine.tracer is not None:
                     engine.tracer.block_begin(path)
             if torch.is_grad_enabled():

@@ -1,7 +1,7 @@
 """The host store: every weight the runtime moves lives in one flat byte buffer per block.
 
-A *group* is the set of tensors that always move together: one block, one component's non-block
-remainder, or what is left of a component that the plan does not split. Each group owns one flat
+A *pack* is the set of tensors that always move together: one block, one component's non-block
+remainder, or what is left of a component that the plan does not split. Each pack owns one flat
 ``uint8`` buffer laid out by `topology.pack` (itemsize descending, so every offset is aligned and the
 buffer is exactly the topology's byte count), and the module's parameters and buffers are re-pointed
 (``tensor.data = view``) at views into it. Re-pointing keeps each tensor object, so tied weights (one
@@ -28,11 +28,11 @@ module, which must have computed them on the CPU. Build the pipeline under `meta
 (parameters on meta, buffers as the module makes them); a non-persistent buffer left on the meta
 device (``with torch.device("meta")`` puts everything there) cannot be recomputed and is rejected.
 
-[Note: sharded groups]
+[Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
 ``[rank * shard, (rank + 1) * shard)`` of the block's packed buffer, zero-padded past the block's end
 (``shard = policies.shard_nbytes(block, world)``); from a checkpoint only those bytes are read.
-Outside a step the tensors of a sharded group are placeholders of shape ``(0,)`` (this rank has no
+Outside a step the tensors of a sharded pack are placeholders of shape ``(0,)`` (this rank has no
 full copy to point them at): running a block that is not resident is an `ExecutionError`, and
 reading its weights directly shows empty tensors. They point into a device slot while the block is
 resident, and the session's ``close(gather=True)`` re-assembles full host copies (a collective).
@@ -40,6 +40,7 @@ resident, and the session's ``close(gather=True)`` re-assembles full host copies
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,24 +50,31 @@ from torch import nn
 
 from torchferry._errors import PlanError
 from torchferry.policies import rest_unit
-from torchferry.topology import Component, Plan, TensorSpec, find_attr, pack
+from torchferry.topology import Component, Plan, TensorSpec, find_attr
+from torchferry.topology import pack as pack_specs
 
 if TYPE_CHECKING:
     from torchferry.runtime._checkpoint import CheckpointReader
 
 __all__ = [
-    "HOST",
-    "READY",
-    "STAGED_IN",
-    "Group",
     "HostStore",
+    "Pack",
+    "PackState",
     "Prepared",
     "Sharding",
     "Unit",
 ]
 
-#: Where a group's tensors point: host memory, device memory not yet waited for, device memory ready.
-HOST, STAGED_IN, READY = 0, 1, 2
+
+class PackState(enum.Enum):
+    """Where a pack's tensors point: host memory, a device copy still in flight, or a ready copy."""
+
+    #: At its host buffer (between steps, and after an evict or unstage).
+    HOST = "in host memory"
+    #: At device bytes a load or gather has issued but no wait has ordered compute after.
+    IN_FLIGHT = "still in flight (loaded but never waited for)"
+    #: At device bytes compute may read (waited for, or staged).
+    READY = "ready"
 
 
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
@@ -102,7 +110,7 @@ class Piece:
     stride: tuple[int, ...]
 
     def view(self, flat: torch.Tensor, at: int | None = None) -> torch.Tensor:
-        """This tensor's view into ``flat`` (a ``uint8`` buffer laid out like its group), or at ``at``."""
+        """This tensor's view into ``flat`` (a ``uint8`` buffer laid out like its pack), or at ``at``."""
         offset = self.offset if at is None else at
         return flat.narrow(0, offset, self.nbytes).view(self.dtype).as_strided(self.shape, self.stride)
 
@@ -128,12 +136,12 @@ class Sharding:
 
 
 @attrs.define(slots=True, eq=False)
-class Group:
+class Pack:
     """Tensors that move together, their host buffer, and where they point now.
 
-    ``where`` is `HOST`, `STAGED_IN` or `READY`; ``device_views`` caches, per slot name, the byte range
+    ``where`` is a `PackState`; ``device_views`` caches, per slot name, the byte range
     and tensor views into the slot's buffer last used, so a repeated load into a slot builds nothing.
-    ``shard`` is the byte range ``[start, end)`` of the packed group this rank holds when it holds
+    ``shard`` is the byte range ``[start, end)`` of the pack this rank holds when it holds
     only a shard (then ``host`` is those bytes and ``host_views`` are placeholders); else ``None``.
     """
 
@@ -143,7 +151,7 @@ class Group:
     nbytes: int
     host: torch.Tensor
     host_views: tuple[torch.Tensor, ...]
-    where: int = HOST
+    where: PackState = PackState.HOST
     device_views: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] = attrs.field(
         factory=dict
     )
@@ -160,37 +168,37 @@ class Group:
         return dst, views
 
     def point(self, views: Sequence[torch.Tensor]) -> None:
-        """Re-point every tensor of the group at ``views``."""
+        """Re-point every tensor of the pack at ``views``."""
         for t, v in zip(self.tensors, views, strict=True):
             t.data = v
 
     def to_host(self) -> None:
-        """Point the group back at its host buffer (nothing is copied: host bytes are the truth)."""
-        if self.where != HOST:
+        """Point the pack back at its host buffer (nothing is copied: host bytes are the truth)."""
+        if self.where is not PackState.HOST:
             self.point(self.host_views)
-            self.where = HOST
+            self.where = PackState.HOST
 
     def unshard(self, full: torch.Tensor) -> None:
-        """Adopt ``full`` (the whole packed group, at least ``nbytes`` bytes) as the host buffer."""
+        """Adopt ``full`` (the whole pack, at least ``nbytes`` bytes) as the host buffer."""
         self.host = full
         self.host_views = tuple(p.view(full) for p in self.pieces)
         self.shard = None
-        self.where = -1  # force the re-point
-        self.to_host()
+        self.point(self.host_views)
+        self.where = PackState.HOST
 
 
 @attrs.define(slots=True, eq=False)
 class Unit:
-    """A schedule's unit: a block, ``<component>:rest`` or a whole component, and its groups."""
+    """A schedule's unit: a block, ``<component>:rest`` or a whole component, and its packs."""
 
     name: str
-    groups: tuple[Group, ...]
+    packs: tuple[Pack, ...]
     component: str
     module: Any = None
 
     @property
     def nbytes(self) -> int:
-        return sum(g.nbytes for g in self.groups)
+        return sum(g.nbytes for g in self.packs)
 
 
 def _subtree(component: Component) -> Iterator[Component]:
@@ -200,20 +208,20 @@ def _subtree(component: Component) -> Iterator[Component]:
 class HostStore:
     """The host buffers of one session, the units that name them, and the live tensors they back."""
 
-    def __init__(self, groups: dict[str, Group], units: dict[str, Unit], pinned: bool) -> None:
-        self.groups = groups
+    def __init__(self, packs: dict[str, Pack], units: dict[str, Unit], pinned: bool) -> None:
+        self.packs = packs
         self.units = units
         self.pinned = pinned
 
     @property
     def nbytes(self) -> int:
-        """Bytes of host memory the store holds (a sharded group counts its shard only)."""
-        return sum(g.host.numel() for g in self.groups.values())
+        """Bytes of host memory the store holds (a sharded pack counts its shard only)."""
+        return sum(g.host.numel() for g in self.packs.values())
 
     @property
-    def sharded(self) -> tuple[Group, ...]:
-        """The groups this rank holds only a shard of."""
-        return tuple(g for g in self.groups.values() if g.shard is not None)
+    def sharded(self) -> tuple[Pack, ...]:
+        """The packs this rank holds only a shard of."""
+        return tuple(g for g in self.packs.values() if g.shard is not None)
 
     @classmethod
     def build(
@@ -245,15 +253,15 @@ class HostStore:
         """
         specs = _group_specs(plan)
         lookup = _Lookup(pipeline)
-        resolved = {name: [lookup.tensor(s) for s in group] for name, group in specs.items()}
+        resolved = {name: [lookup.tensor(s) for s in pack] for name, pack in specs.items()}
         loose = _loose_specs(plan, specs)
         loose_live = [lookup.tensor(s) for s in loose]
         problems: list[str] = []
         meta: list[str] = []
         on_meta: list[str] = []
         unmanaged: list[str] = []
-        for name, group in specs.items():
-            _check(group, resolved[name], problems, meta, on_meta)
+        for name, pack in specs.items():
+            _check(pack, resolved[name], problems, meta, on_meta)
         _check(loose, loose_live, problems, meta, on_meta, missing_ok=True)
         _check_unmanaged(pipeline, plan, meta, unmanaged)
         if meta and reader is None:
@@ -288,15 +296,15 @@ class HostStore:
         if reader is not None:
             reader.validate(plan.topology)
         layouts: dict[str, tuple[tuple[Piece, ...], int]] = {}
-        for name, group in specs.items():
-            layouts[name] = _layout(group, resolved[name])
+        for name, pack in specs.items():
+            layouts[name] = _layout(pack, resolved[name])
         buffers: dict[str, torch.Tensor] = {}
         loose_values: list[torch.Tensor | None] = []
         if reader is not None:
-            for name, group in specs.items():
+            for name, pack in specs.items():
                 pieces, nbytes = layouts[name]
                 span = _span(name, nbytes, sharding)
-                buffers[name] = _read(reader, group, pieces, resolved[name], span, pin=pin)
+                buffers[name] = _read(reader, pack, pieces, resolved[name], span, pin=pin)
             for spec, live in zip(loose, loose_live, strict=True):
                 loose_values.append(_read_loose(reader, spec, live))
         return Prepared(
@@ -313,41 +321,41 @@ class HostStore:
 
     def reset(self) -> None:
         """Point every tensor back at host memory (error recovery; host bytes are never lost)."""
-        for group in self.groups.values():
-            group.to_host()
-            group.device_views.clear()
+        for pack in self.packs.values():
+            pack.to_host()
+            pack.device_views.clear()
 
     def close(self) -> None:
         """Give every tensor ordinary storage of its own again, bit-identical, strides kept.
 
-        Group by group, each host buffer dropped as soon as its tensors have their own copies, so
-        closing peaks at the host store plus one group. Sharded groups cannot be given back without
-        their peers' shards: they keep their placeholders and stay in ``groups`` (host shards are
-        never dropped) until `Group.unshard` gives them their full bytes and `give_back` or `close`
+        Pack by pack, each host buffer dropped as soon as its tensors have their own copies, so
+        closing peaks at the host store plus one pack. Sharded packs cannot be given back without
+        their peers' shards: they keep their placeholders and stay in ``packs`` (host shards are
+        never dropped) until `Pack.unshard` gives them their full bytes and `give_back` or `close`
         runs again.
         """
-        for name in list(self.groups):
-            group = self.groups[name]
-            if group.shard is None:
-                self.give_back(group)
+        for name in list(self.packs):
+            pack = self.packs[name]
+            if pack.shard is None:
+                self.give_back(pack)
             else:
-                group.to_host()
-                group.device_views.clear()
+                pack.to_host()
+                pack.device_views.clear()
         self.units.clear()
 
-    def give_back(self, group: Group) -> None:
-        """Give ``group``'s tensors storage of their own and drop the group (it must hold full bytes)."""
-        group.to_host()
-        group.device_views.clear()
+    def give_back(self, pack: Pack) -> None:
+        """Give ``pack``'s tensors storage of their own and drop the pack (it must hold full bytes)."""
+        pack.to_host()
+        pack.device_views.clear()
         fresh = []
-        for piece, view in zip(group.pieces, group.host_views, strict=True):
+        for piece, view in zip(pack.pieces, pack.host_views, strict=True):
             t = torch.empty_strided(piece.shape, piece.stride, dtype=piece.dtype)
             t.copy_(view)
             fresh.append(t)
-        group.point(fresh)
-        group.host_views = tuple(fresh)
-        group.host = torch.empty(0, dtype=torch.uint8)
-        del self.groups[group.name]
+        pack.point(fresh)
+        pack.host_views = tuple(fresh)
+        pack.host = torch.empty(0, dtype=torch.uint8)
+        del self.packs[pack.name]
 
 
 @attrs.define(eq=False)
@@ -367,7 +375,7 @@ class Prepared:
     def commit(self) -> HostStore:
         """Re-point the pipeline's tensors at the host buffers (filling them from the module if no
         checkpoint was read); the only step that mutates the pipeline, and it cannot fail."""
-        groups: dict[str, Group] = {}
+        packs: dict[str, Pack] = {}
         for name, tensors in self.live.items():
             pieces, nbytes = self.layouts[name]
             span = _span(name, nbytes, self.sharding)
@@ -385,7 +393,7 @@ class Prepared:
             with torch.no_grad():
                 for t, v in zip(ordered, views, strict=True):
                     t.data = v
-            groups[name] = Group(
+            packs[name] = Pack(
                 name=name,
                 tensors=tuple(ordered),
                 pieces=pieces,
@@ -402,8 +410,8 @@ class Prepared:
             with torch.no_grad():
                 live.data = value
         self.buffers = {}
-        units = _units(self.plan, groups, self.pipeline)
-        return HostStore(groups, units, self.pin)
+        units = _units(self.plan, packs, self.pipeline)
+        return HostStore(packs, units, self.pin)
 
 
 class _Lookup:
@@ -465,14 +473,14 @@ def _some(names: Sequence[str]) -> str:
 
 
 def _loose_specs(plan: Plan, specs: Mapping[str, Sequence[TensorSpec]]) -> list[TensorSpec]:
-    """Tensors of the topology no group holds (on-demand components'): filled in place from a checkpoint."""
-    covered = {s.name for group in specs.values() for s in group}
+    """Tensors of the topology no pack holds (on-demand components'): filled in place from a checkpoint."""
+    covered = {s.name for specs_ in specs.values() for s in specs_}
     return [s for c in plan.topology.components for s in c.all_tensors() if s.name not in covered]
 
 
 def _ordered(specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor | None]) -> Iterator[torch.Tensor]:
     live = {s.name: t for s, t in zip(specs, tensors, strict=True)}
-    for spec, _ in pack(specs):
+    for spec, _ in pack_specs(specs):
         t = live[spec.name]
         assert t is not None
         yield t
@@ -481,10 +489,10 @@ def _ordered(specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor | None]
 def _layout(
     specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor | None]
 ) -> tuple[tuple[Piece, ...], int]:
-    """The pieces of a group in `pack` order (strides from the live tensors) and its byte count."""
+    """The pieces of a pack in `pack` order (strides from the live tensors) and its byte count."""
     live = {s.name: t for s, t in zip(specs, tensors, strict=True)}
     pieces: list[Piece] = []
-    for spec, offset in pack(specs):
+    for spec, offset in pack_specs(specs):
         t = live[spec.name]
         assert t is not None
         pieces.append(Piece(offset, spec.nbytes, t.dtype, tuple(t.shape), _dense_strides(t)))
@@ -492,7 +500,7 @@ def _layout(
 
 
 def _span(name: str, nbytes: int, sharding: Sharding | None) -> tuple[int, int] | None:
-    """The byte range of group ``name`` this rank keeps, or ``None`` when it keeps all of it."""
+    """The byte range of pack ``name`` this rank keeps, or ``None`` when it keeps all of it."""
     if sharding is None or name not in sharding.names:
         return None
     from torchferry.policies import shard_nbytes
@@ -537,7 +545,7 @@ def _read(
     Checkpoint bytes are row-major; pieces stored with other strides are rearranged, and the bytes of
     non-persistent buffers come from the module (see the Note at the top).
     """
-    layout = pack(specs)
+    layout = pack_specs(specs)
     nbytes = sum(s.nbytes for s in specs)
     start, end = span if span is not None else (0, nbytes)
     host = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin)
@@ -585,9 +593,9 @@ def _materialise(t: torch.Tensor) -> None:
 
 
 def _group_specs(plan: Plan) -> dict[str, list[TensorSpec]]:
-    """Group name -> tensors: each plan block, each plan component's remainder, then leftovers.
+    """Pack name -> tensors: each plan block, each plan component's remainder, then leftovers.
 
-    Tensors of on-demand components are left to the component's own lifecycle and get no group.
+    Tensors of on-demand components are left to the component's own lifecycle and get no pack.
     """
     specs: dict[str, list[TensorSpec]] = {}
     covered: set[str] = set()
@@ -610,23 +618,23 @@ def _group_specs(plan: Plan) -> dict[str, list[TensorSpec]]:
     return specs
 
 
-def _units(plan: Plan, groups: dict[str, Group], pipeline: Any) -> dict[str, Unit]:
+def _units(plan: Plan, packs: dict[str, Pack], pipeline: Any) -> dict[str, Unit]:
     units: dict[str, Unit] = {}
     for top in plan.components:
         for c in _subtree(top):
             for name in [rest_unit(c.path), *(b.path for b in c.blocks)]:
-                units[name] = Unit(name=name, groups=_pick(groups, [name]), component=top.path)
+                units[name] = Unit(name=name, packs=_pick(packs, [name]), component=top.path)
             inner = [rest_unit(d.path) for d in _subtree(c)] + [b.path for d in _subtree(c) for b in d.blocks]
             if c is top:
                 inner.append(f"{top.path}:extra")
             units[c.path] = Unit(
                 name=c.path,
-                groups=_pick(groups, inner),
+                packs=_pick(packs, inner),
                 component=top.path,
                 module=find_attr(pipeline, c.path),
             )
     return units
 
 
-def _pick(groups: dict[str, Group], names: Iterable[str]) -> tuple[Group, ...]:
-    return tuple(groups[n] for n in names if n in groups)
+def _pick(packs: dict[str, Pack], names: Iterable[str]) -> tuple[Pack, ...]:
+    return tuple(packs[n] for n in names if n in packs)

@@ -76,8 +76,8 @@ def compile_program(
             problem = f"unit {op.unit!r} is not in this plan"
         elif op.slot is not None and op.slot not in names:
             problem = f"slot {op.slot!r} is not in the slot table"
-        elif op.kind == "load" and op.src is None and len(unit.groups) != 1:
-            problem = f"a load moves one block or remainder, and {op.unit!r} is {len(unit.groups)} buffers"
+        elif op.kind == "load" and op.src is None and len(unit.packs) != 1:
+            problem = f"a load moves one block or remainder, and {op.unit!r} is {len(unit.packs)} buffers"
         elif op.kind in ("load", "gather") and op.src is not None:
             problem = _shard_problem(unit, op, names, comm)
         if problem is not None or unit is None:
@@ -111,10 +111,10 @@ def _shard_problem(unit: Unit, op: Op, slots: set[str], comm: Comm | None) -> st
             f"{op.unit} is all-gathered across ranks, but this engine has no weight-shard group (the "
             "plan's shard group size is 1); use a plan whose parallel layout matches the process group"
         )
-    group = unit.groups[0] if len(unit.groups) == 1 else None
-    if group is None or group.shard is None:
+    pack = unit.packs[0] if len(unit.packs) == 1 else None
+    if pack is None or pack.shard is None:
         return f"{op.unit} is not sharded on this rank (the plan does not all-gather it)"
-    shard = group.host.numel()
+    shard = pack.host.numel()
     expect = shard if op.kind == "load" else shard * comm.world
     if op.nbytes and op.nbytes != expect:
         return (

@@ -9,7 +9,7 @@ Nothing on the host ever waits for the device: ordering is expressed only with e
 - A load into a slot first makes the copy stream wait on the slot's ``free`` event, recorded on the
   compute stream by the evict of the slot's previous occupant: the copy must not overwrite bytes a
   kernel may still read (write-after-read). It then copies and records the slot's ``ready`` event on
-  the copy stream. The transfer and its event travel together, as one `Transfer` owned by the slot.
+  the copy stream. The transfer and its event travel together, as one `DeviceBuffer` owned by the slot.
 - A wait makes the compute stream wait on the unit's ``ready`` event; the block's kernels, enqueued
   afterwards, see the copied bytes (read-after-write). The host thread does not block.
 - A gather (multi-rank) has the comm stream wait on the shard copy's event, all-gathers into the
@@ -28,7 +28,7 @@ one code path.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, final
 
 import attrs
 import torch
@@ -36,11 +36,11 @@ import torch
 if TYPE_CHECKING:
     from torchferry.runtime._trace import Tracer
 
-__all__ = ["CudaStreams", "StreamContext", "Transfer", "stream_context"]
+__all__ = ["CpuStreams", "CudaStreams", "DeviceBuffer", "StreamContext", "stream_context"]
 
 
 @attrs.define(slots=True, eq=False)
-class Transfer:
+class DeviceBuffer:
     """Device bytes and the events that say when they are written (``ready``) and free (``free``).
 
     On the CPU both events are ``None``: every copy has completed when it returns.
@@ -51,24 +51,74 @@ class Transfer:
     free: Any = None
 
 
-class StreamContext:
-    """Issues copies and stream waits; the CPU base class runs everything synchronously."""
+class StreamContext(Protocol):
+    """Issues copies, collectives and stream waits; `CpuStreams` and `CudaStreams` are the two kinds.
+
+    A protocol with two final implementations (no shared base): a method one of them lacks is a
+    type error, never a silent CPU no-op on CUDA.
+    """
 
     device: torch.device
     #: The tracer of the step being traced (see `Tracer`), else ``None``: one check per copy.
-    tracer: Tracer | None = None
+    tracer: Tracer | None
+
+    def begin(self) -> None:
+        """Called when a step starts: adopt the current stream as the compute stream."""
+        ...
+
+    def transfer(self, nbytes: int) -> DeviceBuffer:
+        """Fresh device bytes with their own events (allocated on the compute stream)."""
+        ...
+
+    def copy_in(self, dst: DeviceBuffer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy host bytes ``src`` into ``dst_bytes`` (a view of ``dst.data``), ordered after ``dst.free``."""
+        ...
+
+    def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
+        """Run ``run`` (a collective reading ``src`` and writing ``dst``) on the comm stream.
+
+        It is ordered after ``src``'s copy and after ``dst.free``; ``dst.ready`` is recorded after it,
+        and ``src.free`` too (so the next copy into ``src`` waits for the collective to read it).
+        """
+        ...
+
+    def wait(self, transfer: DeviceBuffer) -> None:
+        """Make the compute stream wait until ``transfer`` is written."""
+        ...
+
+    def release(self, transfer: DeviceBuffer) -> None:
+        """Mark the point after which compute no longer reads ``transfer`` (its ``free`` event)."""
+        ...
+
+    def fence(self) -> None:
+        """Order the copy and comm streams after everything compute has issued (fresh scratch memory)."""
+        ...
+
+    def settle(self) -> None:
+        """Order compute after everything the copy and comm streams issued (before memory is freed)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until every stream is idle (teardown and error recovery only)."""
+        ...
+
+
+@final
+class CpuStreams:
+    """The CPU stream context: every copy and collective runs synchronously; events are ``None``."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.tracer: Tracer | None = None
 
     def begin(self) -> None:
         """Called when a step starts: adopt the current stream as the compute stream."""
 
-    def transfer(self, nbytes: int) -> Transfer:
+    def transfer(self, nbytes: int) -> DeviceBuffer:
         """Fresh device bytes with their own events (allocated on the compute stream)."""
-        return Transfer(data=torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        return DeviceBuffer(data=torch.empty(nbytes, dtype=torch.uint8, device=self.device))
 
-    def copy_in(self, dst: Transfer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
+    def copy_in(self, dst: DeviceBuffer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
         """Copy host bytes ``src`` into ``dst_bytes`` (a view of ``dst.data``), ordered after ``dst.free``."""
         tracer = self.tracer
         if tracer is None:
@@ -78,7 +128,7 @@ class StreamContext:
         dst_bytes.copy_(src)
         tracer.span("copy", begin, tracer.mark(), dst_bytes.nbytes)
 
-    def collective(self, dst: Transfer, src: Transfer, run: Callable[[], None]) -> None:
+    def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         """Run ``run`` (a collective reading ``src`` and writing ``dst``) on the comm stream.
 
         It is ordered after ``src``'s copy and after ``dst.free``; ``dst.ready`` is recorded after it,
@@ -92,10 +142,10 @@ class StreamContext:
         run()
         tracer.span("comm", begin, tracer.mark())
 
-    def wait(self, transfer: Transfer) -> None:
+    def wait(self, transfer: DeviceBuffer) -> None:
         """Make the compute stream wait until ``transfer`` is written."""
 
-    def release(self, transfer: Transfer) -> None:
+    def release(self, transfer: DeviceBuffer) -> None:
         """Mark the point after which compute no longer reads ``transfer`` (its ``free`` event)."""
 
     def fence(self) -> None:
@@ -108,11 +158,13 @@ class StreamContext:
         """Block the host until every stream is idle (teardown and error recovery only)."""
 
 
-class CudaStreams(StreamContext):
+@final
+class CudaStreams:
     """The CUDA stream context: a dedicated copy stream and comm stream, events per transfer."""
 
     def __init__(self, device: torch.device) -> None:
-        super().__init__(device)
+        self.device = device
+        self.tracer: Tracer | None = None
         # Why: copies must not queue behind the model's kernels, nor collectives behind copies.
         self.copy = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self.comm = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
@@ -122,13 +174,13 @@ class CudaStreams(StreamContext):
     def begin(self) -> None:
         self.compute = torch.cuda.current_stream(self.device)
 
-    def transfer(self, nbytes: int) -> Transfer:
+    def transfer(self, nbytes: int) -> DeviceBuffer:
         with torch.cuda.stream(self.compute):
             data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        return Transfer(data=data, ready=ready, free=None)
+        return DeviceBuffer(data=data, ready=ready, free=None)
 
-    def copy_in(self, dst: Transfer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
+    def copy_in(self, dst: DeviceBuffer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
         if dst.free is None:
             self.copy.wait_stream(self.compute)
         else:
@@ -143,7 +195,7 @@ class CudaStreams(StreamContext):
                 tracer.span("copy", begin, tracer.mark(self.copy), dst_bytes.nbytes)
         dst.ready.record(self.copy)
 
-    def collective(self, dst: Transfer, src: Transfer, run: Callable[[], None]) -> None:
+    def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         self.comm.wait_event(src.ready)
         if dst.free is None:
             self.comm.wait_stream(self.compute)
@@ -162,7 +214,7 @@ class CudaStreams(StreamContext):
             src.free = torch.cuda.Event()  # type: ignore[no-untyped-call]
         src.free.record(self.comm)
 
-    def wait(self, transfer: Transfer) -> None:
+    def wait(self, transfer: DeviceBuffer) -> None:
         tracer = self.tracer
         if tracer is None:
             self.compute.wait_event(transfer.ready)
@@ -171,7 +223,7 @@ class CudaStreams(StreamContext):
         self.compute.wait_event(transfer.ready)
         tracer.span("compute", begin, tracer.mark(self.compute), kind="stall")
 
-    def release(self, transfer: Transfer) -> None:
+    def release(self, transfer: DeviceBuffer) -> None:
         if transfer.free is None:
             transfer.free = torch.cuda.Event()  # type: ignore[no-untyped-call]
         transfer.free.record(self.compute)
@@ -195,4 +247,4 @@ def stream_context(device: torch.device) -> StreamContext:
     """The stream context for ``device``: CUDA streams and events, or the synchronous CPU context."""
     if device.type == "cuda":
         return CudaStreams(device)
-    return StreamContext(device)
+    return CpuStreams(device)

@@ -43,13 +43,6 @@ from torchferry.topology._model import (
 from torchferry.topology._model import find_attr as find_attr
 from torchferry.topology._plan import Plan, canonical
 from torchferry.topology._protocol import SupportsComponentDiscovery
-from torchferry.topology._registry import (
-    block_attrs_for,
-    declaration_for_pipeline,
-    encoder_block_attrs_for,
-    encoder_block_layouts_for,
-    pipeline_components,
-)
 from torchferry.topology._resolve import resolve
 
 __all__ = [
@@ -76,18 +69,13 @@ __all__ = [
     "TensorSpec",
     "Topology",
     "Transfer",
-    "block_attrs_for",
     "canonical",
-    "declaration_for_pipeline",
     "discover",
     "dtype_size",
-    "encoder_block_attrs_for",
-    "encoder_block_layouts_for",
     "from_checkpoint",
     "join_path",
     "known_model",
     "known_topology",
     "pack",
-    "pipeline_components",
     "resolve",
 ]
