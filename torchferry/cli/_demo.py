@@ -29,6 +29,7 @@ import torch
 import torchferry
 from torchferry import policies, topology
 from torchferry._errors import OffloadError
+from torchferry.cli._tables import table
 from torchferry.cli._timeline import Panel, lanes_of, render_panels
 from torchferry.runtime import StepTrace
 from torchferry.testing import toy
@@ -314,16 +315,7 @@ def format_table(rows: Sequence[DemoRow], resident_step_s: float) -> str:
             overhead = f"{(r.step_s / resident_step_s - 1) * 100:+.1f}%" if resident_step_s > 0 else "-"
             same = "yes" if r.identical else "NO"
         body.append([r.strategy, _bytes(r.peak_device_bytes), f"{r.step_s * 1e3:.2f} ms", overhead, same])
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    right = {1, 2, 3}
-    out = []
-    for line in [header, *body]:
-        cells = [
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(line, widths, strict=True))
-        ]
-        out.append("  ".join(cells).rstrip())
-    return "\n".join(out) + "\n"
+    return "\n".join(table(header, body, right={1, 2, 3})) + "\n"
 
 
 def _measured_note(trace: StepTrace, ranks: str) -> str:
@@ -371,8 +363,7 @@ def timeline_svg(
     )
     plan = topology.resolve(topo, config)
     policy = policies.distributed_layerwise(depth) if distributed else policies.layerwise(depth)
-    first = policy(plan, policies.Step(component="transformer"))
-    steady = policy(plan, policies.Step(component="transformer", index=1, entry=first.exit))
+    steady = policies.steady_schedule(policy, plan, "transformer")
     report = policies.simulate(steady, cost)
     block_ms = cost.compute_seconds("transformer.blocks.0", block=True) * 1e3
     ranks = f" x {world} ranks" if distributed else ""

@@ -20,6 +20,7 @@ import attrs
 
 from torchferry import policies, topology
 from torchferry._errors import OffloadError
+from torchferry.cli._tables import table as _table
 from torchferry.policies import CostModel, Policy, Schedule, Step
 from torchferry.topology import (
     KnownModel,
@@ -340,7 +341,7 @@ class _Planner:
             entry = schedule.exit
             if path == self.dit and index == 1:
                 # The steady state repeats this component: its next step is itself again.
-                steady = policy(plan, Step(component=path, index=1, entry=schedules[-2].exit))
+                steady = policies.steady_schedule(policy, plan, path, schedules[-2].step.entry)
         return schedules, steady
 
     def resident_forward_s(self) -> float:
@@ -471,17 +472,6 @@ def _b(nbytes: int) -> str:
 
 def _seconds(s: float) -> str:
     return f"{s:.3f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    out = []
-    for r in [header, *rows]:
-        cells = [
-            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ]
-        out.append("  ".join(cells).rstrip())
-    return out
 
 
 def _blocks(c: ComponentRow) -> str:

@@ -48,7 +48,7 @@ class Panel:
 
 
 class Stretch(Protocol):
-    """A busy stretch of one stream: `policies.Interval` (simulated) and `runtime.Span` (measured)."""
+    """A busy stretch of one stream: a `policies.Span`, simulated or measured."""
 
     @property
     def stream(self) -> str: ...

@@ -27,7 +27,7 @@ from torchferry.policies._ir import (
 )
 from torchferry.policies._layout import layout as layout
 from torchferry.policies._layout import shard_nbytes
-from torchferry.policies._sim import DEFAULT_COST, CostModel, Interval, SimReport, simulate
+from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, Span, simulate, steady_schedule
 from torchferry.policies._text import Mark, format_bytes, format_marked, format_schedule, parse_schedule
 
 __all__ = [
@@ -38,7 +38,6 @@ __all__ = [
     "OP_STREAM",
     "Choice",
     "CostModel",
-    "Interval",
     "Mark",
     "Op",
     "OpKind",
@@ -48,6 +47,7 @@ __all__ = [
     "SimReport",
     "Slot",
     "SlotKind",
+    "Span",
     "Step",
     "StreamName",
     "When",
@@ -68,4 +68,5 @@ __all__ = [
     "rest_unit",
     "shard_nbytes",
     "simulate",
+    "steady_schedule",
 ]

@@ -34,7 +34,7 @@ from torchferry.policies._builtin import (
 )
 from torchferry.policies._ir import Policy, Schedule, Step, index_free
 from torchferry.policies._layout import layout, swaps
-from torchferry.policies._sim import DEFAULT_COST, CostModel, simulate
+from torchferry.policies._sim import DEFAULT_COST, CostModel, simulate, steady_schedule
 from torchferry.policies._text import format_bytes
 from torchferry.topology import Plan, Strategy
 
@@ -84,9 +84,7 @@ def steady_step_s(
     total = 0.0
     base = 0.0
     for c in components:
-        first = policy(plan, Step(component=c))
-        second = policy(plan, Step(component=c, index=1, entry=first.exit))
-        report = simulate(second, cost)
+        report = simulate(steady_schedule(policy, plan, c), cost)
         total += report.makespan_s
         base += report.resident_makespan_s
     return total, base

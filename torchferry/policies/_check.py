@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 
 import attrs
@@ -238,8 +238,7 @@ class _Checker:
         if size is None and op.kind not in ("evict", "unstage", "release", "wait"):
             self.add(line, 7, f"{op.unit} is no unit of this plan")
             return
-        handler = getattr(self, f"_{op.kind}")
-        handler(op, line, size or 0)
+        _CHECKS[op.kind](self, op, line, size or 0)
 
     def _slot(self, op: Op, line: int, kind: str) -> bool:
         if op.slot is None or op.slot not in self.slots:
@@ -438,6 +437,19 @@ class _Checker:
         body = [f"  line {v.line}: [{v.number}] {v.text}" for v in self.found]
         listing = format_marked(s, lines={v.line for v in self.found}, numbered=True)
         raise ScheduleError("\n".join([head, *body, "listing:", listing]))
+
+
+#: One check per op kind (the engine and `simulate` dispatch the same way: a table keyed by kind).
+_CHECKS: dict[str, Callable[[_Checker, Op, int, int], None]] = {
+    "load": _Checker._load,
+    "gather": _Checker._gather,
+    "wait": _Checker._wait,
+    "evict": _Checker._evict,
+    "stage": _Checker._stage,
+    "unstage": _Checker._unstage,
+    "acquire": _Checker._acquire,
+    "release": _Checker._release,
+}
 
 
 def check(schedule: Schedule, plan: Plan) -> None:

@@ -26,15 +26,15 @@ placement's ``nbytes``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 
-from torchferry.policies._ir import DEVICE, Op, Schedule, StreamName
+from torchferry.policies._ir import DEVICE, Op, Placement, Policy, Schedule, Step, StreamName
 from torchferry.policies._text import format_bytes
-from torchferry.topology import FrozenMap
+from torchferry.topology import FrozenMap, Plan
 
-__all__ = ["DEFAULT_COST", "CostModel", "Interval", "SimReport", "simulate"]
+__all__ = ["DEFAULT_COST", "CostModel", "SimReport", "Span", "simulate", "steady_schedule"]
 
 
 def _fmap(value: Mapping[str, float]) -> FrozenMap[str, float]:
@@ -100,24 +100,31 @@ class CostModel:
 DEFAULT_COST = CostModel()
 
 
-@attrs.frozen(kw_only=True)
-class Interval:
-    """One stretch of one stream in a simulated step, in seconds from the step's start.
+@attrs.frozen(kw_only=True, slots=True)
+class Span:
+    """One busy stretch of one stream, in seconds from the step's start: simulated or measured.
 
-    ``kind`` is the op kind that kept the stream busy (``load``, ``gather``, ``stage``, ``acquire``),
-    ``compute`` for a block's or component's forward, or ``stall`` for compute waiting on a transfer.
-    ``label`` names the unit (or the computing anchor); ``op`` is the index of the op in the
-    schedule (``None`` for a compute); a transfer in several chunks has one interval per chunk and
-    ``chunk`` numbers it from 0.
+    `simulate` predicts them (`SimReport.timeline`) and `runtime.Tracer` measures them
+    (`runtime.StepTrace`), so the two line up span for span. ``kind`` is the op kind that kept the
+    stream busy (``load``, ``gather``, ``stage``, ``acquire``), ``compute`` for a block's or
+    component's forward, or ``stall`` for compute waiting on a transfer. ``label`` names the unit
+    (or the computing anchor); ``op`` is the index of the op in the schedule (``None`` for a
+    compute); a simulated transfer in several chunks has one span per chunk and ``chunk`` numbers
+    it from 0; ``nbytes`` is the bytes a measured copy moved (0 otherwise).
     """
 
     stream: StreamName
-    start_s: float
-    end_s: float
     kind: str
     label: str
+    start_s: float
+    end_s: float
     op: int | None = None
     chunk: int = 0
+    nbytes: int = 0
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
 
 
 @attrs.frozen(kw_only=True)
@@ -134,8 +141,8 @@ class SimReport:
     resident_makespan_s: float
     stall_s: FrozenMap[str, float]
     peak_op: int | None = None
-    #: Every stream's busy stretches in replay order (see `Interval`); not part of equality or repr.
-    timeline: tuple[Interval, ...] = attrs.field(default=(), eq=False, repr=False)
+    #: Every stream's busy stretches in replay order (see `Span`); not part of equality or repr.
+    timeline: tuple[Span, ...] = attrs.field(default=(), eq=False, repr=False)
 
     @property
     def overhead(self) -> float:
@@ -187,7 +194,7 @@ class _Replay:
                     self.current += self.slot_size.get(p.where, p.nbytes)
         self.peak = self.current
         self.peak_op: int | None = None
-        self.timeline: list[Interval] = []
+        self.timeline: list[Span] = []
 
     def _busy(
         self,
@@ -201,7 +208,7 @@ class _Replay:
         chunk: int = 0,
     ) -> None:
         self.timeline.append(
-            Interval(stream=stream, start_s=start, end_s=end, kind=kind, label=label, op=op, chunk=chunk)
+            Span(stream=stream, start_s=start, end_s=end, kind=kind, label=label, op=op, chunk=chunk)
         )
 
     def _grow(self, nbytes: int, index: int) -> None:
@@ -223,28 +230,30 @@ class _Replay:
         self.stall.setdefault(anchor, 0.0)
 
     def op(self, index: int, op: Op) -> None:
-        kind = op.kind
-        if kind == "wait":
-            start = max(self.compute, self.ready.get(op.unit, 0.0))
-            key = op.anchor
-            self.stall[key] = self.stall.get(key, 0.0) + (start - self.compute)
-            if start > self.compute:
-                self._busy("compute", self.compute, start, kind="stall", label=op.unit, op=index)
-            self.compute = start
-        elif kind == "evict":
-            slot = self.slot_of.pop(op.unit, None)
-            if slot is not None:
-                self.slot_free[slot] = self.compute
-        elif kind == "acquire":
-            self.compute = self._whole(index, op, "compute", self.compute)
-        elif kind in ("release", "unstage"):
-            self.current -= self.held.pop(op.unit, 0)
-        elif kind == "stage":
-            self.copy = self._whole(index, op, "copy", self.copy)
-        elif kind == "load":
-            self._load(index, op)
-        elif kind == "gather":
-            self._gather(index, op)
+        _REPLAYS[op.kind](self, index, op)
+
+    def _wait(self, index: int, op: Op) -> None:
+        start = max(self.compute, self.ready.get(op.unit, 0.0))
+        key = op.anchor
+        self.stall[key] = self.stall.get(key, 0.0) + (start - self.compute)
+        if start > self.compute:
+            self._busy("compute", self.compute, start, kind="stall", label=op.unit, op=index)
+        self.compute = start
+
+    def _evict(self, index: int, op: Op) -> None:
+        slot = self.slot_of.pop(op.unit, None)
+        if slot is not None:
+            self.slot_free[slot] = self.compute
+
+    def _acquire(self, index: int, op: Op) -> None:
+        self.compute = self._whole(index, op, "compute", self.compute)
+
+    def _drop(self, index: int, op: Op) -> None:
+        """A release or unstage: the unit's own device bytes are given back."""
+        self.current -= self.held.pop(op.unit, 0)
+
+    def _stage(self, index: int, op: Op) -> None:
+        self.copy = self._whole(index, op, "copy", self.copy)
 
     def _whole(self, index: int, op: Op, stream: StreamName, start: float) -> float:
         """A whole unit's host-to-device copy on ``stream`` from ``start`` (a stage or an acquire): the
@@ -294,6 +303,19 @@ class _Replay:
             self.slot_free[op.src] = t
 
 
+#: One replay per op kind (the engine and `check` dispatch the same way: a table keyed by kind).
+_REPLAYS: dict[str, Callable[[_Replay, int, Op], None]] = {
+    "load": _Replay._load,
+    "gather": _Replay._gather,
+    "wait": _Replay._wait,
+    "evict": _Replay._evict,
+    "stage": _Replay._stage,
+    "unstage": _Replay._drop,
+    "acquire": _Replay._acquire,
+    "release": _Replay._drop,
+}
+
+
 def simulate(schedule: Schedule, cost: CostModel = DEFAULT_COST) -> SimReport:
     """Replay ``schedule`` under ``cost``: peak device bytes, makespan, stall per anchor, baseline.
 
@@ -318,3 +340,15 @@ def simulate(schedule: Schedule, cost: CostModel = DEFAULT_COST) -> SimReport:
         peak_op=r.peak_op,
         timeline=tuple(r.timeline),
     )
+
+
+def steady_schedule(
+    policy: Policy, plan: Plan, component: str, entry: tuple[Placement, ...] = ()
+) -> Schedule:
+    """The steady-state schedule of ``component``: its second step, entered from the first's exit.
+
+    The first step starts from ``entry`` (what an earlier component left on the device); every later
+    step of a run starts where the one before it ended, which is what a denoising loop repeats.
+    """
+    first = policy(plan, Step(component=component, entry=entry))
+    return policy(plan, Step(component=component, index=1, entry=first.exit))

@@ -31,35 +31,12 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError
-from torchferry.policies import Op, Schedule, Step, StreamName
+from torchferry.policies import Op, Schedule, Span, Step, StreamName
 
 if TYPE_CHECKING:
     from torchferry.runtime._streams import StreamContext
 
 __all__ = ["Span", "StepTrace", "Tracer"]
-
-
-@attrs.frozen(kw_only=True, slots=True)
-class Span:
-    """One measured stretch of one stream, in seconds from the step's start.
-
-    ``kind`` is the op kind that kept the stream busy (``load``, ``stage``, ``gather``, ``acquire``),
-    ``compute`` for a block's forward, or ``stall`` for compute waiting on a transfer. ``label``
-    names the unit moved or waited for, or the block; ``op`` is the op's index in the schedule
-    (``None`` for a block's compute); ``nbytes`` the bytes a copy moved (0 otherwise).
-    """
-
-    stream: StreamName
-    kind: str
-    label: str
-    start_s: float
-    end_s: float
-    op: int | None = None
-    nbytes: int = 0
-
-    @property
-    def duration_s(self) -> float:
-        return self.end_s - self.start_s
 
 
 @attrs.frozen(kw_only=True, slots=True)
