@@ -111,15 +111,12 @@ class CpuStreams:
         self.device = device
         self.tracer: Tracer | None = None
 
-    def begin(self) -> None:
-        """Called when a step starts: adopt the current stream as the compute stream."""
+    def begin(self) -> None: ...
 
     def transfer(self, nbytes: int) -> DeviceBuffer:
-        """Fresh device bytes with their own events (allocated on the compute stream)."""
         return DeviceBuffer(data=torch.empty(nbytes, dtype=torch.uint8, device=self.device))
 
     def copy_in(self, dst: DeviceBuffer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy host bytes ``src`` into ``dst_bytes`` (a view of ``dst.data``), ordered after ``dst.free``."""
         tracer = self.tracer
         if tracer is None:
             dst_bytes.copy_(src)
@@ -129,11 +126,6 @@ class CpuStreams:
         tracer.span("copy", begin, tracer.mark(), dst_bytes.nbytes)
 
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
-        """Run ``run`` (a collective reading ``src`` and writing ``dst``) on the comm stream.
-
-        It is ordered after ``src``'s copy and after ``dst.free``; ``dst.ready`` is recorded after it,
-        and ``src.free`` too (so the next copy into ``src`` waits for the collective to read it).
-        """
         tracer = self.tracer
         if tracer is None:
             run()
@@ -142,20 +134,12 @@ class CpuStreams:
         run()
         tracer.span("comm", begin, tracer.mark())
 
-    def wait(self, transfer: DeviceBuffer) -> None:
-        """Make the compute stream wait until ``transfer`` is written."""
-
-    def release(self, transfer: DeviceBuffer) -> None:
-        """Mark the point after which compute no longer reads ``transfer`` (its ``free`` event)."""
-
-    def fence(self) -> None:
-        """Order the copy and comm streams after everything compute has issued (fresh scratch memory)."""
-
-    def settle(self) -> None:
-        """Order compute after everything the copy and comm streams issued (before memory is freed)."""
-
-    def synchronize(self) -> None:
-        """Block the host until every stream is idle (teardown and error recovery only)."""
+    # On the CPU every copy and collective has completed when it returns: there is nothing to order.
+    def wait(self, transfer: DeviceBuffer) -> None: ...
+    def release(self, transfer: DeviceBuffer) -> None: ...
+    def fence(self) -> None: ...
+    def settle(self) -> None: ...
+    def synchronize(self) -> None: ...
 
 
 @final

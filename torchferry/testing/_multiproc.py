@@ -145,6 +145,16 @@ def run_ranks(
     failures: dict[int, RankFailure] = {}
     done: set[int] = set()
     deadline = time.monotonic() + timeout
+
+    def record(rank: int, ok: bool, payload: Any) -> None:
+        """Rank ``rank`` reported: its result, or how it failed."""
+        done.add(rank)
+        if ok:
+            results[rank] = payload
+        else:
+            kind, message, trace = payload
+            failures[rank] = RankFailure(rank=rank, kind=kind, message=message, traceback=trace)
+
     try:
         while len(done) < world:
             try:
@@ -152,12 +162,7 @@ def run_ranks(
             except queue.Empty:
                 rank = -1
             if rank >= 0:
-                done.add(rank)
-                if ok:
-                    results[rank] = payload
-                else:
-                    kind, message, trace = payload
-                    failures[rank] = RankFailure(rank=rank, kind=kind, message=message, traceback=trace)
+                record(rank, ok, payload)
                 continue
             for r, p in enumerate(procs):
                 if r not in done and p.exitcode is not None:
@@ -171,12 +176,7 @@ def run_ranks(
                             rank=r, kind="exited", message=f"exit code {p.exitcode}, without a result"
                         )
                         break
-                    done.add(rank)
-                    if ok:
-                        results[rank] = payload
-                    else:
-                        kind, message, trace = payload
-                        failures[rank] = RankFailure(rank=rank, kind=kind, message=message, traceback=trace)
+                    record(rank, ok, payload)
                     break
             if time.monotonic() > deadline:
                 for r in range(world):
