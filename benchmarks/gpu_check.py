@@ -10,7 +10,7 @@ On CUDA it measures, in this order:
 2. a compute-heavy DiT-like model in bf16 (hidden 4096, 32 heads, 24 blocks of 12 x hidden^2 weights,
    batch 2 x 16384 tokens, so a block's compute outweighs its transfer) run resident, then under
    torchferry ``layerwise`` at prefetch depth 1 and 2, then under diffusers' group offloading
-   (``block_level``, one block per pack, ``use_stream=True``) when diffusers imports. For each: time
+   (``block_level``, one block per group, ``use_stream=True``) when diffusers imports. For each: time
    per step (CUDA events, median of back-to-back steps), overhead over resident, and whether the
    output is bit-identical to the resident one (``torch.equal``);
 3. device memory. torchferry's prediction (``policies.simulate`` on the steady step's schedule)

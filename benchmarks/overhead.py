@@ -8,7 +8,7 @@ The overhead per block is ``(median forward - median resident forward) / blocks`
 Variants: resident; torchferry ``layerwise`` (depth 1) and ``model_level``; torchferry layerwise
 with a policy that reuses one schedule for every steady step (what the session would cost if it
 cached schedules without the step index, see benchmarks/README.md); diffusers group offloading
-(``block_level``, one block per pack, and ``leaf_level``) and accelerate's ``cpu_offload`` when
+(``block_level``, one block per group, and ``leaf_level``) and accelerate's ``cpu_offload`` when
 those import. The device is the CPU, so torchferry's slots are separate CPU tensors and every load
 is a real copy; the others move nothing between a CPU "device" and the CPU, so one block's copy is
 measured on its own and the overhead is also shown without it. Every variant's output is checked

@@ -391,7 +391,7 @@ class Engine:
 
         Tensors of blocks this rank holds only a shard of stay placeholders (shape ``(0,)``), and
         their host shards are kept, unless ``gather`` is true: then every rank of the weight-shard
-        pack must call it (a collective), and full host copies are re-assembled first. `gather_host`
+        group must call it (a collective), and full host copies are re-assembled first. `gather_host`
         does the same later, after a plain close.
         """
         with _ordinary():
