@@ -75,7 +75,6 @@ RANGES: dict[str, str] = {kind: f"torchferry::{kind}" for kind in OP_KINDS}
 _profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 
 
-
 def _ordinary() -> contextlib.AbstractContextManager[None]:
     """Inference mode off while the engine makes or re-points tensors (see [Note: inference mode])."""
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
