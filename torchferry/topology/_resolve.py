@@ -82,6 +82,13 @@ class _Resolver:
     def declaration(self) -> Declaration:
         return self.topology.declaration or Declaration()
 
+    def report(self, strict: bool, error: str, warning: str) -> None:
+        """One problem: ``error`` when the request is strict about it, else ``warning``."""
+        if strict:
+            self.errors.append(error)
+        else:
+            self.warnings.append(warning)
+
     # -----------------------------------------------------------------------------------------
 
     def selection(self) -> None:
@@ -136,10 +143,11 @@ class _Resolver:
             f"declared in Declaration.resident_dit_paths (declared: {declared}; DiTs: "
             f"{', '.join(repr(p) for p in sorted(dit_paths)) or 'none'})"
         )
-        if config.explicit:
-            self.errors.append(f"{message}; declare the DiT there or set resident_layers=0")
-        else:
-            self.warnings.append(f"{message}; all blocks will stream")
+        self.report(
+            config.explicit,
+            f"{message}; declare the DiT there or set resident_layers=0",
+            f"{message}; all blocks will stream",
+        )
 
     def on_demand_lifecycle(self, component: Component) -> None:
         """Rule 9."""
@@ -161,13 +169,12 @@ class _Resolver:
             return _flat(dit, selected=selected)
         explicit, cls = config.explicit, dit.class_name or "its class"
         for problem in dit.problems:
-            if explicit:
-                self.errors.append(
-                    f"Selected DiT {dit.path!r}: {problem}; fix Declaration.block_attrs[{dit.path!r}] or "
-                    f"{cls}._layerwise_offload_blocks_attrs"
-                )
-            else:
-                self.warnings.append(f"DiT {dit.path!r}: {problem}; that attribute is skipped")
+            self.report(
+                explicit,
+                f"Selected DiT {dit.path!r}: {problem}; fix Declaration.block_attrs[{dit.path!r}] or "
+                f"{cls}._layerwise_offload_blocks_attrs",
+                f"DiT {dit.path!r}: {problem}; that attribute is skipped",
+            )
         if not dit.blocks:
             if explicit and not dit.problems:
                 self.errors.append(
@@ -277,13 +284,11 @@ class _Resolver:
 
         strict = config.explicit or group > 1
         for problem in () if encoder.stub else encoder.problems:
-            if strict:
-                self.errors.append(
-                    f"Encoder {encoder.path!r}: {problem}; fix Declaration.encoder_block_attrs"
-                    f"[{encoder.path!r}]"
-                )
-            else:
-                self.warnings.append(f"Encoder {encoder.path!r}: {problem}; that block path is skipped")
+            self.report(
+                strict,
+                f"Encoder {encoder.path!r}: {problem}; fix Declaration.encoder_block_attrs[{encoder.path!r}]",
+                f"Encoder {encoder.path!r}: {problem}; that block path is skipped",
+            )
         declared = encoder.path in declaration.encoder_block_attrs
         has_plan = bool(encoder.stacks) or (encoder.stub and declared)
         if on_demand and not has_plan and config.uses_allgather("text_encoder"):
