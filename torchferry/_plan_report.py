@@ -51,7 +51,7 @@ __all__ = [
 JSON_VERSION = 1
 #: The device FLOP/s assumed when none is given: an RTX 4090-class GPU's achieved bf16 throughput.
 DEFAULT_TFLOPS = 150.0
-STRATEGY_ORDER = ("none", "model_level", "layerwise", "distributed_layerwise", "auto")
+STRATEGY_ORDER = (*policies.STRATEGIES, "auto")
 
 _RESOLUTION = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?:x\s*(\d+)\s*f?)?\s*$", re.IGNORECASE)
 _NUMBERED = re.compile(r"^(.+?)\.(\d+)\.")
@@ -291,17 +291,15 @@ class _Planner:
         return cost, text, s
 
     def config(self, strategy: str) -> OffloadConfig:
-        o = self.options
         if strategy == "none":
             return OffloadConfig(strategy="none")
         if strategy == "model_level":
             return OffloadConfig(strategy="model_level", components=self.selection)
         if strategy == "layerwise":
-            return OffloadConfig(strategy="layerwise", components=self.selection, prefetch_depth=o.depth)
+            return OffloadConfig(strategy="layerwise", components=self.selection)
         return OffloadConfig(
             strategy="distributed_layerwise",
             components=self.selection,
-            prefetch_depth=o.depth,
             dit_transfer="allgather",
             encoder_transfer="rank-local",
             parallel=ParallelLayout(data_parallel_size=self.world),
@@ -387,19 +385,15 @@ class _Planner:
     def fixed(self, strategy: str) -> tuple[StrategyRow, Schedule | None]:
         try:
             plan = self.resolve(strategy)
-            factory: dict[str, Policy] = {
-                "none": policies.none(),
-                "model_level": policies.model_level(),
-                "layerwise": policies.layerwise(self.options.depth),
-                "distributed_layerwise": policies.distributed_layerwise(self.options.depth),
-            }
+            ring = strategy in ("layerwise", "distributed_layerwise")
+            policy = policies.builtin(strategy, depth=self.options.depth if ring else 1)
             notes = []
             if strategy == "distributed_layerwise":
                 notes.append(f"per rank of {self.world}")
             if strategy == "model_level" and len(self.topo.of_kind("dit")) > 1:
                 notes.append("swaps experts at the boundary")
-            row = self.row(strategy, factory[strategy], plan, notes)
-            return row, self.generation(factory[strategy], plan)[1]
+            row = self.row(strategy, policy, plan, notes)
+            return row, self.generation(policy, plan)[1]
         except OffloadError as exc:
             return StrategyRow(strategy=strategy, error=_one_line(exc)), None
 

@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from torchferry._errors import OffloadError
 from torchferry._units import parse_bytes, parse_rate
+from torchferry.topology import STRATEGIES
 
 __all__ = ["main"]
 
@@ -150,7 +151,7 @@ def _parser() -> _Parser:
     )
     plan.add_argument(
         "--strategy",
-        choices=["auto", "none", "model_level", "layerwise", "distributed_layerwise"],
+        choices=["auto", *STRATEGIES],
         help="evaluate only this strategy (default: all of them and auto)",
     )
     plan.add_argument("--depth", type=_positive_int, default=1, help="prefetch depth of the ring (default 1)")

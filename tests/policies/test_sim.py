@@ -57,13 +57,12 @@ def test_chunked_gather_overlaps_copy() -> None:
         4 * MIB,
         strategy="distributed_layerwise",
         parallel=ParallelLayout(data_parallel_size=4),
-        chunk_bytes=MIB // 4,
     )
     # shard 1 MiB in 4 chunks of 0.25 MiB: copy 0.5 ms each; gather receives 3 MiB, 0.75 MiB per chunk: 1 ms.
     cost = CostModel(
         h2d_bytes_per_s=MIB / 0.002, collective_bytes_per_s=MIB / (1 / 0.75 * 0.001), block_s=0.0
     )
-    schedule = policies.distributed_layerwise(1)(plan, Step(component="transformer"))
+    schedule = policies.distributed_layerwise(1, chunk_bytes=MIB // 4)(plan, Step(component="transformer"))
     first_gather = next(op for op in schedule.ops if op.kind == "gather")
     assert first_gather.chunks == 4
     one = policies.simulate(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torchferry.topology._checkpoint import from_checkpoint
 from torchferry.topology._config import (
     COMPONENT_NAMES,
+    RUNTIME_OPTIONS,
     STRATEGIES,
     OffloadConfig,
     ParallelLayout,
@@ -46,12 +47,14 @@ from torchferry.topology._registry import (
     pipeline_components,
 )
 from torchferry.topology._resolve import resolve
+from torchferry.topology._units import memory_bytes, parse_bytes, parse_rate
 
 __all__ = [
     "COMPONENT_NAMES",
     "DTYPE_SIZES",
     "KNOWN_ALIASES",
     "KNOWN_MODELS",
+    "RUNTIME_OPTIONS",
     "STRATEGIES",
     "Block",
     "Component",
@@ -82,7 +85,10 @@ __all__ = [
     "join_path",
     "known_model",
     "known_topology",
+    "memory_bytes",
     "pack",
+    "parse_bytes",
+    "parse_rate",
     "pipeline_components",
     "resolve",
 ]
