@@ -1,9 +1,20 @@
-"""Shared pytest configuration: the ``--update-golden`` flag and CUDA-only skips."""
+"""Shared pytest configuration: the ``--update-golden`` flag, CUDA-only skips, no saved profile."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True)
+def _no_saved_profile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tests never read this machine's `torchferry probe` profile: it points at an empty folder."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHFERRY_PROFILE", str(Path(tmp_path_factory.getbasetemp()) / "no-profile.json"))
+        yield
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

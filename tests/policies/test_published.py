@@ -101,5 +101,9 @@ def test_device_classes_match_device_names() -> None:
     assert policies.match_device_class("NVIDIA A100-SXM4-80GB") is policies.DEVICE_CLASSES["a100"]
     assert policies.match_device_class("cpu") is policies.DEVICE_CLASSES["cpu"]
     assert policies.match_device_class("Some Future Accelerator") is None
-    assert policies.DEFAULT_DEVICE.h2d_bytes_per_s == 25e9
-    assert policies.DEFAULT_DEVICE.flops_per_s == 150e12
+    default = policies.DEFAULT_DEVICE
+    assert (default.h2d_bytes_per_s, default.flops_per_s, default.collective_bytes_per_s) == (
+        25e9,
+        150e12,
+        100e9,
+    )

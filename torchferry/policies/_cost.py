@@ -14,7 +14,8 @@ about 25 GB/s (nvbandwidth #42 on A100-SXM: 25.1 GB/s); achieved bf16 DiT throug
 the dense datasheet peak (H100/H200 989 TFLOP/s -> 600; A100 312 -> 200; RTX 4090 165 -> 150, the
 figure ``torchferry plan`` always assumed; L40S 362 -> 220); NVLink4 all-gather about 350 GB/s
 (nccl #1264), NVLink3 about 200 GB/s; cards without NVLink all-gather over PCIe (about 20 GB/s).
-The CPU class is a placeholder for a laptop-class host: measure it.
+The CPU class is a placeholder for a small host (``torchferry probe`` measured 4.2 GB/s and 0.27
+TFLOP/s fp32 on a 2-core cloud VM): measure yours.
 """
 
 from __future__ import annotations
@@ -102,11 +103,17 @@ DEVICE_CLASSES: Mapping[str, DeviceProfile] = MappingProxyType(
         "a100": _class("a100", 25e9, 200, 200e9, "A100-class, PCIe Gen4 pinned, bf16 achieved"),
         "l40s": _class("l40s", 25e9, 220, 20e9, "L40S-class, PCIe Gen4 pinned, bf16 achieved"),
         "rtx4090": _class("rtx4090", 25e9, 150, 20e9, "RTX 4090-class, PCIe Gen4 pinned, bf16 achieved"),
-        "cpu": _class("cpu", 10e9, 0.2, 5e9, "a CPU host, memcpy and fp32 matmul; run torchferry probe"),
+        "cpu": _class("cpu", 5e9, 0.2, 5e9, "a small CPU host, memcpy and fp32 matmul; run torchferry probe"),
     }
 )
-#: The class assumed when nothing names the device: today's ``torchferry plan`` figures.
-DEFAULT_DEVICE = DEVICE_CLASSES["rtx4090"]
+#: What is assumed when nothing names the device: torchferry's long-standing figures (an RTX
+#: 4090-class GPU's PCIe Gen4 and bf16 rate, with the 100 GB/s all-gather of `DEFAULT_COST`).
+DEFAULT_DEVICE = attrs.evolve(
+    DEVICE_CLASSES["rtx4090"],
+    name="default",
+    collective_bytes_per_s=100e9,
+    source="assumed: RTX 4090-class bf16 over PCIe Gen4; name a device class or run torchferry probe",
+)
 
 _NAMES: tuple[tuple[str, str], ...] = (
     ("h200", "h200"),
@@ -132,13 +139,6 @@ def match_device_class(device_name: str) -> DeviceProfile | None:
     return None
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def estimate_cost(
     topo: Topology,
     known: KnownModel | None = None,
@@ -149,6 +149,7 @@ def estimate_cost(
     forwards_per_step: int | None = None,
     steps: int = 50,
     block_s: float | None = None,
+    rest_s: float = 0.0,
     host_op_s: float = 0.0,
     host_block_s: float = 0.0,
 ) -> CostModel:
@@ -156,14 +157,18 @@ def estimate_cost(
 
     Compute comes from ``block_s`` when given (seconds per block, say measured); else, for a known
     model, from its FLOPs per block at ``resolution`` with ``text_tokens`` (defaults: the
-    pipeline's) over ``device.flops_per_s``, and the DiT's non-block remainder as two FLOPs per
-    parameter per token; else it is `CostModel`'s default block time. ``forwards_per_step``
-    (default: the pipeline's guidance, else 1) and ``steps`` set the forwards of a step and a call.
+    pipeline's) over ``device.flops_per_s``; else it is `CostModel`'s default block time.
+    ``rest_s`` is the compute of a component's non-block remainder (embedders, final projection):
+    its FLOPs do not follow from its bytes (a time embedder runs on one token, a patch embedder on
+    all), so it is an input, 0 unless measured. ``forwards_per_step`` (default: the pipeline's
+    guidance, else 1) and ``steps`` set the forwards of a step and of a call; ``host_op_s`` and
+    ``host_block_s`` are the runtime's host cost (see `CostModel`).
     """
     forwards = forwards_per_step or (known.forwards_per_step if known is not None else 1)
     base = CostModel(
         h2d_bytes_per_s=device.h2d_bytes_per_s,
         collective_bytes_per_s=device.collective_bytes_per_s,
+        component_s=rest_s,
         host_op_s=host_op_s,
         host_block_s=host_block_s,
         forwards_per_step=forwards,
@@ -178,14 +183,10 @@ def estimate_cost(
         return base
     per_block = known.block_flops(resolution, text_tokens=text_tokens)
     batch = known.batch_per_forward
-    tokens = known.tokens(resolution) + (known.text_tokens if text_tokens is None else text_tokens)
     flops: dict[str, float] = {}
     for path in known.dit_paths:
-        component = topo.component(path)
-        for block, f in zip(component.blocks, per_block, strict=False):
+        for block, f in zip(topo.component(path).blocks, per_block, strict=False):
             flops[block.path] = float(f * batch)
-        rest = sum(_numel(t.shape) for t in component.tensors)
-        flops[path] = float(2 * tokens * rest * batch)
     mean = sum(per_block) / len(per_block) * batch
     return attrs.evolve(
         base, block_s=mean / device.flops_per_s, flops=flops, device_flops_per_s=device.flops_per_s
