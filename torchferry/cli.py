@@ -18,8 +18,7 @@ from typing import NoReturn
 
 from torchferry._errors import OffloadError
 from torchferry._units import parse_bytes, parse_rate
-from torchferry.policies import DEFAULT_DEVICE, DEVICE_CLASSES, DeviceProfile
-from torchferry.topology import STRATEGIES
+from torchferry.policies import BUILTINS, DEFAULT_DEVICE, DEVICE_CLASSES, DeviceProfile
 
 __all__ = ["main"]
 
@@ -182,7 +181,7 @@ def _parser() -> _Parser:
     )
     plan.add_argument(
         "--strategy",
-        choices=["auto", *STRATEGIES],
+        choices=["auto", *BUILTINS],
         help="evaluate only this strategy (default: all of them and auto)",
     )
     plan.add_argument("--depth", type=_positive_int, default=1, help="prefetch depth of the ring (default 1)")

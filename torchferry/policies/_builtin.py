@@ -21,6 +21,7 @@ keeps.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from functools import lru_cache
 from types import MappingProxyType
@@ -428,37 +429,18 @@ def distributed_layerwise(
     return _ring_policy("distributed_layerwise", depth, resident, gather=True, chunk_bytes=chunk_bytes)
 
 
-def _whole_factory(factory: Callable[[], Declared]) -> Callable[..., Declared]:
-    def build(*, depth: int = 1, resident: Iterable[str] = (), chunk_bytes: int | None = None) -> Declared:
-        return factory()
-
-    return build
-
-
-def _layerwise_factory(
-    *, depth: int = 1, resident: Iterable[str] = (), chunk_bytes: int | None = None
-) -> Declared:
-    return layerwise(depth, resident)
-
-
-#: The knobs each built-in strategy's policy takes (`builtin` refuses any other one set).
-_KNOBS: Mapping[Strategy, frozenset[str]] = MappingProxyType(
-    {
-        "none": frozenset(),
-        "model_level": frozenset(),
-        "layerwise": frozenset({"depth", "resident"}),
-        "distributed_layerwise": frozenset({"depth", "resident", "chunk_bytes"}),
-    }
-)
-
 #: Strategy -> the factory of its built-in policy: the one place a strategy name becomes a policy.
 BUILTINS: Mapping[Strategy, Callable[..., Declared]] = MappingProxyType(
     {
-        "none": _whole_factory(none),
-        "model_level": _whole_factory(model_level),
-        "layerwise": _layerwise_factory,
+        "none": none,
+        "model_level": model_level,
+        "layerwise": layerwise,
         "distributed_layerwise": distributed_layerwise,
     }
+)
+#: The knobs each built-in policy takes: its factory's parameters (`builtin` refuses any other).
+_KNOBS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {name: frozenset(inspect.signature(factory).parameters) for name, factory in BUILTINS.items()}
 )
 
 
@@ -478,17 +460,9 @@ def builtin(
             f"{', '.join(map(repr, STRATEGIES))}"
         )
     name = cast("Strategy", strategy)
-    resident = tuple(resident)
-    given = {
-        k
-        for k, v in (
-            ("depth", depth != 1),
-            ("resident", bool(resident)),
-            ("chunk_bytes", chunk_bytes is not None),
-        )
-        if v
-    }
-    stray = sorted(given - _KNOBS[name])
+    values = {"depth": depth, "resident": tuple(resident), "chunk_bytes": chunk_bytes}
+    defaults = {"depth": 1, "resident": (), "chunk_bytes": None}
+    stray = sorted(k for k, v in values.items() if v != defaults[k] and k not in _KNOBS[name])
     if stray:
         takes = sorted(_KNOBS[name])
         what = f"takes only {', '.join(takes)}" if takes else "takes no knobs"
@@ -497,7 +471,7 @@ def builtin(
             f"{', '.join(stray)} was set; drop it, or choose a strategy that uses it "
             f"({'distributed_layerwise' if 'chunk_bytes' in stray else 'layerwise or distributed_layerwise'})"
         )
-    return BUILTINS[name](depth=depth, resident=resident, chunk_bytes=chunk_bytes)
+    return BUILTINS[name](**{k: v for k, v in values.items() if k in _KNOBS[name]})
 
 
 def cached(policy: Policy, maxsize: int | None = 1024) -> Policy:
