@@ -551,8 +551,8 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
     )
     lines += [
         "",
-        f"device memory {_b(o.budget_bytes)} · host-to-device {o.h2d / 1e9:g} GB/s · "
-        f"all-gather {o.allgather / 1e9:g} GB/s · ring depth {o.depth}",
+        f"device memory {_b(o.budget_bytes)} · host-to-device {o.h2d / 1e9:.3g} GB/s · "
+        f"all-gather {o.allgather / 1e9:.3g} GB/s · ring depth {o.depth}",
         f"device: {o.device.name} ({o.device.source})",
         f"distributed rows: {ranks}",
         f"compute: {report.compute}",

@@ -320,7 +320,8 @@ def _probe(args: argparse.Namespace) -> int:
         print(json.dumps({**profile.to_json(), "saved_to": None if where is None else str(where)}, indent=2))
         return 0
     print(f"device: {profile.name}")
-    print(f"host-to-device (pinned): {profile.h2d_bytes_per_s / 1e9:.2f} GB/s")
+    copy = "a host memcpy" if profile.name == "cpu" else "pinned"
+    print(f"host-to-device ({copy}): {profile.h2d_bytes_per_s / 1e9:.2f} GB/s")
     print(f"matmul ({profile.dtype}): {profile.flops_per_s / 1e12:.2f} TFLOP/s")
     print(f"saved to {where}" if where is not None else "not saved (--no-save)")
     return 0
