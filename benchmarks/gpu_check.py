@@ -6,7 +6,9 @@ One command, no network, under 8 minutes on one GPU:
 
 On CUDA it measures, in this order:
 
-1. pinned versus pageable host-to-device bandwidth (1 GiB and one block's bytes, median of 5);
+1. pinned versus pageable host-to-device bandwidth (1 GiB and one block's bytes, median of 5), and
+   ``runtime.probe``'s pinned bandwidth and bf16 matmul rate beside the figures of the device class
+   the chooser would otherwise assume (``policies.match_device_class``);
 2. a compute-heavy DiT-like model in bf16 (hidden 4096, 32 heads, 24 blocks of 12 x hidden^2 weights,
    batch 2 x 16384 tokens, so a block's compute outweighs its transfer) run resident, then under
    torchferry ``layerwise`` at prefetch depth 1 and 2, then under diffusers' group offloading
@@ -48,7 +50,7 @@ import torch
 from torch import nn
 
 import torchferry
-from torchferry import policies
+from torchferry import policies, runtime
 
 STEP_TARGET = 0.05
 H2D_TARGET = 0.90
@@ -446,6 +448,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"pageable {_gbs(bandwidth['buffer']['pageable'])} GB/s; one block "
             f"({common.fmt_bytes(block_bytes)}): pinned {_gbs(bandwidth['block']['pinned'])} GB/s, pageable "
             f"{_gbs(bandwidth['block']['pageable'])} GB/s"
+        )
+    if cuda:
+        # `torchferry probe`'s figures next to the device class the chooser would assume without them.
+        measured = runtime.probe(device)
+        assumed = policies.match_device_class(measured.name) or policies.DEFAULT_DEVICE
+        bandwidth["probe"] = {"measured": measured.to_json(), "assumed": assumed.to_json()}
+        say(
+            f"probe: pinned H2D {_gbs(measured.h2d_bytes_per_s)} GB/s and bf16 matmul "
+            f"{measured.flops_per_s / 1e12:.0f} TFLOP/s, against the {assumed.name} class's assumed "
+            f"{_gbs(assumed.h2d_bytes_per_s)} GB/s and {assumed.flops_per_s / 1e12:.0f} TFLOP/s"
         )
     result["bandwidth"] = bandwidth
 

@@ -1,9 +1,9 @@
-"""Shared pytest configuration: the ``--update-golden`` flag and CUDA-only skips."""
+"""Shared pytest configuration: the ``--update-golden`` flag, CUDA-only skips, no saved profile."""
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +11,14 @@ import torch
 
 #: Golden files: plain text, compared whole; ``--update-golden`` rewrites them (CI never passes it).
 GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+@pytest.fixture(autouse=True)
+def _no_saved_profile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Tests never read this machine's `torchferry probe` profile: it points at an empty folder."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHFERRY_PROFILE", str(Path(tmp_path_factory.getbasetemp()) / "no-profile.json"))
+        yield
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -514,3 +514,96 @@ def test_console_script_is_main() -> None:
     (script,) = [e for e in entry_points(group="console_scripts") if e.name == "torchferry"]
     assert script.value == "torchferry.cli:main"
     assert script.load() is main
+
+
+# ------------------------------------------------------------------------------ probe and device figures
+
+
+def test_probe_saves_a_profile_that_plan_reads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`torchferry probe` measures the CPU and saves a profile where `plan` finds it and uses its figures."""
+    where = tmp_path / "profile.json"
+    monkeypatch.setenv("TORCHFERRY_PROFILE", str(where))
+    code, out, err = run(capsys, "probe", "--device", "cpu", "--format", "json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["saved_to"] == str(where) and doc["torchferry_profile"] == 1
+    saved = policies.DeviceProfile.from_json(json.loads(where.read_text()))
+    assert (saved.name, saved.dtype) == ("cpu", "float32")
+    assert saved.h2d_bytes_per_s > 1e8 and saved.flops_per_s > 1e9
+    assert saved.source.startswith("measured on cpu (cpu) by torchferry probe, ")
+    plan = plan_json(capsys, "qwen-image", "--device-memory", "24GiB")
+    assert plan["assumptions"]["h2d_bytes_per_s"] == saved.h2d_bytes_per_s
+    assert plan["assumptions"]["device"]["source"] == saved.source
+    given = plan_json(capsys, "qwen-image", "--device-memory", "24GiB", "--h2d", "30GB/s")
+    assert given["assumptions"]["h2d_bytes_per_s"] == 30e9  # a figure given beats the profile's
+
+
+def test_plan_device_class_sets_bandwidth_and_compute(capsys: pytest.CaptureFixture[str]) -> None:
+    """--device-class h100 assumes PCIe Gen5 and H100-class bf16; the default is the RTX 4090-class guess."""
+    h100 = plan_json(capsys, "qwen-image", "--device-memory", "24GiB", "--device-class", "h100")
+    default = plan_json(capsys, "qwen-image", "--device-memory", "24GiB")
+    assert (h100["assumptions"]["h2d_bytes_per_s"], default["assumptions"]["h2d_bytes_per_s"]) == (55e9, 25e9)
+    assert default["assumptions"]["collective_bytes_per_s"] == 100e9
+    assert row(h100, "layerwise")["resident_step_s"] == pytest.approx(
+        row(default, "layerwise")["resident_step_s"] * 150 / 600
+    )
+
+
+def test_plan_auto_is_the_chooser_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """--strategy auto reports policies.choose's choice for the layerwise plan, with its reason."""
+    doc = plan_json(
+        capsys, "qwen-image", "--device-memory", "24GiB", "--strategy", "auto", "--forwards-per-step", "2"
+    )
+    (auto,) = doc["strategies"]
+    plan = topology.resolve(
+        known_topology("qwen-image"),
+        topology.OffloadConfig(strategy="layerwise", components={"dit", "text_encoder"}),
+    )
+    cost = policies.estimate_cost(plan.topology, topology.known_model("qwen-image"), forwards_per_step=2)
+    choice = policies.choose(plan, 24 * GIB, cost)
+    assert auto["policy"] == choice.policy().name
+    assert auto["reason"] == choice.reason
+    assert doc["assumptions"]["forwards_per_step"] == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            [
+                "plan",
+                "qwen-image",
+                "--device-memory",
+                "24GiB",
+                "--device-class",
+                "h100",
+                "--profile",
+                "p.json",
+            ],
+            "torchferry plan: error: --device-class and --profile are two sources of device figures; "
+            "pass one of them",
+        ),
+        (
+            ["plan", "qwen-image", "--device-memory", "24GiB", "--profile", "/nonexistent/p.json"],
+            "torchferry plan: error: --profile /nonexistent/p.json: no such file; write one with "
+            "`torchferry probe --output FILE`",
+        ),
+    ],
+)
+def test_plan_device_figure_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    """Conflicting or missing sources of device figures are one-line usage errors."""
+    assert run(capsys, *argv) == (2, "", message + "\n")
+
+
+def test_a_damaged_profile_says_to_probe_again(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A profile file that is not a profile names the file and the command that writes a new one."""
+    bad = tmp_path / "p.json"
+    bad.write_text('{"torchferry_profile": 99}')
+    code, out, err = run(capsys, "plan", "qwen-image", "--device-memory", "24GiB", "--profile", str(bad))
+    assert (code, out) == (2, "")
+    assert err == (
+        f"torchferry plan: error: profile {bad} is not a torchferry profile of version 1; "
+        "write a new one with `torchferry probe`\n"
+    )

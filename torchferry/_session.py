@@ -31,18 +31,18 @@ _OPEN: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()
 
 
 def default_policy(config: OffloadConfig) -> Policy:
-    """The built-in policy for ``config.strategy`` (layerwise with the configured prefetch depth)."""
-    if config.strategy == "none":
-        return policies.none()
-    if config.strategy == "model_level":
-        return policies.model_level()
-    if config.strategy == "layerwise":
-        return policies.layerwise(depth=config.prefetch_depth)
-    if config.strategy == "distributed_layerwise":
-        return policies.distributed_layerwise(depth=config.prefetch_depth)
-    raise PlanError(
-        f"strategy {config.strategy!r} has no built-in policy; choose one of {', '.join(topology.STRATEGIES)}"
-    )
+    """The built-in policy of ``config.strategy``, its knobs from the config (`policies.builtin`)."""
+    return policies.builtin(config.strategy, depth=config.prefetch_depth, chunk_bytes=config.chunk_bytes)
+
+
+def _policy_knobs(request: OffloadConfig) -> list[str]:
+    """The policy knobs ``request`` sets away from their defaults (they configure a built-in policy)."""
+    knobs = []
+    if request.prefetch_depth != 1:
+        knobs.append(f"prefetch_depth={request.prefetch_depth}")
+    if request.chunk_bytes is not None:
+        knobs.append(f"chunk_bytes={request.chunk_bytes}")
+    return knobs
 
 
 def _default_device() -> torch.device:
@@ -118,7 +118,9 @@ def offload(
     """Take over ``pipeline``'s weights and stream them to ``device`` on the policy's schedule.
 
     ``config`` (or ``strategy`` and any `OffloadConfig` field as a keyword) says what to offload;
-    ``policy`` replaces the strategy's built-in policy; ``device`` defaults to CUDA when present.
+    ``policy`` replaces the strategy's built-in policy (its knobs then go to its factory: passing
+    ``prefetch_depth`` or ``chunk_bytes`` with it is a `PlanError`); ``device`` defaults to CUDA when
+    present. ``device_memory=`` is the device budget, in bytes or as ``"24GiB"``/``"80GB"``.
     Everything that can be rejected is rejected (`PlanError`) before the pipeline is touched. Use the
     returned `Session` as a context manager, or call its ``close()``.
 
@@ -136,7 +138,21 @@ def offload(
         raise ExecutionError(
             "this pipeline is already served by an open torchferry session; close() it before opening another"
         )
+    if "device_memory" in config_options:
+        if "device_memory_bytes" in config_options:
+            raise PlanError(
+                "offload() got both device_memory= and device_memory_bytes=, two names for the device "
+                "budget; pass device_memory= alone"
+            )
+        config_options = dict(config_options)
+        config_options["device_memory_bytes"] = topology.memory_bytes(config_options.pop("device_memory"))
     request = _config(config, strategy, config_options)
+    if policy is not None and _policy_knobs(request):
+        raise PlanError(
+            f"offload(policy=...) with {' and '.join(_policy_knobs(request))}: those knobs configure the "
+            "strategy's built-in policy, which policy= replaces; pass them to the policy's factory "
+            "(policies.layerwise(depth=2)) and drop them here"
+        )
     request, group = _shard_group(request, process_group)
     target = torch.device(device) if device is not None else _default_device()
     topo = topology.discover(pipeline, declaration)

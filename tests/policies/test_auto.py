@@ -106,3 +106,31 @@ def test_auto_swaps_whole_models_when_the_ring_is_transfer_bound() -> None:
     policies.check(schedule, plan)
     fast = CostModel(h2d_bytes_per_s=25 * GB, block_s=0.05, forwards_per_call=50)
     assert policies.choose(plan, 24 * GB, fast).strategy == "layerwise"
+
+
+def test_the_choice_says_what_it_picked_and_predicts_a_step() -> None:
+    """choose() takes the budget as text, and its Choice carries the budget, the step and a reason."""
+    mib = 1 << 20
+    plan = ring_plan(8, mib)
+    cost = CostModel.calibrated(h2d_bytes_per_s=mib / 0.004, block_s=0.002, forwards_per_step=2)
+    choice = policies.choose(plan, "6MiB", cost)
+    assert choice == policies.choose(plan, 6 * mib, cost)
+    assert (choice.budget, choice.forwards_per_step) == (6 * mib, 2)
+    assert choice.predicted_step_s == pytest.approx(2 * choice.step_s)
+    assert choice.reason == choice.explain()
+    assert choice.reason == (
+        f"{choice.policy().name}: the fastest of {choice.candidates} simulated candidates that fit "
+        f"(footprint {policies.format_bytes(choice.footprint, exact=False)} of 6.0 MiB); forward "
+        f"{choice.step_s:.4f} s vs all-resident {choice.resident_step_s:.4f} s "
+        f"(+{choice.overhead * 100:.2f}%), x2 forwards = {choice.predicted_step_s:.4f} s per step"
+    )
+
+
+def test_host_cost_per_op_moves_the_choice_toward_fewer_ops() -> None:
+    """Where transfers hide, a host cost per op makes a ring with more resident blocks (fewer ops) win."""
+    mib = 1 << 20
+    plan = ring_plan(8, mib)
+    free = CostModel.calibrated(h2d_bytes_per_s=mib / 0.001, block_s=0.002)
+    costly = CostModel.calibrated(h2d_bytes_per_s=mib / 0.001, block_s=0.002, host_op_s=0.001)
+    assert policies.choose(plan, "6MiB", free).resident == ()
+    assert len(policies.choose(plan, "6MiB", costly).resident) > 0

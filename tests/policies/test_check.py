@@ -171,9 +171,8 @@ def test_distributed_schedule_passes() -> None:
         MIB,
         strategy="distributed_layerwise",
         parallel=ParallelLayout(data_parallel_size=4),
-        chunk_bytes=MIB // 8,
     )
-    policy = policies.distributed_layerwise(2)
+    policy = policies.distributed_layerwise(2, chunk_bytes=MIB // 8)
     first = policy(plan, Step(component="transformer"))
     policies.check(first, plan)
     policies.check(policy(plan, Step(component="transformer", index=1, entry=first.exit)), plan)

@@ -48,7 +48,6 @@ _DIST4 = {"strategy": "distributed_layerwise", "parallel": ParallelLayout(data_p
 _DIST8 = {
     "strategy": "distributed_layerwise",
     "parallel": ParallelLayout(data_parallel_size=8),
-    "chunk_bytes": 64 * MIB,
 }
 _QWEN_COST = CostModel(h2d_bytes_per_s=25 * GB, block_s=0.021)
 
@@ -80,7 +79,7 @@ CASES: dict[str, Callable[[], Schedule]] = {
         _flux(), policies.layerwise(2), [Step(component=T), Step(component=T, index=1)]
     ),
     "flux.1-dev/distributed-d2-world8-chunk64M": lambda: _steps(
-        _flux(**_DIST8), policies.distributed_layerwise(2), [Step(component=T)]
+        _flux(**_DIST8), policies.distributed_layerwise(2, chunk_bytes=64 * MIB), [Step(component=T)]
     ),
     "qwen-image/none": lambda: _steps(_qwen(strategy="none"), policies.none(), [Step(component=T)]),
     "qwen-image/layerwise-d1": lambda: _steps(_qwen(), policies.layerwise(1), [Step(component=T)]),

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_plans import ParallelLayout, component, model_plan, plan, ring_plan, stack
 
-from torchferry import policies
+from torchferry import PlanError, policies
 from torchferry.policies import DEVICE, Placement, Step, rest_unit
 from torchferry.topology import Plan
 
@@ -105,7 +107,7 @@ def test_shard_nbytes() -> None:
 
 
 @st.composite
-def random_plans(draw: st.DrawFn) -> tuple[Plan, int]:
+def random_plans(draw: st.DrawFn) -> tuple[Plan, int, int | None]:
     world = draw(st.sampled_from([1, 2, 3, 4]))
     distributed = draw(st.booleans())
     sizes = st.integers(min_value=1, max_value=5000).map(lambda n: n * 2)
@@ -130,27 +132,27 @@ def random_plans(draw: st.DrawFn) -> tuple[Plan, int]:
             )
         )
     config: dict[str, object] = {}
+    chunk: int | None = None
     if distributed:
-        config = {
-            "strategy": "distributed_layerwise",
-            "parallel": ParallelLayout(data_parallel_size=world),
-            "chunk_bytes": draw(st.sampled_from([None, 512, 4096])),
-        }
-    return plan(comps, **config), draw(st.integers(min_value=1, max_value=4))
+        config = {"strategy": "distributed_layerwise", "parallel": ParallelLayout(data_parallel_size=world)}
+        chunk = draw(st.sampled_from([None, 512, 4096]))
+    return plan(comps, **config), draw(st.integers(min_value=1, max_value=4)), chunk
 
 
 @settings(max_examples=60, deadline=None)
 @given(random_plans(), st.data())
-def test_every_policy_passes_check_and_bounds_memory(case: tuple[Plan, int], data: st.DataObject) -> None:
+def test_every_policy_passes_check_and_bounds_memory(
+    case: tuple[Plan, int, int | None], data: st.DataObject
+) -> None:
     """Every built-in policy's schedules pass check over a sequence of steps; the ring's peak is bounded."""
-    p, depth = case
+    p, depth, chunk = case
     names = [c.path for c in p.components]
     steps = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=4))
     for policy in (
         policies.none(),
         policies.model_level(),
         policies.layerwise(depth),
-        policies.distributed_layerwise(depth),
+        policies.distributed_layerwise(depth, chunk_bytes=chunk),
     ):
         entry: tuple[Placement, ...] = ()
         for i, c in enumerate(steps):
@@ -160,7 +162,7 @@ def test_every_policy_passes_check_and_bounds_memory(case: tuple[Plan, int], dat
             assert policies.parse_schedule(policies.format_schedule(s)) == s
             entry = s.exit
     # memory bound of the ring over one steady step of the first component
-    policy = policies.distributed_layerwise(depth)
+    policy = policies.distributed_layerwise(depth, chunk_bytes=chunk)
     first = policy(p, Step(component=names[0]))
     report = policies.simulate(first)
     ring = sum(sl.nbytes for sl in first.slots)
@@ -175,15 +177,80 @@ def test_every_policy_passes_check_and_bounds_memory(case: tuple[Plan, int], dat
 
 @settings(max_examples=30, deadline=None)
 @given(random_plans())
-def test_zero_transfer_cost_makespan_is_resident(case: tuple[Plan, int]) -> None:
+def test_zero_transfer_cost_makespan_is_resident(case: tuple[Plan, int, int | None]) -> None:
     """With free transfers every ring schedule's makespan equals its all-resident makespan."""
-    p, depth = case
+    p, depth, chunk = case
     cost = policies.CostModel(h2d_bytes_per_s=math.inf, collective_bytes_per_s=math.inf, block_s=0.001)
     for c in p.components:
-        report = policies.simulate(policies.distributed_layerwise(depth)(p, Step(component=c.path)), cost)
+        schedule = policies.distributed_layerwise(depth, chunk_bytes=chunk)(p, Step(component=c.path))
+        report = policies.simulate(schedule, cost)
         assert report.makespan_s == report.resident_makespan_s
 
 
 def test_rest_unit_name() -> None:
     """A remainder's unit name is '<component>:rest'."""
     assert rest_unit("transformer") == "transformer:rest"
+
+
+def test_builtin_is_the_one_route_from_a_strategy_to_its_policy() -> None:
+    """builtin(strategy, knobs) names the factory's policy; each knob is a factory argument."""
+    assert policies.STRATEGIES == ("none", "model_level", "layerwise", "distributed_layerwise")
+    assert sorted(policies.BUILTINS) == sorted(policies.STRATEGIES)
+    assert [policies.builtin(s).name for s in policies.STRATEGIES] == [
+        "none()",
+        "model_level()",
+        "layerwise(depth=1)",
+        "distributed_layerwise(depth=1)",
+    ]
+    assert (
+        policies.builtin("layerwise", depth=2, resident=["t.blocks.0"]).name
+        == "layerwise(depth=2, resident=1)"
+    )
+    chunked = policies.builtin("distributed_layerwise", depth=2, chunk_bytes=64 << 20)
+    assert chunked.name == "distributed_layerwise(depth=2, chunk=64.0 MiB)"
+    assert all(policies.is_index_free(policies.builtin(s)) for s in policies.STRATEGIES)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "knobs", "message"),
+    [
+        (
+            "none",
+            {"depth": 2},
+            "policies.builtin('none'): the none policy takes no knobs, and depth was set; drop it, or "
+            "choose a strategy that uses it (layerwise or distributed_layerwise)",
+        ),
+        (
+            "layerwise",
+            {"chunk_bytes": 4096},
+            "policies.builtin('layerwise'): the layerwise policy takes only depth, resident, and chunk_bytes "
+            "was set; drop it, or choose a strategy that uses it (distributed_layerwise)",
+        ),
+        (
+            "ring",
+            {},
+            "policies.builtin('ring'): no built-in policy has that name; choose one of 'none', "
+            "'model_level', 'layerwise', 'distributed_layerwise'",
+        ),
+    ],
+)
+def test_builtin_refuses_a_knob_it_would_ignore(strategy: str, knobs: dict[str, int], message: str) -> None:
+    """A knob the strategy does not take is an error, not a silent no-op."""
+    with pytest.raises(PlanError) as caught:
+        policies.builtin(strategy, **knobs)
+    assert str(caught.value) == message
+
+
+def test_depth_is_checked_once_with_the_config_s_exception_types() -> None:
+    """A factory refuses a bad depth as OffloadConfig does: TypeError for a type, PlanError for a value."""
+    with pytest.raises(PlanError, match=re.escape("layerwise(depth=0): depth must be >= 1")):
+        policies.layerwise(0)
+    with pytest.raises(TypeError, match=re.escape("layerwise(depth='2'): depth must be an int, got str '2'")):
+        policies.layerwise("2")  # type: ignore[arg-type]
+
+
+def test_cached_keeps_what_a_policy_declares() -> None:
+    """cached() of a declared policy keeps its name and index-freedom."""
+    memo = policies.cached(policies.layerwise(2))
+    assert isinstance(memo, policies.Declared)
+    assert (memo.name, policies.is_index_free(memo)) == ("layerwise(depth=2)", True)

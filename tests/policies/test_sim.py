@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from policy_plans import ParallelLayout, ring_plan
 
-from torchferry import policies
+from torchferry import PlanError, policies
 from torchferry.policies import CostModel, Step
 
 MIB = 1 << 20
@@ -57,13 +58,12 @@ def test_chunked_gather_overlaps_copy() -> None:
         4 * MIB,
         strategy="distributed_layerwise",
         parallel=ParallelLayout(data_parallel_size=4),
-        chunk_bytes=MIB // 4,
     )
     # shard 1 MiB in 4 chunks of 0.25 MiB: copy 0.5 ms each; gather receives 3 MiB, 0.75 MiB per chunk: 1 ms.
     cost = CostModel(
         h2d_bytes_per_s=MIB / 0.002, collective_bytes_per_s=MIB / (1 / 0.75 * 0.001), block_s=0.0
     )
-    schedule = policies.distributed_layerwise(1)(plan, Step(component="transformer"))
+    schedule = policies.distributed_layerwise(1, chunk_bytes=MIB // 4)(plan, Step(component="transformer"))
     first_gather = next(op for op in schedule.ops if op.kind == "gather")
     assert first_gather.chunks == 4
     one = policies.simulate(
@@ -97,3 +97,32 @@ def test_peak_counts_entry_staged_bytes() -> None:
     first = policy(plan, Step(component="transformer"))
     second = policy(plan, Step(component="transformer", index=1, entry=first.exit))
     assert policies.simulate(second).peak_device_bytes == 2 * MIB + 1000
+
+
+def test_host_cost_is_charged_to_compute_and_not_to_the_resident_baseline() -> None:
+    """host_op_s per op and host_block_s per block lengthen the step; the all-resident run pays neither."""
+    plan = ring_plan(4, MIB)
+    schedule = policies.layerwise(1)(plan, Step(component="transformer"))
+    free = CostModel(h2d_bytes_per_s=math.inf, block_s=0.001)
+    costly = CostModel(h2d_bytes_per_s=math.inf, block_s=0.001, host_op_s=1e-4, host_block_s=2e-4)
+    base, report = policies.simulate(schedule, free), policies.simulate(schedule, costly)
+    assert report.resident_makespan_s == base.resident_makespan_s == pytest.approx(0.004)
+    assert report.makespan_s == pytest.approx(0.004 + len(schedule.ops) * 1e-4 + 4 * 2e-4)
+    hosts = [i for i in report.timeline if i.kind == "host"]
+    assert len(hosts) == len(schedule.ops) + 4 and {i.stream for i in hosts} == {"compute"}
+
+
+def test_calibrated_needs_the_measured_compute() -> None:
+    """CostModel.calibrated refuses figures without compute, and spreads a call over steps x forwards."""
+    with pytest.raises(ValueError, match="needs the measured compute: block_s"):
+        CostModel.calibrated(h2d_bytes_per_s=1e9)
+    cost = CostModel.calibrated(h2d_bytes_per_s=1e9, block_s=0.01, forwards_per_step=2, steps=30)
+    assert (cost.forwards_per_step, cost.forwards_per_call, cost.source) == (2, 60, "measured")
+
+
+def test_a_profile_round_trips_through_its_json_document() -> None:
+    """DeviceProfile.to_json / from_json are inverse; a foreign document is refused with a fix."""
+    profile = policies.DEVICE_CLASSES["h100"]
+    assert policies.DeviceProfile.from_json(profile.to_json()) == profile
+    with pytest.raises(PlanError, match=re.escape("p is not a torchferry profile of version 1; write a new")):
+        policies.DeviceProfile.from_json({"torchferry_profile": 2}, where="p")

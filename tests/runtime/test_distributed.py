@@ -139,10 +139,12 @@ def _disagree(rank: int, world: int, good: str, bad: str) -> dict[str, tuple[str
 
     p = toy.build(0)
     depth = 2 if rank == 1 else 1
+    # A different selection is a different plan (a different depth is not: it is the policy's knob).
+    selection = {"dit", "text_encoder"} if rank == 1 else {"dit"}
     attempt(
         "plan",
         p,
-        lambda: torchferry.offload(p, strategy="distributed_layerwise", device="cpu", prefetch_depth=depth),
+        lambda: torchferry.offload(p, strategy="distributed_layerwise", device="cpu", components=selection),
     )
     policy = policies.distributed_layerwise(depth=depth)
     session = torchferry.offload(p, strategy="distributed_layerwise", device="cpu", policy=policy)

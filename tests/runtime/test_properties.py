@@ -123,8 +123,11 @@ class Request:
     def open(self, pipeline: toy.ToyPipeline, **extra: Any) -> Session:
         """The session; legacy selections may warn (`OffloadWarning` only) about what stays resident."""
         options: dict[str, Any] = dict(extra)
+        policy = self.policy(pipeline)
         if self.strategy == "layerwise":
-            options.update(prefetch_depth=self.depth, resident_layers=self.resident_layers)
+            options.update(resident_layers=self.resident_layers)
+            if policy is None:  # a policy given takes its depth from its factory, not from here
+                options.update(prefetch_depth=self.depth)
         if self.components is not None:
             options["components"] = set(self.components)
         if self.on_demand_vae:
@@ -132,7 +135,7 @@ class Request:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             session = torchferry.offload(
-                pipeline, strategy=self.strategy, device="cpu", policy=self.policy(pipeline), **options
+                pipeline, strategy=self.strategy, device="cpu", policy=policy, **options
             )
         assert all(issubclass(w.category, OffloadWarning) for w in caught), [str(w.message) for w in caught]
         if caught:
@@ -229,7 +232,6 @@ def _fits(shape: Shape, request: Request) -> bool:
     pipeline = shape.build_empty()
     config = topology.OffloadConfig(
         strategy="layerwise",
-        prefetch_depth=request.depth,
         resident_layers=request.resident_layers,
         components=request.components,
     )
@@ -272,6 +274,7 @@ def calls(draw: st.DrawFn, shape: Shape, min_size: int = 2, max_size: int = 4) -
 
 
 # ------------------------------------------------------------------------------- invariants
+
 
 def _named(p: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*p.named_parameters(remove_duplicate=False), *p.named_buffers(remove_duplicate=False)]

@@ -231,3 +231,59 @@ def test_a_policy_not_declared_index_free_gets_every_index() -> None:
     with torchferry.offload(p, strategy="layerwise", device="cpu", policy=counting):
         assert torch.equal(p("a cat", steps=3), expected)
     assert sorted(i for i in set(seen)) == [0, 1, 2]
+
+
+def test_a_policy_declared_index_free_gets_one_index() -> None:
+    """`policies.declare(fn, index_free=True)` travels with the value: the session asks for index 0 only."""
+    seen: list[int] = []
+    base = policies.layerwise(1)
+
+    def counting(plan: Plan, step: policies.Step, /) -> policies.Schedule:
+        seen.append(step.index)
+        return base(plan, step)
+
+    declared = policies.declare(counting, name="counting()", index_free=True)
+    assert (declared.name, policies.is_index_free(declared), policies.is_index_free(counting)) == (
+        "counting()",
+        True,
+        False,
+    )
+    p = toy.build(0)
+    expected = p("a cat", steps=3)
+    with torchferry.offload(p, strategy="layerwise", device="cpu", policy=declared):
+        assert torch.equal(p("a cat", steps=3), expected)
+    assert set(seen) == {0}
+
+
+@pytest.mark.parametrize(
+    ("options", "knobs"),
+    [
+        ({"prefetch_depth": 2}, "prefetch_depth=2"),
+        ({"config": topology.OffloadConfig(prefetch_depth=3)}, "prefetch_depth=3"),
+    ],
+)
+def test_a_policy_with_builtin_knobs_is_refused_before_anything_moves(
+    options: dict[str, Any], knobs: str
+) -> None:
+    """offload(policy=..., prefetch_depth=...) is a PlanError: the depth would be silently ignored."""
+    p = toy.build(0)
+    before = {n: t.device for n, t in p.transformer.state_dict().items()}
+    with pytest.raises(PlanError) as caught:
+        torchferry.offload(p, device="cpu", policy=policies.layerwise(1), **options)
+    assert str(caught.value) == (
+        f"offload(policy=...) with {knobs}: those knobs configure the strategy's built-in policy, which "
+        "policy= replaces; pass them to the policy's factory (policies.layerwise(depth=2)) and drop them here"
+    )
+    assert {n: t.device for n, t in p.transformer.state_dict().items()} == before
+    torchferry.offload(p, device="cpu").close()  # nothing was left open
+
+
+def test_device_memory_is_taken_as_text_or_bytes() -> None:
+    """offload(device_memory="1GiB") stores the budget in bytes; both budget names at once are refused."""
+    p = toy.build(0)
+    with torchferry.offload(p, device="cpu", device_memory="1GiB") as session:
+        assert session.plan.config.device_memory_bytes == 2**30
+    with pytest.raises(
+        PlanError, match=re.escape("two names for the device budget; pass device_memory= alone")
+    ):
+        torchferry.offload(p, device="cpu", device_memory=1, device_memory_bytes=1)

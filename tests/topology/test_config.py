@@ -522,3 +522,48 @@ def test_mapping_hsdp_allgather_is_rejected() -> None:
             },
             parallel=ParallelLayout(use_hsdp=True, hsdp_shard_size=2),
         )
+
+
+def test_runtime_options_take_no_part_in_the_plan_digest() -> None:
+    """Plans differing only in RUNTIME_OPTIONS share a digest; a field resolve reads changes it."""
+    from torchferry.topology import RUNTIME_OPTIONS, Plan, Topology
+
+    topo = Topology(pipeline_class="P", components=())
+
+    def digest(config: OffloadConfig) -> str:
+        return Plan(topology=topo, config=config, components=()).digest
+
+    base = digest(OffloadConfig())
+    runtime = OffloadConfig(
+        pin_memory=False,
+        prefetch_depth=3,
+        device_memory_bytes=2**30,
+        checkpoint="/x.safetensors",
+        chunk_bytes=4096,
+    )
+    assert RUNTIME_OPTIONS == (
+        "pin_memory",
+        "prefetch_depth",
+        "device_memory_bytes",
+        "checkpoint",
+        "chunk_bytes",
+    )
+    assert runtime.request == OffloadConfig()
+    assert digest(runtime) == base
+    assert digest(OffloadConfig(strategy="model_level")) != base
+
+
+@pytest.mark.parametrize(("value", "expected"), [("24GiB", 24 * 2**30), ("80GB", 80 * 10**9), (4096, 4096)])
+def test_device_memory_accepts_sizes_as_text(value: object, expected: int) -> None:
+    """The budget is bytes or a size such as '24GiB' (decimal and binary units)."""
+    assert OffloadConfig(device_memory_bytes=value).device_memory_bytes == expected  # type: ignore[arg-type]
+
+
+def test_device_memory_text_that_does_not_parse_is_refused() -> None:
+    """A budget that is not a size names the field and shows how to write one."""
+    with pytest.raises(PlanError) as caught:
+        OffloadConfig(device_memory_bytes="lots")  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "OffloadConfig.device_memory_bytes: cannot read 'lots' as a size; write a number with a unit such "
+        "as 24GiB, 80GB or 512MiB"
+    )

@@ -26,3 +26,6 @@ def keep_leading(keep: int, depth: int = 1) -> Policy:
 
 POLICY: Policy = keep_leading(2)
 CACHED: Policy = policies.cached(keep_leading(2))
+DECLARED: policies.Declared = policies.declare(keep_leading(2), name="keep_leading(keep=2)", index_free=True)
+AS_POLICY: Policy = DECLARED
+BUILTIN: Policy = policies.builtin("layerwise", depth=2)

@@ -1,4 +1,4 @@
-"""The ``torchferry`` command line, ``demo`` and ``plan`` (also run by ``python -m torchferry``).
+"""The ``torchferry`` command line, ``demo``, ``plan`` and ``probe`` (also ``python -m torchferry``).
 
 Every mistake in the input (an unknown model id, a size or rate that does not parse, a missing or
 broken checkpoint) ends in one line on stderr, ``torchferry <command>: error: <what and how to fix
@@ -18,6 +18,7 @@ from typing import NoReturn
 
 from torchferry._errors import OffloadError
 from torchferry.cli._units import parse_bytes, parse_rate
+from torchferry.policies import BUILTINS, DEFAULT_DEVICE, DEVICE_CLASSES, DeviceProfile
 
 __all__ = ["main"]
 
@@ -139,18 +140,48 @@ def _parser() -> _Parser:
     plan.add_argument("--list", action="store_true", help="list the known model ids with their sizes")
     plan.add_argument("--device-memory", type=_size, metavar="SIZE", help="device budget, e.g. 24GiB or 80GB")
     plan.add_argument(
-        "--h2d", type=_rate, default=25e9, metavar="RATE", help="host-to-device bandwidth (default 25GB/s)"
+        "--h2d", type=_rate, metavar="RATE", help="host-to-device bandwidth (default: the device's; 25GB/s)"
     )
     plan.add_argument(
         "--allgather",
         type=_rate,
-        default=100e9,
         metavar="RATE",
-        help="bytes per second one rank receives in an all-gather (default 100GB/s)",
+        help="bytes per second one rank receives in an all-gather (default: the device's; 100GB/s)",
+    )
+    plan.add_argument(
+        "--device-class",
+        choices=sorted(DEVICE_CLASSES),
+        help="assume this device class's figures (default: the saved profile of `torchferry probe` "
+        "if there is one, else an RTX 4090-class GPU with a 100GB/s all-gather)",
+    )
+    plan.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="a profile written by `torchferry probe` (default: $TORCHFERRY_PROFILE, else "
+        "$TORCHFERRY_CACHE/profile.json, else $XDG_CACHE_HOME/torchferry/profile.json, else "
+        "~/.cache/torchferry/profile.json, when it exists)",
+    )
+    plan.add_argument(
+        "--forwards-per-step",
+        type=_positive_int,
+        metavar="N",
+        help="DiT forwards per denoising step, 2 for guidance run as two forwards (default: the pipeline's)",
+    )
+    plan.add_argument(
+        "--text-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="text tokens per forward (default: the pipeline's)",
+    )
+    plan.add_argument(
+        "--host-op-us",
+        type=_positive_float,
+        metavar="US",
+        help="host microseconds the runtime spends per op it issues (default 0)",
     )
     plan.add_argument(
         "--strategy",
-        choices=["auto", "none", "model_level", "layerwise", "distributed_layerwise"],
+        choices=["auto", *BUILTINS],
         help="evaluate only this strategy (default: all of them and auto)",
     )
     plan.add_argument("--depth", type=_positive_int, default=1, help="prefetch depth of the ring (default 1)")
@@ -183,6 +214,27 @@ def _parser() -> _Parser:
     plan.add_argument(
         "--format", choices=["text", "json"], default="text", help="output format (default text)"
     )
+
+    probe = commands.add_parser(
+        "probe",
+        help="measure this machine's pinned host-to-device bandwidth and matmul rate, and save them",
+        description="Time pinned host-to-device copies and square matrix products (bf16 on CUDA, fp32 on "
+        "the CPU) on DEVICE and save the figures as a JSON profile, which `torchferry plan` then uses "
+        "in place of assumed ones. Takes about a second.",
+    )
+    probe.add_argument(
+        "--device", type=_device, help="cuda, cuda:N or cpu (default: cuda when present, else cpu)"
+    )
+    probe.add_argument(
+        "--output",
+        metavar="FILE",
+        help="where to save it (default: $TORCHFERRY_PROFILE, else $TORCHFERRY_CACHE/profile.json, else "
+        "$XDG_CACHE_HOME/torchferry/profile.json, else ~/.cache/torchferry/profile.json)",
+    )
+    probe.add_argument("--no-save", action="store_true", help="print the figures without saving them")
+    probe.add_argument(
+        "--format", choices=["text", "json"], default="text", help="output format (default text)"
+    )
     return parser
 
 
@@ -210,12 +262,18 @@ def _plan(args: argparse.Namespace) -> int:
         if args.block_attrs is None
         else tuple(a.strip() for a in args.block_attrs.split(",") if a.strip())
     )
+    if args.device_class is not None and args.profile is not None:
+        raise UsageError("--device-class and --profile are two sources of device figures; pass one of them")
     start = time.perf_counter()
     topo, known = report.load_model(args.model, attrs_)
     options = report.Options(
         budget_bytes=args.device_memory,
         h2d_bytes_per_s=args.h2d,
         collective_bytes_per_s=args.allgather,
+        device=_device_figures(args),
+        forwards_per_step=args.forwards_per_step,
+        text_tokens=args.text_tokens,
+        host_op_s=(args.host_op_us or 0.0) / 1e6,
         world_size=args.world_size,
         depth=args.depth,
         strategy=args.strategy,
@@ -239,6 +297,36 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_figures(args: argparse.Namespace) -> DeviceProfile:
+    """The figures ``plan`` assumes: the named class, else the profile given or saved, else the default."""
+    if args.device_class is not None:
+        return DEVICE_CLASSES[args.device_class]
+    from torchferry.runtime import load_profile
+
+    if args.profile is not None and not os.path.exists(args.profile):
+        raise UsageError(
+            f"--profile {args.profile}: no such file; write one with `torchferry probe --output FILE`"
+        )
+    profile = load_profile(args.profile)
+    return profile if profile is not None else DEFAULT_DEVICE
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from torchferry.runtime import probe, save_profile
+
+    profile = probe(args.device)
+    where = None if args.no_save else save_profile(profile, args.output)
+    if args.format == "json":
+        print(json.dumps({**profile.to_json(), "saved_to": None if where is None else str(where)}, indent=2))
+        return 0
+    print(f"device: {profile.name}")
+    copy = "a host memcpy" if profile.name == "cpu" else "pinned"
+    print(f"host-to-device ({copy}): {profile.h2d_bytes_per_s / 1e9:.2f} GB/s")
+    print(f"matmul ({profile.dtype}): {profile.flops_per_s / 1e12:.2f} TFLOP/s")
+    print(f"saved to {where}" if where is not None else "not saved (--no-save)")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from torchferry.cli import _demo
 
@@ -256,12 +344,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = _parser()
     args_list = list(sys.argv[1:] if argv is None else argv)
-    command = next((a for a in args_list if a in ("demo", "plan")), None)
+    command = next((a for a in args_list if a in ("demo", "plan", "probe")), None)
     prog = f"torchferry {command}" if command else "torchferry"
     try:
         args = parser.parse_args(args_list)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "probe":
+            return _probe(args)
         return _demo(args)
     except SystemExit as exit_:  # --help and --version print, then exit through argparse
         return exit_.code if isinstance(exit_.code, int) else 0

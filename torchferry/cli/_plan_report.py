@@ -50,9 +50,7 @@ __all__ = [
 
 #: Version of the JSON documents `torchferry plan --format json` prints.
 JSON_VERSION = 1
-#: The device FLOP/s assumed when none is given: an RTX 4090-class GPU's achieved bf16 throughput.
-DEFAULT_TFLOPS = 150.0
-STRATEGY_ORDER = ("none", "model_level", "layerwise", "distributed_layerwise", "auto")
+STRATEGY_ORDER = (*policies.STRATEGIES, "auto")
 
 _RESOLUTION = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?:x\s*(\d+)\s*f?)?\s*$", re.IGNORECASE)
 _NUMBERED = re.compile(r"^(.+?)\.(\d+)\.")
@@ -142,17 +140,44 @@ def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[To
 
 @attrs.frozen(kw_only=True)
 class Options:
-    """What the user asked `torchferry plan` to assume."""
+    """What the user asked `torchferry plan` to assume.
+
+    ``device`` supplies every figure not given here (a device class, a saved profile, or the
+    default class); ``h2d_bytes_per_s``, ``collective_bytes_per_s`` and ``tflops`` override it.
+    """
 
     budget_bytes: int
-    h2d_bytes_per_s: float = 25e9
-    collective_bytes_per_s: float = 100e9
+    h2d_bytes_per_s: float | None = None
+    collective_bytes_per_s: float | None = None
     world_size: int | None = None
     depth: int = 1
     strategy: str | None = None
     resolution: Resolution | None = None
     tflops: float | None = None
     block_ms: float | None = None
+    device: policies.DeviceProfile = policies.DEFAULT_DEVICE
+    forwards_per_step: int | None = None
+    text_tokens: int | None = None
+    host_op_s: float = 0.0
+
+    @property
+    def h2d(self) -> float:
+        """The host-to-device bandwidth assumed: given, else the device's."""
+        return self.h2d_bytes_per_s if self.h2d_bytes_per_s is not None else self.device.h2d_bytes_per_s
+
+    @property
+    def allgather(self) -> float:
+        """The all-gather receive bandwidth assumed: given, else the device's."""
+        given = self.collective_bytes_per_s
+        return given if given is not None else self.device.collective_bytes_per_s
+
+    @property
+    def profile(self) -> policies.DeviceProfile:
+        """The device with the given figures in place of its own."""
+        flops = self.tflops * 1e12 if self.tflops is not None else self.device.flops_per_s
+        return attrs.evolve(
+            self.device, h2d_bytes_per_s=self.h2d, collective_bytes_per_s=self.allgather, flops_per_s=flops
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -186,6 +211,8 @@ class StrategyRow:
     host_bytes_per_rank: int = 0
     notes: tuple[str, ...] = ()
     error: str | None = None
+    #: Why the chooser picked this (auto's row only): `policies.Choice.reason`.
+    reason: str = ""
 
     @property
     def overhead(self) -> float:
@@ -252,57 +279,63 @@ class _Planner:
         self.selection = frozenset(selection)
         dits = topo.of_kind("dit")
         self.dit = dits[0].path if dits else None
-        self.forwards = known.forwards_per_step if known is not None else 1
+        self.forwards = options.forwards_per_step or (known.forwards_per_step if known is not None else 1)
         # Distributed rows need ranks: 2 unless the user said how many; only then may auto pick them.
         self.world = options.world_size or 2
         self.cost, self.compute, self.block_s = self._cost()
 
     def _cost(self) -> tuple[CostModel, str, float]:
         o = self.options
-        link = CostModel(h2d_bytes_per_s=o.h2d_bytes_per_s, collective_bytes_per_s=o.collective_bytes_per_s)
+        block_s = o.block_ms / 1e3 if o.block_ms is not None else None
+        cost = policies.estimate_cost(
+            self.topo,
+            self.known,
+            device=o.profile,
+            resolution=o.resolution,
+            text_tokens=o.text_tokens,
+            forwards_per_step=self.forwards,
+            block_s=block_s,
+            host_op_s=o.host_op_s,
+        )
         if o.block_ms is not None:
-            s = o.block_ms / 1e3
-            return attrs.evolve(link, block_s=s), f"{o.block_ms:g} ms per block (given)", s
+            return cost, f"{o.block_ms:g} ms per block (given)", cost.block_s
         known = self.known
         if known is None:
-            s = policies.DEFAULT_COST.block_s
+            s = cost.block_s
             return (
-                attrs.evolve(link, block_s=s),
+                cost,
                 f"{s * 1e3:g} ms per block (assumed: a checkpoint's FLOPs are unknown; pass --block-ms)",
                 s,
             )
-        tflops = o.tflops if o.tflops is not None else DEFAULT_TFLOPS
         res = o.resolution or known.resolution
-        per_block = known.block_flops(res)
-        flops: dict[str, float] = {}
-        for path in known.dit_paths:
-            blocks = self.topo.component(path).blocks
-            for block, f in zip(blocks, per_block, strict=False):
-                flops[block.path] = float(f * known.batch_per_forward)
-        mean = sum(per_block) / len(per_block) * known.batch_per_forward
-        s = mean / (tflops * 1e12)
-        assumed = "given" if o.tflops is not None else "assumed: RTX 4090-class bf16; pass --tflops"
+        text = known.text_tokens if o.text_tokens is None else o.text_tokens
+        per_block = known.block_flops(res, text_tokens=text)
+        mean = sum(per_block) / len(per_block)
+        tflops = o.profile.flops_per_s / 1e12
+        if o.tflops is not None:
+            assumed = "given"
+        elif o.device is policies.DEFAULT_DEVICE:
+            assumed = "assumed: RTX 4090-class bf16; pass --tflops"
+        else:
+            assumed = o.device.source
         batch = f" x batch {known.batch_per_forward}" if known.batch_per_forward > 1 else ""
-        text = (
-            f"{mean / known.batch_per_forward / 1e12:.2f} TFLOP per block{batch} at {res} "
-            f"({known.tokens(res)} latent + {known.text_tokens} text tokens) "
+        description = (
+            f"{mean / 1e12:.2f} TFLOP per block{batch} at {res} "
+            f"({known.tokens(res)} latent + {text} text tokens) "
             f"on {tflops:g} TFLOP/s ({assumed})"
         )
-        cost = attrs.evolve(link, block_s=s, flops=flops, device_flops_per_s=tflops * 1e12)
-        return cost, text, s
+        return cost, description, cost.block_s
 
     def config(self, strategy: str) -> OffloadConfig:
-        o = self.options
         if strategy == "none":
             return OffloadConfig(strategy="none")
         if strategy == "model_level":
             return OffloadConfig(strategy="model_level", components=self.selection)
         if strategy == "layerwise":
-            return OffloadConfig(strategy="layerwise", components=self.selection, prefetch_depth=o.depth)
+            return OffloadConfig(strategy="layerwise", components=self.selection)
         return OffloadConfig(
             strategy="distributed_layerwise",
             components=self.selection,
-            prefetch_depth=o.depth,
             dit_transfer="allgather",
             encoder_transfer="rank-local",
             parallel=ParallelLayout(data_parallel_size=self.world),
@@ -388,19 +421,15 @@ class _Planner:
     def fixed(self, strategy: str) -> tuple[StrategyRow, Schedule | None]:
         try:
             plan = self.resolve(strategy)
-            factory: dict[str, Policy] = {
-                "none": policies.none(),
-                "model_level": policies.model_level(),
-                "layerwise": policies.layerwise(self.options.depth),
-                "distributed_layerwise": policies.distributed_layerwise(self.options.depth),
-            }
+            ring = strategy in ("layerwise", "distributed_layerwise")
+            policy = policies.builtin(strategy, depth=self.options.depth if ring else 1)
             notes = []
             if strategy == "distributed_layerwise":
                 notes.append(f"per rank of {self.world}")
             if strategy == "model_level" and len(self.topo.of_kind("dit")) > 1:
                 notes.append("swaps experts at the boundary")
-            row = self.row(strategy, factory[strategy], plan, notes)
-            return row, self.generation(factory[strategy], plan)[1]
+            row = self.row(strategy, policy, plan, notes)
+            return row, self.generation(policy, plan)[1]
         except OffloadError as exc:
             return StrategyRow(strategy=strategy, error=_one_line(exc)), None
 
@@ -423,7 +452,7 @@ class _Planner:
                 notes.append(f"{len(choice.resident)} resident blocks ({choice.placement})")
             if choice.strategy == "distributed_layerwise":
                 notes.append(f"per rank of {self.world}")
-            row = attrs.evolve(self.row("auto", policy, plan, notes), strategy="auto")
+            row = attrs.evolve(self.row("auto", policy, plan, notes), strategy="auto", reason=choice.reason)
             candidate = (row, self.generation(policy, plan)[1])
             if best is None or row.step_s < best[0].step_s * (1 - 1e-9):
                 best = candidate
@@ -512,8 +541,9 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
     )
     lines += [
         "",
-        f"device memory {_b(o.budget_bytes)} · host-to-device {o.h2d_bytes_per_s / 1e9:g} GB/s · "
-        f"all-gather {o.collective_bytes_per_s / 1e9:g} GB/s · ring depth {o.depth}",
+        f"device memory {_b(o.budget_bytes)} · host-to-device {o.h2d / 1e9:.3g} GB/s · "
+        f"all-gather {o.allgather / 1e9:.3g} GB/s · ring depth {o.depth}",
+        f"device: {o.device.name} ({o.device.source})",
         f"distributed rows: {ranks}",
         f"compute: {report.compute}",
     ]
@@ -547,6 +577,8 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
             f"step {_seconds(rec.step_s)} (+{rec.overhead * 100:.1f}% over all-resident "
             f"{_seconds(rec.resident_step_s)})"
         )
+        if rec.reason:
+            lines.append(f"why: {rec.reason}")
     elif any(r.strategy == "auto" for r in report.rows):
         lines.append(f"recommended: nothing fits {_b(o.budget_bytes)}")
     lines.extend(f"warning: {w}" for w in report.warnings)
@@ -569,6 +601,7 @@ def _row_document(r: StrategyRow) -> dict[str, Any]:
         "resident_step_s": r.resident_step_s,
         "overhead": r.overhead if math.isfinite(r.overhead) else None,
         "notes": list(r.notes),
+        **({"reason": r.reason} if r.reason else {}),
     }
 
 
@@ -586,8 +619,11 @@ def report_document(report: PlanReport, *, show_schedule: bool = False) -> dict[
         "components": [attrs.asdict(c) for c in report.components],
         "assumptions": {
             "device_memory_bytes": o.budget_bytes,
-            "h2d_bytes_per_s": o.h2d_bytes_per_s,
-            "collective_bytes_per_s": o.collective_bytes_per_s,
+            "h2d_bytes_per_s": o.h2d,
+            "collective_bytes_per_s": o.allgather,
+            "device": attrs.asdict(o.device),
+            "host_op_s": o.host_op_s,
+            "text_tokens": o.text_tokens,
             "world_size": report.world_size,
             "world_size_given": o.world_size is not None,
             "depth": o.depth,

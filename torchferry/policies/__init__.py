@@ -5,12 +5,30 @@ from __future__ import annotations
 # Imports written ``name as name`` are for the layers above, which enter only through this file
 # (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.policies._auto import Choice, auto, choose
-from torchferry.policies._builtin import cached, distributed_layerwise, layerwise, model_level, none
+from torchferry.policies._builtin import (
+    BUILTINS,
+    STRATEGIES,
+    builtin,
+    cached,
+    distributed_layerwise,
+    layerwise,
+    model_level,
+    none,
+)
 from torchferry.policies._check import INVARIANTS, check
+from torchferry.policies._cost import (
+    DEFAULT_DEVICE,
+    DEVICE_CLASSES,
+    PROFILE_VERSION,
+    DeviceProfile,
+    estimate_cost,
+    match_device_class,
+)
 from torchferry.policies._ir import (
     DEVICE,
     OP_KINDS,
     OP_STREAM,
+    Declared,
     Op,
     OpKind,
     Placement,
@@ -21,6 +39,7 @@ from torchferry.policies._ir import (
     Step,
     StreamName,
     When,
+    declare,
     index_free,
     is_index_free,
     rest_unit,
@@ -31,13 +50,20 @@ from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, Span, s
 from torchferry.policies._text import Mark, format_bytes, format_marked, format_schedule, parse_schedule
 
 __all__ = [
+    "BUILTINS",
     "DEFAULT_COST",
+    "DEFAULT_DEVICE",
     "DEVICE",
+    "DEVICE_CLASSES",
     "INVARIANTS",
     "OP_KINDS",
     "OP_STREAM",
+    "PROFILE_VERSION",
+    "STRATEGIES",
     "Choice",
     "CostModel",
+    "Declared",
+    "DeviceProfile",
     "Mark",
     "Op",
     "OpKind",
@@ -52,16 +78,20 @@ __all__ = [
     "StreamName",
     "When",
     "auto",
+    "builtin",
     "cached",
     "check",
     "choose",
+    "declare",
     "distributed_layerwise",
+    "estimate_cost",
     "format_bytes",
     "format_marked",
     "format_schedule",
     "index_free",
     "is_index_free",
     "layerwise",
+    "match_device_class",
     "model_level",
     "none",
     "parse_schedule",

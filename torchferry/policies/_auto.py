@@ -24,19 +24,12 @@ from typing import Literal
 import attrs
 
 from torchferry._errors import ScheduleError
-from torchferry.policies._builtin import (
-    compress_paths,
-    distributed_layerwise,
-    layerwise,
-    model_level,
-    none,
-    ring_slots,
-)
-from torchferry.policies._ir import Policy, Schedule, Step, index_free
+from torchferry.policies._builtin import builtin, compress_paths, distributed_layerwise, layerwise, ring_slots
+from torchferry.policies._ir import Declared, Policy, Schedule, Step, declare
 from torchferry.policies._layout import layout, swaps
 from torchferry.policies._sim import DEFAULT_COST, CostModel, simulate, steady_schedule
 from torchferry.policies._text import format_bytes
-from torchferry.topology import Plan, Strategy
+from torchferry.topology import Plan, Strategy, memory_bytes
 
 __all__ = ["Choice", "auto", "choose", "footprint", "steady_step_s"]
 
@@ -49,7 +42,15 @@ PLACEMENTS: tuple[PlacementName, ...] = ("leading", "spread", "spread-first")
 
 @attrs.frozen(kw_only=True)
 class Choice:
-    """What `auto` picked: the policy, its resident blocks, the simulated step and the footprint."""
+    """What `choose` picked for a plan, a budget and a cost model, and why.
+
+    ``strategy``, ``depth`` and ``resident`` (extra block paths kept on the device) name the policy
+    (`policy`); ``step_s`` is the simulated steady forward of the streaming DiTs (summed) and
+    ``resident_step_s`` the same with every weight resident; ``predicted_step_s`` is one denoising
+    step (``forwards_per_step`` forwards). ``footprint`` is the device bytes it holds at most,
+    ``budget`` what it had to fit, ``candidates`` how many were simulated; ``reason`` says it in
+    a sentence.
+    """
 
     strategy: Strategy
     depth: int
@@ -59,14 +60,41 @@ class Choice:
     resident_step_s: float
     footprint: int
     candidates: int
+    budget: int = 0
+    forwards_per_step: int = 1
+    reason: str = ""
 
-    def policy(self) -> Policy:
+    @property
+    def predicted_step_s(self) -> float:
+        """Simulated seconds of one denoising step: the steady forward times the forwards per step."""
+        return self.step_s * self.forwards_per_step
+
+    @property
+    def overhead(self) -> float:
+        """``step / all-resident step - 1`` (0 when nothing computes)."""
+        return self.step_s / self.resident_step_s - 1 if self.resident_step_s > 0 else 0.0
+
+    def policy(self) -> Declared:
+        """The built-in policy this choice names (`builtin`)."""
+        if self.strategy in ("none", "model_level"):
+            return builtin(self.strategy)
+        return builtin(self.strategy, depth=self.depth, resident=self.resident)
+
+    def explain(self) -> str:
+        """The sentence `reason` holds: what was picked, against which budget, at what predicted cost."""
+        name = self.policy().name
+        used, budget = format_bytes(self.footprint, exact=False), format_bytes(self.budget, exact=False)
+        fit = f"footprint {used} of {budget}"
         if self.strategy == "none":
-            return none()
-        if self.strategy == "model_level":
-            return model_level()
-        factory = distributed_layerwise if self.strategy == "distributed_layerwise" else layerwise
-        return factory(self.depth, self.resident)
+            return f"{name}: every component fits whole ({fit}); nothing streams"
+        if self.strategy == "model_level" and self.step_s == 0.0:
+            return f"{name}: no block streams under this plan; whole components swap ({fit})"
+        per_step = f", x{self.forwards_per_step} forwards = {self.predicted_step_s:.4f} s per step"
+        return (
+            f"{name}: the fastest of {self.candidates} simulated candidates that fit ({fit}); forward "
+            f"{self.step_s:.4f} s vs all-resident {self.resident_step_s:.4f} s "
+            f"(+{self.overhead * 100:.2f}%){per_step if self.forwards_per_step > 1 else ''}"
+        )
 
 
 def footprint(plan: Plan, depth: int, resident: Sequence[str] = (), *, gather: bool = False) -> int:
@@ -103,9 +131,27 @@ def _place(pool: Sequence[str], count: int, how: PlacementName) -> tuple[str, ..
     return tuple(pool[i] for i in sorted(set(idx)))
 
 
+def choose(
+    plan: Plan, device_memory: int | str, cost: CostModel = DEFAULT_COST, max_depth: int = 4
+) -> Choice:
+    """The strategy, depth and resident set that fit ``device_memory`` (bytes or ``"24GiB"``) with the
+    least simulated steady step under ``cost``: the one chooser behind `auto`, ``torchferry plan``
+    and the session. Pure; cached by its arguments. `ScheduleError` when nothing fits.
+
+    Search (see the module notes): a plan that fits whole gets `none`; otherwise, for each depth
+    1..``max_depth``, the most resident blocks that fit placed three ways, then the fewest that keep
+    the best time; model-level swapping competes when it fits. Ties (within 1e-9) go to the smaller
+    footprint. The `Choice` carries its predicted step and a ``reason``.
+    """
+    budget = memory_bytes(device_memory, "choose(device_memory=...)")
+    choice = attrs.evolve(
+        _choose(plan, budget, cost, max_depth), budget=budget, forwards_per_step=cost.forwards_per_step
+    )
+    return attrs.evolve(choice, reason=choice.explain())
+
+
 @lru_cache(maxsize=64)
-def choose(plan: Plan, budget_bytes: int, cost: CostModel = DEFAULT_COST, max_depth: int = 4) -> Choice:
-    """The `Choice` `auto` makes for ``plan``; `ScheduleError` when nothing fits ``budget_bytes``."""
+def _choose(plan: Plan, budget_bytes: int, cost: CostModel, max_depth: int) -> Choice:
     lay = layout(plan)
     total = sum(c.nbytes for c in plan.components if not c.on_demand) + max(lay.acquired.values(), default=0)
     streaming = [c.path for c in plan.components if lay.streamed.get(c.path)]
@@ -246,13 +292,12 @@ def _model_level_bytes(plan: Plan) -> int:
     return kept + max(swap, default=0) + acquired
 
 
-def auto(budget_bytes: int, cost: CostModel = DEFAULT_COST, max_depth: int = 4) -> Policy:
+def auto(device_memory: int | str, cost: CostModel = DEFAULT_COST, max_depth: int = 4) -> Declared:
     """A policy that picks strategy, depth (1..``max_depth``) and a fixed resident-block set fitting
-    ``budget_bytes`` with the least simulated steady-state step time under ``cost``; ties go to the
-    smaller footprint. Its schedule's notes explain the choice.
+    ``device_memory`` (bytes or ``"24GiB"``) with the least simulated steady-state step time under
+    ``cost`` (`choose`); ties go to the smaller footprint. Its schedule's notes explain the choice.
     """
-    if budget_bytes <= 0:
-        raise ValueError(f"budget_bytes must be > 0, got {budget_bytes!r}")
+    budget_bytes = memory_bytes(device_memory, "auto(device_memory=...)")
     name = f"auto(budget={format_bytes(budget_bytes, exact=False)})"
 
     def auto_policy(plan: Plan, step: Step, /) -> Schedule:
@@ -280,4 +325,4 @@ def auto(budget_bytes: int, cost: CostModel = DEFAULT_COST, max_depth: int = 4) 
             notes.append(f"resident blocks{placement}: {paths}")
         return attrs.evolve(schedule, policy=name, notes=tuple(notes))
 
-    return index_free(auto_policy)
+    return declare(auto_policy, name=name, index_free=True)

@@ -21,13 +21,17 @@ keeps.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
+from collections.abc import Callable, Iterable, Mapping
 from functools import lru_cache
+from types import MappingProxyType
+from typing import cast
 
-from torchferry._errors import ScheduleError
+from torchferry._errors import PlanError, ScheduleError
 from torchferry.policies._ir import (
     DEVICE,
     OP_STREAM,
+    Declared,
     Op,
     OpKind,
     Placement,
@@ -36,13 +40,16 @@ from torchferry.policies._ir import (
     Slot,
     Step,
     When,
-    index_free,
-    is_index_free,
+    declare,
 )
 from torchferry.policies._layout import PlanFacts, forward_blocks, layout, shard_nbytes, swaps
-from torchferry.topology import Component, Plan
+from torchferry.policies._text import format_bytes
+from torchferry.topology import STRATEGIES, Component, Plan, Strategy
 
 __all__ = [
+    "BUILTINS",
+    "STRATEGIES",
+    "builtin",
     "cached",
     "compress_paths",
     "distributed_layerwise",
@@ -223,16 +230,16 @@ def _whole(plan: Plan, step: Step, *, swap: bool, policy: str) -> Schedule:
     return b.schedule(policy, plan)
 
 
-def none() -> Policy:
+def none() -> Declared:
     """No offload: every component is staged whole on first use and stays (on-demand ones are acquired)."""
 
     def none_policy(plan: Plan, step: Step, /) -> Schedule:
         return _whole(plan, step, swap=False, policy="none()")
 
-    return index_free(none_policy)
+    return declare(none_policy, name="none()", index_free=True)
 
 
-def model_level() -> Policy:
+def model_level() -> Declared:
     """Whole-component swapping: a selected DiT unstages the selected encoders and other selected
     DiTs, any encoder unstages the selected DiTs; everything else is staged once and kept.
     """
@@ -240,7 +247,7 @@ def model_level() -> Policy:
     def model_level_policy(plan: Plan, step: Step, /) -> Schedule:
         return _whole(plan, step, swap=True, policy="model_level()")
 
-    return index_free(model_level_policy)
+    return declare(model_level_policy, name="model_level()", index_free=True)
 
 
 # ------------------------------------------------------------------------------------------- ring
@@ -281,6 +288,7 @@ def _ring(
     depth: int,
     resident: frozenset[str],
     gather: bool,
+    chunk_bytes: int | None,
     policy: str,
     notes: tuple[str, ...] = (),
 ) -> Schedule:
@@ -329,7 +337,7 @@ def _ring(
             slot = b.free[0]
             if unit in allgather:
                 shard = shard_nbytes(nbytes[unit], world)
-                k = _chunks(shard, plan.config.chunk_bytes)
+                k = _chunks(shard, chunk_bytes)
                 h = f"h{shard_slot % 2}"
                 shard_slot += 1
                 b.emit(when, anchor, "load", unit, slot=h, src="shard", nbytes=shard, chunks=k)
@@ -355,29 +363,52 @@ def _ring(
     return b.schedule(policy, plan, notes)
 
 
-def _depth(depth: int) -> int:
-    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-        raise ValueError(
-            f"depth must be an int >= 1 (blocks in flight ahead of the one computing), got {depth!r}"
+def _depth(where: str, depth: object) -> int:
+    """The one check of a prefetch depth (`OffloadConfig.prefetch_depth` is checked alike)."""
+    if not isinstance(depth, int) or isinstance(depth, bool):
+        raise TypeError(f"{where}: depth must be an int, got {type(depth).__name__} {depth!r}")
+    if depth < 1:
+        raise PlanError(
+            f"{where}: depth must be >= 1 (blocks in flight ahead of the one computing), got {depth}"
         )
     return depth
 
 
-def _ring_policy(base: str, depth: int, resident: Iterable[str], *, gather: bool) -> Policy:
-    """The ring policy ``base(depth=..., resident=...)`` (see the ring note); its name and notes say
-    which extra blocks stay resident."""
-    d = _depth(depth)
+def _chunk_bytes(where: str, chunk_bytes: object) -> int | None:
+    if chunk_bytes is None:
+        return None
+    if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool):
+        raise TypeError(f"{where}: chunk_bytes must be an int or None, got {type(chunk_bytes).__name__}")
+    if chunk_bytes < 1:
+        raise PlanError(f"{where}: chunk_bytes must be a positive number of bytes or None, got {chunk_bytes}")
+    return chunk_bytes
+
+
+def _ring_policy(
+    base: str, depth: int, resident: Iterable[str], *, gather: bool, chunk_bytes: int | None = None
+) -> Declared:
+    """The ring policy ``base(depth=..., resident=..., chunk=...)`` (see the ring note); its name and
+    notes say which extra blocks stay resident and how all-gathers are chunked."""
+    d = _depth(f"{base}(depth={depth!r})", depth)
+    chunk = _chunk_bytes(f"{base}(chunk_bytes={chunk_bytes!r})", chunk_bytes)
     extra = frozenset(resident)
-    name = f"{base}(depth={d}, resident={len(extra)})" if extra else f"{base}(depth={d})"
+    args = [f"depth={d}"]
+    if extra:
+        args.append(f"resident={len(extra)}")
+    if chunk is not None:
+        args.append(f"chunk={format_bytes(chunk, exact=False)}")
+    name = f"{base}({', '.join(args)})"
     notes = (f"resident blocks: {compress_paths(extra)}",) if extra else ()
 
     def ring_policy(plan: Plan, step: Step, /) -> Schedule:
-        return _ring(plan, step, depth=d, resident=extra, gather=gather, policy=name, notes=notes)
+        return _ring(
+            plan, step, depth=d, resident=extra, gather=gather, chunk_bytes=chunk, policy=name, notes=notes
+        )
 
-    return index_free(ring_policy)
+    return declare(ring_policy, name=name, index_free=True)
 
 
-def layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Policy:
+def layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Declared:
     """Stream every streaming block through one shared ring of ``depth + 1`` slots (see the ring note).
 
     ``resident`` names extra blocks (any, not only leading ones) to keep on the device for good, on
@@ -386,17 +417,66 @@ def layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Policy:
     return _ring_policy("layerwise", depth, resident, gather=False)
 
 
-def distributed_layerwise(depth: int = 1, resident: Iterable[str] = ()) -> Policy:
+def distributed_layerwise(
+    depth: int = 1, resident: Iterable[str] = (), *, chunk_bytes: int | None = None
+) -> Declared:
     """The ring of `layerwise`, with each all-gathered block loaded as this rank's shard
     (``load ... from shard`` into a shard slot, ``shard_nbytes`` bytes) and then all-gathered on the
-    comm stream into a full slot, in ``ceil(shard / chunk_bytes)`` chunks. Rank-local components load
-    whole blocks. The schedule is the same on every rank; the runtime derives each rank's shard
-    offset as ``rank * shard_nbytes(block, world)``.
+    comm stream into a full slot, in ``ceil(shard / chunk_bytes)`` chunks (one when ``None``).
+    Rank-local components load whole blocks. The schedule is the same on every rank; the runtime
+    derives each rank's shard offset as ``rank * shard_nbytes(block, world)``.
     """
-    return _ring_policy("distributed_layerwise", depth, resident, gather=True)
+    return _ring_policy("distributed_layerwise", depth, resident, gather=True, chunk_bytes=chunk_bytes)
+
+
+#: Strategy -> the factory of its built-in policy: the one place a strategy name becomes a policy.
+BUILTINS: Mapping[Strategy, Callable[..., Declared]] = MappingProxyType(
+    {
+        "none": none,
+        "model_level": model_level,
+        "layerwise": layerwise,
+        "distributed_layerwise": distributed_layerwise,
+    }
+)
+#: The knobs each built-in policy takes: its factory's parameters (`builtin` refuses any other).
+_KNOBS: Mapping[str, frozenset[str]] = MappingProxyType(
+    {name: frozenset(inspect.signature(factory).parameters) for name, factory in BUILTINS.items()}
+)
+
+
+def builtin(
+    strategy: str, *, depth: int = 1, resident: Iterable[str] = (), chunk_bytes: int | None = None
+) -> Declared:
+    """The built-in policy of ``strategy`` with its knobs: ``depth`` (blocks in flight, ring
+    strategies), ``resident`` (extra block paths kept on the device, ring strategies) and
+    ``chunk_bytes`` (all-gather chunk size, ``distributed_layerwise``).
+
+    A knob the strategy does not take, set away from its default, is a `PlanError` (it would be
+    silently ignored otherwise); so is an unknown strategy.
+    """
+    if strategy not in BUILTINS:
+        raise PlanError(
+            f"policies.builtin({strategy!r}): no built-in policy has that name; choose one of "
+            f"{', '.join(map(repr, STRATEGIES))}"
+        )
+    name = cast("Strategy", strategy)
+    values = {"depth": depth, "resident": tuple(resident), "chunk_bytes": chunk_bytes}
+    defaults = {"depth": 1, "resident": (), "chunk_bytes": None}
+    stray = sorted(k for k, v in values.items() if v != defaults[k] and k not in _KNOBS[name])
+    if stray:
+        takes = sorted(_KNOBS[name])
+        what = f"takes only {', '.join(takes)}" if takes else "takes no knobs"
+        raise PlanError(
+            f"policies.builtin({strategy!r}): the {strategy} policy {what}, and "
+            f"{', '.join(stray)} was set; drop it, or choose a strategy that uses it "
+            f"({'distributed_layerwise' if 'chunk_bytes' in stray else 'layerwise or distributed_layerwise'})"
+        )
+    return BUILTINS[name](**{k: v for k, v in values.items() if k in _KNOBS[name]})
 
 
 def cached(policy: Policy, maxsize: int | None = 1024) -> Policy:
     """``policy`` memoised by ``(plan, step)``: valid because policies are pure and their inputs hashable."""
     memo: Policy = lru_cache(maxsize=maxsize)(policy)
-    return index_free(memo) if is_index_free(policy) else memo
+    if isinstance(policy, Declared):
+        return declare(memo, name=policy.name, index_free=policy.index_free)
+    return memo

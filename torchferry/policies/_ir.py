@@ -25,7 +25,6 @@ Op kinds (stream in brackets; `OP_STREAM` maps each kind to it):
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Literal, Protocol
@@ -38,6 +37,7 @@ __all__ = [
     "DEVICE",
     "OP_KINDS",
     "OP_STREAM",
+    "Declared",
     "Op",
     "OpKind",
     "Placement",
@@ -48,6 +48,7 @@ __all__ = [
     "Step",
     "StreamName",
     "When",
+    "declare",
     "index_free",
     "is_index_free",
     "rest_unit",
@@ -201,24 +202,48 @@ class Policy(Protocol):
     def __call__(self, plan: Plan, step: Step, /) -> Schedule: ...
 
 
-_INDEX_FREE: weakref.WeakSet[Policy] = weakref.WeakSet()
+@attrs.frozen(kw_only=True, eq=False)
+class Declared:
+    """A policy function with the properties a session reads from it (see `declare`).
+
+    It is a `Policy` (calling it calls ``fn``); ``name`` is how reports and ``repr`` show it, and
+    ``index_free`` says its schedules ignore ``Step.index``. Equal only to itself, like a function.
+    """
+
+    fn: Policy
+    name: str
+    index_free: bool = False
+
+    def __call__(self, plan: Plan, step: Step, /) -> Schedule:
+        return self.fn(plan, step)
+
+    def __repr__(self) -> str:
+        return f"<policy {self.name}>"
+
+
+def declare(fn: Policy, *, name: str | None = None, index_free: bool = False) -> Declared:
+    """``fn`` with its declared properties attached: a ``name`` for reports (default: the function's
+    name) and ``index_free``.
+
+    ``index_free=True`` says ``fn``'s schedules depend on nothing in a `Step` but its component,
+    entry and next. A session then builds one schedule for all forwards of a component that start
+    from the same residency, instead of one per ``Step.index`` (a model called in a loop would
+    otherwise build and compile a new schedule every forward); such a schedule's header shows index
+    0. Every built-in policy is index-free; a user policy that reads ``step.index`` must not say so.
+    A plain function is a `Policy` too: undeclared, it is not index-free.
+    """
+    if isinstance(fn, Declared):
+        fn = fn.fn
+    label = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
+    return Declared(fn=fn, name=label, index_free=index_free)
 
 
 def index_free(policy: Policy) -> Policy:
-    """Declare that ``policy``'s schedules depend on nothing in a `Step` but its component, entry and next.
-
-    A session then builds one schedule for all forwards of a component that start from the same
-    residency, instead of one per ``Step.index`` (a model called in a loop would otherwise build and
-    compile a new schedule every forward). Such a schedule's header shows index 0. Every built-in
-    policy is index-free; a user policy that reads ``step.index`` must not be marked.
-    """
-    _INDEX_FREE.add(policy)
-    return policy
+    """``declare(policy, index_free=True)``, keeping a declared name (kept for existing callers)."""
+    name = policy.name if isinstance(policy, Declared) else None
+    return declare(policy, name=name, index_free=True)
 
 
 def is_index_free(policy: Policy) -> bool:
-    """Whether ``policy`` was declared with `index_free`."""
-    try:
-        return policy in _INDEX_FREE
-    except TypeError:  # an unhashable or non-weakrefable callable cannot have been declared
-        return False
+    """Whether ``policy`` was declared index-free (`declare`)."""
+    return isinstance(policy, Declared) and policy.index_free

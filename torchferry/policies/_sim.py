@@ -12,7 +12,12 @@ its ``before <block>`` ops and before its ``after <block>`` ops. Dependencies:
 - ``wait`` holds the compute stream until the unit's last load, gather or stage ends; the delay is
   the stall charged to the anchor it sits at;
 - ``acquire`` runs a blocking host-to-device copy on the compute stream; ``evict``, ``unstage`` and
-  ``release`` take no time.
+  ``release`` take no time on the device.
+
+Host cost: the runtime's hooks run on the host between the kernels they launch, so every op costs
+``CostModel.host_op_s`` and every block's hooks ``CostModel.host_block_s`` on the compute stream
+(drawn as ``host`` stretches). The resident baseline runs no hooks and pays neither: host cost is
+what tells a well-overlapped ring's +0.3% from a host-synchronising one's +7% when transfers hide.
 
 ``SimReport.timeline`` records every busy stretch of every stream (each transfer chunk, each
 compute, each stall) so a step can be drawn; it takes no part in any other figure.
@@ -62,9 +67,15 @@ class CostModel:
     - ``flops`` (per path) or ``block_flops`` (any block) with ``device_flops_per_s``: compute time as
       FLOPs over the device's achieved FLOP/s, used where ``compute_s`` names no time.
     - ``launch_s``: seconds added to every compute and every transfer chunk.
+    - ``host_op_s`` / ``host_block_s``: host seconds the runtime spends per op it issues and per
+      block it hooks, on the compute stream (see the stream model); the resident baseline has none.
+    - ``forwards_per_step``: DiT forwards one denoising step makes (2 for classifier-free guidance
+      run as two forwards); a step's time is the forward's times this.
     - ``forwards_per_call``: DiT forwards in one pipeline call (denoising steps x guidance
       forwards); a per-call cost such as a model-level swap is spread over them when policies are
       compared per step.
+    - ``source``: where the figures come from (``measured ...``, ``assumed: ...``), for reports; it
+      takes no part in equality.
     """
 
     h2d_bytes_per_s: float = attrs.field(default=25e9, validator=_positive)
@@ -77,6 +88,48 @@ class CostModel:
     device_flops_per_s: float | None = None
     launch_s: float = attrs.field(default=0.0, validator=_non_negative)
     forwards_per_call: int = attrs.field(default=50, validator=attrs.validators.ge(1))
+    host_op_s: float = attrs.field(default=0.0, validator=_non_negative)
+    host_block_s: float = attrs.field(default=0.0, validator=_non_negative)
+    forwards_per_step: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    source: str = attrs.field(default="", eq=False)
+
+    @classmethod
+    def calibrated(
+        cls,
+        *,
+        h2d_bytes_per_s: float,
+        block_s: float | None = None,
+        compute_s: Mapping[str, float] | None = None,
+        component_s: float = 0.0,
+        host_op_s: float = 0.0,
+        host_block_s: float = 0.0,
+        collective_bytes_per_s: float = 100e9,
+        forwards_per_step: int = 1,
+        steps: int = 50,
+        source: str = "measured",
+    ) -> CostModel:
+        """A cost model from measured figures: the pinned host-to-device bandwidth, compute seconds
+        per block (``block_s`` for every block, ``compute_s`` per path; at least one), the
+        non-block remainder's compute (``component_s``), the host cost per op and per block, and
+        the forwards of a denoising step and of a call (``steps x forwards_per_step``).
+        """
+        if block_s is None and not compute_s:
+            raise ValueError(
+                "CostModel.calibrated needs the measured compute: block_s (seconds per block) or "
+                "compute_s (seconds per block path)"
+            )
+        return cls(
+            h2d_bytes_per_s=h2d_bytes_per_s,
+            collective_bytes_per_s=collective_bytes_per_s,
+            block_s=block_s if block_s is not None else 0.0,
+            component_s=component_s,
+            compute_s=dict(compute_s or {}),
+            host_op_s=host_op_s,
+            host_block_s=host_block_s,
+            forwards_per_step=forwards_per_step,
+            forwards_per_call=max(1, steps * forwards_per_step),
+            source=source,
+        )
 
     def compute_seconds(self, path: str, *, block: bool) -> float:
         """Compute seconds of block (or component) ``path`` under this model, launch included."""
@@ -107,7 +160,8 @@ class Span:
     `simulate` predicts them (`SimReport.timeline`) and `runtime.Tracer` measures them
     (`runtime.StepTrace`), so the two line up span for span. ``kind`` is the op kind that kept the
     stream busy (``load``, ``gather``, ``stage``, ``acquire``), ``compute`` for a block's or
-    component's forward, or ``stall`` for compute waiting on a transfer. ``label`` names the unit
+    component's forward, ``stall`` for compute waiting on a transfer, or ``host`` for the
+    runtime's host work (`CostModel.host_op_s`, `CostModel.host_block_s`). ``label`` names the unit
     (or the computing anchor); ``op`` is the index of the op in the schedule (``None`` for a
     compute); a simulated transfer in several chunks has one span per chunk and ``chunk`` numbers
     it from 0; ``nbytes`` is the bytes a measured copy moved (0 otherwise).
@@ -222,14 +276,24 @@ class _Replay:
             self.allocated.add(slot)
             self._grow(self.slot_size.get(slot, nbytes), index)
 
+    def _host(self, seconds: float, label: str, op: int | None) -> None:
+        """The host spends ``seconds`` in the runtime before the compute stream can go on."""
+        if seconds > 0:
+            self._busy("compute", self.compute, self.compute + seconds, kind="host", label=label, op=op)
+            self.compute += seconds
+
     def computes(self, anchor: str) -> None:
-        d = self.cost.compute_seconds(anchor, block=anchor != self.component)
+        block = anchor != self.component
+        if block:
+            self._host(self.cost.host_block_s, anchor, None)
+        d = self.cost.compute_seconds(anchor, block=block)
         self._busy("compute", self.compute, self.compute + d, kind="compute", label=anchor, op=None)
         self.compute += d
         self.resident += d
         self.stall.setdefault(anchor, 0.0)
 
     def op(self, index: int, op: Op) -> None:
+        self._host(self.cost.host_op_s, op.unit, index)
         _REPLAYS[op.kind](self, index, op)
 
     def _wait(self, index: int, op: Op) -> None:

@@ -14,6 +14,7 @@ from torchferry.runtime._checkpoint import save_safetensors as save_safetensors
 from torchferry.runtime._comm import Comm as Comm
 from torchferry.runtime._engine import Engine, execute
 from torchferry.runtime._meta import meta_parameters
+from torchferry.runtime._probe import load_profile, probe, profile_path, save_profile
 from torchferry.runtime._program import listing
 from torchferry.runtime._steps import Steps as Steps
 from torchferry.runtime._trace import Span, StepTrace, Tracer
@@ -26,5 +27,9 @@ __all__ = [
     "Tracer",
     "execute",
     "listing",
+    "load_profile",
     "meta_parameters",
+    "probe",
+    "profile_path",
+    "save_profile",
 ]

@@ -55,7 +55,6 @@ from torchferry.runtime._program import (
     MAX_PROGRAMS,
     Handler,
     Program,
-    _portable,
     compile_program,
     listing,
     schedule_text,
@@ -118,7 +117,7 @@ class Engine:
         self.comm = comm if world > 1 else None
         sharding = None
         if self.comm is not None:
-            self.comm.agree("the plan", _portable(plan))
+            self.comm.agree("the plan", plan.digest)
             sharding = Sharding(rank=self.comm.rank, world=world, names=layout(plan).allgather)
         self.store = self._open(pipeline, plan, pin, sharding, prefix_map)
         self.slots = SlotPool(self.streams, self.ledger)

@@ -35,16 +35,9 @@ def listing(schedule: Schedule, pc: int) -> str:
     return format_marked(schedule, ["exit" if pc >= len(schedule.ops) else pc])
 
 
-def _portable(plan: Plan) -> str:
-    """The plan's digest without its checkpoint path, which may differ between hosts."""
-    if plan.config.checkpoint is None:
-        return plan.digest
-    return attrs.evolve(plan, config=attrs.evolve(plan.config, checkpoint=None)).digest
-
-
 def schedule_text(schedule: Schedule, plan: Plan) -> str:
     """The text ranks compare before a schedule's first collective (its canonical form)."""
-    return format_schedule(attrs.evolve(schedule, plan=_portable(plan)), sim=False)
+    return format_schedule(attrs.evolve(schedule, plan=plan.digest), sim=False)
 
 
 @attrs.define(slots=True, eq=False)

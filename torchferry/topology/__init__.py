@@ -9,6 +9,7 @@ from torchferry.topology._checkpoint import from_checkpoint
 from torchferry.topology._checkpoint import read_header as read_header
 from torchferry.topology._config import (
     COMPONENT_NAMES,
+    RUNTIME_OPTIONS,
     STRATEGIES,
     OffloadConfig,
     ParallelLayout,
@@ -44,12 +45,14 @@ from torchferry.topology._model import find_attr as find_attr
 from torchferry.topology._plan import Plan, canonical
 from torchferry.topology._protocol import SupportsComponentDiscovery
 from torchferry.topology._resolve import resolve
+from torchferry.topology._units import memory_bytes, parse_bytes, parse_rate
 
 __all__ = [
     "COMPONENT_NAMES",
     "DTYPE_SIZES",
     "KNOWN_ALIASES",
     "KNOWN_MODELS",
+    "RUNTIME_OPTIONS",
     "STRATEGIES",
     "Block",
     "Component",
@@ -76,6 +79,9 @@ __all__ = [
     "join_path",
     "known_model",
     "known_topology",
+    "memory_bytes",
     "pack",
+    "parse_bytes",
+    "parse_rate",
     "resolve",
 ]

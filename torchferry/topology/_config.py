@@ -15,11 +15,13 @@ from typing import Any, Literal, TypeVar, cast
 import attrs
 
 from torchferry._errors import PlanError
+from torchferry.topology._units import memory_bytes
 
 __all__ = [
     "COMPONENT_NAMES",
     "MAPPING_FIELDS",
     "MAPPING_MODES",
+    "RUNTIME_OPTIONS",
     "STRATEGIES",
     "TRANSFERS",
     "OffloadConfig",
@@ -39,6 +41,17 @@ COMPONENT_NAMES: tuple[SelectableComponent, ...] = ("dit", "text_encoder", "vae"
 #: Top-level fields of the compact mapping form, and its modes.
 MAPPING_FIELDS: tuple[str, ...] = ("mode", "components", "layer_options", "pin_memory")
 MAPPING_MODES: tuple[str, ...] = ("module", "layer")
+#: The `OffloadConfig` fields `resolve` never reads: how the plan is carried out, not what it is.
+#: They take no part in `Plan.digest` (the plan is the same plan whatever they say): the prefetch
+#: depth and chunk size are knobs of the policy (`policies.builtin`), the budget is what `check`
+#: holds schedules to, pinning and the checkpoint path are the runtime's.
+RUNTIME_OPTIONS: tuple[str, ...] = (
+    "pin_memory",
+    "prefetch_depth",
+    "device_memory_bytes",
+    "checkpoint",
+    "chunk_bytes",
+)
 #: Per-component keys of ``layer_options`` in the compact form.
 _LAYER_OPTION_KEYS: tuple[str, ...] = ("weight_transfer", "resident_layers")
 
@@ -194,6 +207,14 @@ def _path_or_none(value: str | os.PathLike[str] | None) -> str | None:
     raise TypeError(f"OffloadConfig.checkpoint must be a path or None, got {_type_name(value)} {value!r}")
 
 
+def _memory_or_none(value: int | str | None) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, str):
+        return memory_bytes(value, "OffloadConfig.device_memory_bytes")
+    return value  # the validator names the wrong type
+
+
 def _layout(_: object, __: attrs.Attribute[ParallelLayout], value: object) -> None:
     if not isinstance(value, ParallelLayout):
         raise TypeError(f"OffloadConfig.parallel must be a ParallelLayout, got {_type_name(value)} {value!r}")
@@ -212,10 +233,14 @@ class OffloadConfig:
     - ``components``: the selection (``dit``, ``text_encoder``, ``vae``); ``None`` is the legacy
       default selection, where warnings replace some errors.
     - ``prefetch_depth``: blocks in flight ahead of the one computing (>= 1).
-    - ``device_memory_bytes``: the device budget schedules must fit, if any.
+    - ``device_memory_bytes``: the device budget schedules must fit, if any: bytes, or a size such
+      as ``"24GiB"`` (`offload` and `torchferry plan` call it ``device_memory``).
     - ``checkpoint``: a safetensors file, shard folder or ``*.index.json`` to fill host buffers from.
     - ``chunk_bytes``: split each distributed transfer into chunks of at most this size (None: whole).
     - ``parallel``: the parallel layout, from which the shard group size derives.
+
+    The fields in `RUNTIME_OPTIONS` say how the plan is carried out, not what it is: `resolve` reads
+    none of them and `Plan.digest` leaves them out (see `request`).
 
     Across fields: resident layers need rank-local DiT weights under the distributed strategy,
     and the distributed strategy cannot all-gather weights that HSDP already shards.
@@ -230,7 +255,9 @@ class OffloadConfig:
     )
     pin_memory: bool = attrs.field(default=True, validator=_bool_field)
     prefetch_depth: int = attrs.field(default=1, validator=_positive)
-    device_memory_bytes: int | None = attrs.field(default=None, validator=_positive_or_none)
+    device_memory_bytes: int | None = attrs.field(
+        default=None, converter=_memory_or_none, validator=_positive_or_none
+    )
     checkpoint: str | None = attrs.field(default=None, converter=_path_or_none)
     chunk_bytes: int | None = attrs.field(default=None, validator=_positive_or_none)
     parallel: ParallelLayout = attrs.field(factory=ParallelLayout, validator=_layout)
@@ -249,6 +276,17 @@ class OffloadConfig:
                 "parameters HSDP already shards; set dit_transfer='rank-local' and "
                 "encoder_transfer='rank-local', or disable HSDP"
             )
+
+    @property
+    def request(self) -> OffloadConfig:
+        """This config with every `RUNTIME_OPTIONS` field at its default: all that `resolve` reads,
+        and what `Plan.digest` covers."""
+        defaults: dict[str, Any] = {
+            f.name: f.default for f in attrs.fields(OffloadConfig) if f.name in RUNTIME_OPTIONS
+        }
+        if all(getattr(self, k) == v for k, v in defaults.items()):
+            return self
+        return attrs.evolve(self, **defaults)
 
     @property
     def explicit(self) -> bool:

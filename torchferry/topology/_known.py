@@ -149,15 +149,17 @@ class KnownModel:
         latent_frames = (res.frames - 1) // t_vae + 1
         return (latent_frames // p_t) * (res.height // s_vae // p_h) * (res.width // s_vae // p_w)
 
-    def block_flops(self, resolution: Resolution | None = None) -> tuple[int, ...]:
+    def block_flops(
+        self, resolution: Resolution | None = None, *, text_tokens: int | None = None
+    ) -> tuple[int, ...]:
         """Forward FLOPs (2 per multiply-add) of each DiT block, in ring order, for a batch of one.
 
         Counts the matrix products of projections, feed-forward and attention; elementwise work and
         the per-sample modulation projections are left out. At the default `resolution` and
-        `text_tokens` unless ``resolution`` is given.
+        `text_tokens` unless ``resolution`` or ``text_tokens`` is given.
         """
         n = self.tokens(resolution)
-        text = self.text_tokens
+        text = self.text_tokens if text_tokens is None else text_tokens
         d = self.hidden_size
         f = self.ffn_dim
         if self.family == "cross":

@@ -50,7 +50,10 @@ class Plan:
 
     @property
     def digest(self) -> str:
-        """A short stable fingerprint: equal on every rank and in every process for equal plans."""
+        """A short stable fingerprint of what `resolve` decided: equal on every rank and in every
+        process for equal plans. The config's runtime options (`RUNTIME_OPTIONS`: prefetch depth,
+        chunk size, budget, pinning, checkpoint path) take no part, so plans that differ only there
+        (two hosts with the checkpoint in different places, say) have one digest."""
         return _digest(self)
 
 
@@ -73,4 +76,6 @@ def canonical(value: object) -> object:
 
 @lru_cache(maxsize=256)
 def _digest(plan: Plan) -> str:
-    return hashlib.sha256(repr(canonical(plan)).encode()).hexdigest()[:8]
+    request = plan.config.request  # runtime options are not part of what a plan is
+    identity = plan if request is plan.config else attrs.evolve(plan, config=request)
+    return hashlib.sha256(repr(canonical(identity)).encode()).hexdigest()[:8]

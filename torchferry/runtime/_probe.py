@@ -1,0 +1,116 @@
+"""Measure what this machine's device can do, and keep it where ``torchferry plan`` (and, later, the
+session) finds it: the pinned host-to-device bandwidth and the matrix-multiply rate.
+
+A profile is a `policies.DeviceProfile` saved as JSON at `profile_path()`:
+``$TORCHFERRY_PROFILE`` if set, else ``$TORCHFERRY_CACHE/profile.json``, else
+``$XDG_CACHE_HOME/torchferry/profile.json``, else ``~/.cache/torchferry/profile.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from torchferry._errors import PlanError
+from torchferry.policies import DeviceProfile, match_device_class
+
+__all__ = ["load_profile", "probe", "profile_path", "save_profile"]
+
+
+def profile_path() -> Path:
+    """Where profiles are saved and looked for (see the module notes for the order)."""
+    explicit = os.environ.get("TORCHFERRY_PROFILE")
+    if explicit:
+        return Path(explicit).expanduser()
+    cache = os.environ.get("TORCHFERRY_CACHE")
+    if cache:
+        return Path(cache).expanduser() / "profile.json"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "torchferry" / "profile.json"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_seconds(device: torch.device, run: object, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``run`` after one warm-up (host clock, synchronised)."""
+    assert callable(run)
+    run()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def probe(
+    device: torch.device | str | None = None, *, copy_bytes: int | None = None, matmul_size: int | None = None
+) -> DeviceProfile:
+    """Measure ``device`` (default: CUDA when present, else the CPU): pinned host-to-device copies of
+    ``copy_bytes`` (default 256 MiB on CUDA, 64 MiB on the CPU, where the "copy" is a host memcpy)
+    and square matrix products of ``matmul_size`` (default 4096 in bf16 on CUDA, 512 in fp32 on the
+    CPU); the fastest of a few runs each. Takes about a second."""
+    target = (
+        torch.device(device)
+        if device is not None
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    if target.type not in ("cpu", "cuda"):
+        raise PlanError(f"probe(device={str(target)!r}): torchferry measures cpu or cuda devices only")
+    cuda = target.type == "cuda"
+    nbytes = copy_bytes if copy_bytes is not None else (256 << 20 if cuda else 64 << 20)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dest = torch.empty(nbytes, dtype=torch.uint8, device=target)
+    copy_s = _best_seconds(target, lambda: dest.copy_(host, non_blocking=cuda), 5)
+    n = matmul_size if matmul_size is not None else (4096 if cuda else 512)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(n, n, device=target, dtype=dtype)
+    b = torch.randn(n, n, device=target, dtype=dtype)
+    matmul_s = _best_seconds(target, lambda: torch.mm(a, b), 5)
+    name = torch.cuda.get_device_name(target) if cuda else "cpu"
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    known = match_device_class(name)
+    collective = known.collective_bytes_per_s if known is not None else 100e9
+    return DeviceProfile(
+        name=name,
+        h2d_bytes_per_s=nbytes / copy_s,
+        flops_per_s=2 * n**3 / matmul_s,
+        collective_bytes_per_s=collective,
+        dtype=str(dtype).removeprefix("torch."),
+        source=f"measured on {name} ({target}) by torchferry probe, {when} UTC",
+    )
+
+
+def save_profile(profile: DeviceProfile, path: str | os.PathLike[str] | None = None) -> Path:
+    """Write ``profile`` as JSON to ``path`` (default `profile_path()`); returns where it went."""
+    where = Path(path) if path is not None else profile_path()
+    where.parent.mkdir(parents=True, exist_ok=True)
+    tmp = where.with_name(where.name + ".tmp")
+    tmp.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
+    tmp.replace(where)
+    return where
+
+
+def load_profile(path: str | os.PathLike[str] | None = None) -> DeviceProfile | None:
+    """The profile at ``path`` (default `profile_path()`), or ``None`` when there is none there; a file
+    that is not a profile is a `PlanError` saying to probe again."""
+    where = Path(path) if path is not None else profile_path()
+    if not where.exists():
+        return None
+    try:
+        doc = json.loads(where.read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanError(
+            f"profile {where} cannot be read ({exc}); write a new one with `torchferry probe`"
+        ) from None
+    return DeviceProfile.from_json(doc, where=f"profile {where}")

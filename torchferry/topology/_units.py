@@ -1,0 +1,74 @@
+"""Reading byte counts and rates as people write them (``24GiB``, ``25GB/s``), and device budgets.
+
+Printing them is `torchferry.policies.format_bytes`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torchferry._errors import PlanError
+
+__all__ = ["memory_bytes", "parse_bytes", "parse_rate"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_NUMBER = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """``"24GiB"`` -> 25769803776; decimal (GB) and binary (GiB) units, case-insensitive."""
+    match = _NUMBER.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a size; write a number with a unit such as 24GiB, 80GB or 512MiB"
+        )
+    return round(float(match.group(1)) * _UNITS[unit])
+
+
+def parse_rate(text: str) -> float:
+    """``"25GB/s"`` -> 25e9 bytes per second."""
+    body = text.strip()
+    if not body.lower().endswith("/s"):
+        raise ValueError(f"cannot read {text!r} as a bandwidth; write a size per second such as 25GB/s")
+    try:
+        value = parse_bytes(body[:-2])
+    except ValueError:
+        raise ValueError(
+            f"cannot read {text!r} as a bandwidth; write a size per second such as 25GB/s"
+        ) from None
+    if value <= 0:
+        raise ValueError(f"bandwidth {text!r} must be positive")
+    return float(value)
+
+
+def memory_bytes(value: int | str, where: str = "device_memory") -> int:
+    """A device budget given as bytes (``25769803776``) or as text (``"24GiB"``, ``"80GB"``), in bytes.
+
+    This is what every ``device_memory=`` accepts; ``where`` names the argument in the error. A
+    size that does not parse, or is not positive, is a `PlanError`; another type is a ``TypeError``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(
+            f"{where} must be a number of bytes or a size such as '24GiB', "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if isinstance(value, str):
+        try:
+            value = parse_bytes(value)
+        except ValueError as exc:
+            raise PlanError(f"{where}: {exc}") from None
+    if value <= 0:
+        raise PlanError(f"{where} must be a positive number of bytes, got {value}")
+    return value
