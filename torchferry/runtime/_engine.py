@@ -66,6 +66,7 @@ from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger, SlotPool
 from torchferry.runtime._host import HOST, READY, STAGED_IN, Group, HostStore, Sharding, Unit, find_attr
+from torchferry.runtime._pinning import warn_pageable
 from torchferry.runtime._streams import StreamContext, Transfer, stream_context
 from torchferry.runtime._trace import Tracer
 from torchferry.topology import Plan
@@ -157,6 +158,8 @@ class Engine:
         self.streams: StreamContext = stream_context(self.device)
         self.ledger = Ledger()
         pin = pin_memory and self.device.type == "cuda" and torch.cuda.is_available()
+        if not pin_memory and self.device.type == "cuda":
+            warn_pageable(self.device)
         world = plan.config.dp_size
         if world > 1 and (comm is None or comm.world != world):
             have = "no process group" if comm is None else f"a process group of {comm.world} ranks"
@@ -243,6 +246,8 @@ class Engine:
             try:
                 self.comm.agree("open the session", "ready", ok=failure is None)
             except ExecutionError:
+                if prepared is not None:
+                    prepared.discard()
                 if failure is not None:
                     raise failure from None
                 raise

@@ -25,6 +25,7 @@ from torchferry.topology._known import (
 )
 from torchferry.topology._model import (
     DTYPE_SIZES,
+    PACK_ALIGN,
     Block,
     Component,
     ComponentKind,
@@ -35,6 +36,7 @@ from torchferry.topology._model import (
     dtype_size,
     join_path,
     pack,
+    packed_nbytes,
 )
 from torchferry.topology._plan import Plan, canonical
 from torchferry.topology._protocol import SupportsComponentDiscovery
@@ -52,6 +54,7 @@ __all__ = [
     "DTYPE_SIZES",
     "KNOWN_ALIASES",
     "KNOWN_MODELS",
+    "PACK_ALIGN",
     "STRATEGIES",
     "Block",
     "Component",
@@ -83,6 +86,7 @@ __all__ = [
     "known_model",
     "known_topology",
     "pack",
+    "packed_nbytes",
     "pipeline_components",
     "resolve",
 ]
