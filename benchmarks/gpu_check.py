@@ -637,9 +637,35 @@ class Check:
             "copy": copy,
             "host_pinned": pinned,
         }
-        if ledger is not None and ledger != predicted:
-            row["verdict"] = f"ledger peak {ledger} != predicted {predicted}"
+        row["verdict"] = "; ".join(self.verdicts(row))
         return row
+
+    def verdicts(self, row: dict[str, Any]) -> list[str]:
+        """The targets a variant is held to: ledger == prediction, and on CUDA step time, H2D and peak."""
+        said = []
+        if row["ledger_peak_bytes"] is not None and row["ledger_peak_bytes"] != row["predicted_peak_bytes"]:
+            said.append(f"ledger {row['ledger_peak_bytes']} != predicted {row['predicted_peak_bytes']}")
+        peak = self.bandwidth.get("pinned_peak")
+        if not self.cuda or not peak or self.resident_s is None:
+            return said
+        compute, transfer = self.resident_s / self.size.blocks, self.block_bytes / peak
+        if row["overhead"] is not None and compute > transfer:
+            met = row["overhead"] <= STEP_TARGET
+            said.append(f"step within {STEP_TARGET:.0%} of resident: {'met' if met else 'NOT met'}")
+        elif row["overhead"] is not None:
+            said.append(
+                f"step target n/a (transfer {transfer * 1e3:.2f} ms >= compute {compute * 1e3:.2f} ms)"
+            )
+        fraction = row["h2d_fraction_of_peak"]
+        if fraction is not None:
+            said.append(
+                f"H2D {fraction:.0%} of pinned peak: {'met' if fraction >= H2D_TARGET else 'NOT met'}"
+            )
+        if row["measured_peak_bytes"] is not None and row["predicted_peak_bytes"]:
+            off = row["measured_peak_bytes"] / row["predicted_peak_bytes"] - 1
+            row["peak_error"] = off
+            said.append(f"peak {off:+.1%} vs predicted: {'met' if abs(off) <= PEAK_TARGET else 'NOT met'}")
+        return said
 
     def transfer_bound(self) -> dict[str, Any]:
         few = self.make_inputs(FEW_TOKENS)
@@ -980,6 +1006,30 @@ def _brief(entry: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+#: Figures shown in the table's note column for rows that are not timed variants: key -> format.
+_FIGURES: dict[str, Callable[[Any], str]] = {
+    "pinned_over_store": lambda v: f"pinned/store {v:.4f}",
+    "open_s": lambda v: f"open {v:.2f} s",
+    "rss_after_close": lambda v: f"RSS after close {v / (1 << 30):.2f} GiB",
+    "pinned_bytes_after_close": lambda v: f"pinned after close {v} B",
+    "step_over_blocks_x_transfer": lambda v: f"step/(blocks x transfer) {v:.2f}",
+    "copy_busy_fraction": lambda v: f"copy busy {v:.0%}",
+    "enqueue_per_block_s": lambda v: f"enqueue {v * 1e6:.0f} us/block",
+    "gpu_s_per_step": lambda v: f"GPU {v * 1e3:.2f} ms/step",
+    "d1_identical": lambda v: f"d1 identical {v}",
+    "d2_identical": lambda v: f"d2 identical {v}",
+    "weights_identical": lambda v: f"weights identical {v}",
+    "gpu": str,
+    "pcie.link.gen.current": lambda v: f"PCIe gen {v}",
+    "pcie.link.width.current": lambda v: f"x{v}",
+}
+
+
+def _figures(entry: dict[str, Any]) -> str | None:
+    shown = [fmt(entry[key]) for key, fmt in _FIGURES.items() if entry.get(key) is not None]
+    return ", ".join(shown) or None
+
+
 def _mib(x: float | None) -> str | None:
     return None if x is None else f"{x / (1 << 20):.1f}"
 
@@ -1005,7 +1055,7 @@ def summary(check: Check) -> str:
                 _mib(e.get("measured_peak_bytes")) if ok else None,
                 _mib(e.get("predicted_peak_bytes")) if ok else None,
                 _mib(e.get("ledger_peak_bytes")) if ok else None,
-                _brief(e) if not ok else e.get("verdict"),
+                _brief(e) if not ok else (e.get("verdict") or _figures(e)),
             ]
         )
     headers = [
