@@ -75,6 +75,27 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
     assert rows["open close"]["pinned_bytes_after_close"] == 0
 
 
+def test_gpu_check_needs_only_torch_and_torchferry(tmp_path: Path) -> None:
+    """gpu_check runs with diffusers, transformers and accelerate unimportable, as on a bare GPU box."""
+    blocked = "import sys; sys.modules.update(dict.fromkeys(['diffusers', 'transformers', 'accelerate']))"
+    run = (
+        f"{blocked}; import runpy; sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    script = str(BENCHMARKS / "gpu_check.py")
+    done = subprocess.run(
+        [sys.executable, "-c", run, script, "--quick", "--cpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(BENCHMARKS)},
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert [n for n, r in rows.items() if r["status"] == "FAILED"] == []
+
+
 def test_overhead_quick_compares_every_variant(tmp_path: Path) -> None:
     """overhead --quick times every offloader on one Wan model, and each output equals the resident one."""
     target = tmp_path / "overhead.json"

@@ -185,3 +185,26 @@ def test_pageable_memory_on_cuda_warns_once() -> None:
         session = torchferry.offload(p, strategy="layerwise", device="cuda", pin_memory=False)
     assert sum(issubclass(w.category, OffloadWarning) for w in caught) == 1
     session.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_released_buffers_give_their_memory_back_to_the_os() -> None:
+    """A filled 64 MiB buffer raises RSS by its size, and releasing it (as close does) takes it back."""
+    from torchferry.runtime._pinning import HostMemory
+
+    memory = HostMemory(BookPinner())
+    size = 64 << 20
+    base = _rss()
+    buffer = memory.alloc("block", size)
+    buffer.fill_(1)
+    grown = _rss() - base
+    del buffer
+    memory.release("block")
+    assert grown > size * 0.9
+    assert _rss() - base < size * 0.1
+    assert memory.pinned_bytes == 0
