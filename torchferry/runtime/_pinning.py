@@ -14,6 +14,10 @@ copy engine reads it directly.
 Pinning happens while a session *prepares* (before ranks agree that every rank could open, see
 `Engine`): a buffer the driver refuses to pin (the locked-memory limit, a container's ulimit)
 unpins what was pinned, and the store continues in pageable memory with one `OffloadWarning`.
+Pinning touches every page, so a session opened from a module on CUDA holds the module's own
+tensors and the whole pinned store at once until commit re-points the tensors (about twice the
+model); pageable buffers are filled group by group at commit and peak near the model plus one
+group, and a checkpoint-backed open never holds the model twice.
 
 The CUDA calls live in one small final class, `CudaPinner`; its CPU twin `BookPinner` keeps the
 same books without a device, so every line of the logic above runs in CPU tests.
