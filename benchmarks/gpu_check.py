@@ -1,47 +1,59 @@
-"""The GPU check: does layerwise streaming hide behind compute, at full link speed, in predicted memory?
+"""The GPU check: is torchferry's CUDA path correct and fast? One run settles it.
 
-One command, no network, under 8 minutes on one GPU:
+One command, no network, at most 8 minutes on one GPU:
 
-    python benchmarks/gpu_check.py --out DIR [--quick] [--cpu]
+    python benchmarks/gpu_check.py --out DIR [--quick] [--cpu] [--only ROW,ROW]
 
-On CUDA it measures, in this order:
+Every row below runs in its own ``try``/``except`` (a failing row keeps its traceback and the run
+goes on), ``DIR/gpu_check.json`` is rewritten after every row, and one table is printed at the end:
 
-1. pinned versus pageable host-to-device bandwidth (1 GiB and one block's bytes, median of 5), and
-   ``runtime.probe``'s pinned bandwidth and bf16 matmul rate beside the figures of the device class
-   the chooser would otherwise assume (``policies.match_device_class``);
-2. a compute-heavy DiT-like model in bf16 (hidden 4096, 32 heads, 24 blocks of 12 x hidden^2 weights,
-   batch 2 x 16384 tokens, so a block's compute outweighs its transfer) run resident, then under
-   torchferry ``layerwise`` at prefetch depth 1 and 2, then under diffusers' group offloading
-   (``block_level``, one block per group, ``use_stream=True``) when diffusers imports. For each: time
-   per step (CUDA events, median of back-to-back steps), overhead over resident, and whether the
-   output is bit-identical to the resident one (``torch.equal``);
-3. device memory. torchferry's prediction (``policies.simulate`` on the steady step's schedule)
-   counts only what the runtime holds (slots and staged remainders), not activations or inputs. So
-   the measured figure is ``max_memory_allocated`` over one steady step minus the step's activation
-   peak (measured on the resident run as its ``max_memory_allocated`` minus its starting
-   ``memory_allocated``) minus the input bytes; the runtime's own ledger is shown beside it;
-4. one instrumented steady step per torchferry run: CUDA events around every weight copy (on the
-   copy stream) and around every block's compute (on the compute stream) give the achieved H2D
-   bandwidth of the copies (bytes over copy time) and the fraction of copy time that overlapped
-   compute.
+- ``environment``: torch, CUDA, NCCL, driver, GPU, PCIe generation and width (``nvidia-smi``);
+- ``bandwidth``: pinned versus pageable host-to-device copies (a large buffer and one block);
+- ``cuda path``: the stream context's type, copy/comm streams distinct from compute, every host
+  buffer pinned (``is_pinned()``, the truth), pinned bytes versus host-store bytes, and, from inside
+  a block, that its parameters are CUDA views inside a slot, 256-byte aligned;
+- per variant (``resident``, ``torchferry layerwise d1``/``d2``, ``torchferry model_level``,
+  ``torchferry resident set``): bit identity with resident (max abs diff otherwise), ms/step and
+  overhead, from `Session.trace` the stall time, copy busy time and per-block stalls, achieved H2D
+  against the pinned peak, measured versus predicted (``policies.simulate``) versus ledger peak,
+  and ``max_memory_reserved``;
+- ``transfer bound``: a few tokens, so copies dominate: step time / (blocks x transfer time) and
+  the copy stream's busy fraction (the compute-bound size is the variants' own);
+- ``host syncs``: steady steps under ``torch.cuda.set_sync_debug_mode("error")``, and host enqueue
+  time per step versus GPU time;
+- ``ordering stress``: bit identity with ``torch.cuda._sleep`` on the copy stream before each copy
+  and on compute before each evict, depth 1 and 2; ``cuda sanitizer``: one pass in a subprocess
+  under ``TORCH_CUDA_SANITIZER=1``;
+- ``open close``: open time, RSS and pinned bytes after ``close()``;
+- other paths: ``demo`` (``python -m torchferry demo`` on cuda), ``wan pipeline`` (a tiny
+  diffusers WanPipeline called as a user calls it), ``inference mode``, ``pageable``
+  (``pin_memory=False``), ``exception mid-step`` (then ``close()``: weights identical, allocated
+  memory back to the inputs only);
+- ``diffusers record_stream False`` / ``True``: diffusers group offloading, ``use_stream=True``.
 
-Targets, printed beside the results: layerwise step time within 5% of resident when a block's
-compute time exceeds its transfer time at the pinned peak; achieved H2D at least 90% of the pinned
-peak; measured peak within 2% of predicted. Without CUDA (or with ``--cpu``) the same logic runs on a
-tiny model on the CPU and the CUDA-only parts are skipped with a message; ``--quick`` shrinks every
-size (a GPU smoke run, or the CPU test). Prints one table; writes ``DIR/gpu_check.json``.
+Only torch and torchferry are needed; diffusers (and transformers for the WanPipeline row) are
+optional: without them those rows say how to bring them and the others run. Without CUDA (or with
+``--cpu``) the same logic runs on a tiny model on the CPU and the CUDA-only rows are skipped with
+a message; ``--quick`` shrinks every size (a GPU smoke run, or the CPU test).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import importlib
 import math
+import os
+import shutil
+import subprocess
+import sys
 import time
+import traceback
+import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -50,11 +62,18 @@ import torch
 from torch import nn
 
 import torchferry
-from torchferry import policies, runtime
+from torchferry import policies
+from torchferry.topology import PACK_ALIGN, Declaration
 
 STEP_TARGET = 0.05
 H2D_TARGET = 0.90
 PEAK_TARGET = 0.02
+#: GPU cycles one injected ``torch.cuda._sleep`` spins (about a millisecond).
+SLEEP_CYCLES = 2_000_000
+BRING_DIFFUSERS = (
+    "pip install 'diffusers>=0.42' 'transformers>=5.0' 'accelerate>=1.0' (or copy wheels over: "
+    "pip download them elsewhere, then pip install --no-index --find-links DIR ...)"
+)
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,8 @@ GPU_QUICK = Size(
 )
 CPU_SIZE = Size(hidden=64, heads=4, blocks=6, tokens=32, batch=1, warmup=2, steps=5, bandwidth_bytes=0)
 CPU_QUICK = Size(hidden=64, heads=4, blocks=4, tokens=16, batch=1, warmup=2, steps=2, bandwidth_bytes=0)
+#: Tokens of the transfer-bound run: so few that a block's copy outlasts its compute.
+FEW_TOKENS = 64
 
 
 class Block(nn.Module):
@@ -161,6 +182,9 @@ def h2d_bandwidth(nbytes: int, device: torch.device, repeats: int = 5) -> dict[s
                 samples.append(nbytes / (time.perf_counter() - start))
         result[kind] = common.Stats.of(samples).median
         del src
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()  # the pinned test buffer stays in the caching host allocator otherwise (and in RSS)
     return result
 
 
@@ -326,65 +350,755 @@ def copy_figures(
     }
 
 
-# ------------------------------------------------------------------------------------------ variants
-def layerwise_run(
-    model: DiT, inputs: tuple[torch.Tensor, torch.Tensor], size: Size, device: torch.device, depth: int
-) -> dict[str, Any]:
-    """One torchferry layerwise session: timing, output, memory, ledger, prediction, copy figures."""
-    row: dict[str, Any] = {"before": allocated(device)}
-    with (
-        torch.no_grad(),
-        torchferry.offload(model, strategy="layerwise", prefetch_depth=depth, device=device) as session,
-    ):
+class Pipe(nn.Module):
+    """The DiT as a declared one-component pipeline (so a resident set of blocks may be asked for)."""
 
-        def fn() -> torch.Tensor:
-            out: torch.Tensor = model(*inputs)
-            return out
+    _dit_modules: ClassVar[list[str]] = ["transformer"]
+    _encoder_modules: ClassVar[list[str]] = []
+    _vae_modules: ClassVar[list[str]] = []
+    _offload_plan: ClassVar[Declaration] = Declaration(resident_dit_paths={"transformer"})
 
-        row["stats"], row["output"] = time_steps(fn, size, device)
-        row["memory"] = peak_of_step(fn, device)
-        schedule = session.engine.last
-        assert schedule is not None, "the session ran no step"
-        row["predicted_peak"] = policies.simulate(schedule).peak_device_bytes
-        row["ledger_peak"] = session.step_peaks.get(schedule.step)
-        row["schedule"] = schedule
-        row["host_pinned"] = session.engine.store.pinned
-        row["copy"] = copy_figures(fn, session, model, device)
-    return row
+    def __init__(self, dit: DiT) -> None:
+        super().__init__()
+        self.transformer = dit
 
-
-def diffusers_run(
-    model: DiT, inputs: tuple[torch.Tensor, torch.Tensor], size: Size, device: torch.device
-) -> dict[str, Any]:
-    """diffusers group offloading, one block per group, with a stream on CUDA (none exists on CPU)."""
-    apply_group_offloading: Any = importlib.import_module("diffusers.hooks").apply_group_offloading
-    before = allocated(device)
-    apply_group_offloading(
-        model,
-        onload_device=device,
-        offload_device=torch.device("cpu"),
-        offload_type="block_level",
-        num_blocks_per_group=1,
-        use_stream=device.type == "cuda",
-    )
-
-    def fn() -> torch.Tensor:
-        out: torch.Tensor = model(*inputs)
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.transformer(x, temb)
         return out
 
-    with torch.no_grad():
-        stats, out = time_steps(fn, size, device)
-        memory = peak_of_step(fn, device)
-    return {"stats": stats, "output": out, "memory": memory, "before": before}
+
+class Skip(Exception):
+    """A row that cannot run here; its message says why and what would bring it."""
 
 
-# -------------------------------------------------------------------------------------------- report
-def _gbs(x: float | None) -> str | None:
-    return None if x is None or not math.isfinite(x) else f"{x / 1e9:.1f}"
+VARIANTS: dict[str, dict[str, Any]] = {
+    "torchferry layerwise d1": {"strategy": "layerwise", "prefetch_depth": 1},
+    "torchferry layerwise d2": {"strategy": "layerwise", "prefetch_depth": 2},
+    "torchferry model_level": {"strategy": "model_level"},
+    "torchferry resident set": {"strategy": "layerwise", "prefetch_depth": 1, "resident_layers": 2},
+}
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size (Linux ``/proc``), else ``None``."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def nvidia_smi() -> dict[str, str]:
+    """Driver, GPU and PCIe link facts from ``nvidia-smi`` when it is installed."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {"nvidia_smi": "not found"}
+    fields = [
+        "driver_version",
+        "name",
+        "pcie.link.gen.current",
+        "pcie.link.gen.max",
+        "pcie.link.width.current",
+        "pcie.link.width.max",
+        "memory.total",
+    ]
+    done = subprocess.run(
+        [exe, f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    first = done.stdout.strip().splitlines()[:1]
+    if done.returncode != 0 or not first:
+        return {"nvidia_smi": f"failed: {done.stderr.strip()[:200]}"}
+    return dict(zip(fields, (v.strip() for v in first[0].split(",")), strict=False))
+
+
+class Check:
+    """The run: the device, the model and inputs, the rows so far, and the JSON written after each."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.cuda = torch.cuda.is_available() and not args.cpu
+        self.device = torch.device("cuda") if self.cuda else torch.device("cpu")
+        size = (
+            (GPU_QUICK if args.quick else GPU_FULL) if self.cuda else (CPU_QUICK if args.quick else CPU_SIZE)
+        )
+        if args.tokens or args.blocks:
+            size = replace(size, tokens=args.tokens or size.tokens, blocks=args.blocks or size.blocks)
+        self.size = size
+        self.quick = bool(args.quick)
+        self.only = set(args.only.split(",")) if args.only else None
+        self.out = Path(args.out) / "gpu_check.json"
+        self.started = time.perf_counter()
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.notes: list[str] = []
+        self.bandwidth: dict[str, Any] = {}
+        self.dtype = torch.bfloat16
+        torch.manual_seed(0)
+        self.model = Pipe(DiT(size, device=torch.device("cpu"), dtype=self.dtype)).eval()
+        self.block_bytes = sum(
+            p.numel() * p.element_size() for p in self.model.transformer.blocks[0].parameters()
+        )
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.inputs = self.make_inputs(size.tokens)
+        self.reference: torch.Tensor | None = None
+        self.resident_s: float | None = None
+        self.activation: int | None = None
+
+    # ------------------------------------------------------------------------------------ plumbing
+    def make_inputs(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator(device=self.device).manual_seed(1)
+        kw: dict[str, Any] = {"generator": g, "device": self.device, "dtype": self.dtype}
+        s = self.size
+        return torch.randn(s.batch, tokens, s.hidden, **kw), torch.randn(s.batch, s.hidden, **kw)
+
+    def fn(self, inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> Callable[[], torch.Tensor]:
+        args = self.inputs if inputs is None else inputs
+
+        def run() -> torch.Tensor:
+            out: torch.Tensor = self.model(*args)
+            return out
+
+        return run
+
+    def needs_cuda(self) -> None:
+        if not self.cuda:
+            raise Skip("needs CUDA")
+
+    def row(self, name: str, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Run one row: its figures, or why it was skipped, or its traceback; then rewrite the JSON."""
+        if self.only is not None and name not in self.only:
+            return {}
+        begin = time.perf_counter()
+        try:
+            entry: dict[str, Any] = {"status": "ok", **body()}
+        except Skip as why:
+            entry = {"status": "skipped", "why": str(why)}
+        except Exception as exc:
+            entry = {
+                "status": "FAILED",
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+        finally:
+            gc.collect()
+            if self.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                torch.cuda.set_sync_debug_mode(0)
+        entry["seconds"] = time.perf_counter() - begin
+        self.rows[name] = entry
+        self.write()
+        say(f"[{time.perf_counter() - self.started:6.1f} s] {name}: {entry['status']} {_brief(entry)}")
+        return entry
+
+    def write(self) -> None:
+        payload = {
+            "device": str(self.device),
+            "size": asdict(self.size),
+            "bandwidth": self.bandwidth,
+            "rows": self.rows,
+            "notes": self.notes,
+            "elapsed_s": time.perf_counter() - self.started,
+        }
+        common.write_json(self.out, payload)
+
+    def identity(self, out: torch.Tensor) -> dict[str, Any]:
+        assert self.reference is not None, "the resident row must run first"
+        same = bool(torch.equal(out, self.reference))
+        diff = 0.0 if same else float((out.float() - self.reference.float()).abs().max())
+        return {"identical": same, "max_abs_diff": diff}
+
+    # --------------------------------------------------------------------------------------- rows
+    def environment(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+        try:
+            nccl = torch.cuda.nccl.version() if self.cuda else None  # type: ignore[no-untyped-call]
+            info["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
+        except Exception as exc:
+            info["nccl"] = f"unavailable ({exc})"
+        if self.cuda:
+            props = torch.cuda.get_device_properties(self.device)
+            info.update(
+                gpu=props.name, gpu_memory=props.total_memory, capability=f"{props.major}.{props.minor}"
+            )
+            info.update(nvidia_smi())
+        info["diffusers"] = _version("diffusers")
+        info["transformers"] = _version("transformers")
+        return info
+
+    def measure_bandwidth(self) -> dict[str, Any]:
+        self.needs_cuda()
+        self.bandwidth = {
+            "buffer": h2d_bandwidth(self.size.bandwidth_bytes, self.device),
+            "block": h2d_bandwidth(self.block_bytes, self.device),
+        }
+        self.bandwidth["pinned_peak"] = max(
+            self.bandwidth["buffer"]["pinned"], self.bandwidth["block"]["pinned"]
+        )
+        return {**self.bandwidth}
+
+    def resident(self) -> dict[str, Any]:
+        self.model.to(self.device)
+        try:
+            with torch.no_grad():
+                stats, out = time_steps(self.fn(), self.size, self.device)
+                memory = peak_of_step(self.fn(), self.device)
+        finally:
+            self.model.to("cpu")
+        self.reference = out
+        self.resident_s = stats.median
+        self.activation = None if memory is None else memory[1] - memory[0]
+        return {**stats.to_json(), "identical": True, "max_abs_diff": 0.0, "overhead": 0.0}
+
+    def cuda_path(self) -> dict[str, Any]:
+        self.needs_cuda()
+        seen: dict[str, Any] = {}
+
+        def inside(module: nn.Module, args: Any) -> None:
+            if seen:
+                return
+            engine = session.engine
+            slots = {t.data.untyped_storage().data_ptr() for _, t in engine.slots.slots.values()}
+            params = list(module.parameters())
+            seen["block_params_on_cuda"] = all(p.is_cuda for p in params)
+            seen["block_params_in_a_slot"] = all(p.untyped_storage().data_ptr() in slots for p in params)
+            seen["block_params_256_aligned"] = all(p.data_ptr() % PACK_ALIGN == 0 for p in params)
+
+        handle = self.model.transformer.blocks[-1].register_forward_pre_hook(inside)
+        try:
+            with (
+                torch.no_grad(),
+                torchferry.offload(self.model, strategy="layerwise", device=self.device) as session,
+            ):
+                self.fn()()
+                streams: Any = session.engine.streams
+                store = session.engine.store
+                buffers = [g.host for g in store.packs.values() if g.nbytes]
+                result = {
+                    "stream_context": type(streams).__name__,
+                    "copy_stream_distinct": streams.copy != streams.compute,
+                    "comm_stream_distinct": streams.comm not in (streams.compute, streams.copy),
+                    "store_pinned_flag": store.pinned,
+                    "every_buffer_is_pinned": all(b.is_pinned() for b in buffers),
+                    "pinned_bytes": store.pinned_bytes,
+                    "host_store_bytes": store.nbytes,
+                    "pinned_over_store": store.pinned_bytes / store.nbytes if store.nbytes else None,
+                    **seen,
+                }
+        finally:
+            handle.remove()
+        problems = [k for k, v in result.items() if v is False]
+        if problems or result["stream_context"] != "CudaStreams" or not seen:
+            raise AssertionError(f"the CUDA path did not hold: {problems or result}")
+        return result
+
+    def variant(self, name: str, options: dict[str, Any]) -> dict[str, Any]:
+        before = allocated(self.device)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.no_grad(), torchferry.offload(self.model, device=self.device, **options) as session:
+            stats, out = time_steps(self.fn(), self.size, self.device)
+            memory = peak_of_step(self.fn(), self.device)
+            schedule = session.engine.last
+            assert schedule is not None, "the session ran no step"
+            predicted = policies.simulate(schedule).peak_device_bytes
+            ledger = session.step_peaks.get(schedule.step)
+            with session.trace("transformer") as tracer:
+                self.fn()()
+            trace = tracer.result
+            copy = copy_figures(self.fn(), session, self.model.transformer, self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device) if self.cuda else None
+            pinned = session.engine.store.pinned
+        measured = None
+        if memory is not None and before is not None and self.activation is not None:
+            measured = memory[1] - before - self.activation
+        copies = trace.on("copy")
+        copy_s = sum(s.duration_s for s in copies)
+        moved = sum(s.nbytes for s in copies)
+        achieved = moved / copy_s if copy_s > 0 else None
+        stalls = [(s.label, s.duration_s) for s in trace.spans if s.kind == "stall"]
+        row: dict[str, Any] = {
+            **stats.to_json(),
+            **self.identity(out),
+            "overhead": stats.median / self.resident_s - 1 if self.resident_s else None,
+            "predicted_peak_bytes": predicted,
+            "ledger_peak_bytes": ledger,
+            "measured_peak_bytes": measured,
+            "max_memory_reserved": reserved,
+            "trace_wall_s": trace.wall_s,
+            "stall_s": trace.stall_s,
+            "copy_busy_s": trace.busy_s("copy"),
+            "block_stalls": stalls,
+            "achieved_h2d_bytes_per_s": achieved,
+            "h2d_fraction_of_peak": achieved / self.bandwidth["pinned_peak"]
+            if achieved and self.bandwidth.get("pinned_peak")
+            else None,
+            "copy": copy,
+            "host_pinned": pinned,
+        }
+        row["verdict"] = "; ".join(self.verdicts(row))
+        return row
+
+    def verdicts(self, row: dict[str, Any]) -> list[str]:
+        """The targets a variant is held to: ledger == prediction, and on CUDA step time, H2D and peak."""
+        said = []
+        if row["ledger_peak_bytes"] is not None and row["ledger_peak_bytes"] != row["predicted_peak_bytes"]:
+            said.append(f"ledger {row['ledger_peak_bytes']} != predicted {row['predicted_peak_bytes']}")
+        peak = self.bandwidth.get("pinned_peak")
+        if not self.cuda or not peak or self.resident_s is None:
+            return said
+        compute, transfer = self.resident_s / self.size.blocks, self.block_bytes / peak
+        if row["overhead"] is not None and compute > transfer:
+            met = row["overhead"] <= STEP_TARGET
+            said.append(f"step within {STEP_TARGET:.0%} of resident: {'met' if met else 'NOT met'}")
+        elif row["overhead"] is not None:
+            said.append(
+                f"step target n/a (transfer {transfer * 1e3:.2f} ms >= compute {compute * 1e3:.2f} ms)"
+            )
+        fraction = row["h2d_fraction_of_peak"]
+        if fraction is not None:
+            said.append(
+                f"H2D {fraction:.0%} of pinned peak: {'met' if fraction >= H2D_TARGET else 'NOT met'}"
+            )
+        if row["measured_peak_bytes"] is not None and row["predicted_peak_bytes"]:
+            off = row["measured_peak_bytes"] / row["predicted_peak_bytes"] - 1
+            row["peak_error"] = off
+            said.append(f"peak {off:+.1%} vs predicted: {'met' if abs(off) <= PEAK_TARGET else 'NOT met'}")
+        return said
+
+    def transfer_bound(self) -> dict[str, Any]:
+        few = self.make_inputs(FEW_TOKENS)
+        with (
+            torch.no_grad(),
+            torchferry.offload(
+                self.model, strategy="layerwise", prefetch_depth=2, device=self.device
+            ) as session,
+        ):
+            stats, _ = time_steps(self.fn(few), self.size, self.device)
+            with session.trace("transformer") as tracer:
+                self.fn(few)()
+        trace = tracer.result
+        peak = self.bandwidth.get("pinned_peak")
+        transfer = self.block_bytes / peak if peak else None
+        return {
+            **stats.to_json(),
+            "tokens": FEW_TOKENS,
+            "block_transfer_s": transfer,
+            "step_over_blocks_x_transfer": stats.median / (self.size.blocks * transfer) if transfer else None,
+            "copy_busy_fraction": trace.busy_s("copy") / trace.wall_s if trace.wall_s > 0 else None,
+        }
+
+    def host_syncs(self) -> dict[str, Any]:
+        self.needs_cuda()
+        with torch.no_grad(), torchferry.offload(self.model, strategy="layerwise", device=self.device):
+            run = self.fn()
+            for _ in range(2):
+                run()
+            torch.cuda.synchronize()
+            enqueue = []
+            gpu = []
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(3):
+                    start_event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                    end_event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                    start_event.record()
+                    began = time.perf_counter()
+                    run()
+                    enqueue.append(time.perf_counter() - began)
+                    end_event.record()
+                    gpu.append((start_event, end_event))
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+        gpu_s = [a.elapsed_time(b) / 1e3 for a, b in gpu]
+        return {
+            "steady_steps_without_a_host_sync": len(enqueue),
+            "enqueue_s_per_step": common.Stats.of(enqueue).median,
+            "gpu_s_per_step": common.Stats.of(gpu_s).median,
+            "enqueue_per_block_s": common.Stats.of(enqueue).median / self.size.blocks,
+        }
+
+    def ordering_stress(self) -> dict[str, Any]:
+        self.needs_cuda()
+        result: dict[str, Any] = {}
+        for depth in (1, 2):
+            with (
+                torch.no_grad(),
+                torchferry.offload(
+                    self.model, strategy="layerwise", prefetch_depth=depth, device=self.device
+                ) as session,
+                delayed(session.engine.streams),
+            ):
+                outs = [self.fn()().cpu() for _ in range(3)]
+            same = [bool(torch.equal(o, self.reference)) for o in outs]
+            result[f"d{depth}_identical"] = all(same)
+        if not all(result.values()):
+            raise AssertionError(f"outputs changed when copies and evicts were delayed: {result}")
+        return result
+
+    def sanitizer(self) -> dict[str, Any]:
+        self.needs_cuda()
+        env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--sanitizer-child",
+                "--out",
+                str(self.out.parent),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            check=False,
+        )
+        tail = (done.stdout + done.stderr).strip().splitlines()[-20:]
+        if done.returncode != 0:
+            raise AssertionError("the CUDA sanitizer pass failed:\n" + "\n".join(tail))
+        return {"returncode": done.returncode, "tail": tail[-3:]}
+
+    def open_close(self) -> dict[str, Any]:
+        gc.collect()
+        rss_before = rss_bytes()
+        began = time.perf_counter()
+        session = torchferry.offload(self.model, strategy="layerwise", device=self.device)
+        opened = time.perf_counter() - began
+        rss_open = rss_bytes()
+        store = session.engine.store
+        pinned_open, store_bytes = store.pinned_bytes, store.nbytes
+        with torch.no_grad():
+            self.fn()()
+        began = time.perf_counter()
+        session.close()
+        closed = time.perf_counter() - began
+        gc.collect()
+        rss_after = rss_bytes()
+        host_stats: dict[str, Any] = {}
+        if self.cuda and hasattr(torch.cuda, "host_memory_stats"):
+            stats = torch.cuda.host_memory_stats()
+            host_stats = {k: v for k, v in stats.items() if "allocated_bytes" in k or "reserved_bytes" in k}
+        return {
+            "open_s": opened,
+            "close_s": closed,
+            "rss_before_open": rss_before,
+            "rss_open": rss_open,
+            "rss_after_close": rss_after,
+            "weights_bytes": self.weight_bytes,
+            "pinned_bytes_open": pinned_open,
+            "host_store_bytes": store_bytes,
+            "pinned_over_store": pinned_open / store_bytes if store_bytes else None,
+            "pinned_bytes_after_close": store.pinned_bytes,
+            "caching_host_allocator": host_stats,
+        }
+
+    def demo(self) -> dict[str, Any]:
+        self.needs_cuda()
+        done = subprocess.run(
+            [sys.executable, "-m", "torchferry", "demo", "--device", "cuda", "--calls", "2", "--steps", "4"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+            cwd=str(Path(__file__).resolve().parents[1]),
+        )
+        warned = [line for line in done.stderr.splitlines() if "Warning" in line]
+        if done.returncode != 0 or warned:
+            raise AssertionError(
+                f"demo rc {done.returncode}, warnings {warned}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+            )
+        return {"returncode": done.returncode, "table": done.stdout.strip().splitlines()[-12:]}
+
+    def wan_pipeline(self) -> dict[str, Any]:
+        self.needs_cuda()
+        try:
+            diffusers = importlib.import_module("diffusers")
+            transformers = importlib.import_module("transformers")
+        except ImportError as exc:
+            raise Skip(f"{exc}; bring them with {BRING_DIFFUSERS}") from None
+        torch.manual_seed(0)
+        pipe = diffusers.WanPipeline(
+            tokenizer=None,
+            text_encoder=transformers.UMT5EncoderModel(
+                transformers.UMT5Config(
+                    vocab_size=32,
+                    d_model=32,
+                    d_kv=4,
+                    d_ff=32,
+                    num_layers=3,
+                    num_heads=4,
+                    decoder_start_token_id=0,
+                )
+            ).eval(),
+            vae=diffusers.AutoencoderKLWan(
+                base_dim=3,
+                z_dim=16,
+                dim_mult=[1, 1, 1, 1],
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True],
+            ).eval(),
+            transformer=diffusers.WanTransformer3DModel(
+                patch_size=(1, 2, 2),
+                num_attention_heads=2,
+                attention_head_dim=12,
+                in_channels=16,
+                out_channels=16,
+                text_dim=32,
+                freq_dim=16,
+                ffn_dim=32,
+                num_layers=4,
+                rope_max_seq_len=32,
+            ).eval(),
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+        )
+        pipe.set_progress_bar_config(disable=True)
+        ids = torch.tensor([[3, 7, 1, 9, 2, 5, 0, 0]])
+        call = {"height": 16, "width": 16, "num_frames": 5, "num_inference_steps": 3, "output_type": "pt"}
+        with torch.no_grad():
+            embeds = pipe.text_encoder(ids).last_hidden_state
+        with torchferry.offload(pipe, strategy="layerwise", device="cuda"), torch.no_grad():
+            frames = pipe(
+                prompt_embeds=embeds,
+                negative_prompt_embeds=embeds.flip(1),
+                generator=torch.Generator().manual_seed(0),
+                **call,
+            ).frames
+        return {"frames_shape": list(frames.shape), "finite": bool(torch.isfinite(frames).all())}
+
+    def inference_mode(self) -> dict[str, Any]:
+        with torch.inference_mode(), torchferry.offload(self.model, strategy="layerwise", device=self.device):
+            outs = [self.fn()().cpu() for _ in range(2)]
+        return self.identity(outs[-1])
+
+    def pageable(self) -> dict[str, Any]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with (
+                torch.no_grad(),
+                torchferry.offload(
+                    self.model, strategy="layerwise", device=self.device, pin_memory=False
+                ) as session,
+            ):
+                stats, out = time_steps(self.fn(), self.size, self.device)
+                pinned = session.engine.store.pinned
+        said = [str(w.message) for w in caught if issubclass(w.category, torchferry.OffloadWarning)]
+        if self.cuda and len(said) != 1:
+            raise AssertionError(f"pin_memory=False on CUDA should warn once, got {said}")
+        return {**stats.to_json(), **self.identity(out), "host_pinned": pinned, "warnings": said}
+
+    def exception_mid_step(self) -> dict[str, Any]:
+        before_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        allocated_before = allocated(self.device)
+        target = self.model.transformer.blocks[len(self.model.transformer.blocks) // 2]
+
+        def boom(module: nn.Module, args: Any) -> None:
+            raise RuntimeError("injected failure mid-step")
+
+        session = torchferry.offload(self.model, strategy="layerwise", prefetch_depth=2, device=self.device)
+        handle = target.register_forward_pre_hook(boom)
+        raised = False
+        try:
+            with torch.no_grad():
+                self.fn()()
+        except RuntimeError:
+            raised = True
+        finally:
+            handle.remove()
+        session.close()
+        after = self.model.state_dict()
+        same = all(torch.equal(before_weights[k], after[k]) for k in before_weights)
+        allocated_after = allocated(self.device)
+        back = allocated_before is None or allocated_after == allocated_before
+        if not (raised and same and back):
+            raise AssertionError(
+                f"raised {raised}, weights identical {same}, "
+                f"allocated {allocated_before} -> {allocated_after}"
+            )
+        return {
+            "raised": raised,
+            "weights_identical": same,
+            "allocated_before": allocated_before,
+            "allocated_after": allocated_after,
+        }
+
+    def diffusers_offload(self, record_stream: bool) -> dict[str, Any]:
+        self.needs_cuda()
+        try:
+            hooks = importlib.import_module("diffusers.hooks")
+        except ImportError as exc:
+            raise Skip(f"{exc}; bring diffusers with {BRING_DIFFUSERS}") from None
+        torch.manual_seed(0)
+        model = DiT(self.size, device=torch.device("cpu"), dtype=self.dtype).eval()
+        model.load_state_dict(self.model.transformer.state_dict())
+        before = allocated(self.device)
+        hooks.apply_group_offloading(
+            model,
+            onload_device=self.device,
+            offload_device=torch.device("cpu"),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            use_stream=True,
+            record_stream=record_stream,
+        )
+
+        def run() -> torch.Tensor:
+            out: torch.Tensor = model(*self.inputs)
+            return out
+
+        with torch.no_grad():
+            stats, out = time_steps(run, self.size, self.device)
+            memory = peak_of_step(run, self.device)
+        measured = None
+        if memory is not None and before is not None and self.activation is not None:
+            measured = memory[1] - before - self.activation
+        return {
+            **stats.to_json(),
+            **self.identity(out),
+            "overhead": stats.median / self.resident_s - 1 if self.resident_s else None,
+            "measured_peak_bytes": measured,
+        }
+
+
+@contextlib.contextmanager
+def delayed(streams: Any) -> Iterator[None]:
+    """``torch.cuda._sleep`` on the copy stream before each copy and on compute before each evict's
+    release: a missing wait between them would now let a copy overwrite bytes a block still reads."""
+    copy_in, release = streams.copy_in, streams.release
+
+    def slow_copy(dst: Any, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(streams.copy):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        copy_in(dst, dst_bytes, src)
+
+    def slow_release(transfer: Any) -> None:
+        with torch.cuda.stream(streams.compute):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        release(transfer)
+
+    streams.copy_in, streams.release = slow_copy, slow_release
+    try:
+        yield
+    finally:
+        del streams.copy_in, streams.release
+
+
+def _version(name: str) -> str | None:
+    try:
+        return str(importlib.import_module(name).__version__)
+    except ImportError:
+        return None
+
+
+def _brief(entry: dict[str, Any]) -> str:
+    if entry["status"] == "skipped":
+        return f"({entry['why']})"
+    if entry["status"] == "FAILED":
+        return entry["error"]
+    parts = []
+    if "median_s" in entry:
+        parts.append(f"{entry['median_s'] * 1e3:.2f} ms/step")
+    if entry.get("overhead") is not None:
+        parts.append(f"{entry['overhead'] * 100:+.1f}%")
+    if "identical" in entry:
+        parts.append("identical" if entry["identical"] else f"DIFFERS (max {entry['max_abs_diff']:.3g})")
+    return ", ".join(parts)
+
+
+#: Figures shown in the table's note column for rows that are not timed variants: key -> format.
+_FIGURES: dict[str, Callable[[Any], str]] = {
+    "pinned_over_store": lambda v: f"pinned/store {v:.4f}",
+    "open_s": lambda v: f"open {v:.2f} s",
+    "rss_after_close": lambda v: f"RSS after close {v / (1 << 30):.2f} GiB",
+    "pinned_bytes_after_close": lambda v: f"pinned after close {v} B",
+    "step_over_blocks_x_transfer": lambda v: f"step/(blocks x transfer) {v:.2f}",
+    "copy_busy_fraction": lambda v: f"copy busy {v:.0%}",
+    "enqueue_per_block_s": lambda v: f"enqueue {v * 1e6:.0f} us/block",
+    "gpu_s_per_step": lambda v: f"GPU {v * 1e3:.2f} ms/step",
+    "d1_identical": lambda v: f"d1 identical {v}",
+    "d2_identical": lambda v: f"d2 identical {v}",
+    "weights_identical": lambda v: f"weights identical {v}",
+    "gpu": str,
+    "pcie.link.gen.current": lambda v: f"PCIe gen {v}",
+    "pcie.link.width.current": lambda v: f"x{v}",
+}
+
+
+def _figures(entry: dict[str, Any]) -> str | None:
+    shown = [fmt(entry[key]) for key, fmt in _FIGURES.items() if entry.get(key) is not None]
+    return ", ".join(shown) or None
 
 
 def _mib(x: float | None) -> str | None:
     return None if x is None else f"{x / (1 << 20):.1f}"
+
+
+def _gbs(x: float | None) -> str | None:
+    return None if x is None or not math.isfinite(x) else f"{x / 1e9:.1f}"
+
+
+def summary(check: Check) -> str:
+    """The one table: every row with its status and the figures that say whether it is right and fast."""
+    lines = []
+    for name, e in check.rows.items():
+        ok = e["status"] == "ok"
+        lines.append(
+            [
+                name,
+                e["status"],
+                f"{e['median_s'] * 1e3:.2f}" if ok and "median_s" in e else None,
+                f"{e['overhead'] * 100:+.1f}%" if ok and e.get("overhead") is not None else None,
+                ("yes" if e["identical"] else "NO") if ok and "identical" in e else None,
+                f"{e['stall_s'] * 1e3:.2f}" if ok and "stall_s" in e else None,
+                _gbs(e.get("achieved_h2d_bytes_per_s")) if ok else None,
+                _mib(e.get("measured_peak_bytes")) if ok else None,
+                _mib(e.get("predicted_peak_bytes")) if ok else None,
+                _mib(e.get("ledger_peak_bytes")) if ok else None,
+                _brief(e) if not ok else (e.get("verdict") or _figures(e)),
+            ]
+        )
+    headers = [
+        "row",
+        "status",
+        "ms/step",
+        "vs resident",
+        "same",
+        "stall ms",
+        "H2D GB/s",
+        "peak MiB",
+        "predicted",
+        "ledger",
+        "note",
+    ]
+    return common.table(headers, lines)
+
+
+def sanitizer_child(out: Path) -> int:
+    """One small layerwise pass (depth 1 and 2) checked against resident; run under TORCH_CUDA_SANITIZER=1."""
+    size = GPU_QUICK
+    torch.manual_seed(0)
+    model = Pipe(
+        DiT(replace(size, blocks=4, tokens=256), device=torch.device("cpu"), dtype=torch.bfloat16)
+    ).eval()
+    x = torch.randn(1, 256, size.hidden, device="cuda", dtype=torch.bfloat16)
+    temb = torch.randn(1, size.hidden, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.to("cuda")
+        reference = model(x, temb).cpu()
+        model.to("cpu")
+        for depth in (1, 2):
+            with torchferry.offload(model, strategy="layerwise", prefetch_depth=depth, device="cuda"):
+                for _ in range(3):
+                    if not torch.equal(model(x, temb).cpu(), reference):
+                        say(f"sanitizer child: depth {depth} output differs")
+                        return 1
+    torch.cuda.synchronize()
+    say("sanitizer child: no race reported, outputs identical")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -394,244 +1108,63 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is present")
     parser.add_argument("--tokens", type=int, help="override the sequence length")
     parser.add_argument("--blocks", type=int, help="override the number of blocks")
+    parser.add_argument("--only", help="comma-separated row names to run (resident always runs)")
+    parser.add_argument("--sanitizer-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-    cuda = torch.cuda.is_available() and not args.cpu
-    device = torch.device("cuda") if cuda else torch.device("cpu")
-    size = (GPU_QUICK if args.quick else GPU_FULL) if cuda else (CPU_QUICK if args.quick else CPU_SIZE)
-    if args.tokens or args.blocks:
-        size = Size(
-            **{**asdict(size), "tokens": args.tokens or size.tokens, "blocks": args.blocks or size.blocks}
-        )
-    dtype = torch.bfloat16
-    if not cuda:
+    if args.sanitizer_child:
+        sys.exit(sanitizer_child(args.out))
+    check = Check(args)
+    if not check.cuda:
         common.pin_threads(1)  # tiny CPU sizes: one thread, so machine load does not swamp the figures
-    notes: list[str] = []
-    if not cuda:
-        notes.append(
-            "no CUDA device (or --cpu): skipped the H2D bandwidth test, allocator peaks and the GPU targets; "
-            "ran the same logic on a tiny model on the CPU (copies there are synchronous host copies, so the "
-            "H2D column is memcpy speed and overlap is 0)"
+        check.notes.append(
+            "no CUDA device (or --cpu): skipped the CUDA-only rows (bandwidth, the CUDA path, host syncs, "
+            "ordering stress, the sanitizer, the demo and WanPipeline on cuda, diffusers with streams); ran "
+            "the same logic on a tiny model on the CPU (copies there are synchronous host copies)"
         )
-        say(f"gpu_check: {notes[-1]}")
+        say(f"gpu_check: {check.notes[-1]}")
     else:
-        say(f"gpu_check on {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
-    result: dict[str, Any] = {"device": str(device), "size": asdict(size), "notes": notes}
-    out_path = Path(args.out) / "gpu_check.json"
-
-    # 1. the model, resident ---------------------------------------------------------------------
-    torch.manual_seed(0)
-    model = DiT(size, device=device, dtype=dtype).eval()
-    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    g = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(size.batch, size.tokens, size.hidden, generator=g, device=device, dtype=dtype)
-    temb = torch.randn(size.batch, size.hidden, generator=g, device=device, dtype=dtype)
-    inputs = (x, temb)
+        say(f"gpu_check on {torch.cuda.get_device_name(check.device)}, torch {torch.__version__}")
+    s = check.size
     say(
-        f"model: {size.blocks} blocks of {common.fmt_bytes(block_bytes)} "
-        f"({common.fmt_bytes(weight_bytes)} in all), "
-        f"hidden {size.hidden}, {size.batch} x {size.tokens} tokens, bf16"
+        f"model: {s.blocks} blocks of {common.fmt_bytes(check.block_bytes)} "
+        f"({common.fmt_bytes(check.weight_bytes)} in all), hidden {s.hidden}, "
+        f"{s.batch} x {s.tokens} tokens, bf16"
     )
-
-    # 2. bandwidth ---------------------------------------------------------------------------------
-    bandwidth: dict[str, Any] = {}
-    if cuda:
-        bandwidth = {
-            "buffer": h2d_bandwidth(size.bandwidth_bytes, device),
-            "block": h2d_bandwidth(block_bytes, device),
-        }
-        bandwidth["pinned_peak"] = max(bandwidth["buffer"]["pinned"], bandwidth["block"]["pinned"])
-        say(
-            f"H2D {common.fmt_bytes(size.bandwidth_bytes)}: "
-            f"pinned {_gbs(bandwidth['buffer']['pinned'])} GB/s, "
-            f"pageable {_gbs(bandwidth['buffer']['pageable'])} GB/s; one block "
-            f"({common.fmt_bytes(block_bytes)}): pinned {_gbs(bandwidth['block']['pinned'])} GB/s, pageable "
-            f"{_gbs(bandwidth['block']['pageable'])} GB/s"
-        )
-    if cuda:
-        # `torchferry probe`'s figures next to the device class the chooser would assume without them.
-        measured = runtime.probe(device)
-        assumed = policies.match_device_class(measured.name) or policies.DEFAULT_DEVICE
-        bandwidth["probe"] = {"measured": measured.to_json(), "assumed": assumed.to_json()}
-        say(
-            f"probe: pinned H2D {_gbs(measured.h2d_bytes_per_s)} GB/s and bf16 matmul "
-            f"{measured.flops_per_s / 1e12:.0f} TFLOP/s, against the {assumed.name} class's assumed "
-            f"{_gbs(assumed.h2d_bytes_per_s)} GB/s and {assumed.flops_per_s / 1e12:.0f} TFLOP/s"
-        )
-    result["bandwidth"] = bandwidth
-
-    def resident_fn() -> torch.Tensor:
-        out: torch.Tensor = model(*inputs)
-        return out
-
-    rows: dict[str, dict[str, Any]] = {}
-    with torch.no_grad():
-        stats, reference = time_steps(resident_fn, size, device)
-        memory = peak_of_step(resident_fn, device)
-    finite = bool(torch.isfinite(reference).all())
-    if not finite:
-        notes.append("the resident output has non-finite values, so torch.equal cannot show identity")
-    rows["resident"] = {"stats": stats, "output": reference, "memory": memory}
-    activation = None if memory is None else memory[1] - memory[0]
-    say(f"resident: {common.fmt_seconds(stats.median)} per step")
-    t_c = stats.median / size.blocks
-    block_flops = (
-        2 * size.batch * size.tokens * 12 * size.hidden**2 + 4 * size.batch * size.tokens**2 * size.hidden
-    )
-    say(f"resident: about {block_flops / t_c / 1e12:.3g} TFLOP/s ({block_flops / 1e12:.3g} TFLOP per block)")
-    t_x = block_bytes / bandwidth["pinned_peak"] if cuda else None
-    result["block"] = {"bytes": block_bytes, "compute_s": t_c, "transfer_s": t_x, "flops": block_flops}
-
-    # 3. torchferry ------------------------------------------------------------------------------
-    model.to("cpu")
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    for depth in (1, 2):
-        name = f"torchferry layerwise d{depth}"
-        rows[name] = layerwise_run(model, inputs, size, device, depth)
-        say(f"{name}: {common.fmt_seconds(rows[name]['stats'].median)} per step")
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-
-    # 4. diffusers -------------------------------------------------------------------------------
-    try:
-        rows["diffusers block_level" + (" stream" if cuda else "")] = diffusers_run(
-            model, inputs, size, device
-        )
-    except ImportError as error:
-        notes.append(f"diffusers group offloading skipped: {error}")
-        say(notes[-1])
-
-    # 5. figures, targets, table -----------------------------------------------------------------
-    resident_s = rows["resident"]["stats"].median
-    table_rows = []
-    verdicts: list[str] = []
-    report: dict[str, Any] = {}
-    for name, row in rows.items():
-        s: common.Stats = row["stats"]
-        overhead = s.median / resident_s - 1
-        identical = bool(torch.equal(row["output"].to(reference.device), reference))
-        measured = None
-        if row.get("memory") is not None and activation is not None and row.get("before") is not None:
-            # what the offloader held at its peak: the step's peak less what was there before it
-            # opened (the inputs) and less the activations the same step needs when resident
-            measured = row["memory"][1] - row["before"] - activation
-        predicted = row.get("predicted_peak")
-        copy = row.get("copy")
-        achieved = None if copy is None else copy["achieved_h2d_bytes_per_s"]
-        entry = {
-            **s.to_json(),
-            "overhead": overhead,
-            "identical": identical,
-            "measured_peak_bytes": measured,
-            "predicted_peak_bytes": predicted,
-            "ledger_peak_bytes": row.get("ledger_peak"),
-            "copy": copy,
-            "host_pinned": row.get("host_pinned"),
-        }
-        report[name] = entry
-        table_rows.append(
-            [
-                name,
-                f"{s.median * 1e3:.2f}",
-                f"{s.min * 1e3:.2f}",
-                f"{s.max * 1e3:.2f}",
-                f"{overhead * 100:+.2f}%",
-                "yes" if identical else "NO",
-                _mib(measured),
-                _mib(predicted),
-                _mib(row.get("ledger_peak")),
-                _gbs(achieved),
-                None if copy is None else f"{copy['overlap_fraction'] * 100:.1f}%",
-            ]
-        )
-        if name.startswith("torchferry"):
-            if not identical:
-                verdicts.append(f"{name}: output NOT bit-identical to resident")
-            if (
-                row.get("ledger_peak") is not None
-                and predicted is not None
-                and row["ledger_peak"] != predicted
-            ):
-                verdicts.append(f"{name}: ledger peak {row['ledger_peak']} != predicted {predicted}")
-            if cuda:
-                x_ms = (t_x or 0.0) * 1e3
-                c_ms = t_c * 1e3
-                if t_x is not None and t_c > t_x:
-                    entry["step_target_met"] = overhead <= STEP_TARGET
-                    status = f"compute {c_ms:.2f} ms > transfer {x_ms:.2f} ms per block, so it applies: " + (
-                        "met" if overhead <= STEP_TARGET else "NOT met"
-                    )
-                else:
-                    status = f"not applicable: transfer {x_ms:.2f} ms >= compute {c_ms:.2f} ms per block"
-                verdicts.append(
-                    f"{name}: step time {overhead * 100:+.2f}% vs resident "
-                    f"(target <= {STEP_TARGET:.0%}; {status})"
-                )
-                if achieved is not None and math.isfinite(achieved):
-                    fraction = achieved / bandwidth["pinned_peak"]
-                    entry["h2d_fraction_of_peak"] = fraction
-                    verdicts.append(
-                        f"{name}: achieved H2D {fraction:.1%} of the pinned peak "
-                        f"(target >= {H2D_TARGET:.0%}): " + ("met" if fraction >= H2D_TARGET else "NOT met")
-                    )
-                if measured is not None and predicted:
-                    off = measured / predicted - 1
-                    entry["peak_error"] = off
-                    verdicts.append(
-                        f"{name}: measured peak {off:+.2%} vs predicted (target within {PEAK_TARGET:.0%}): "
-                        + ("met" if abs(off) <= PEAK_TARGET else "NOT met")
-                    )
+    check.row("environment", check.environment)
+    check.row("bandwidth", check.measure_bandwidth)
+    only, check.only = check.only, None
+    check.row("resident", check.resident)
+    check.only = only
+    if check.reference is None:
+        say("the resident run failed, so nothing can be compared; see the JSON")
+        return {"rows": check.rows}
+    check.row("cuda path", check.cuda_path)
+    for name, options in VARIANTS.items():
+        check.row(name, functools.partial(check.variant, name, options))
+    check.row("transfer bound", check.transfer_bound)
+    check.row("host syncs", check.host_syncs)
+    check.row("ordering stress", check.ordering_stress)
+    check.row("cuda sanitizer", check.sanitizer)
+    check.row("open close", check.open_close)
+    check.row("demo", check.demo)
+    check.row("wan pipeline", check.wan_pipeline)
+    check.row("inference mode", check.inference_mode)
+    check.row("pageable", check.pageable)
+    check.row("exception mid-step", check.exception_mid_step)
+    for flag in (False, True):
+        check.row(f"diffusers record_stream {flag}", functools.partial(check.diffusers_offload, flag))
     say("")
-    say(
-        f"gpu_check, {device}: {size.blocks} blocks x {common.fmt_bytes(block_bytes)}, "
-        f"{size.batch} x {size.tokens} tokens; per block: compute {common.fmt_seconds(t_c)}"
-        + (f", transfer at the pinned peak {common.fmt_seconds(t_x)}" if t_x is not None else "")
-    )
-    if cuda:
-        say(
-            f"H2D pinned peak {_gbs(bandwidth['pinned_peak'])} GB/s, pageable "
-            f"{_gbs(bandwidth['buffer']['pageable'])} GB/s"
-        )
-    say(
-        common.table(
-            [
-                "variant",
-                "ms/step",
-                "min",
-                "max",
-                "vs resident",
-                "same",
-                "peak MiB",
-                "predicted",
-                "ledger",
-                "H2D GB/s",
-                "overlap",
-            ],
-            table_rows,
-        )
-    )
+    say(summary(check))
     say(
         "peak MiB: max_memory_allocated over a steady step - bytes allocated before the offloader opened "
-        "(inputs) - the resident run's activation peak (= weight bytes the offloader held); predicted: "
-        "policies.simulate on the same schedule; ledger: the runtime's own count"
+        "(inputs) - the resident run's activation peak; predicted: policies.simulate on the same schedule; "
+        "ledger: the runtime's own count; stall ms: compute waiting on transfers in one traced steady step"
     )
-    for line in [*verdicts, *notes]:
+    for line in check.notes:
         say(line)
-    result.update(
-        {
-            "rows": report,
-            "activation_peak_bytes": activation,
-            "verdicts": verdicts,
-            "elapsed_s": time.perf_counter() - started,
-        }
-    )
-    written = common.write_json(out_path, result)
-    say(f"wrote {written} in {time.perf_counter() - started:.0f} s")
-    return result
+    check.write()
+    say(f"wrote {check.out} in {time.perf_counter() - check.started:.0f} s")
+    return {"rows": check.rows}
 
 
 if __name__ == "__main__":

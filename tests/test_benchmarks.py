@@ -38,7 +38,7 @@ def _run(script: str, *args: str) -> str:
 
 
 def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
-    """gpu_check --quick on CPU notes its skips; layerwise matches the resident output and simulated peak."""
+    """gpu_check --quick on CPU skips only its CUDA rows, fails none, and every variant matches resident."""
     out = _run("gpu_check.py", "--quick", "--cpu", "--out", str(tmp_path))
     assert "no CUDA device (or --cpu): skipped" in out
     result = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -54,6 +54,46 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
         assert row["measured_peak_bytes"] is None
     assert result["bandwidth"] == {}
     assert result["machine"]["nproc"] == os.cpu_count()
+    failed = {name: row.get("traceback") for name, row in rows.items() if row["status"] == "FAILED"}
+    assert failed == {}
+    cuda_only = {
+        "bandwidth",
+        "cuda path",
+        "host syncs",
+        "ordering stress",
+        "cuda sanitizer",
+        "demo",
+        "wan pipeline",
+        "diffusers record_stream False",
+        "diffusers record_stream True",
+    }
+    assert {name for name, row in rows.items() if row["status"] == "skipped"} == cuda_only
+    assert all(rows[name]["why"] == "needs CUDA" for name in cuda_only)
+    for name in ("torchferry model_level", "torchferry resident set", "inference mode", "pageable"):
+        assert rows[name]["identical"] is True, name
+    assert rows["exception mid-step"]["weights_identical"] is True
+    assert rows["open close"]["pinned_bytes_after_close"] == 0
+
+
+def test_gpu_check_needs_only_torch_and_torchferry(tmp_path: Path) -> None:
+    """gpu_check runs with diffusers, transformers and accelerate unimportable, as on a bare GPU box."""
+    blocked = "import sys; sys.modules.update(dict.fromkeys(['diffusers', 'transformers', 'accelerate']))"
+    run = (
+        f"{blocked}; import runpy; sys.argv = sys.argv[1:]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    script = str(BENCHMARKS / "gpu_check.py")
+    done = subprocess.run(
+        [sys.executable, "-c", run, script, "--quick", "--cpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(BENCHMARKS)},
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert [n for n, r in rows.items() if r["status"] == "FAILED"] == []
 
 
 def test_overhead_quick_compares_every_variant(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import math
 import re
 import struct
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -17,7 +18,17 @@ from torch import nn
 import torchferry.runtime._checkpoint as checkpoint_module
 from torchferry import ExecutionError, PlanError
 from torchferry.runtime._checkpoint import CheckpointReader
-from torchferry.topology import Block, Component, OffloadConfig, Plan, Stack, TensorSpec, Topology, pack
+from torchferry.topology import (
+    Block,
+    Component,
+    OffloadConfig,
+    Plan,
+    Stack,
+    TensorSpec,
+    Topology,
+    pack,
+    packed_nbytes,
+)
 
 
 class _Layer(nn.Module):
@@ -65,8 +76,15 @@ def _block(module: _Model, index: int, prefix: str = "") -> Block:
 def _packed(module: nn.Module, block: Block, prefix: str = "") -> torch.Tensor:
     """The block's flat buffer built directly from the module's tensors, laid out by `pack`."""
     state = module.state_dict()
-    parts = [state[spec.name.removeprefix(prefix)].reshape(-1).view(torch.uint8) for spec, _ in block.layout]
-    return torch.cat(parts)
+    return _flat(block.layout, lambda name: state[name.removeprefix(prefix)])
+
+
+def _flat(layout: Any, tensor: Any) -> torch.Tensor:
+    """The flat buffer ``layout`` describes: each tensor's bytes at its offset, zeros between."""
+    out = torch.zeros(packed_nbytes(layout), dtype=torch.uint8)
+    for spec, off in layout:
+        out[off : off + spec.nbytes] = tensor(spec.name).reshape(-1).view(torch.uint8)
+    return out
 
 
 def _model() -> _Model:
@@ -160,7 +178,7 @@ def test_reads_cross_window_and_page_boundaries(tmp_path: Path, monkeypatch: pyt
     save_file(state, str(path))
     specs = [TensorSpec(name=k, shape=tuple(v.shape), dtype=str(v.dtype)[6:]) for k, v in state.items()]
     layout = pack(specs)
-    expected = torch.cat([state[s.name].view(torch.uint8) for s, _ in layout])
+    expected = _flat(layout, state.__getitem__)
     with CheckpointReader(path) as reader:
         out = torch.empty(expected.numel(), dtype=torch.uint8)
         reader.read_into(layout, out)
@@ -358,14 +376,15 @@ def test_overlapping_ranges_make_the_file_unusable(tmp_path: Path) -> None:
         f"{path}: 2 expected tensors ('a', 'b') are in none of the readable files; they may be in {path}, "
         "whose header could not be read (see above)"
     )
-    out = torch.full((16,), 7, dtype=torch.uint8)
+    size = packed_nbytes(pack(specs))
+    out = torch.full((size,), 7, dtype=torch.uint8)
     with CheckpointReader(path) as reader:
         assert reader.unreadable == (str(path),)
         with pytest.raises(PlanError, match=re.escape(_message(path, overlap, unknown))):
             reader.validate(specs)
         with pytest.raises(PlanError, match=re.escape(_message(path, unknown))):
             reader.read_into(pack(specs), out)
-    assert torch.equal(out, torch.full((16,), 7, dtype=torch.uint8))
+    assert torch.equal(out, torch.full((size,), 7, dtype=torch.uint8))
 
 
 def test_read_into_validates_before_touching_out(tmp_path: Path) -> None:
@@ -533,9 +552,10 @@ def test_non_persistent_buffer_bytes_in_a_layout_are_left_for_the_caller(tmp_pat
     rope = TensorSpec(name="blocks.0.rope", shape=(4,), dtype="float32", buffer=True, persistent=False)
     layout = pack([*block.tensors, rope])
     rope_at = next(off for spec, off in layout if spec.name == "blocks.0.rope")
-    out = torch.full((block.nbytes + 16 + 3,), 0xCD, dtype=torch.uint8)
+    end = packed_nbytes(layout)
+    out = torch.full((end + 3,), 0xCD, dtype=torch.uint8)
     with CheckpointReader(path) as reader:
-        reader.read_into(layout, out, 0, block.nbytes + 16 + 3)
+        reader.read_into(layout, out, 0, end + 3)
     state = model.state_dict()
     for spec, off in layout:
         got = out[off : off + spec.nbytes]
@@ -543,8 +563,11 @@ def test_non_persistent_buffer_bytes_in_a_layout_are_left_for_the_caller(tmp_pat
             assert bool((got == 0xCD).all())
         else:
             assert torch.equal(got, state[spec.name].reshape(-1).view(torch.uint8))
-    assert rope_at < block.nbytes  # the buffer sits among the fp32 tensors, not at the end
-    assert bool((out[block.nbytes + 16 :] == 0).all())
+    assert rope_at + 16 < end  # the buffer sits among the fp32 tensors, not at the end
+    covered = torch.zeros(end + 3, dtype=torch.bool)
+    for spec, off in layout:
+        covered[off : off + spec.nbytes] = True
+    assert bool((out[~covered] == 0).all())  # alignment padding and the bytes past the end are zeros
 
 
 def test_save_safetensors_writes_what_the_official_reader_reads(tmp_path: Path) -> None:

@@ -396,8 +396,11 @@ def test_meta_device_modules_are_sized_from_metadata() -> None:
         model = DiT(blocks=3, width=64).to(torch.bfloat16)
     topo = discover(model)
     block = topo.components[0].blocks[0]
-    assert block.nbytes == (64 * 64 + 64 + 64 + 64) * 2
-    assert topo.nbytes == sum(p.numel() * 2 for p in model.parameters()) + 64 * 2
+    assert sum(t.nbytes for t in block.tensors) == (64 * 64 + 64 + 64 + 64) * 2
+    # each 128-byte vector starts on a 256-byte boundary
+    assert block.nbytes == 64 * 64 * 2 + 2 * 256 + 64 * 2
+    weights = sum(t.nbytes for c in topo.components for t in c.all_tensors())
+    assert weights == sum(p.numel() * 2 for p in model.parameters()) + 64 * 2
 
 
 def test_meta_tied_weights_still_alias() -> None:

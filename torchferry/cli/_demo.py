@@ -277,7 +277,7 @@ def _distributed(
     """Distributed layerwise over ``world`` local processes joined by a gloo group (and rank 0's trace)."""
     from torchferry.testing import run_ranks
 
-    label = f"distributed_layerwise(depth=1), {world} ranks"
+    label = f"distributed_layerwise(depth=1), {world} ranks" + (", gloo" if device.type == "cuda" else "")
     threads = max(1, torch.get_num_threads() // world)
     job = _RankJob(checkpoint=str(checkpoint), device=str(device), steps=steps, calls=calls, trace=trace)
     results = run_ranks(_distributed_rank, world, job, threads=threads, timeout=300.0)
@@ -292,7 +292,13 @@ def _distributed(
         step_s=max(step for _, step, _, _ in results),
         calls=calls,
         identical=identical,
-        note=f"per rank (the slowest); the {world} processes share this machine, {threads} {per} each",
+        note=f"per rank (the slowest); the {world} processes share this machine, {threads} {per} each"
+        + (
+            "; gloo on CUDA: every all-gather blocks the host until it completes (no overlap), use NCCL "
+            "to measure overlap"
+            if device.type == "cuda"
+            else ""
+        ),
     )
     return row, results[0][3]
 

@@ -33,8 +33,13 @@ __all__ = ["Comm"]
 _DIGEST = 32
 
 
+#: The one-output all-gather: ``all_gather_single`` since torch 2.13, which deprecates (with a
+#: FutureWarning) the ``all_gather_into_tensor`` that earlier releases offer.
+_GATHER_SINGLE: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
-    dist.all_gather_into_tensor(out, inp, group=group)
+    _GATHER_SINGLE(out, inp, group=group)
 
 
 def _timeout(group: Any, device: torch.device) -> str:

@@ -51,6 +51,7 @@ from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger, SlotPool
 from torchferry.runtime._hooks import Driver, GradGuard, Hooks
 from torchferry.runtime._host import HostStore, Pack, PackState, Sharding, Unit
+from torchferry.runtime._pinning import warn_pageable
 from torchferry.runtime._program import (
     MAX_PROGRAMS,
     Handler,
@@ -105,6 +106,8 @@ class Engine:
         self.streams: StreamContext = stream_context(self.device)
         self.ledger = Ledger()
         pin = pin_memory and self.device.type == "cuda" and torch.cuda.is_available()
+        if not pin_memory and self.device.type == "cuda":
+            warn_pageable(self.device)
         world = plan.config.dp_size
         if world > 1 and (comm is None or comm.world != world):
             have = "no process group" if comm is None else f"a process group of {comm.world} ranks"
@@ -185,6 +188,8 @@ class Engine:
             try:
                 self.comm.agree("open the session", "ready", ok=failure is None)
             except ExecutionError:
+                if prepared is not None:
+                    prepared.discard()
                 if failure is not None:
                     raise failure from None
                 raise

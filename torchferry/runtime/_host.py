@@ -2,8 +2,9 @@
 
 A *pack* is the set of tensors that always move together: one block, one component's non-block
 remainder, or what is left of a component that the plan does not split. Each pack owns one flat
-``uint8`` buffer laid out by `topology.pack` (itemsize descending, so every offset is aligned and the
-buffer is exactly the topology's byte count), and the module's parameters and buffers are re-pointed
+``uint8`` buffer laid out by `topology.pack` (every tensor on a 256-byte boundary; the buffer is
+exactly the topology's byte count) in page-aligned host memory, page-locked on CUDA (see
+`torchferry.runtime._pinning`), and the module's parameters and buffers are re-pointed
 (``tensor.data = view``) at views into it. Re-pointing keeps each tensor object, so tied weights (one
 object under several names) stay tied. A tensor whose elements are dense in memory keeps its strides
 (a transposed weight stays transposed); one with gaps is stored contiguously.
@@ -17,7 +18,8 @@ With a `CheckpointReader` the buffers fill from the safetensors files (one block
 from mapped windows of the file into the buffer), never from the module, so the pipeline may be
 built with its parameters on the meta device: host memory then peaks near the model's size once.
 Opening is two phases: `HostStore.prepare` checks everything (the live tensors against the plan,
-the checkpoint against the topology) and reads every buffer without touching the pipeline; only
+the checkpoint against the topology), allocates and pins every buffer and, from a checkpoint, reads
+it, without touching the pipeline (a module's own bytes are copied in by commit); only
 `Prepared.commit` mutates it (meta tensors become CPU tensors in place, by `torch.utils.swap_tensors`,
 so their identity and ties survive, then every tensor is re-pointed). Any failure before commit
 leaves the pipeline exactly as it was. Checkpoint bytes are in row-major order; a tensor whose
@@ -50,7 +52,8 @@ from torch import nn
 
 from torchferry._errors import PlanError
 from torchferry.policies import rest_unit
-from torchferry.topology import Component, Plan, TensorSpec, find_attr
+from torchferry.runtime._pinning import CudaPinner, Footprint, HostMemory, HostPinner
+from torchferry.topology import Component, Plan, TensorSpec, find_attr, packed_nbytes
 from torchferry.topology import pack as pack_specs
 
 if TYPE_CHECKING:
@@ -63,6 +66,7 @@ __all__ = [
     "Prepared",
     "Sharding",
     "Unit",
+    "footprint",
 ]
 
 
@@ -208,10 +212,21 @@ def _subtree(component: Component) -> Iterator[Component]:
 class HostStore:
     """The host buffers of one session, the units that name them, and the live tensors they back."""
 
-    def __init__(self, packs: dict[str, Pack], units: dict[str, Unit], pinned: bool) -> None:
+    def __init__(self, packs: dict[str, Pack], units: dict[str, Unit], memory: HostMemory) -> None:
         self.packs = packs
         self.units = units
-        self.pinned = pinned
+        #: The buffers' memory: it alone pins and frees them.
+        self.memory = memory
+
+    @property
+    def pinned(self) -> bool:
+        """Whether every host buffer is page-locked (the truth: false after a refused pin)."""
+        return self.memory.pinned
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of host memory page-locked for the store now (whole pages of its buffers)."""
+        return self.memory.pinned_bytes
 
     @property
     def nbytes(self) -> int:
@@ -232,9 +247,10 @@ class HostStore:
         pin: bool,
         reader: CheckpointReader | None = None,
         sharding: Sharding | None = None,
+        pinner: HostPinner | None = None,
     ) -> HostStore:
         """Lay out, check and fill the host buffers for ``plan``; raises `PlanError` before mutating."""
-        return cls.prepare(pipeline, plan, pin=pin, reader=reader, sharding=sharding).commit()
+        return cls.prepare(pipeline, plan, pin=pin, reader=reader, sharding=sharding, pinner=pinner).commit()
 
     @classmethod
     def prepare(
@@ -245,11 +261,15 @@ class HostStore:
         pin: bool,
         reader: CheckpointReader | None = None,
         sharding: Sharding | None = None,
+        pinner: HostPinner | None = None,
     ) -> Prepared:
-        """Check everything and, from a checkpoint, read every buffer, without touching the pipeline.
+        """Check everything, allocate (and pin) every buffer and, from a checkpoint, read it, without
+        touching the pipeline.
 
-        Raises `PlanError` for a pipeline or checkpoint that cannot serve ``plan`` (every problem at
-        once); see the Notes at the top of this module.
+        ``pin`` page-locks the buffers with ``pinner`` (default `CudaPinner`); a refused pin falls
+        back to pageable memory with one `OffloadWarning`. Raises `PlanError` for a pipeline or
+        checkpoint that cannot serve ``plan`` (every problem at once); see the Notes at the top of
+        this module. A `Prepared` that is not committed must be `Prepared.discard`-ed.
         """
         specs = _group_specs(plan)
         lookup = _Lookup(pipeline)
@@ -298,24 +318,33 @@ class HostStore:
         layouts: dict[str, tuple[tuple[Piece, ...], int]] = {}
         for name, pack in specs.items():
             layouts[name] = _layout(pack, resolved[name])
+        memory = HostMemory((pinner or CudaPinner()) if pin else None)
         buffers: dict[str, torch.Tensor] = {}
         loose_values: list[torch.Tensor | None] = []
-        if reader is not None:
-            for name, pack in specs.items():
-                pieces, nbytes = layouts[name]
-                span = _span(name, nbytes, sharding)
-                buffers[name] = _read(reader, pack, pieces, resolved[name], span, pin=pin)
-            for spec, live in zip(loose, loose_live, strict=True):
-                loose_values.append(_read_loose(reader, spec, live))
+        try:
+            for name, (_, nbytes) in layouts.items():
+                start, end = _span(name, nbytes, sharding) or (0, nbytes)
+                buffers[name] = memory.alloc(name, end - start)
+            if reader is not None:
+                for name, pack in specs.items():
+                    pieces, nbytes = layouts[name]
+                    span = _span(name, nbytes, sharding)
+                    _read(reader, pack, pieces, resolved[name], span, host=buffers[name])
+                for spec, live in zip(loose, loose_live, strict=True):
+                    loose_values.append(_read_loose(reader, spec, live))
+        except BaseException:
+            memory.close()
+            raise
         return Prepared(
             pipeline=pipeline,
             plan=plan,
-            pin=pin,
             sharding=sharding,
             specs=specs,
             live=resolved,
             layouts=layouts,
             buffers=buffers,
+            filled=reader is not None,
+            memory=memory,
             loose=list(zip(loose_live, loose_values, strict=True)) if reader is not None else [],
         )
 
@@ -329,10 +358,11 @@ class HostStore:
         """Give every tensor ordinary storage of its own again, bit-identical, strides kept.
 
         Pack by pack, each host buffer dropped as soon as its tensors have their own copies, so
-        closing peaks at the host store plus one pack. Sharded packs cannot be given back without
-        their peers' shards: they keep their placeholders and stay in ``packs`` (host shards are
-        never dropped) until `Pack.unshard` gives them their full bytes and `give_back` or `close`
-        runs again.
+        closing peaks at the host store plus one pack; each buffer is unpinned and unmapped as it
+        goes, so its memory goes back to the OS (nothing stays cached). Sharded packs cannot be
+        given back without their peers' shards: they keep their placeholders and stay in
+        ``packs`` (host shards are never dropped) until `Pack.unshard` gives them their full
+        bytes and `give_back` or `close` runs again.
         """
         for name in list(self.packs):
             pack = self.packs[name]
@@ -356,6 +386,7 @@ class HostStore:
         pack.host_views = tuple(fresh)
         pack.host = torch.empty(0, dtype=torch.uint8)
         del self.packs[pack.name]
+        self.memory.release(pack.name)
 
 
 @attrs.define(eq=False)
@@ -364,25 +395,32 @@ class Prepared:
 
     pipeline: Any
     plan: Plan
-    pin: bool
     sharding: Sharding | None
     specs: dict[str, list[TensorSpec]]
     live: dict[str, list[torch.Tensor | None]]
     layouts: dict[str, tuple[tuple[Piece, ...], int]]
+    #: Every pack's buffer, allocated (and pinned) already; read from the checkpoint if ``filled``.
     buffers: dict[str, torch.Tensor]
+    filled: bool
+    memory: HostMemory
     loose: list[tuple[torch.Tensor | None, torch.Tensor | None]]
 
+    def discard(self) -> None:
+        """Give up this store without taking the pipeline over: unpin and free every buffer."""
+        self.buffers = {}
+        self.memory.close()
+
     def commit(self) -> HostStore:
-        """Re-point the pipeline's tensors at the host buffers (filling them from the module if no
+        """Re-point the pipeline's tensors at the host buffers (copying the module's bytes in if no
         checkpoint was read); the only step that mutates the pipeline, and it cannot fail."""
         packs: dict[str, Pack] = {}
         for name, tensors in self.live.items():
             pieces, nbytes = self.layouts[name]
             span = _span(name, nbytes, self.sharding)
             ordered = list(_ordered(self.specs[name], tensors))
-            host = self.buffers.get(name)
-            if host is None:
-                host = _from_module(ordered, pieces, nbytes, span, pin=self.pin)
+            host = self.buffers[name]
+            if not self.filled:
+                _from_module(ordered, pieces, nbytes, span, host)
             for t in ordered:
                 if t.is_meta:
                     _materialise(t)
@@ -411,7 +449,7 @@ class Prepared:
                 live.data = value
         self.buffers = {}
         units = _units(self.plan, packs, self.pipeline)
-        return HostStore(packs, units, self.pin)
+        return HostStore(packs, units, self.memory)
 
 
 class _Lookup:
@@ -496,7 +534,7 @@ def _layout(
         t = live[spec.name]
         assert t is not None
         pieces.append(Piece(offset, spec.nbytes, t.dtype, tuple(t.shape), _dense_strides(t)))
-    return tuple(pieces), sum(s.nbytes for s in specs)
+    return tuple(pieces), packed_nbytes(pack_specs(specs))
 
 
 def _span(name: str, nbytes: int, sharding: Sharding | None) -> tuple[int, int] | None:
@@ -514,13 +552,11 @@ def _from_module(
     pieces: Sequence[Piece],
     nbytes: int,
     span: tuple[int, int] | None,
-    *,
-    pin: bool,
-) -> torch.Tensor:
-    """The group's host buffer filled from the module's own tensors (only the span when sharded)."""
+    host: torch.Tensor,
+) -> None:
+    """Fill the pack's zeroed host buffer from the module's own tensors (only the span when sharded)."""
     start, end = span if span is not None else (0, nbytes)
-    host = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin)
-    packed = host if span is None else torch.empty(nbytes, dtype=torch.uint8)
+    packed = host if span is None else torch.zeros(nbytes, dtype=torch.uint8)
     with torch.no_grad():
         for t, p in zip(tensors, pieces, strict=True):
             p.view(packed).copy_(t.data)
@@ -528,7 +564,6 @@ def _from_module(
         stop = max(start, min(end, nbytes))
         host[: stop - start].copy_(packed[start:stop])
         host[stop - start :].zero_()
-    return host
 
 
 def _read(
@@ -538,17 +573,16 @@ def _read(
     tensors: Sequence[torch.Tensor | None],
     span: tuple[int, int] | None,
     *,
-    pin: bool,
-) -> torch.Tensor:
-    """The group's host buffer (or this rank's span of it) read from the checkpoint.
+    host: torch.Tensor,
+) -> None:
+    """Fill the pack's host buffer (or this rank's span of it) from the checkpoint.
 
     Checkpoint bytes are row-major; pieces stored with other strides are rearranged, and the bytes of
     non-persistent buffers come from the module (see the Note at the top).
     """
     layout = pack_specs(specs)
-    nbytes = sum(s.nbytes for s in specs)
+    nbytes = packed_nbytes(layout)
     start, end = span if span is not None else (0, nbytes)
-    host = torch.empty(end - start, dtype=torch.uint8, pin_memory=pin)
     reader.read_into(layout, host, start, end)
     live = {s.name: t for s, t in zip(specs, tensors, strict=True)}
     for (spec, offset), piece in zip(layout, pieces, strict=True):
@@ -568,7 +602,6 @@ def _read(
             source = reader.read_tensor(spec.name)
         arranged = piece.arranged(source)
         host[lo - start : hi - start].copy_(arranged[lo - offset : hi - offset])
-    return host
 
 
 def _read_loose(reader: CheckpointReader, spec: TensorSpec, live: torch.Tensor | None) -> torch.Tensor | None:
@@ -590,6 +623,17 @@ def _materialise(t: torch.Tensor) -> None:
     if isinstance(t, nn.Parameter):
         fresh = nn.Parameter(fresh, requires_grad=t.requires_grad)
     torch.utils.swap_tensors(t, fresh)  # type: ignore[no-untyped-call]
+
+
+def footprint(plan: Plan, sharding: Sharding | None = None) -> Footprint:
+    """The host memory a store for ``plan`` holds and pins: a pure function of the plan (and this
+    rank's sharding), the same sizes `HostStore.prepare` allocates."""
+    sizes = []
+    for name, specs in _group_specs(plan).items():
+        nbytes = packed_nbytes(pack_specs(specs))
+        start, end = _span(name, nbytes, sharding) or (0, nbytes)
+        sizes.append(end - start)
+    return Footprint.of(sizes)
 
 
 def _group_specs(plan: Plan) -> dict[str, list[TensorSpec]]:

@@ -30,6 +30,7 @@ from torchferry.topology._known import (
 )
 from torchferry.topology._model import (
     DTYPE_SIZES,
+    PACK_ALIGN,
     Block,
     Component,
     ComponentKind,
@@ -40,6 +41,7 @@ from torchferry.topology._model import (
     dtype_size,
     join_path,
     pack,
+    packed_nbytes,
 )
 from torchferry.topology._model import find_attr as find_attr
 from torchferry.topology._plan import Plan, canonical
@@ -52,6 +54,7 @@ __all__ = [
     "DTYPE_SIZES",
     "KNOWN_ALIASES",
     "KNOWN_MODELS",
+    "PACK_ALIGN",
     "RUNTIME_OPTIONS",
     "STRATEGIES",
     "Block",
@@ -81,6 +84,7 @@ __all__ = [
     "known_topology",
     "memory_bytes",
     "pack",
+    "packed_nbytes",
     "parse_bytes",
     "parse_rate",
     "resolve",

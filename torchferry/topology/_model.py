@@ -142,7 +142,8 @@ def _tensors(value: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
 
 
 def _tensor_bytes(tensors: tuple[TensorSpec, ...]) -> int:
-    return sum(t.nbytes for t in tensors)
+    """Bytes of the flat buffer `pack` lays ``tensors`` out in (alignment padding included)."""
+    return packed_nbytes(pack(tensors))
 
 
 @attrs.frozen(kw_only=True, cache_hash=True)
@@ -151,7 +152,7 @@ class Block:
 
     path: str
     tensors: tuple[TensorSpec, ...] = attrs.field(converter=_tensors)
-    #: Bytes of the block's flat host buffer (tensors packed by itemsize, so no padding).
+    #: Bytes of the block's flat buffer (see `pack`: its tensors and the padding that aligns them).
     nbytes: int = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -167,20 +168,32 @@ class Block:
         return pack(self.tensors)
 
 
+#: Every tensor of a flat buffer starts at a multiple of this many bytes (see `pack`).
+PACK_ALIGN = 256
+
+
 def pack(tensors: Iterable[TensorSpec]) -> tuple[tuple[TensorSpec, int], ...]:
     """The flat-buffer layout shared by host buffers, device slots and checkpoint readers.
 
-    Tensors are packed back to back by itemsize, largest first, keeping their order within one
-    itemsize, so every offset is a multiple of its tensor's itemsize and no byte is padding: the
-    buffer is exactly ``sum(t.nbytes)`` long.
+    Tensors are laid out by itemsize, largest first, keeping their order within one itemsize, each
+    starting at the next multiple of `PACK_ALIGN` (256) bytes: the CUDA caching allocator hands out
+    512-byte aligned blocks, so every tensor view into a slot starts on a 256-byte boundary, as its
+    own allocation would, and the same kernels run as on a resident model. The buffer is
+    `packed_nbytes` long: the tensors' bytes and the padding between them (zeros).
     """
     ordered = sorted(tensors, key=lambda t: -t.itemsize)
     placed: list[tuple[TensorSpec, int]] = []
     offset = 0
     for t in ordered:
+        offset = -(-offset // PACK_ALIGN) * PACK_ALIGN
         placed.append((t, offset))
         offset += t.nbytes
     return tuple(placed)
+
+
+def packed_nbytes(layout: Iterable[tuple[TensorSpec, int]]) -> int:
+    """Bytes of the flat buffer ``layout`` (from `pack`) describes: up to the end of its last tensor."""
+    return max((offset + t.nbytes for t, offset in layout), default=0)
 
 
 def _blocks(value: Iterable[Block]) -> tuple[Block, ...]:

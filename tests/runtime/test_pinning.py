@@ -1,0 +1,210 @@
+"""Host memory: exact pinning (pinned bytes ~ store bytes), unpinned at close, a refused pin falls back
+before anything is mutated, and every managed tensor starts on a 256-byte boundary."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import torchferry
+from torchferry import OffloadWarning, topology
+from torchferry.runtime._host import HostStore, footprint
+from torchferry.runtime._pinning import PAGE, BookPinner, HostPinner, page_bytes
+from torchferry.testing import toy
+from torchferry.topology import KNOWN_MODELS, PACK_ALIGN, known_topology
+
+
+class _Refusing(HostPinner):
+    """Pins the first ``allow`` buffers (keeping books like `BookPinner`), then refuses like a full ulimit."""
+
+    def __init__(self, allow: int) -> None:
+        self.books = BookPinner()
+        self.allow = allow
+        self.calls = 0
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.calls += 1
+        if self.calls > self.allow:
+            raise RuntimeError("cudaHostRegister of 4096 bytes returned cudaErrorMemoryAllocation")
+        self.books.register(ptr, nbytes)
+
+    def unregister(self, ptr: int) -> None:
+        self.books.unregister(ptr)
+
+
+def _plan(p: toy.ToyPipeline) -> topology.Plan:
+    return topology.resolve(topology.discover(p), topology.OffloadConfig(strategy="layerwise"))
+
+
+def _snapshot(p: torch.nn.Module) -> list[tuple[str, int, torch.Tensor]]:
+    return [(n, t.data_ptr(), t.detach().clone()) for n, t in p.state_dict(keep_vars=True).items()]
+
+
+@pytest.mark.parametrize("model_id", KNOWN_MODELS)
+def test_pinned_bytes_of_every_known_model_are_within_one_percent(model_id: str) -> None:
+    """A layerwise store of each shipped topology pins at most 1% more than it holds (whole pages)."""
+    plan = topology.resolve(known_topology(model_id), topology.OffloadConfig(strategy="layerwise"))
+    fp = footprint(plan)
+    assert fp.store_bytes == sum(c.nbytes for c in plan.components if not c.on_demand)
+    assert fp.pinned_bytes == sum(page_bytes(n) for n in _sizes(plan))
+    assert 1.0 <= fp.ratio <= 1.01
+
+
+def _sizes(plan: topology.Plan) -> list[int]:
+    from torchferry.runtime._host import _group_specs
+
+    return [topology.packed_nbytes(topology.pack(g)) for g in _group_specs(plan).values()]
+
+
+def test_store_pins_exactly_its_pages_and_close_unpins_them() -> None:
+    """Every buffer is page-aligned and registered once (as footprint says); close unregisters each."""
+    p = toy.build(0)
+    plan = _plan(p)
+    pinner = BookPinner()
+    store = HostStore.build(p, plan, pin=True, pinner=pinner)
+    assert store.pinned
+    assert store.pinned_bytes == footprint(plan).pinned_bytes == sum(pinner.ranges.values())
+    assert store.nbytes == footprint(plan).store_bytes
+    assert sorted(pinner.ranges) == sorted(g.host.data_ptr() for g in store.packs.values() if g.nbytes)
+    for group in store.packs.values():
+        assert group.host.data_ptr() % PAGE == 0
+        for t in group.tensors:
+            assert t.data_ptr() % PACK_ALIGN == 0, group.name
+    store.close()
+    assert pinner.ranges == {}
+    assert store.pinned_bytes == 0
+
+
+def test_a_refused_pin_falls_back_to_pageable_memory_before_anything_changes() -> None:
+    """The third buffer's pin fails: prepare unpins the first two, warns once, and leaves the pipeline as it
+    was; commit then serves the pipeline from pageable memory with unchanged outputs."""
+    p, ref = toy.build(0), toy.build(0)
+    before = _snapshot(p)
+    pinner = _Refusing(allow=2)
+    warning = (
+        "torchferry: could not pin a host buffer of {n} bytes (RuntimeError: cudaHostRegister of 4096 bytes "
+        "returned cudaErrorMemoryAllocation); the session keeps its weights in pageable host memory "
+        "instead, where every host-to-device copy is synchronous (no overlap with compute). Raise the "
+        "locked-memory limit (ulimit -l, or the container's memlock limit) or free host memory, or pass "
+        "pin_memory=False to choose pageable memory"
+    )
+    with pytest.warns(OffloadWarning) as caught:
+        prepared = HostStore.prepare(p, _plan(p), pin=True, pinner=pinner)
+    third = list(prepared.buffers.values())[2].numel()
+    assert [str(w.message) for w in caught] == [warning.format(n=third)]
+    assert pinner.calls == 3
+    assert pinner.books.ranges == {}
+    after = _snapshot(p)
+    assert [(n, ptr) for n, ptr, _ in after] == [(n, ptr) for n, ptr, _ in before]
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(after, before, strict=True))
+    store = prepared.commit()
+    assert not store.pinned
+    assert store.pinned_bytes == 0
+    assert torch.equal(p("a cat"), ref("a cat"))
+    store.close()
+
+
+def test_a_discarded_prepare_unpins_everything() -> None:
+    """A store prepared but never committed (another rank failed to open) gives every pin back."""
+    p = toy.build(0)
+    pinner = BookPinner()
+    prepared = HostStore.prepare(p, _plan(p), pin=True, pinner=pinner)
+    assert pinner.ranges
+    prepared.discard()
+    assert pinner.ranges == {}
+
+
+def test_book_pinner_refuses_what_the_driver_refuses() -> None:
+    """Overlapping registrations and unregistering an unknown address raise, as cudaHostRegister does."""
+    books = BookPinner()
+    books.register(4096, 8192)
+    overlap = "host range at 0x2000 overlaps one registered at 0x1000"
+    with pytest.raises(RuntimeError, match=re.escape(overlap)):
+        books.register(8192, 4096)
+    with pytest.raises(RuntimeError, match=re.escape("host range at 0x3000 is not registered")):
+        books.unregister(12288)
+    books.unregister(4096)
+    assert books.ranges == {}
+
+
+def test_every_managed_tensor_is_aligned_in_host_memory_and_in_slots_during_a_forward() -> None:
+    """Inside each block's forward its weights sit 256-byte aligned within their slot (whose base the CUDA
+    allocator aligns to 512), and every managed tensor's host view is 256-byte aligned (buffers start on a
+    page)."""
+    p, ref = toy.build(0), toy.build(0)
+    seen: list[tuple[str, int]] = []
+
+    def check(module: torch.nn.Module, args: object) -> None:
+        for name, t in module.named_parameters():
+            seen.append((name, (t.data_ptr() - t.untyped_storage().data_ptr()) % PACK_ALIGN))
+
+    handles = [b.register_forward_pre_hook(check) for b in p.transformer.blocks]
+    with torchferry.offload(p, strategy="layerwise", prefetch_depth=2, device="cpu") as session:
+        out = p("a cat")
+        store = session.engine.store
+        for group in store.packs.values():
+            for t in group.host_views:
+                assert t.data_ptr() % PACK_ALIGN == 0, group.name
+    for h in handles:
+        h.remove()
+    assert torch.equal(out, ref("a cat"))
+    assert seen
+    assert {r for _, r in seen} == {0}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_views_are_256_byte_aligned_and_host_memory_is_registered() -> None:
+    """On CUDA every weight a block runs with is a 256-byte aligned device pointer; the store is pinned."""
+    p, ref = toy.build(0), toy.build(0)
+    ptrs: list[int] = []
+
+    def check(module: torch.nn.Module, args: object) -> None:
+        ptrs.extend(t.data_ptr() for t in module.parameters())
+
+    handles = [b.register_forward_pre_hook(check) for b in p.transformer.blocks]
+    with torchferry.offload(p, strategy="layerwise", device="cuda") as session:
+        out = p("a cat").cpu()
+        assert session.engine.store.pinned
+        assert all(g.host.is_pinned() for g in session.engine.store.packs.values() if g.nbytes)
+    for h in handles:
+        h.remove()
+    assert ptrs
+    assert all(ptr % PACK_ALIGN == 0 for ptr in ptrs)
+    assert torch.allclose(out, ref("a cat"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pageable_memory_on_cuda_warns_once() -> None:
+    """pin_memory=False on CUDA says once that copies become synchronous."""
+    p = toy.build(0)
+    with pytest.warns(OffloadWarning, match="pin_memory=False on cuda") as caught:
+        session = torchferry.offload(p, strategy="layerwise", device="cuda", pin_memory=False)
+    assert sum(issubclass(w.category, OffloadWarning) for w in caught) == 1
+    session.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_released_buffers_give_their_memory_back_to_the_os() -> None:
+    """A filled 64 MiB buffer raises RSS by its size, and releasing it (as close does) takes it back."""
+    from torchferry.runtime._pinning import HostMemory
+
+    memory = HostMemory(BookPinner())
+    size = 64 << 20
+    base = _rss()
+    buffer = memory.alloc("block", size)
+    buffer.fill_(1)
+    grown = _rss() - base
+    del buffer
+    memory.release("block")
+    assert grown > size * 0.9
+    assert _rss() - base < size * 0.1
+    assert memory.pinned_bytes == 0
