@@ -285,8 +285,7 @@ _GOOD = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
             b'{"\xff": 1}',
             b"",
             None,
-            "the safetensors header is not valid JSON ('utf-8' codec can't decode byte 0xff in position 2: "
-            "invalid start byte)",
+            "the safetensors header is not UTF-8 (byte 2 is 0xff)",
         ),
         ("list", [1, 2], b"", None, "the safetensors header is a list, not a JSON object"),
         (
@@ -453,20 +452,17 @@ def test_index_problems_name_the_index_and_the_shard(tmp_path: Path) -> None:
 def test_unusable_paths_fail_when_opened(tmp_path: Path) -> None:
     """A missing path, a folder without shards and a broken index fail at once with how to fix them."""
     how = "point checkpoint at a .safetensors file, a folder of them, or a *.index.json"
-    with pytest.raises(PlanError, match=re.escape(f"checkpoint {tmp_path / 'nope'} does not exist; {how}")):
+    with pytest.raises(PlanError, match=re.escape(f"{tmp_path / 'nope'}: no such checkpoint file or folder")):
         CheckpointReader(tmp_path / "nope")
     with pytest.raises(
-        PlanError, match=re.escape(f"checkpoint folder {tmp_path} holds no *.safetensors files; {how}")
+        PlanError, match=re.escape(f"{tmp_path}: the folder holds no *.safetensors file; {how}")
     ):
         CheckpointReader(tmp_path)
     bad = tmp_path / "x.index.json"
     bad.write_text('{"metadata": {}}')
     with pytest.raises(
         PlanError,
-        match=re.escape(
-            f"checkpoint index {bad} is not a safetensors index (a JSON object with a 'weight_map' of tensor "
-            f"-> file): KeyError: 'weight_map'; fix it or {how}"
-        ),
+        match=re.escape(f"{bad}: an index needs a 'weight_map' object of tensor name -> shard file"),
     ):
         CheckpointReader(bad)
 
@@ -545,24 +541,3 @@ def test_non_persistent_buffer_bytes_in_a_layout_are_left_for_the_caller(tmp_pat
             assert torch.equal(got, state[spec.name].reshape(-1).view(torch.uint8))
     assert rope_at < block.nbytes  # the buffer sits among the fp32 tensors, not at the end
     assert bool((out[block.nbytes + 16 :] == 0).all())
-
-
-def test_save_safetensors_writes_what_the_official_reader_reads(tmp_path: Path) -> None:
-    """The NumPy-free writer makes a file safetensors loads back exactly, views and empties too."""
-    from safetensors.torch import load_file
-
-    from torchferry.runtime._checkpoint import save_safetensors
-
-    tensors = {
-        "w.t": torch.randn(3, 4).t(),
-        "ids": torch.arange(5, dtype=torch.int64),
-        "half": torch.randn(7, dtype=torch.bfloat16),
-        "empty": torch.empty(0, 3),
-        "flag": torch.tensor([True, False]),
-    }
-    path = tmp_path / "out.safetensors"
-    save_safetensors(tensors, path)
-    loaded = load_file(str(path))
-    assert loaded.keys() == tensors.keys()
-    assert all(torch.equal(loaded[k], tensors[k]) and loaded[k].dtype == tensors[k].dtype for k in tensors)
-    assert not (tmp_path / "out.safetensors.partial").exists()
