@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from pathlib import Path
+from typing import BinaryIO
 
 import attrs
 import pytest
@@ -18,6 +20,7 @@ import torchferry.runtime._checkpoint as checkpoint_module
 from torchferry import ExecutionError, PlanError
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.topology import Block, Component, OffloadConfig, Plan, Stack, TensorSpec, Topology, pack
+from torchferry.topology._checkpoint import HeaderEntry
 
 
 class _Layer(nn.Module):
@@ -541,3 +544,78 @@ def test_non_persistent_buffer_bytes_in_a_layout_are_left_for_the_caller(tmp_pat
             assert torch.equal(got, state[spec.name].reshape(-1).view(torch.uint8))
     assert rope_at < block.nbytes  # the buffer sits among the fp32 tensors, not at the end
     assert bool((out[block.nbytes + 16 :] == 0).all())
+
+
+def test_a_file_replaced_while_open_yields_its_old_tensors(tmp_path: Path) -> None:
+    """A shard replaced on disk after the reader opened it reads as the tensors its header described."""
+    path = tmp_path / "model.safetensors"
+    old = {"a": torch.arange(4, dtype=torch.float32), "b": torch.full((3,), 7, dtype=torch.int64)}
+    new = {"b": torch.full((2,), -1, dtype=torch.int64), "a": torch.ones(9), "c": torch.zeros(5)}
+    save_file(old, str(path))
+    with CheckpointReader(path) as reader:
+        save_file(new, str(tmp_path / "new.safetensors"))
+        (tmp_path / "new.safetensors").replace(path)  # another layout at the same path
+        assert torch.equal(reader.read_tensor("a"), old["a"])
+        assert torch.equal(reader.read_tensor("b"), old["b"])
+    with CheckpointReader(path) as reader:
+        assert torch.equal(reader.read_tensor("a"), new["a"])
+
+
+def test_the_header_is_parsed_from_the_descriptor_the_data_comes_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file replaced between the open and the header parse still gives header and data of one file."""
+    path = tmp_path / "model.safetensors"
+    old = {"a": torch.arange(6, dtype=torch.float32)}
+    save_file(old, str(path))
+    save_file({"z": torch.ones(1), "a": torch.full((6,), 3.0)}, str(tmp_path / "other.safetensors"))
+    parse = checkpoint_module.parse_header
+
+    def replace_then_parse(file: str, handle: BinaryIO) -> tuple[HeaderEntry, ...]:
+        (tmp_path / "other.safetensors").replace(path)  # the race: the path changes after the open
+        return parse(file, handle)
+
+    monkeypatch.setattr(checkpoint_module, "parse_header", replace_then_parse)
+    with CheckpointReader(path) as reader:
+        assert list(reader.entries) == ["a"]
+        assert torch.equal(reader.read_tensor("a"), old["a"])
+
+
+def test_non_regular_shards_are_problems_not_hangs(tmp_path: Path) -> None:
+    """A FIFO or folder named *.safetensors in a checkpoint folder is reported by validate, unblocked."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file({"a": torch.zeros(2)}, str(folder / "a.safetensors"))
+    (folder / "b.safetensors").mkdir()
+    fifo = folder / "c.safetensors"
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(fifo)
+    problems = [
+        f"{folder / 'b.safetensors'}: is a folder, not a regular file; a checkpoint is read from files; "
+        f"{_RESAVE}"
+    ]
+    if hasattr(os, "mkfifo"):
+        problems.append(f"{fifo}: is a FIFO, not a regular file; a checkpoint is read from files; {_RESAVE}")
+    with (
+        CheckpointReader(folder) as reader,
+        pytest.raises(PlanError, match=re.escape(_message(folder, *problems))),
+    ):
+        reader.validate([TensorSpec(name="a", shape=(2,), dtype="float32")])
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/dev/stdin"])
+def test_index_escapes_are_refused_when_opened(tmp_path: Path, shard: str) -> None:
+    """An index naming a shard outside its folder (or a device) fails at open, before any shard is read."""
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "outside.safetensors"))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": shard}}))
+    with pytest.raises(
+        PlanError,
+        match=re.escape(
+            f"{index}: the index names shard {shard!r} for tensor 'a', which is not a file name inside the "
+            "index's folder; shards must sit beside the index (no absolute paths, no '..')"
+        ),
+    ):
+        CheckpointReader(index)

@@ -41,6 +41,7 @@ from torchferry.policies._ir import (
 )
 from torchferry.policies._layout import Layout, forward_blocks, layout, shard_nbytes, swaps
 from torchferry.topology import Component, Plan
+from torchferry.topology._config import MAX_PREFETCH_DEPTH
 
 __all__ = [
     "cached",
@@ -356,9 +357,11 @@ def _ring(
 
 
 def _depth(depth: int) -> int:
-    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+    if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= MAX_PREFETCH_DEPTH:
+        shown = repr(depth) if not isinstance(depth, int) or depth.bit_length() < 64 else "a larger int"
         raise ValueError(
-            f"depth must be an int >= 1 (blocks in flight ahead of the one computing), got {depth!r}"
+            f"depth must be an int from 1 to {MAX_PREFETCH_DEPTH} (blocks in flight ahead of the one "
+            f"computing; the ring holds depth + 1 blocks), got {shown}"
         )
     return depth
 
