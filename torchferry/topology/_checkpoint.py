@@ -100,6 +100,8 @@ MAX_HEADER_BYTES = 100_000_000
 SHOWN_CHARS = 200
 _U64 = 2**64
 _U64_DIGITS = len(str(_U64 - 1))
+# A shard name in an index is a file name beside the index; this bounds the paths messages quote.
+_MAX_SHARD_NAME = 512
 HOW = "point checkpoint at a .safetensors file, a folder of them, or a *.index.json"
 _ENCODER_HINTS = ("encoder", "mllm")
 _VAE_HINTS = ("vae",)
@@ -387,6 +389,11 @@ def _shard_name(index: str, tensor: str, name: object) -> str:
     _check_text(index, "shard name", name)
     parts = PurePath(name).parts
     escapes = PurePath(name).is_absolute() or PurePath(name).drive or ".." in parts or "\0" in name
+    if len(name) > _MAX_SHARD_NAME or any(len(part) > 255 for part in parts):
+        raise PlanError(
+            f"{index}: the index names shard {show(name)} for tensor {show(tensor)}, longer than a file "
+            f"name can be (at most {_MAX_SHARD_NAME} characters, 255 per folder or file name)"
+        )
     if escapes or not parts or os.path.isabs(name):
         raise PlanError(
             f"{index}: the index names shard {show(name)} for tensor {show(tensor)}, which is not a file "
@@ -427,6 +434,8 @@ def locate(path: str | os.PathLike[str]) -> Sources:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
         raise PlanError(f"{source}: an index needs a 'weight_map' object of tensor name -> shard file")
+    if not weight_map:
+        raise PlanError(f"{source}: the index's 'weight_map' is empty; an index names every tensor's shard")
     folder = Path(source).parent
     resolved: dict[str, str] = {}
     for tensor, shard in weight_map.items():
