@@ -424,6 +424,14 @@ RAW_HEADER_ERRORS: list[tuple[str, bytes, bytes, str]] = [
         "so the file is damaged",
     ),
     (
+        "empty-inside",
+        b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+        b'"e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}}',
+        b"\0" * 8,
+        "{file}: empty tensor 'e' sits at offset 4, inside bytes another tensor holds (up to 8); "
+        "safetensors offsets follow one another",
+    ),
+    (
         "nan",
         b'{"w":{"dtype":"F32","shape":[NaN],"data_offsets":[0,8]}}',
         b"\0" * 8,

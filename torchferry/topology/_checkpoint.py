@@ -330,6 +330,11 @@ def parse_header(file: str, handle: BinaryIO) -> tuple[HeaderEntry, ...]:
             reach = current
     cursor = 0
     for current in entries:
+        if current.begin < cursor:  # only an empty tensor gets here: overlaps were refused above
+            raise PlanError(
+                f"{file}: empty tensor {show(current.name)} sits at offset {current.begin}, inside bytes "
+                f"another tensor holds (up to {cursor}); safetensors offsets follow one another"
+            )
         if current.begin > cursor:
             raise PlanError(
                 f"{file}: no tensor covers bytes {cursor}-{current.begin} of the data region (before "
