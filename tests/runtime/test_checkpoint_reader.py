@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import attrs
 import pytest
@@ -29,6 +30,7 @@ from torchferry.topology import (
     pack,
     packed_nbytes,
 )
+from torchferry.topology._checkpoint import HeaderEntry
 
 
 class _Layer(nn.Module):
@@ -303,8 +305,7 @@ _GOOD = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
             b'{"\xff": 1}',
             b"",
             None,
-            "the safetensors header is not valid JSON ('utf-8' codec can't decode byte 0xff in position 2: "
-            "invalid start byte)",
+            "the safetensors header is not UTF-8 (byte 2 is 0xff)",
         ),
         ("list", [1, 2], b"", None, "the safetensors header is a list, not a JSON object"),
         (
@@ -472,20 +473,17 @@ def test_index_problems_name_the_index_and_the_shard(tmp_path: Path) -> None:
 def test_unusable_paths_fail_when_opened(tmp_path: Path) -> None:
     """A missing path, a folder without shards and a broken index fail at once with how to fix them."""
     how = "point checkpoint at a .safetensors file, a folder of them, or a *.index.json"
-    with pytest.raises(PlanError, match=re.escape(f"checkpoint {tmp_path / 'nope'} does not exist; {how}")):
+    with pytest.raises(PlanError, match=re.escape(f"{tmp_path / 'nope'}: no such checkpoint file or folder")):
         CheckpointReader(tmp_path / "nope")
     with pytest.raises(
-        PlanError, match=re.escape(f"checkpoint folder {tmp_path} holds no *.safetensors files; {how}")
+        PlanError, match=re.escape(f"{tmp_path}: the folder holds no *.safetensors file; {how}")
     ):
         CheckpointReader(tmp_path)
     bad = tmp_path / "x.index.json"
     bad.write_text('{"metadata": {}}')
     with pytest.raises(
         PlanError,
-        match=re.escape(
-            f"checkpoint index {bad} is not a safetensors index (a JSON object with a 'weight_map' of tensor "
-            f"-> file): KeyError: 'weight_map'; fix it or {how}"
-        ),
+        match=re.escape(f"{bad}: an index needs a 'weight_map' object of tensor name -> shard file"),
     ):
         CheckpointReader(bad)
 
@@ -570,22 +568,76 @@ def test_non_persistent_buffer_bytes_in_a_layout_are_left_for_the_caller(tmp_pat
     assert bool((out[~covered] == 0).all())  # alignment padding and the bytes past the end are zeros
 
 
-def test_save_safetensors_writes_what_the_official_reader_reads(tmp_path: Path) -> None:
-    """The NumPy-free writer makes a file safetensors loads back exactly, views and empties too."""
-    from safetensors.torch import load_file
+def test_a_file_replaced_while_open_yields_its_old_tensors(tmp_path: Path) -> None:
+    """A shard replaced on disk after the reader opened it reads as the tensors its header described."""
+    path = tmp_path / "model.safetensors"
+    old = {"a": torch.arange(4, dtype=torch.float32), "b": torch.full((3,), 7, dtype=torch.int64)}
+    new = {"b": torch.full((2,), -1, dtype=torch.int64), "a": torch.ones(9), "c": torch.zeros(5)}
+    save_file(old, str(path))
+    with CheckpointReader(path) as reader:
+        save_file(new, str(tmp_path / "new.safetensors"))
+        (tmp_path / "new.safetensors").replace(path)  # another layout at the same path
+        assert torch.equal(reader.read_tensor("a"), old["a"])
+        assert torch.equal(reader.read_tensor("b"), old["b"])
+    with CheckpointReader(path) as reader:
+        assert torch.equal(reader.read_tensor("a"), new["a"])
 
-    from torchferry.runtime._checkpoint import save_safetensors
 
-    tensors = {
-        "w.t": torch.randn(3, 4).t(),
-        "ids": torch.arange(5, dtype=torch.int64),
-        "half": torch.randn(7, dtype=torch.bfloat16),
-        "empty": torch.empty(0, 3),
-        "flag": torch.tensor([True, False]),
-    }
-    path = tmp_path / "out.safetensors"
-    save_safetensors(tensors, path)
-    loaded = load_file(str(path))
-    assert loaded.keys() == tensors.keys()
-    assert all(torch.equal(loaded[k], tensors[k]) and loaded[k].dtype == tensors[k].dtype for k in tensors)
-    assert not (tmp_path / "out.safetensors.partial").exists()
+def test_the_header_is_parsed_from_the_descriptor_the_data_comes_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file replaced between the open and the header parse still gives header and data of one file."""
+    path = tmp_path / "model.safetensors"
+    old = {"a": torch.arange(6, dtype=torch.float32)}
+    save_file(old, str(path))
+    save_file({"z": torch.ones(1), "a": torch.full((6,), 3.0)}, str(tmp_path / "other.safetensors"))
+    parse = checkpoint_module.parse_header
+
+    def replace_then_parse(file: str, handle: BinaryIO) -> tuple[HeaderEntry, ...]:
+        (tmp_path / "other.safetensors").replace(path)  # the race: the path changes after the open
+        return parse(file, handle)
+
+    monkeypatch.setattr(checkpoint_module, "parse_header", replace_then_parse)
+    with CheckpointReader(path) as reader:
+        assert list(reader.entries) == ["a"]
+        assert torch.equal(reader.read_tensor("a"), old["a"])
+
+
+def test_non_regular_shards_are_problems_not_hangs(tmp_path: Path) -> None:
+    """A FIFO or folder named *.safetensors in a checkpoint folder is reported by validate, unblocked."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file({"a": torch.zeros(2)}, str(folder / "a.safetensors"))
+    (folder / "b.safetensors").mkdir()
+    fifo = folder / "c.safetensors"
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(fifo)
+    problems = [
+        f"{folder / 'b.safetensors'}: is a folder, not a regular file; a checkpoint is read from files; "
+        f"{_RESAVE}"
+    ]
+    if hasattr(os, "mkfifo"):
+        problems.append(f"{fifo}: is a FIFO, not a regular file; a checkpoint is read from files; {_RESAVE}")
+    with (
+        CheckpointReader(folder) as reader,
+        pytest.raises(PlanError, match=re.escape(_message(folder, *problems))),
+    ):
+        reader.validate([TensorSpec(name="a", shape=(2,), dtype="float32")])
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/dev/stdin"])
+def test_index_escapes_are_refused_when_opened(tmp_path: Path, shard: str) -> None:
+    """An index naming a shard outside its folder (or a device) fails at open, before any shard is read."""
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "outside.safetensors"))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": shard}}))
+    with pytest.raises(
+        PlanError,
+        match=re.escape(
+            f"{index}: the index names shard {shard!r} for tensor 'a', which is not a file name inside the "
+            "index's folder; shards must sit beside the index (no absolute paths, no '..')"
+        ),
+    ):
+        CheckpointReader(index)

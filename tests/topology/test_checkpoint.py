@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from torchferry import PlanError
 from torchferry.topology import Declaration, OffloadConfig, from_checkpoint, resolve
-from torchferry.topology._checkpoint import SAFETENSORS_DTYPES, read_header
+from torchferry.topology._checkpoint import SAFETENSORS_DTYPES, read_header, show
 
 SIZES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}
 GIB = 1024**3
@@ -338,3 +338,272 @@ def test_block_attrs_type_errors(tmp_path: Path) -> None:
         TypeError, match=re.escape("from_checkpoint(block_attrs=...) keys must be str prefixes, got 3")
     ):
         from_checkpoint(path, {3: ("blocks",)})  # type: ignore[dict-item]
+
+
+# --------------------------------------------------------------------------------- hostile files
+
+
+def _raw_file(path: Path, header: bytes, data: bytes = b"\0" * 8, length: int | None = None) -> Path:
+    """A file with the given header bytes (not re-encoded), length prefix and data."""
+    path.write_bytes((len(header) if length is None else length).to_bytes(8, "little") + header + data)
+    return path
+
+
+_W = '"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'
+_CAP = "safetensors caps headers at 100 MB"
+RAW_HEADER_ERRORS: list[tuple[str, bytes, bytes, str]] = [
+    (
+        "deep",
+        b"[" * 100_000 + b"]" * 100_000,
+        b"",
+        "{file}: the safetensors header nests JSON deeper than Python parses (a header is 3 levels deep); "
+        "it is not safetensors",
+    ),
+    (
+        "deep-index-like",
+        b'{"w":' + b'{"a":' * 50_000 + b"1" + b"}" * 50_001,
+        b"",
+        "{file}: the safetensors header nests JSON deeper than Python parses (a header is 3 levels deep); "
+        "it is not safetensors",
+    ),
+    (
+        "big-int",
+        ('{"w":{"dtype":"F32","shape":[' + "9" * 5000 + '],"data_offsets":[0,8]}}').encode(),
+        b"\0" * 8,
+        "{file}: the safetensors header holds an integer of 5000 digits; sizes and offsets fit in 64 bits",
+    ),
+    (
+        "dtype-list",
+        b'{"w":{"dtype":["F32"],"shape":[2],"data_offsets":[0,8]}}',
+        b"\0" * 8,
+        f"{{file}}: tensor 'w' has dtype ['F32'], which torchferry cannot stream; known dtypes: {KNOWN}",
+    ),
+    (
+        "dtype-dict",
+        b'{"w":{"dtype":{"F32":1},"shape":[2],"data_offsets":[0,8]}}',
+        b"\0" * 8,
+        f"{{file}}: tensor 'w' has dtype {{'F32': 1}}, which torchferry cannot stream; known dtypes: {KNOWN}",
+    ),
+    (
+        "bom",
+        b"\xef\xbb\xbf{" + _W.encode() + b"}",
+        b"\0" * 8,
+        "{file}: the safetensors header begins with a byte-order mark; it must be UTF-8 without one",
+    ),
+    (
+        "utf-16",
+        ("{" + _W + "}").encode("utf-16"),
+        b"\0" * 8,
+        "{file}: the safetensors header is not UTF-8 (byte 0 is 0xff)",
+    ),
+    (
+        "leading-space",
+        b" {" + _W.encode() + b"}",
+        b"\0" * 8,
+        "{file}: the safetensors header must begin with '{' (it begins with whitespace)",
+    ),
+    (
+        "duplicate",
+        b'{"w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},' + _W.encode() + b"}",
+        b"\0" * 8,
+        "{file}: the safetensors header names 'w' twice; keys must be unique",
+    ),
+    (
+        "trailing",
+        b"{" + _W.encode() + b"}",
+        b"\0" * 12,
+        "{file}: the tensors cover 8 of the data region's 12 bytes; the file has 4 trailing bytes no tensor "
+        "names, so it is damaged or not safetensors",
+    ),
+    (
+        "gap",
+        b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
+        b'"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}',
+        b"\0" * 12,
+        "{file}: no tensor covers bytes 4-8 of the data region (before 'b'); safetensors data has no gaps, "
+        "so the file is damaged",
+    ),
+    (
+        "empty-inside",
+        b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+        b'"e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}}',
+        b"\0" * 8,
+        "{file}: empty tensor 'e' sits at offset 4, inside bytes another tensor holds (up to 8); "
+        "safetensors offsets follow one another",
+    ),
+    (
+        "nan",
+        b'{"w":{"dtype":"F32","shape":[NaN],"data_offsets":[0,8]}}',
+        b"\0" * 8,
+        "{file}: the safetensors header holds NaN, which is not JSON",
+    ),
+    (
+        "surrogate",
+        b'{"w\\ud800":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+        b"\0" * 8,
+        "{file}: tensor name 'w\\ud800' is not valid Unicode (a lone surrogate)",
+    ),
+    (
+        "metadata-value",
+        b'{"__metadata__":{"format":1},' + _W.encode() + b"}",
+        b"\0" * 8,
+        "{file}: '__metadata__' value 'format' is 1; metadata maps strings to strings",
+    ),
+    (
+        "overflow",
+        b'{"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}}',
+        b"\0" * 8,
+        "{file}: tensor 'w' has shape [4294967296, 4294967296], whose size in bytes does not fit 64 bits",
+    ),
+    (
+        "huge-length",
+        b"{}",
+        b"",
+        "{file}: header length 100000001 does not fit a 10-byte file (" + _CAP + "); the file is truncated "
+        "or not safetensors",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "header", "data", "message"), RAW_HEADER_ERRORS, ids=[c[0] for c in RAW_HEADER_ERRORS]
+)
+def test_hostile_header_is_one_short_plan_error(
+    tmp_path: Path, case: str, header: bytes, data: bytes, message: str
+) -> None:
+    """Each malformed header (nesting, huge ints, wrong types, encodings, duplicates, gaps) is a PlanError."""
+    path = _raw_file(
+        tmp_path / f"{case}.safetensors", header, data, 10**8 + 1 if case == "huge-length" else None
+    )
+    with pytest.raises(PlanError, match=re.escape(message.replace("{file}", str(path))) + r"\Z"):
+        from_checkpoint(path)
+
+
+def test_long_values_are_cut_in_messages(tmp_path: Path) -> None:
+    """A value quoted from a file is cut to 200 characters, so a message stays short whatever the file."""
+    long = "x" * 10**6
+    path = _raw_file(tmp_path / "long.safetensors", json.dumps({long: {"dtype": long}}).encode())
+    with pytest.raises(PlanError) as caught:
+        from_checkpoint(path)
+    assert str(caught.value) == (
+        f"{path}: tensor {show(long)} needs 'dtype', 'shape' and 'data_offsets' in the header, got "
+        f"{show({'dtype': long})}"
+    )
+    assert show(long) == repr(long)[:200] + "... (1000002 characters)"
+    assert len(str(caught.value)) < 700
+
+
+def test_unicode_digits_are_not_block_indices(tmp_path: Path) -> None:
+    """'blocks.².w' is not a block (str.isdigit accepts '²'): it stays with the remainder, no crash."""
+    path = tmp_path / "m.safetensors"
+    write(path, {"blocks.0.w": ("F32", (1,)), "blocks.².w": ("F32", (1,))})
+    component = from_checkpoint(path).components[0]
+    assert [b.path for b in component.blocks] == ["blocks.0"]
+    assert [t.name for t in component.tensors] == ["blocks.².w"]
+
+
+def test_only_regular_files_are_read(tmp_path: Path) -> None:
+    """A folder named x.safetensors, a FIFO and a device are refused without opening them (no hang)."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    write(folder / "a.safetensors", {"w": ("F32", (1,))})
+    (folder / "x.safetensors").mkdir()
+    with pytest.raises(
+        PlanError,
+        match=re.escape(
+            f"{folder / 'x.safetensors'}: is a folder, not a regular file; a checkpoint is read from files"
+        ),
+    ):
+        from_checkpoint(folder)
+    if not hasattr(os, "mkfifo"):
+        return
+    os.rmdir(folder / "x.safetensors")
+    os.mkfifo(folder / "x.safetensors")
+    started = time.monotonic()
+    with pytest.raises(
+        PlanError,
+        match=re.escape(
+            f"{folder / 'x.safetensors'}: is a FIFO, not a regular file; a checkpoint is read from files"
+        ),
+    ):
+        from_checkpoint(folder)
+    how = "point checkpoint at a .safetensors file, a folder of them, or a *.index.json"
+    with pytest.raises(
+        PlanError, match=re.escape(f"{folder / 'x.safetensors'}: is a FIFO, not a regular file; {how}")
+    ):
+        from_checkpoint(folder / "x.safetensors")
+    if os.path.exists("/dev/null"):
+        with pytest.raises(
+            PlanError, match=re.escape(f"/dev/null: is a character device, not a regular file; {how}")
+        ):
+            from_checkpoint("/dev/null")
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    "shard", ["../outside.safetensors", "sub/../../outside.safetensors", "/dev/stdin", "ABS", ""]
+)
+def test_index_shards_must_stay_in_the_index_folder(tmp_path: Path, shard: str) -> None:
+    """A weight map naming '..', an absolute path or a device is refused before any shard is opened."""
+    write(tmp_path / "outside.safetensors", {"w": ("F32", (1,))})
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    name = str(tmp_path / "outside.safetensors") if shard == "ABS" else shard
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": name}}))
+    with pytest.raises(
+        PlanError,
+        match=re.escape(
+            f"{index}: the index names shard {name!r} for tensor 'w', which is not a file name inside the "
+            "index's folder; shards must sit beside the index (no absolute paths, no '..')"
+        ),
+    ):
+        from_checkpoint(index)
+
+
+def test_index_symlinks_as_in_the_hugging_face_cache_still_work(tmp_path: Path) -> None:
+    """Snapshot symlinks to ../../blobs (the Hugging Face cache) load: names are checked, not targets."""
+    blobs = tmp_path / "blobs"
+    snapshot = tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    write(blobs / "1111", {"blocks.0.w": ("F32", (2,))})
+    write(blobs / "2222", {"blocks.1.w": ("F32", (2,))})
+    weight_map = {"blocks.0.w": "model-1.safetensors", "blocks.1.w": "model-2.safetensors"}
+    (blobs / "3333").write_text(json.dumps({"weight_map": weight_map}))
+    for link, blob in [
+        ("model-1.safetensors", "1111"),
+        ("model-2.safetensors", "2222"),
+        ("model.safetensors.index.json", "3333"),
+    ]:
+        (snapshot / link).symlink_to(Path("..") / ".." / "blobs" / blob)
+    topology = from_checkpoint(snapshot / "model.safetensors.index.json")
+    assert [b.path for b in topology.components[0].blocks] == ["blocks.0", "blocks.1"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "[" * 100_000 + "]" * 100_000,
+            "{index}: the index nests JSON deeper than Python parses (a header is 3 levels deep); it is not "
+            "safetensors",
+        ),
+        (
+            '{"weight_map": {"w": ["a.safetensors"]}}',
+            "{index}: the index maps tensor 'w' to ['a.safetensors']; shard names are strings",
+        ),
+        (
+            '{"weight_map": {"w": 1' + "0" * 5000 + "}}",
+            "{index}: the index holds an integer of 5001 digits; sizes and offsets fit in 64 bits",
+        ),
+        ('{"weight_map": {"w": "a", "w": "b"}}', "{index}: the index names 'w' twice; keys must be unique"),
+        ('{"weight_map": []}', "{index}: an index needs a 'weight_map' object of tensor name -> shard file"),
+    ],
+)
+def test_malformed_index_is_a_plan_error(tmp_path: Path, text: str, message: str) -> None:
+    """Deep nesting, huge ints, duplicate keys and wrong types in an index are PlanErrors naming the index."""
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(text)
+    with pytest.raises(PlanError, match=re.escape(message.replace("{index}", str(index))) + r"\Z"):
+        from_checkpoint(index)

@@ -11,6 +11,7 @@ import pytest
 
 from torchferry import PlanError
 from torchferry.topology import OffloadConfig, ParallelLayout
+from torchferry.topology._config import MAX_PREFETCH_DEPTH
 
 # --- keyword arguments -----------------------------------------------------------------------
 
@@ -567,3 +568,26 @@ def test_device_memory_text_that_does_not_parse_is_refused() -> None:
         "OffloadConfig.device_memory_bytes: cannot read 'lots' as a size; write a number with a unit such "
         "as 24GiB, 80GB or 512MiB"
     )
+
+@pytest.mark.parametrize(
+    ("depth", "shown"),
+    [
+        (MAX_PREFETCH_DEPTH + 1, str(MAX_PREFETCH_DEPTH + 1)),
+        (10**6, "1000000"),
+        (2**62, str(2**62)),
+        (10**5000, "an int of 16610 bits"),
+    ],
+    ids=["max+1", "10**6", "2**62", "10**5000"],
+)
+def test_prefetch_depth_is_bounded(depth: int, shown: str) -> None:
+    """A depth past MAX_PREFETCH_DEPTH is refused when the config is built, in a short message."""
+    with pytest.raises(
+        PlanError,
+        match=re.escape(
+            f"OffloadConfig.prefetch_depth must be at most {MAX_PREFETCH_DEPTH} (blocks in flight ahead of "
+            f"the one computing; more than a stack's block count buys nothing), got {shown}"
+        )
+        + r"\Z",
+    ):
+        OffloadConfig(prefetch_depth=depth)
+    assert OffloadConfig(prefetch_depth=MAX_PREFETCH_DEPTH).prefetch_depth == MAX_PREFETCH_DEPTH

@@ -44,7 +44,7 @@ from torchferry.policies._ir import (
 )
 from torchferry.policies._layout import PlanFacts, forward_blocks, layout, shard_nbytes, swaps
 from torchferry.policies._text import format_bytes
-from torchferry.topology import STRATEGIES, Component, Plan, Strategy
+from torchferry.topology import MAX_PREFETCH_DEPTH, STRATEGIES, Component, Plan, Strategy
 
 __all__ = [
     "BUILTINS",
@@ -367,6 +367,12 @@ def _depth(where: str, depth: object) -> int:
     """The one check of a prefetch depth (`OffloadConfig.prefetch_depth` is checked alike)."""
     if not isinstance(depth, int) or isinstance(depth, bool):
         raise TypeError(f"{where}: depth must be an int, got {type(depth).__name__} {depth!r}")
+    if depth > MAX_PREFETCH_DEPTH:
+        shown = str(depth) if depth.bit_length() < 64 else "a larger int"
+        raise PlanError(
+            f"depth must be at most {MAX_PREFETCH_DEPTH} (blocks in flight ahead of the one computing; "
+            f"the ring holds depth + 1 blocks), got {shown}"
+        )
     if depth < 1:
         raise PlanError(
             f"{where}: depth must be >= 1 (blocks in flight ahead of the one computing), got {depth}"

@@ -2,9 +2,11 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header naming every tensor's
 dtype, shape and ``data_offsets`` (relative to the end of the header), then the raw bytes. The
-reader reads and checks headers with `torchferry.topology.read_header` (one parser serves planning
-and loading; only the headers are read when it opens) and copies tensor bytes only when asked, into
-buffers laid out by `torchferry.topology.pack`.
+reader finds its files with topology's `locate`, opens each once with `open_regular` and checks its
+header with `parse_header` on that open file (one locator, one parser and one `HeaderEntry` serve
+planning and loading; only the headers are read when it opens), and copies tensor bytes only when
+asked, from the same open file, into buffers laid out by `torchferry.topology.pack`. So a file
+replaced on disk while the reader is open still yields the tensors its header described.
 
 [Note: why windows of the file are mapped per copy]
 Each copy maps a bounded window of the file with Python's `mmap` (``ACCESS_COPY``: a private
@@ -22,29 +24,34 @@ files too.
 
 from __future__ import annotations
 
-import ctypes
-import json
 import mmap
 import os
-import struct
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, NoReturn, TypeAlias
 
-import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.topology import SAFETENSORS_DTYPES as _HEADER_DTYPES
-from torchferry.topology import Block, Component, FrozenMap, Plan, TensorSpec, Topology, read_header
+from torchferry.topology import (
+    Block,
+    Component,
+    FrozenMap,
+    HeaderEntry,
+    Plan,
+    TensorSpec,
+    Topology,
+    locate,
+    open_regular,
+    parse_header,
+    show,
+)
 
 __all__ = [
     "SAFETENSORS_DTYPES",
     "WINDOW_BYTES",
-    "CheckpointEntry",
     "CheckpointReader",
-    "save_safetensors",
 ]
 
 #: safetensors dtype codes torchferry reads, with the torch dtype name each one holds (topology's table).
@@ -58,22 +65,6 @@ _RESAVE = "re-save or re-download the file"
 Expected: TypeAlias = Plan | Topology | Component | Block | Iterable[TensorSpec]
 
 
-@attrs.frozen(kw_only=True)
-class CheckpointEntry:
-    """One tensor of a checkpoint as its header describes it; ``begin``/``end`` are absolute file offsets."""
-
-    key: str
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
 def _shape_text(shape: Iterable[int]) -> str:
     return str(list(shape))
 
@@ -81,27 +72,6 @@ def _shape_text(shape: Iterable[int]) -> str:
 def _problem(exc: PlanError) -> str:
     """A header problem from `read_header`, with the fix for a damaged file appended."""
     return f"{exc}; {_RESAVE}"
-
-
-def _entries(file: str, handle: BinaryIO) -> list[CheckpointEntry]:
-    """One file's checked entries with absolute offsets; `read_header` is the one header parser.
-
-    Raises `PlanError` for the file's first header problem (the file is then unusable as a whole).
-    """
-    header = read_header(file)
-    handle.seek(0)
-    data_start = 8 + int.from_bytes(handle.read(8), "little")
-    return [
-        CheckpointEntry(
-            key=e.name,
-            file=file,
-            dtype=e.dtype,
-            shape=e.shape,
-            begin=data_start + e.begin,
-            end=data_start + e.end,
-        )
-        for e in header
-    ]
 
 
 def _expected_specs(expected: Expected) -> list[TensorSpec]:
@@ -151,17 +121,18 @@ class CheckpointReader:
         self.prefix_map: FrozenMap[str, str] = FrozenMap(dict(prefix_map or {}))
         self._handles: dict[str, BinaryIO] = {}
         self._closed = False
-        files, index = self._locate(Path(path))
-        entries: dict[str, CheckpointEntry] = {}
+        sources = locate(path)
+        files, index = sources.files, sources.weight_map
+        entries: dict[str, HeaderEntry] = {}
         problems: list[str] = []
         broken: dict[str, str] = {}
         unreadable: list[str] = []
         try:
             for file in files:
+                listed = [k for k, f in (index or {}).items() if f == file]
                 try:
-                    handle: BinaryIO = open(file, "rb")  # noqa: SIM115 (kept open until close())
+                    handle = open_regular(file)
                 except FileNotFoundError:
-                    listed = [k for k, f in (index or {}).items() if f == file]
                     problem = (
                         f"{self.path}: lists {_plural(len(listed), 'tensor')} in {file}, which does not "
                         f"exist; restore the file or fix the index"
@@ -169,32 +140,39 @@ class CheckpointReader:
                     problems.append(problem)
                     broken.update(dict.fromkeys(listed, problem))
                     continue
+                except PlanError as exc:
+                    problem = f"{exc}; {_RESAVE}"
+                    problems.append(problem)
+                    unreadable.append(file)
+                    broken.update(dict.fromkeys(listed, problem))
+                    continue
                 self._handles[file] = handle
                 try:
-                    found = _entries(file, handle)
+                    # The header comes from the descriptor the data is later mapped from (no reopen).
+                    found = parse_header(file, handle)
                 except PlanError as exc:
                     problem = _problem(exc)
                     problems.append(problem)
                     unreadable.append(file)
-                    broken.update(dict.fromkeys((k for k, f in (index or {}).items() if f == file), problem))
+                    broken.update(dict.fromkeys(listed, problem))
                     continue
                 for entry in found:
-                    if entry.key in entries:
+                    if entry.name in entries:
                         problem = (
-                            f"{self.path}: tensor {entry.key!r} appears in both {entries[entry.key].file} "
-                            f"and {file}; keep one copy"
+                            f"{self.path}: tensor {show(entry.name)} appears in both "
+                            f"{entries[entry.name].file} and {file}; keep one copy"
                         )
                         problems.append(problem)
-                        broken[entry.key] = problem
+                        broken[entry.name] = problem
                     else:
-                        entries[entry.key] = entry
+                        entries[entry.name] = entry
             for key, file in (index or {}).items():
                 if key in broken or file not in self._handles:
                     continue
                 actual = entries.get(key)
                 if actual is None or actual.file != file:
                     where = "that file's header lacks it" if actual is None else f"it is in {actual.file}"
-                    problem = f"{self.path}: says tensor {key!r} is in {file}, but {where}; fix the index"
+                    problem = f"{self.path}: says tensor {show(key)} is in {file}, but {where}; fix the index"
                     problems.append(problem)
                     broken[key] = problem
         except BaseException:
@@ -203,38 +181,12 @@ class CheckpointReader:
         for key in broken:
             entries.pop(key, None)
         self.files: tuple[str, ...] = tuple(files)
-        self.entries: FrozenMap[str, CheckpointEntry] = FrozenMap(entries)
+        self.entries: FrozenMap[str, HeaderEntry] = FrozenMap(entries)
         #: Problems found in the headers (and index), in file order; `validate` reports them.
         self.problems: tuple[str, ...] = tuple(problems)
         #: Files whose header could not be read (their tensors are unknown).
         self.unreadable: tuple[str, ...] = tuple(unreadable)
         self._broken = broken
-
-    def _locate(self, path: Path) -> tuple[list[str], dict[str, str] | None]:
-        """The shard files to open and, for an index, its weight map (key -> file)."""
-        how = "point checkpoint at a .safetensors file, a folder of them, or a *.index.json"
-        if path.is_dir():
-            files = sorted(str(p) for p in path.glob("*.safetensors"))
-            if not files:
-                raise PlanError(f"checkpoint folder {path} holds no *.safetensors files; {how}")
-            return files, None
-        if not path.is_file():
-            raise PlanError(f"checkpoint {path} does not exist; {how}")
-        if not path.name.endswith(".json"):
-            return [str(path)], None
-        try:
-            weight_map = json.loads(path.read_text("utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise PlanError(
-                f"checkpoint index {path} is not a safetensors index (a JSON object with a 'weight_map' "
-                f"of tensor -> file): {type(exc).__name__}: {exc}; fix it or {how}"
-            ) from None
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise PlanError(f"checkpoint index {path}: 'weight_map' must map tensor names to file names")
-        index = {k: str(path.parent / v) for k, v in weight_map.items()}
-        return sorted(set(index.values())), index
 
     # -- names ---------------------------------------------------------------------------------------
 
@@ -258,7 +210,7 @@ class CheckpointReader:
         prefix_map: Mapping[str, str] | None,
         claimed: set[str] | None = None,
         unknown: list[str] | None = None,
-    ) -> tuple[CheckpointEntry | None, list[str]]:
+    ) -> tuple[HeaderEntry | None, list[str]]:
         """The entry that serves ``spec`` (owner name first, then aliases) and any mismatch found.
 
         A tensor not found while some file's header is unreadable goes to ``unknown`` (see
@@ -287,13 +239,13 @@ class CheckpointReader:
         for entry in present:
             if entry.shape != spec.shape:
                 problems.append(
-                    f"{entry.file}: tensor {entry.key!r}: shape {_shape_text(entry.shape)} but the model "
-                    f"expects {_shape_text(spec.shape)} for {spec.name!r}; this checkpoint is for another "
-                    f"model configuration"
+                    f"{entry.file}: tensor {show(entry.name)}: shape {_shape_text(entry.shape)} but the "
+                    f"model expects {_shape_text(spec.shape)} for {spec.name!r}; this checkpoint is for "
+                    f"another model configuration"
                 )
             if entry.dtype != spec.dtype:
                 problems.append(
-                    f"{entry.file}: tensor {entry.key!r}: dtype {entry.dtype} but the model expects "
+                    f"{entry.file}: tensor {show(entry.name)}: dtype {entry.dtype} but the model expects "
                     f"{spec.dtype} for {spec.name!r}; convert the checkpoint (loading copies bytes and "
                     f"never converts dtypes)"
                 )
@@ -403,7 +355,7 @@ class CheckpointReader:
             entry, found = self._spec_problems(spec, prefix_map, None, unknown)
             problems.extend(found)
             if entry is not None and not found:
-                segments.append((entry.file, entry.begin + lo - off, lo - start, hi - lo))
+                segments.append((entry.file, entry.data_start + entry.begin + lo - off, lo - start, hi - lo))
         problems.extend(self._unknown(unknown))
         if problems:
             self._fail(problems)
@@ -432,7 +384,7 @@ class CheckpointReader:
             self._fail([problem])
         tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
         if entry.nbytes:
-            self._copy(entry.file, entry.begin, tensor.reshape(-1).view(torch.uint8))
+            self._copy(entry.file, entry.data_start + entry.begin, tensor.reshape(-1).view(torch.uint8))
         return tensor
 
     def _copy(self, file: str, src: int, dst: torch.Tensor) -> None:
@@ -509,48 +461,3 @@ def _merge(
         current = seg
     if current is not None:
         yield current
-
-
-_DTYPE_CODES = {name: code for code, name in _HEADER_DTYPES.items()}
-
-
-def save_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
-    """Write CPU tensors to a safetensors file, in name order, through a temporary file then a rename.
-
-    This needs nothing beyond torch (``safetensors.torch.save_file`` needs NumPy), so the demo and a
-    checkpoint of a freshly built pipeline work on a bare install. Every tensor is written contiguous.
-    """
-    header: dict[str, object] = {}
-    blobs: list[torch.Tensor] = []
-    offset = 0
-    for name in sorted(tensors):
-        tensor = tensors[name].detach()
-        if tensor.device.type != "cpu":
-            raise ExecutionError(
-                f"save_safetensors: {name!r} is on {tensor.device}; move it to the CPU first"
-            )
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in _DTYPE_CODES:
-            known = ", ".join(sorted(_DTYPE_CODES))
-            raise ExecutionError(
-                f"save_safetensors: {name!r} has dtype {dtype}; safetensors stores only {known}"
-            )
-        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-        header[name] = {
-            "dtype": _DTYPE_CODES[dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + flat.numel()],
-        }
-        blobs.append(flat)
-        offset += flat.numel()
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the format pads the header to 8 bytes with spaces
-    target = Path(path)
-    partial = target.with_name(target.name + ".partial")
-    with open(partial, "wb") as out:
-        out.write(struct.pack("<Q", len(text)))
-        out.write(text)
-        for flat in blobs:
-            if flat.numel():
-                out.write(ctypes.string_at(flat.data_ptr(), flat.numel()))
-    os.replace(partial, target)

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
-from torchferry.runtime import CheckpointReader, save_safetensors
+from torchferry.runtime import CheckpointReader
 from torchferry.topology import Declaration
 
 __all__ = [
@@ -287,7 +288,7 @@ def save_checkpoint(pipeline: nn.Module, path: str | Path) -> None:
         first = seen.setdefault(id(param), name)
         if first != name:
             del tensors[name]
-    save_safetensors(tensors, path)
+    save_file(tensors, str(path))
 
 
 def load_checkpoint(pipeline: nn.Module, path: str | Path) -> nn.Module:

@@ -5,10 +5,16 @@ from __future__ import annotations
 # Imports written ``name as name`` are for the layers above, which enter only through this file
 # (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.topology._checkpoint import SAFETENSORS_DTYPES as SAFETENSORS_DTYPES
+from torchferry.topology._checkpoint import HeaderEntry as HeaderEntry
 from torchferry.topology._checkpoint import from_checkpoint
+from torchferry.topology._checkpoint import locate as locate
+from torchferry.topology._checkpoint import open_regular as open_regular
+from torchferry.topology._checkpoint import parse_header as parse_header
 from torchferry.topology._checkpoint import read_header as read_header
+from torchferry.topology._checkpoint import show as show
 from torchferry.topology._config import (
     COMPONENT_NAMES,
+    MAX_PREFETCH_DEPTH,
     RUNTIME_OPTIONS,
     STRATEGIES,
     OffloadConfig,
@@ -54,6 +60,7 @@ __all__ = [
     "DTYPE_SIZES",
     "KNOWN_ALIASES",
     "KNOWN_MODELS",
+    "MAX_PREFETCH_DEPTH",
     "PACK_ALIGN",
     "RUNTIME_OPTIONS",
     "STRATEGIES",

@@ -21,6 +21,7 @@ __all__ = [
     "COMPONENT_NAMES",
     "MAPPING_FIELDS",
     "MAPPING_MODES",
+    "MAX_PREFETCH_DEPTH",
     "RUNTIME_OPTIONS",
     "STRATEGIES",
     "TRANSFERS",
@@ -97,6 +98,31 @@ def _positive(instance: object, attribute: attrs.Attribute[int], value: object) 
     where = _where(instance, attribute)
     if _require_int(where, value) < 1:
         raise PlanError(f"{where} must be >= 1, got {value}")
+
+
+#: The deepest prefetch ring a config accepts. A ring of depth d holds d + 1 whole blocks on the
+#: device, and a stack of n blocks keeps at most n of them in flight, so depth past the stack's block
+#: count only adds slots no block fills; the longest stack of a known model has 60 blocks. The bound
+#: keeps every schedule small (an unbounded depth built 2**62 slots and never finished).
+MAX_PREFETCH_DEPTH = 256
+
+
+def _depth(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    where = _where(instance, attribute)
+    depth = _require_int(where, value)
+    if depth < 1:
+        raise PlanError(f"{where} must be >= 1, got {value}")
+    if depth > MAX_PREFETCH_DEPTH:
+        raise PlanError(
+            f"{where} must be at most {MAX_PREFETCH_DEPTH} (blocks in flight ahead of the one computing; "
+            f"more than a stack's block count buys nothing), got {_show_int(depth)}"
+        )
+
+
+def _show_int(value: int) -> str:
+    """An int as text, its digits cut short when there are many (a message stays short)."""
+    text = str(value) if value.bit_length() < 10_000 else f"an int of {value.bit_length()} bits"
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} digits)"
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
@@ -232,7 +258,7 @@ class OffloadConfig:
     - ``resident_layers``: leading DiT blocks kept on the device (declared resident DiTs only).
     - ``components``: the selection (``dit``, ``text_encoder``, ``vae``); ``None`` is the legacy
       default selection, where warnings replace some errors.
-    - ``prefetch_depth``: blocks in flight ahead of the one computing (>= 1).
+    - ``prefetch_depth``: blocks in flight ahead of the one computing (1 to `MAX_PREFETCH_DEPTH`).
     - ``device_memory_bytes``: the device budget schedules must fit, if any: bytes, or a size such
       as ``"24GiB"`` (`offload` and `torchferry plan` call it ``device_memory``).
     - ``checkpoint``: a safetensors file, shard folder or ``*.index.json`` to fill host buffers from.
@@ -254,7 +280,7 @@ class OffloadConfig:
         default=None, converter=_components_converter, validator=_check_components
     )
     pin_memory: bool = attrs.field(default=True, validator=_bool_field)
-    prefetch_depth: int = attrs.field(default=1, validator=_positive)
+    prefetch_depth: int = attrs.field(default=1, validator=_depth)
     device_memory_bytes: int | None = attrs.field(
         default=None, converter=_memory_or_none, validator=_positive_or_none
     )
