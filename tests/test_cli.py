@@ -185,7 +185,8 @@ def test_unknown_id_lists_known_ids(capsys: pytest.CaptureFixture[str]) -> None:
         "torchferry plan: error: unknown model id 'flux.2-dev': torchferry knows "
         + ", ".join(KNOWN_MODELS)
         + "; aliases: ltx-video-2b-0.9.1 (ltx-video-2b), ltx-video-2b-0.9.5 (ltx-video-2b). "
-        "Pass one of these ids, or a safetensors file, folder or *.index.json.",
+        "Pass one of these ids or their hub ids (black-forest-labs/FLUX.1-dev; torchferry plan --list "
+        "shows them), a diffusers pipeline folder, or a safetensors file, folder or *.index.json.",
     )
 
 

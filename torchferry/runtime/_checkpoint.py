@@ -38,6 +38,7 @@ import torch
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.topology._checkpoint import SAFETENSORS_DTYPES as _HEADER_DTYPES
 from torchferry.topology._checkpoint import read_header
+from torchferry.topology._folder import pipeline_sources
 from torchferry.topology._frozen import FrozenMap
 from torchferry.topology._model import Block, Component, TensorSpec, Topology
 from torchferry.topology._plan import Plan
@@ -140,6 +141,9 @@ def _plural(n: int, word: str) -> str:
 class CheckpointReader:
     """Reads a safetensors checkpoint (one file, a folder of shards, or an ``*.index.json``).
 
+    A diffusers pipeline folder (``model_index.json``, one subfolder per component) is read as one
+    checkpoint whose tensors are named from the pipeline root (``transformer.blocks.0.…``).
+
     Opening reads headers only. ``prefix_map`` maps a prefix of the model's qualified names to the
     prefix the checkpoint uses instead (``{"transformer.": ""}`` for a component checkpoint whose keys
     lack the component path); the longest matching prefix applies. Every method taking
@@ -154,7 +158,8 @@ class CheckpointReader:
         self.prefix_map: FrozenMap[str, str] = FrozenMap(dict(prefix_map or {}))
         self._handles: dict[str, BinaryIO] = {}
         self._closed = False
-        files, index = self._locate(Path(path))
+        folder = pipeline_sources(path)  # a diffusers pipeline folder: names under "<component>."
+        files, index, prefixes = folder if folder is not None else (*self._locate(Path(path)), {})
         entries: dict[str, CheckpointEntry] = {}
         problems: list[str] = []
         broken: dict[str, str] = {}
@@ -175,6 +180,8 @@ class CheckpointReader:
                 self._handles[file] = handle
                 try:
                     found = _entries(file, handle)
+                    if prefixes:
+                        found = [attrs.evolve(e, key=prefixes[file] + e.key) for e in found]
                 except PlanError as exc:
                     problem = _problem(exc)
                     problems.append(problem)

@@ -13,13 +13,24 @@ from torchferry.topology._config import (
     Transfer,
 )
 from torchferry.topology._discover import discover
+from torchferry.topology._folder import (
+    FolderComponent,
+    PipelineFolder,
+    from_pipeline_folder,
+    hub_cache_dir,
+    hub_snapshot,
+    is_pipeline_folder,
+    read_pipeline_folder,
+)
 from torchferry.topology._frozen import FrozenMap
 from torchferry.topology._known import (
+    HUB_IDS,
     KNOWN_ALIASES,
     KNOWN_MODELS,
     KnownComponent,
     KnownModel,
     Resolution,
+    hub_model_id,
     known_model,
     known_topology,
 )
@@ -50,6 +61,7 @@ from torchferry.topology._resolve import resolve
 __all__ = [
     "COMPONENT_NAMES",
     "DTYPE_SIZES",
+    "HUB_IDS",
     "KNOWN_ALIASES",
     "KNOWN_MODELS",
     "STRATEGIES",
@@ -57,11 +69,13 @@ __all__ = [
     "Component",
     "ComponentKind",
     "Declaration",
+    "FolderComponent",
     "FrozenMap",
     "KnownComponent",
     "KnownModel",
     "OffloadConfig",
     "ParallelLayout",
+    "PipelineFolder",
     "Plan",
     "Resolution",
     "SelectableComponent",
@@ -79,10 +93,16 @@ __all__ = [
     "encoder_block_attrs_for",
     "encoder_block_layouts_for",
     "from_checkpoint",
+    "from_pipeline_folder",
+    "hub_cache_dir",
+    "hub_model_id",
+    "hub_snapshot",
+    "is_pipeline_folder",
     "join_path",
     "known_model",
     "known_topology",
     "pack",
     "pipeline_components",
+    "read_pipeline_folder",
     "resolve",
 ]
