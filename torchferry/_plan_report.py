@@ -21,7 +21,6 @@ import attrs
 from torchferry import policies, topology
 from torchferry._errors import OffloadError, PlanError
 from torchferry.policies import CostModel, Policy, Schedule, Step
-from torchferry.topology import _folder
 from torchferry.topology import (
     KnownModel,
     OffloadConfig,
@@ -30,6 +29,7 @@ from torchferry.topology import (
     Resolution,
     SelectableComponent,
     Topology,
+    _folder,
 )
 
 __all__ = [
@@ -525,7 +525,7 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
     elif kind == "folder":
         where = f"safetensors headers of the pipeline folder {where}"
         if report.known_id:
-            where += f"\n(its DiT matches the known model {report.known_id}: compute from its published config)"
+            where += f"\n(its DiT has the shapes of the known model {report.known_id}, whose FLOPs are known)"
     title = f"{report.model}" + (f" ({report.pipeline_class})" if report.pipeline_class else "")
     lines = [title, where, f"total: {_b(report.total_bytes)} ({report.total_bytes} bytes)", ""]
     lines += _table(

@@ -1,4 +1,4 @@
-"""`from_pretrained`: a diffusers pipeline built from its folder with every weight read once, into the host store.
+"""`from_pretrained`: a diffusers pipeline built from its folder, every weight read once into the host store.
 
 [Note: why Pipeline.from_pretrained under meta_parameters() still loads everything]
 diffusers' ``ModelMixin.from_pretrained`` (``low_cpu_mem_usage=True``, its default) builds each model
@@ -37,7 +37,12 @@ from torchferry._errors import PlanError
 from torchferry._session import Session, offload
 from torchferry.runtime._meta import meta_parameters
 from torchferry.topology._checkpoint import from_checkpoint
-from torchferry.topology._folder import FolderComponent, hub_snapshot, is_pipeline_folder, read_pipeline_folder
+from torchferry.topology._folder import (
+    FolderComponent,
+    hub_snapshot,
+    is_pipeline_folder,
+    read_pipeline_folder,
+)
 
 __all__ = ["from_pretrained", "resolve_folder"]
 
@@ -91,7 +96,7 @@ def _build_model(comp: FolderComponent, cls: type[nn.Module]) -> nn.Module:
     try:
         with meta_parameters():
             if load_config is not None and hasattr(cls, "from_config"):
-                model = cls.from_config(load_config(str(comp.folder)))  # type: ignore[attr-defined]
+                model = cls.from_config(load_config(str(comp.folder)))
             elif config_class is not None and hasattr(config_class, "from_pretrained"):
                 model = cls(config_class.from_pretrained(str(comp.folder)))
             else:
@@ -112,7 +117,11 @@ def _build_model(comp: FolderComponent, cls: type[nn.Module]) -> nn.Module:
 
 
 def _stored_dtypes(
-    model: nn.Module, name: str, stored: Mapping[str, str], torch_dtype: torch.dtype | None, problems: list[str]
+    model: nn.Module,
+    name: str,
+    stored: Mapping[str, str],
+    torch_dtype: torch.dtype | None,
+    problems: list[str],
 ) -> None:
     """Give every meta parameter the dtype its file stores (loading copies bytes, never converts)."""
     keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
@@ -134,7 +143,9 @@ def _stored_dtypes(
                 if not kept:
                     problems.append(f"{full} is stored as {dtype_name}")
             if param.is_meta and param.dtype != dtype:
-                replaced = nn.Parameter(torch.empty(param.shape, dtype=dtype, device="meta"), param.requires_grad)
+                replaced = nn.Parameter(
+                    torch.empty(param.shape, dtype=dtype, device="meta"), param.requires_grad
+                )
                 module._parameters[attr] = replaced
                 done[id(param)] = replaced
             else:
@@ -154,7 +165,7 @@ def from_pretrained(
     torch_dtype: torch.dtype | None = None,
     **kwargs: Any,
 ) -> Session:
-    """Build ``pipeline_class`` from a diffusers pipeline folder, its weights read straight into the host store.
+    """Build ``pipeline_class`` from a diffusers pipeline folder, its weights read straight into host buffers.
 
     Reads like ``pipeline_class.from_pretrained(folder, ...)``: ``pretrained_model_name_or_path`` is a
     pipeline folder (``model_index.json`` and a subfolder per component) or a hub id already in the
@@ -168,7 +179,7 @@ def from_pretrained(
     ``_keep_in_fp32_modules`` may stay float32). Returns the open `Session`; its ``pipeline`` is the
     pipeline, called as usual::
 
-        with torchferry.from_pretrained(FluxPipeline, "black-forest-labs/FLUX.1-dev", strategy="layerwise") as s:
+        with torchferry.from_pretrained(FluxPipeline, "black-forest-labs/FLUX.1-dev", device="cuda") as s:
             image = s.pipeline("a ferry at dawn").images[0]
 
     A component diffusers or transformers cannot build under meta, a folder without safetensors
@@ -191,7 +202,9 @@ def _build_on_meta(
     found = read_pipeline_folder(folder)
     signature = inspect.signature(pipeline_class.__init__)
     accepted = {
-        n for n, p in signature.parameters.items() if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        n
+        for n, p in signature.parameters.items()
+        if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     }
     names = {c.name for c in found.components} | set(found.absent) | {k for k, _ in found.init_values}
     given = {k: v for k, v in kwargs.items() if k in names or k in accepted}
@@ -200,9 +213,7 @@ def _build_on_meta(
         raise PlanError(
             "from_pretrained(checkpoint=...): the checkpoint is the pipeline folder itself; drop checkpoint="
         )
-    stored = {
-        t.name: t.dtype for c in from_checkpoint(folder).components for t in c.all_tensors()
-    }
+    stored = {t.name: t.dtype for c in from_checkpoint(folder).components for t in c.all_tensors()}
     values: dict[str, Any] = {}
     problems: list[str] = []
     for comp in found.components:
@@ -230,7 +241,8 @@ def _build_on_meta(
     if problems:
         shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
         raise PlanError(
-            f"from_pretrained(torch_dtype={torch_dtype}): {len(problems)} tensor(s) of {folder} are stored in "
+            f"from_pretrained(torch_dtype={torch_dtype}): {len(problems)} tensor(s) of {folder} are stored "
+            "in "
             f"another dtype ({shown}); torchferry copies the stored bytes and never converts, so save the "
             "pipeline in that dtype first (pipe.to(dtype).save_pretrained(...)) or drop torch_dtype"
         )

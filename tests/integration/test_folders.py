@@ -236,7 +236,7 @@ def test_offload_from_a_folder_rejects_a_mismatched_pipeline(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("sharded", [False, True])
 def test_from_pretrained_equals_diffusers_from_pretrained(tmp_path: Path, sharded: bool) -> None:
-    """torchferry.from_pretrained of a saved Wan pipeline runs bit-identical to WanPipeline.from_pretrained."""
+    """torchferry.from_pretrained of a saved Wan pipeline runs exactly as WanPipeline.from_pretrained."""
     folder = _save(_wan_pipeline(), tmp_path / "wan", sharded)
     plain = diffusers.WanPipeline.from_pretrained(str(folder), tokenizer=None, transformer_2=None)
     expected = _run_wan(plain)

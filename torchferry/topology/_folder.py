@@ -100,7 +100,9 @@ def _read_json(file: Path, what: str) -> dict[str, object]:
     try:
         doc = json.loads(file.read_text("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PlanError(f"{file}: cannot read the {what} ({exc}); re-save or re-download the pipeline") from None
+        raise PlanError(
+            f"{file}: cannot read the {what} ({exc}); re-save or re-download the pipeline"
+        ) from None
     if not isinstance(doc, dict):
         raise PlanError(f"{file}: the {what} is a {type(doc).__name__}, not a JSON object")
     return doc
@@ -125,7 +127,7 @@ def _weight_source(folder: Path) -> Path | None:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None
-    if len(indexes) > 1 or len(files) > 1 and not all(re.search(r"-\d+-of-\d+\.", f.name) for f in files):
+    if len(indexes) > 1 or (len(files) > 1 and not all(re.search(r"-\d+-of-\d+\.", f.name) for f in files)):
         shown = ", ".join(f.name for f in (indexes or files)[:4])
         raise PlanError(
             f"{folder}: holds several safetensors weight sets ({shown}) and none has a plain name "
@@ -391,7 +393,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def hub_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """The Hugging Face hub cache: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
+    """The hub cache: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
     env = os.environ if environ is None else environ
     if env.get("HF_HUB_CACHE"):
         return Path(env["HF_HUB_CACHE"]).expanduser()
