@@ -140,6 +140,12 @@ def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[To
                 "attributes come from each component's class (its config.json)"
             )
         return _pipeline_folder(folder, model if snapshot is not None else None)
+    if not os.path.exists(model) and _folder.is_hub_id(model) and topology.hub_model_id(model) is None:
+        raise PlanError(
+            f"{model}: no such checkpoint file or folder, nor a snapshot of that hub repository in "
+            f"{_folder.hub_cache_dir()}; torchferry downloads nothing, so fetch it first (huggingface-cli "
+            f"download {model}) or pass a known id (torchferry plan --list)"
+        )
     if not _looks_like_path(model):
         return topology.known_topology(model), topology.known_model(model)
     if block_attrs is not None:
@@ -575,6 +581,7 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
             ]
         )
     lines += _table(["strategy", "fits", "peak device", "step", "overhead", "notes"], table, {2, 3, 4})
+    lines.append("(fits and peak device count weights only: leave room for activations and the VAE decode)")
     lines.append("")
     rec = report.recommended
     if rec is not None:
@@ -633,6 +640,7 @@ def report_document(report: PlanReport, *, show_schedule: bool = False) -> dict[
             "compute": report.compute,
             "block_s": report.block_s,
             "forwards_per_step": report.forwards_per_step,
+            "fits_counts": "weights only (no activations, no VAE decode)",
         },
         "strategies": [_row_document(r) for r in report.rows],
         "recommended": None if report.recommended is None else _row_document(report.recommended),

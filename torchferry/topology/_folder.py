@@ -42,6 +42,7 @@ __all__ = [
     "guess_block_attrs",
     "hub_cache_dir",
     "hub_snapshot",
+    "is_hub_id",
     "is_pipeline_folder",
     "known_match",
     "pipeline_sources",
@@ -392,6 +393,11 @@ def known_match(topo: Topology, candidates: Mapping[str, Topology]) -> str | Non
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` has the form of a hub repository id (``org/name``)."""
+    return _HUB_ID.match(text) is not None
+
+
 def hub_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     """The hub cache: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``."""
     env = os.environ if environ is None else environ
@@ -407,7 +413,7 @@ def hub_snapshot(repo_id: str, environ: Mapping[str, str] | None = None) -> Path
     Reads the cache layout huggingface_hub writes (``models--org--name/snapshots/<revision>``): the
     revision ``refs/main`` names, else the only snapshot, else the newest. Nothing is downloaded.
     """
-    if not _HUB_ID.match(repo_id):
+    if not is_hub_id(repo_id):
         return None
     cache = hub_cache_dir(environ)
     name = "models--" + repo_id.replace("/", "--")
