@@ -29,7 +29,11 @@ def write_header_only(path: Path, tensors: dict[str, tuple[tuple[int, ...], str]
         for d in shape:
             numel *= d
         nbytes = numel * topology.dtype_size(dtype)
-        header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _CODES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
@@ -47,7 +51,9 @@ def folder_of(known_id: str, root: Path) -> Path:
     for c in topo.components:
         library = "transformers" if c.kind == "encoder" else "diffusers"
         index[c.path] = [library, c.class_name]
-        config = {"_class_name": c.class_name} if library == "diffusers" else {"architectures": [c.class_name]}
+        config = (
+            {"_class_name": c.class_name} if library == "diffusers" else {"architectures": [c.class_name]}
+        )
         (root / c.path).mkdir(parents=True)
         (root / c.path / "config.json").write_text(json.dumps(config))
         stem = "diffusion_pytorch_model" if library == "diffusers" else "model"
@@ -102,7 +108,11 @@ def test_tiny_folder_components_and_guessed_blocks(tmp_path: Path, sharded: bool
         ("vae", "vae", "AutoencoderKLTiny"),
     ]
     dit = topo.components[0]
-    assert [b.path for b in dit.blocks] == ["transformer.layers.0", "transformer.layers.1", "transformer.layers.2"]
+    assert [b.path for b in dit.blocks] == [
+        "transformer.layers.0",
+        "transformer.layers.1",
+        "transformer.layers.2",
+    ]
     assert [t.name for t in dit.tensors] == ["transformer.proj.w"]
     assert topo.components[1].tensors[0].name == "vae.conv.w"
 
@@ -136,7 +146,9 @@ def test_a_folder_without_safetensors_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "bin"
     (root / "transformer").mkdir(parents=True)
     (root / "transformer" / "diffusion_pytorch_model.bin").write_bytes(b"\0")
-    (root / "model_index.json").write_text(json.dumps({"_class_name": "P", "transformer": ["diffusers", "T"]}))
+    (root / "model_index.json").write_text(
+        json.dumps({"_class_name": "P", "transformer": ["diffusers", "T"]})
+    )
     with pytest.raises(PlanError) as info:
         topology.from_checkpoint(root)
     assert str(info.value) == (

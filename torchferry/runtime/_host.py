@@ -41,7 +41,7 @@ resident, and the session's ``close(gather=True)`` re-assembles full host copies
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -244,11 +244,14 @@ class HostStore:
         pin: bool,
         reader: CheckpointReader | None = None,
         sharding: Sharding | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> Prepared:
         """Check everything and, from a checkpoint, read every buffer, without touching the pipeline.
 
         Raises `PlanError` for a pipeline or checkpoint that cannot serve ``plan`` (every problem at
-        once); see the Notes at the top of this module.
+        once); see the Notes at the top of this module. ``progress``, when given, is called once per
+        group as its buffer is filled (here from a checkpoint, else in `Prepared.commit`) with the
+        group's bytes and the bytes of all groups.
         """
         specs = _group_specs(plan)
         lookup = _Lookup(pipeline)
@@ -299,11 +302,14 @@ class HostStore:
             layouts[name] = _layout(group, resolved[name])
         buffers: dict[str, torch.Tensor] = {}
         loose_values: list[torch.Tensor | None] = []
+        total = sum(_span_bytes(name, layouts[name][1], sharding) for name in specs)
         if reader is not None:
             for name, group in specs.items():
                 pieces, nbytes = layouts[name]
                 span = _span(name, nbytes, sharding)
                 buffers[name] = _read(reader, group, pieces, resolved[name], span, pin=pin)
+                if progress is not None:
+                    progress(buffers[name].numel(), total)
             for spec, live in zip(loose, loose_live, strict=True):
                 loose_values.append(_read_loose(reader, spec, live))
         return Prepared(
@@ -316,6 +322,7 @@ class HostStore:
             layouts=layouts,
             buffers=buffers,
             loose=list(zip(loose_live, loose_values, strict=True)) if reader is not None else [],
+            progress=None if reader is not None or progress is None else (progress, total),
         )
 
     def reset(self) -> None:
@@ -370,6 +377,8 @@ class Prepared:
     layouts: dict[str, tuple[tuple[Piece, ...], int]]
     buffers: dict[str, torch.Tensor]
     loose: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+    #: Told of each group `commit` fills from the module, with the bytes of all groups.
+    progress: tuple[Callable[[int, int], None], int] | None = None
 
     def commit(self) -> HostStore:
         """Re-point the pipeline's tensors at the host buffers (filling them from the module if no
@@ -382,6 +391,8 @@ class Prepared:
             host = self.buffers.get(name)
             if host is None:
                 host = _from_module(ordered, pieces, nbytes, span, pin=self.pin)
+                if self.progress is not None:
+                    self.progress[0](host.numel(), self.progress[1])
             for t in ordered:
                 if t.is_meta:
                     _materialise(t)
@@ -507,6 +518,11 @@ def _span(name: str, nbytes: int, sharding: Sharding | None) -> tuple[int, int] 
 
     shard = shard_nbytes(nbytes, sharding.world)
     return sharding.rank * shard, (sharding.rank + 1) * shard
+
+
+def _span_bytes(name: str, nbytes: int, sharding: Sharding | None) -> int:
+    span = _span(name, nbytes, sharding)
+    return nbytes if span is None else span[1] - span[0]
 
 
 def _from_module(
