@@ -218,6 +218,21 @@ def test_offload_from_a_folder_over_a_meta_pipeline_is_bit_exact(tmp_path: Path,
     assert torch.equal(got[1], expected[1])
 
 
+def test_offload_from_a_folder_skips_components_the_pipeline_lacks(tmp_path: Path) -> None:
+    """A pipeline loaded without one of the folder's components opens from it; that subfolder is unused."""
+    ref = _wan_pipeline()
+    folder = _save(ref, tmp_path / "wan", False)
+    with torchferry.meta_parameters():
+        pipe = _wan_pipeline()
+    pipe.vae = None
+    with torchferry.offload(pipe, strategy="layerwise", device="cpu", checkpoint=folder) as session:
+        assert [c.path for c in session.plan.components] == ["transformer", "text_encoder"]
+        ids = torch.tensor([[3, 7, 1, 9]])
+        with torch.no_grad():
+            got = pipe.text_encoder(ids).last_hidden_state
+            assert torch.equal(got, ref.text_encoder(ids).last_hidden_state)
+
+
 def test_offload_from_a_folder_rejects_a_mismatched_pipeline(tmp_path: Path) -> None:
     """A folder whose DiT has another shape is refused, naming the component's tensor, before any change."""
     folder = _save(_wan_pipeline(), tmp_path / "wan", False)

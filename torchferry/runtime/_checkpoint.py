@@ -213,6 +213,8 @@ class CheckpointReader:
         for key in broken:
             entries.pop(key, None)
         self.files: tuple[str, ...] = tuple(files)
+        #: For a pipeline folder, each component's name prefix (``"transformer."``); else empty.
+        self.components: tuple[str, ...] = tuple(dict.fromkeys(prefixes.values()))
         self.entries: FrozenMap[str, CheckpointEntry] = FrozenMap(entries)
         #: Problems found in the headers (and index), in file order; `validate` reports them.
         self.problems: tuple[str, ...] = tuple(problems)
@@ -355,10 +357,14 @@ class CheckpointReader:
             problems.extend(self._spec_problems(spec, prefix_map, claimed, unknown)[1])
         problems.extend(self._unknown(unknown))
         if not allow_extra:
+            # A pipeline folder's component the pipeline does not hold at all (loaded with vae=None) is
+            # not extra: its subfolder is simply not used.
+            used = {c for c in self.components if any(k.startswith(c) for k in claimed)}
             problems.extend(
                 f"{self.entries[k].file}: tensor {k!r} is not expected by the model; remove it, map the "
                 f"model's names with prefix_map, or pass allow_extra=True"
                 for k in sorted(set(self.entries) - claimed)
+                if not self.components or any(k.startswith(c) for c in used)
             )
         if problems:
             self._fail(problems)
