@@ -348,9 +348,10 @@ def _generate_pipeline(folder: Path, hidden: int, layers: int) -> dict[str, Any]
     with torch.device("meta"):
         transformer = _wan(diffusers, hidden, layers)
     transformer = transformer.to_empty(device="cpu").to(torch.bfloat16)
-    for name, module in transformer.named_modules():  # as from_pretrained(torch_dtype=bf16) keeps them
-        if any(k in name.split(".") for k in transformer._keep_in_fp32_modules):
-            module.float()
+    keep = transformer._keep_in_fp32_modules
+    for name, param in transformer.named_parameters():  # as from_pretrained(torch_dtype=bf16) keeps them
+        if any(k in name.split(".") for k in keep):
+            param.data = param.data.float()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for t in transformer.state_dict().values():
