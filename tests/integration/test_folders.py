@@ -329,3 +329,26 @@ def test_from_pretrained_takes_components_as_diffusers_does(tmp_path: Path) -> N
         assert session.pipeline.vae is mine
         got = _run_wan(session.pipeline)
     assert torch.equal(got[1], expected[1])
+
+
+def test_from_pretrained_finds_a_hub_id_in_the_local_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub id cached in $HF_HUB_CACHE loads from its snapshot; an absent one says how to fetch it."""
+    ref = _wan_pipeline()
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-wan"
+    _save(ref, repo / "snapshots" / "0123abc", False)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    expected = _run_wan(ref)
+    with torchferry.from_pretrained(diffusers.WanPipeline, "tiny-org/tiny-wan", device="cpu") as session:
+        assert session.plan.config.checkpoint == str(repo / "snapshots" / "0123abc")
+        assert torch.equal(_run_wan(session.pipeline)[1], expected[1])
+    with pytest.raises(PlanError) as info:
+        torchferry.from_pretrained(diffusers.WanPipeline, "tiny-org/other", device="cpu")
+    assert str(info.value) == (
+        "tiny-org/other: no such folder, nor a hub id in the local Hugging Face cache; download it first "
+        "(huggingface-cli download tiny-org/other, or Pipeline.from_pretrained once), or pass the folder's "
+        "path"
+    )
