@@ -337,7 +337,12 @@ def test_from_pretrained_finds_a_hub_id_in_the_local_cache(
     """A hub id cached in $HF_HUB_CACHE loads from its snapshot; an absent one says how to fetch it."""
     ref = _wan_pipeline()
     repo = tmp_path / "hub" / "models--tiny-org--tiny-wan"
-    _save(ref, repo / "snapshots" / "0123abc", False)
+    snapshot = _save(ref, repo / "snapshots" / "0123abc", True)
+    (repo / "blobs").mkdir()
+    for i, file in enumerate(sorted(p for p in snapshot.rglob("*") if p.is_file())):
+        blob = repo / "blobs" / f"blob{i}"  # the hub cache keeps files as blobs, linked from snapshots
+        file.rename(blob)
+        file.symlink_to(blob)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123abc")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
