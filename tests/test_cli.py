@@ -157,9 +157,10 @@ def test_plan_resolution_changes_compute(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_plan_list(capsys: pytest.CaptureFixture[str]) -> None:
-    """--list shows every known id and alias with its total size, in text and JSON."""
+    """--list shows every known id and alias with its total size and hub ids, in text and JSON."""
     code, out, _ = run(capsys, "plan", "--list")
     assert code == 0
+    text = out
     for model in (*KNOWN_MODELS, *KNOWN_ALIASES):
         line = next(line for line in out.splitlines() if line.startswith(model + " "))
         assert policies.format_bytes(known_topology(model).nbytes, exact=False) in line
@@ -167,6 +168,10 @@ def test_plan_list(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(out)
     assert [m["id"] for m in doc["models"]] == [*KNOWN_MODELS, *KNOWN_ALIASES]
     assert all(m["total_bytes"] == known_topology(m["id"]).nbytes for m in doc["models"])
+    hub = {m["id"]: m["hub_ids"] for m in doc["models"]}
+    assert hub["flux.1-dev"] == ["black-forest-labs/FLUX.1-dev"]
+    assert hub["wan2.2-t2v-a14b"] == ["Wan-AI/Wan2.2-T2V-A14B-Diffusers"]
+    assert "Wan-AI/Wan2.2-T2V-A14B-Diffusers        wan2.2-t2v-a14b" in text
 
 
 # ------------------------------------------------------------------------------------- plan: errors
