@@ -11,6 +11,7 @@ from torchferry._errors import (
     ScheduleError,
     TorchferryDeprecationWarning,
 )
+from torchferry._pretrained import from_pretrained
 from torchferry._session import Session, offload
 from torchferry.runtime import meta_parameters
 
@@ -25,6 +26,7 @@ __all__ = [
     "Session",
     "TorchferryDeprecationWarning",
     "__version__",
+    "from_pretrained",
     "meta_parameters",
     "offload",
     "policies",

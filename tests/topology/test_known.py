@@ -502,7 +502,8 @@ def test_unknown_id_lists_the_known_ones() -> None:
         "unknown model id 'flux.2-dev': torchferry knows wan2.1-t2v-14b, wan2.2-t2v-a14b, wan2.1-t2v-1.3b, "
         "wan2.2-ti2v-5b, flux.1-dev, qwen-image, hunyuanvideo, sd3.5-large, ltx-video-2b, "
         "ltx-video-13b-0.9.7; aliases: ltx-video-2b-0.9.1 (ltx-video-2b), ltx-video-2b-0.9.5 "
-        "(ltx-video-2b). Pass one of these ids, or a safetensors file, folder or *.index.json."
+        "(ltx-video-2b). Pass one of these ids or their hub ids (black-forest-labs/FLUX.1-dev; torchferry "
+        "plan --list shows them), a diffusers pipeline folder, or a safetensors file, folder or *.index.json."
     )
     with pytest.raises(PlanError, match=re.escape(msg)):
         known_topology("flux.2-dev")
