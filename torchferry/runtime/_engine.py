@@ -69,6 +69,7 @@ from torchferry.runtime._host import HOST, READY, STAGED_IN, Group, HostStore, S
 from torchferry.runtime._streams import StreamContext, Transfer, stream_context
 from torchferry.runtime._trace import Tracer
 from torchferry.topology import Plan
+from torchferry.topology._resolve import order_mismatch
 
 __all__ = ["Engine", "Program", "execute", "listing"]
 
@@ -204,6 +205,8 @@ class Engine:
         # Why: the tracer of the step running now; checked once per op and per block hook.
         self.tracer: Tracer | None = None
         self._blocks = frozenset(b.path for top in plan.components for c in top.walk() for b in c.blocks)
+        # Why: the blocks the running step's forward reached, in order, to report a ring it does not follow.
+        self.ran: list[str] = []
         # Why: units that sat in a slot while a forward with grad ran them; bumped when they leave it.
         self.graded: set[Unit] = set()
         self._warned_grad = False
@@ -316,6 +319,8 @@ class Engine:
                 self.driver.enter(path)
             program = self.program
             if program is not None:
+                if block:
+                    self.ran.append(path)
                 stop = program.stops.get(key)
                 if stop is not None and stop > program.pc:
                     self._run(program, stop)
@@ -490,6 +495,7 @@ class Engine:
         self.ledger.mark()
         program.pc = 0
         self.program = program
+        self.ran = []
         if self.tracing is not None and self.tracing.wants(schedule.step):
             self.tracer = self.streams.tracer = self.tracing
             self.tracer.start(schedule, self.streams)
@@ -616,6 +622,17 @@ class Engine:
             program.pc = i
 
     def _not_resident(self, path: str, group: Group, program: Program) -> None:
+        order = None
+        if path in self._blocks:
+            owner = next(
+                c for top in self.plan.components for c in top.walk() if any(b.path == path for b in c.blocks)
+            )
+            order = order_mismatch(owner, self.ran)
+        if order is not None:
+            raise ExecutionError(
+                f"block {path} was reached out of its ring's order in step "
+                f"{_step_name(program.schedule.step)}: {order}"
+            )
         raise ExecutionError(
             f"block {path} was reached while its weights were {_WHERE[group.where]}: step "
             f"{_step_name(program.schedule.step)} had not made it resident by then (the mark is the next op "

@@ -1,0 +1,122 @@
+"""Every diffusers transformer and UNet class streams with no declaration at all, bit for bit.
+
+One tiny model per class installed (configs in `diffusers_zoo`), offloaded as a bare model under
+layerwise depth 1 and 2 and model_level with nothing declared: its ring comes from the registry or
+from structure. Layerwise must really offload (the step's peak device bytes below the model's).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import diffusers_zoo as zoo
+import pytest
+import torch
+from torch import nn
+
+import torchferry
+from torchferry import OffloadWarning, topology
+from torchferry.topology._registry import DIT_BLOCK_ATTRS
+
+diffusers = pytest.importorskip("diffusers")
+
+# The models' own warnings on CPU (not torchferry's, which stay errors).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+    pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported"),
+    pytest.mark.filterwarnings("ignore:.* is deprecated and will be removed:FutureWarning"),
+]
+
+#: Classes whose three runs take more than a few seconds on two cores.
+SLOW = frozenset(
+    {
+        "AnyFlowFARTransformer3DModel",
+        "AuraFlowTransformer2DModel",
+        "MotifVideoTransformer3DModel",
+        "UNetMotionModel",
+        "UNetSpatioTemporalConditionModel",
+    }
+)
+
+
+def _installed() -> list[str]:
+    """Every transformer or UNet model class the installed diffusers exports at its top level."""
+    found = set()
+    for package in (diffusers.models.transformers, diffusers.models.unets):
+        for name in dir(package):
+            value = getattr(package, name, None)
+            module = getattr(value, "__module__", "")
+            if (
+                inspect.isclass(value)
+                and issubclass(value, nn.Module)
+                and module.startswith(package.__name__)
+                and hasattr(diffusers, name)
+            ):
+                found.add(name)
+    return sorted(found)
+
+
+def _first(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return _first(output[0])
+    return _first(output.sample)
+
+
+def _bytes(model: nn.Module) -> int:
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _run(model: nn.Module, spec: dict[str, Any]) -> torch.Tensor:
+    # Fresh inputs each call: some forwards modify their inputs in place.
+    with torch.no_grad():
+        return _first(model(**zoo.make(spec, torch.Generator().manual_seed(0))))
+
+
+def test_every_installed_class_has_a_tiny_config_or_a_reason() -> None:
+    """Each transformer or UNet class of the installed diffusers is exercised below or left out on record."""
+    missing = sorted(set(_installed()) - set(zoo.ZOO) - set(zoo.LEFT_OUT))
+    assert missing == []
+    assert len(zoo.ZOO) >= 60
+
+
+def test_every_registered_class_runs_here() -> None:
+    """Each class of the DiT registry has a tiny model in this test (adding one needs a test)."""
+    assert set(DIT_BLOCK_ATTRS) <= set(zoo.ZOO)
+
+
+def _params() -> list[Any]:
+    return [
+        pytest.param(name, marks=pytest.mark.slow) if name in SLOW else pytest.param(name)
+        for name in sorted(zoo.ZOO)
+        if hasattr(diffusers, name)
+    ]
+
+
+@pytest.mark.parametrize("name", _params())
+def test_undeclared_diffusers_class_streams_bit_identical(name: str) -> None:
+    """A bare model with nothing declared streams its blocks (peak below its bytes) to the plain output."""
+    init, spec = zoo.ZOO[name]
+    torch.manual_seed(0)
+    model = getattr(diffusers, name)(**init).eval()
+    reference = _run(model, spec)
+    assert torch.isfinite(reference).all()
+    total = _bytes(model)
+    assert topology.discover(model).components[0].blocks, "no ring was found"
+    for depth in (1, 2):
+        with torchferry.offload(model, strategy="layerwise", prefetch_depth=depth, device="cpu") as session:
+            streamed = _run(model, spec)
+            peak = session.peak_device_bytes
+        assert torch.equal(streamed, reference), f"layerwise depth {depth}"
+        assert 0 < peak < total, f"layerwise depth {depth}: peak {peak} of {total} bytes"
+    with (
+        pytest.warns(OffloadWarning, match=re.escape("has no encoder component")),
+        torchferry.offload(model, strategy="model_level", device="cpu") as session,
+    ):
+        streamed = _run(model, spec)
+        assert session.peak_device_bytes > 0
+    assert torch.equal(streamed, reference), "model_level"
