@@ -120,3 +120,49 @@ def test_undeclared_diffusers_class_streams_bit_identical(name: str) -> None:
         streamed = _run(model, spec)
         assert session.peak_device_bytes > 0
     assert torch.equal(streamed, reference), "model_level"
+
+
+def _pixart_sigma() -> Any:
+    """A tiny PixArtSigmaPipeline: a class the pipeline registry does not list."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    init, _ = zoo.ZOO["PixArtTransformer2DModel"]
+    encoder = transformers.T5EncoderModel(
+        transformers.T5Config(
+            vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=3, num_heads=2, decoder_start_token_id=0
+        )
+    ).eval()
+    vae = diffusers.AutoencoderKL(
+        block_out_channels=(4,), norm_num_groups=2, latent_channels=4, sample_size=8
+    ).eval()
+    return diffusers.PixArtSigmaPipeline(
+        tokenizer=None,
+        text_encoder=encoder,
+        vae=vae,
+        transformer=diffusers.PixArtTransformer2DModel(**init).eval(),
+        scheduler=diffusers.DPMSolverMultistepScheduler(),
+    )
+
+
+def test_unregistered_pipeline_is_served_from_its_components() -> None:
+    """A PixArtSigmaPipeline is read from its ``components``: its DiT and T5 stream, bit-identically."""
+    pipe = _pixart_sigma()
+    topo = topology.discover(pipe)
+    assert [(c.path, c.kind, len(c.blocks)) for c in topo.components] == [
+        ("transformer", "dit", 4),
+        ("text_encoder", "encoder", 3),
+        ("vae", "vae", 0),
+    ]
+    _, spec = zoo.ZOO["PixArtTransformer2DModel"]
+    ids = torch.tensor([[3, 7, 1, 9, 2]])
+    with torch.no_grad():
+        embeds = pipe.text_encoder(ids).last_hidden_state
+    reference = _run(pipe.transformer, spec)
+    with torchferry.offload(
+        pipe, strategy="layerwise", components=["dit", "text_encoder"], device="cpu"
+    ) as session:
+        with torch.no_grad():
+            assert torch.equal(pipe.text_encoder(ids).last_hidden_state, embeds)
+        assert torch.equal(_run(pipe.transformer, spec), reference)
+        whole = sum(_bytes(m) for m in (pipe.transformer, pipe.text_encoder, pipe.vae))
+        assert 0 < session.peak_device_bytes < whole

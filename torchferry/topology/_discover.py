@@ -473,6 +473,32 @@ def _walk(module: nn.Module, prefix: str, stop: frozenset[int]) -> Iterator[_Fou
     yield from visit(module, prefix)
 
 
+def _check_plain(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor torchferry cannot re-point: a wrapper subclass (naming its type), an inference tensor.
+
+    Subclasses that keep ordinary storage and only override ``__torch_function__`` (diffusers'
+    ``GGUFParameter``) stream like any parameter; wrapper subclasses that dispatch to inner tensors
+    (torchao's quantized tensors, ``DTensor``) have no storage torchferry could move.
+    """
+    cls = type(tensor)
+    if cls in (torch.Tensor, nn.Parameter) or cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+        if tensor.is_inference():
+            raise PlanError(
+                f"Tensor {name!r} was created under torch.inference_mode(), and an inference tensor can "
+                "never be re-pointed at torchferry's buffers outside it; build the model outside "
+                "inference mode, or give it ordinary tensors first, outside inference mode: "
+                "model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)"
+            )
+        return
+    raise PlanError(
+        f"Tensor {name!r} is a {_qualname(cls)}, a tensor subclass that keeps its data in inner tensors; "
+        "torchferry streams tensors with storage of their own only (torch.Tensor, nn.Parameter and "
+        "subclasses without __torch_dispatch__ such as diffusers' GGUFParameter, in any dtype it knows, "
+        "float8 included); dequantize it (for a DTensor, full_tensor()) before offloading, or leave its "
+        "component out of the offload"
+    )
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -698,6 +724,7 @@ def _occurrences(skeletons: list[_Skeleton], component_ids: frozenset[int]) -> l
     ) -> None:
         nonlocal seq
         for name, tensor, buffer, persistent in _walk(root, prefix, stop):
+            _check_plain(name, tensor)
             occurrences.append(
                 _Occurrence(
                     rank=(index, category, seq),
