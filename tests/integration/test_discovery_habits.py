@@ -74,6 +74,17 @@ def test_compiled_model_is_unwrapped_and_streams() -> None:
     _streams_bit_identical(model, compiled)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_model_compiled_and_called_before_opening_streams() -> None:
+    """A model compiled (``aot_eager``) and called before the session opens still streams bit-identically."""
+    torch.manual_seed(0)
+    model = Model().eval()
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad():
+        compiled(torch.randn(2, 8))
+    _streams_bit_identical(model, compiled)
+
+
 class _Wrapped(torch.Tensor):
     """A wrapper subclass keeping its data in an inner tensor (as torchao's quantized tensors do)."""
 
@@ -274,3 +285,41 @@ def test_pipeline_found_from_its_components_streams() -> None:
     with torch.no_grad(), torchferry.offload(pipe, strategy="layerwise", device="cpu") as session:
         assert torch.equal(pipe(x), reference)
         assert session.peak_device_bytes > 0
+
+
+class _LifecycleEncoder(Model):
+    """An encoder whose pipeline can move it whole (``load_to_device``/``offload_to_cpu``)."""
+
+    def load_to_device(self) -> None:
+        """Stage onto the device (the pipeline's own lifecycle; never called here)."""
+
+    def offload_to_cpu(self) -> None:
+        """Stage back to the host."""
+
+
+def test_on_demand_encoder_with_block_stacks_is_refused_before_anything_moves() -> None:
+    """An encoder declared both on-demand and with block stacks is a PlanError naming both declarations."""
+
+    class Pipe:
+        _dit_modules: ClassVar[list[str]] = ["transformer"]
+        _encoder_modules: ClassVar[list[str]] = ["text_encoder"]
+        _vae_modules: ClassVar[list[str]] = []
+        _offload_plan = Declaration(
+            on_demand_component_paths={"text_encoder"}, encoder_block_attrs={"text_encoder": ("blocks",)}
+        )
+
+        def __init__(self) -> None:
+            self.transformer = Model()
+            self.text_encoder = _LifecycleEncoder()
+
+    pipe = Pipe()
+    before = _weights(pipe.text_encoder)
+    with pytest.raises(PlanError) as caught:
+        torchferry.offload(pipe, strategy="layerwise", device="cpu")
+    assert str(caught.value) == (
+        "Encoder 'text_encoder' is declared both on-demand (Declaration.on_demand_component_paths: the "
+        "pipeline moves it whole with load_to_device/offload_to_cpu) and with block stacks "
+        "(Declaration.encoder_block_attrs['text_encoder']: torchferry streams its blocks); a loaded "
+        "encoder is moved one way only, so remove it from one of the two"
+    )
+    assert all(torch.equal(v, _weights(pipe.text_encoder)[k]) for k, v in before.items())
