@@ -740,3 +740,54 @@ def test_compiled_component_is_unwrapped() -> None:
     assert dit.class_name == "_Bare"
     assert dit.blocks[0].path == "transformer.transformer_blocks.0"
     assert not any("_orig_mod" in t.name for t in dit.all_tensors())
+
+
+def test_order_mismatch_names_both_orders_and_the_declaration() -> None:
+    """`order_mismatch` is None for a forward that follows the ring, else both orders and the fix."""
+    from torchferry.topology._resolve import order_mismatch
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+            self.hints = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+    pipe = Pipeline()
+    pipe.transformer = Model()  # type: ignore[assignment]
+    dit = discover(pipe, Declaration(block_attrs={"transformer": ("blocks", "hints")})).component(
+        "transformer"
+    )
+    assert order_mismatch(dit, ["transformer.blocks.0", "transformer.blocks.1"]) is None
+    assert order_mismatch(dit, ["transformer.hints.0"]) == (
+        "declared order transformer.blocks.0-2, transformer.hints.0-1, forward ran transformer.hints.0; "
+        "declare Declaration(block_attrs={'transformer': ('hints', 'blocks')}) so the ring follows the "
+        "forward"
+    )
+
+
+def test_block_less_dit_is_told_a_declaration_from_its_tensor_names() -> None:
+    """`suggest_declaration` names the largest numbered list, else the large children, else nothing."""
+    from torchferry.topology._resolve import suggest_declaration
+
+    class Numbered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Module()
+            for i in range(3):
+                self.body.add_module(str(i), nn.Linear(4, 4))
+            self.head = nn.Linear(4, 4)
+
+    class Named(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(8, 8)
+            self.second = nn.Linear(8, 8)
+            self.tiny = nn.LayerNorm(1)
+
+    none = Declaration(block_attrs={"": ()})
+    assert suggest_declaration(discover(Numbered(), none).components[0]) == (
+        "; for example pass declaration=Declaration(block_attrs={'': ('body',)}) listing the block lists "
+        "(or single blocks) in the order its forward runs them"
+    )
+    assert "('first', 'second')" in suggest_declaration(discover(Named(), none).components[0])
+    assert suggest_declaration(discover(nn.Linear(2, 2), none).components[0]) == ""

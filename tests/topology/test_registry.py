@@ -234,3 +234,19 @@ def test_pipeline_components_in_pipeline_order() -> None:
         ("text_encoder", "encoder"),
         ("vae", "vae"),
     )
+
+
+def test_pipeline_registry_matches_subclasses() -> None:
+    """A subclass of a registered pipeline class gets its components and its declaration."""
+
+    class FluxPipeline:
+        pass
+
+    class MyFlux(FluxPipeline):
+        pass
+
+    assert pipeline_components(MyFlux) == pipeline_components("FluxPipeline")
+    assert declaration_for_pipeline(MyFlux, ["transformer"]) == declaration_for_pipeline(
+        "FluxPipeline", ["transformer"]
+    )
+    assert pipeline_components("MyFlux") is None
