@@ -11,7 +11,7 @@ from torchferry._errors import (
     ScheduleError,
     TorchferryDeprecationWarning,
 )
-from torchferry._session import Session, offload
+from torchferry._session import Session, SessionReport, offload
 from torchferry.runtime import meta_parameters
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ __all__ = [
     "PlanError",
     "ScheduleError",
     "Session",
+    "SessionReport",
     "TorchferryDeprecationWarning",
     "__version__",
     "meta_parameters",
