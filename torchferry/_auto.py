@@ -35,6 +35,7 @@ import attrs
 import torch
 
 from torchferry import policies
+from torchferry._errors import PlanError, ScheduleError
 from torchferry.policies import Choice, CostModel, DeviceProfile, Policy, Schedule
 from torchferry.runtime import StepTrace, Tracer, load_profile
 from torchferry.topology import Plan
@@ -307,7 +308,13 @@ class Chooser:
         self.components: tuple[str, ...] = tuple(
             dits or [c.path for c in plan.components if lay.streamed.get(c.path)]
         )
-        self.choice: Choice = policies.choose(plan, budget, self.cost)
+        try:
+            self.choice: Choice = policies.choose(plan, budget, self.cost)
+        except ScheduleError as exc:
+            raise PlanError(
+                f"offload(strategy='auto'): nothing fits the budget ({budget_source}): {exc}; pass a "
+                "larger device_memory= or fewer components"
+            ) from None
         self.policy: Policy = self.choice.policy()
         self._pending: Policy | None = None
         self.switches: list[str] = []
