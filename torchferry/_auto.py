@@ -49,6 +49,7 @@ __all__ = [
     "Chooser",
     "Measured",
     "SessionReport",
+    "calibrate",
     "default_budget",
     "h2d_bandwidth",
     "measure",
@@ -206,6 +207,36 @@ def predicted_step_s(policy: Policy, plan: Plan, component: str, cost: CostModel
         extra = sum(cost.compute_seconds(b, block=True) for b in blocks) + cost.host_block_s * len(blocks)
         return report.makespan_s + extra
     return report.makespan_s
+
+
+def calibrate(
+    figures: Sequence[Measured],
+    *,
+    h2d_bytes_per_s: float,
+    collective_bytes_per_s: float = 100e9,
+    default_block_s: float = 0.01,
+) -> CostModel:
+    """`policies.CostModel.calibrated` from measurements: each block's and component's compute, the
+    mean host cost per op and per block, the bandwidth given (infinite when measured on the CPU,
+    whose copies are in the host cost per op); blocks never measured take the measured mean."""
+    compute: dict[str, float] = {}
+    for m in figures:
+        compute.update(m.block_s)
+        compute[m.component] = m.rest_s
+    blocks = [v for m in figures for v in m.block_s.values()]
+    cpu = any(m.clock == "host clock" for m in figures)
+    n = max(len(figures), 1)
+    return CostModel.calibrated(
+        h2d_bytes_per_s=math.inf if cpu else h2d_bytes_per_s,
+        block_s=sum(blocks) / len(blocks) if blocks else default_block_s,
+        compute_s=compute,
+        host_op_s=sum(m.host_op_s for m in figures) / n,
+        host_block_s=sum(m.host_block_s for m in figures) / n,
+        collective_bytes_per_s=math.inf if cpu else collective_bytes_per_s,
+        forwards_per_step=1,
+        source="measured by the session"
+        + ("; copies on the compute thread (CPU) charged per op" if cpu else ""),
+    )
 
 
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -391,23 +422,11 @@ class Chooser:
 
     def calibrated(self) -> CostModel:
         """The cost model of every measurement so far (blocks never measured take their mean)."""
-        figures = list(self.measured.values())
-        compute: dict[str, float] = {}
-        for m in figures:
-            compute.update(m.block_s)
-            compute[m.component] = m.rest_s
-        blocks = [v for m in figures for v in m.block_s.values()]
-        cpu = any(m.clock == "host clock" for m in figures)
-        return CostModel.calibrated(
-            h2d_bytes_per_s=math.inf if cpu else self.h2d,
-            block_s=sum(blocks) / len(blocks) if blocks else self.base.block_s,
-            compute_s=compute,
-            host_op_s=sum(m.host_op_s for m in figures) / len(figures),
-            host_block_s=sum(m.host_block_s for m in figures) / len(figures),
+        return calibrate(
+            list(self.measured.values()),
+            h2d_bytes_per_s=self.h2d,
             collective_bytes_per_s=self.base.collective_bytes_per_s,
-            forwards_per_step=1,
-            source="measured by the session"
-            + ("; copies on the compute thread (CPU) charged per op" if cpu else ""),
+            default_block_s=self.base.block_s,
         )
 
     # ------------------------------------------------------------------------------ the figures

@@ -28,6 +28,7 @@ import torch
 
 import torchferry
 from torchferry import policies, topology
+from torchferry._auto import calibrate, measure
 from torchferry._errors import OffloadError
 from torchferry.cli._tables import table
 from torchferry.cli._timeline import Panel, lanes_of, render_panels
@@ -439,9 +440,14 @@ def timeline_svg(
             else f"measured on {measured.device} (synchronous copies)"
         )
         rank = ", rank 0" if distributed else ""
-        panels.append(
-            Panel(heading=how + rank, lanes=lanes_of(measured.spans), note=_measured_note(measured, ranks))
+        calibrated = calibrate([measure(measured, plan)], h2d_bytes_per_s=cost.h2d_bytes_per_s)
+        again = policies.simulate(measured.schedule, calibrated).makespan_s
+        note = (
+            f"{_measured_note(measured, ranks)}; calibrated on it (runtime figures, "
+            f"{calibrated.host_op_s * 1e6:.1f} us/op host): simulated {again * 1e3:.2f} ms "
+            f"({(again / measured.wall_s - 1) * 100:+.1f}%)"
         )
+        panels.append(Panel(heading=how + rank, lanes=lanes_of(measured.spans), note=note))
     subtitle = "simulated above, measured below, to one time scale" if measured is not None else ""
     return render_panels(
         panels, title="torchferry demo: one denoising step, stream by stream", subtitle=subtitle
