@@ -10,7 +10,7 @@ copy on CUDA, a host memcpy on the CPU) and asks `policies.choose`, the chooser 
 profile (`runtime.load_profile`, else its device class) with that bandwidth.
 
 Then it measures what the choice depends on. `Chooser` traces up to `MAX_TRACES` steady steps of
-each streaming DiT (`runtime.Tracer`: every step of a run but the first, so the step starts where
+each streaming DiT per schedule (then one in `TRACE_EVERY`) (`runtime.Tracer`: every step of a run but the first, so the step starts where
 the one before ended) and turns the fastest into figures (`measure`): each block's compute, the
 host seconds per op and per hooked block, and the component's non-block remainder. After the first
 measured step of a component it re-chooses under `policies.CostModel.calibrated`; a changed choice
@@ -46,6 +46,7 @@ __all__ = [
     "CPU_BUDGET",
     "MAX_TRACES",
     "REMEASURE_MARGIN",
+    "TRACE_EVERY",
     "Chooser",
     "Measured",
     "SessionReport",
@@ -68,6 +69,8 @@ CPU_BUDGET = 8 << 30
 REMEASURE_MARGIN = 0.25
 #: Steady steps traced per component; calibration uses the fastest (the least disturbed).
 MAX_TRACES = 8
+#: After `MAX_TRACES`, one step in this many is still traced, so a quieter moment refines the figures.
+TRACE_EVERY = 8
 #: Bytes of the timed copy that measures the host-to-device bandwidth (CUDA, CPU).
 _COPY_BYTES = {"cuda": 64 << 20, "cpu": 16 << 20}
 
@@ -148,7 +151,7 @@ def measure(trace: StepTrace, plan: Plan) -> Measured:
 
     Host cost is fitted over the gaps between consecutive block forwards (each gap holds the hooks of
     two blocks' ends and the ops anchored there): ``gap = host_block + ops x host_op``, least squares
-    when the op count varies, an even split otherwise. On the CPU the copies inside a gap are taken
+    when the op count varies, all of it per op otherwise. On the CPU the copies inside a gap are taken
     out first and then spread over the step's ops (they run on the compute thread). The remainder is
     what the step took beyond its blocks, stalls and host cost.
     """
@@ -240,15 +243,16 @@ def calibrate(
 
 
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """``(a, b)`` with ``y ~ a + b x``, both at least 0; ``y / (1 + x)`` each when x never varies."""
+    """``(a, b)`` with ``y ~ a + b x``, both at least 0; ``(0, y / x)`` when x never varies."""
     if not ys:
         return 0.0, 0.0
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     var = sum((x - mx) ** 2 for x in xs)
     if var == 0:
-        each = my / (1 + mx)
-        return each, each
+        # Not separable: every gap holds as many ops. Ops carry the runtime's real work (re-pointing,
+        # copies), so all of it goes to them; a schedule with another op mix refits it.
+        return (0.0, my / mx) if mx else (my, 0.0)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
     a = my - b * mx
     if b < 0:
@@ -376,7 +380,7 @@ class Chooser:
         fresh, self._fresh = self._fresh, False
         if component not in self.components or index == 0 or fresh:
             return None
-        if len(self.walls.get(component, ())) >= MAX_TRACES:
+        if len(self.walls.get(component, ())) >= MAX_TRACES and index % TRACE_EVERY:
             return None
         return Tracer(self.device, component)
 
@@ -396,6 +400,7 @@ class Chooser:
         compute = sum(self.measured[c].block_s.values())
         before = self._chosen_at.get(c)
         if before is not None and abs(compute / before - 1) <= REMEASURE_MARGIN:
+            self.cost = self.calibrated()  # the model keeps learning; the choice stands
             return
         self._chosen_at[c] = compute
         self._rechoose(c)
