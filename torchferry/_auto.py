@@ -10,13 +10,14 @@ copy on CUDA, a host memcpy on the CPU) and asks `policies.choose`, the chooser 
 profile (`runtime.load_profile`, else its device class) with that bandwidth.
 
 Then it measures what the choice depends on. `Chooser` traces up to `MAX_TRACES` steady steps of
-each streaming DiT per schedule (then one in `TRACE_EVERY`) (`runtime.Tracer`: every step of a run but the first, so the step starts where
-the one before ended) and turns the fastest into figures (`measure`): each block's compute, the
-host seconds per op and per hooked block, and the component's non-block remainder. After the first
-measured step of a component it re-chooses under `policies.CostModel.calibrated`; a changed choice
-is used from the next step on (never inside one: the session drops what the old schedule left on
-the device between the two steps and the new schedule stages what it needs). A component re-chooses
-again only when a later measurement moves its step by more than `REMEASURE_MARGIN`.
+each streaming DiT per schedule, then one in `TRACE_EVERY` (`runtime.Tracer`; every step of a run
+but the first, so the step starts where the one before ended), and turns the fastest into figures
+(`measure`): each block's compute, the host seconds per op and per hooked block, and the
+component's non-block remainder. After the first measured step of a component it re-chooses under
+`policies.CostModel.calibrated`; a changed choice is used from the next step on (never inside one:
+the session drops what the old schedule left on the device between the two steps and the new
+schedule stages what it needs). A component re-chooses again only when a later measurement moves
+its block compute by more than `REMEASURE_MARGIN`; later measurements still refine the cost model.
 
 On the CPU copies run on the compute thread, so the calibrated model charges them as host time per
 op (its bandwidth is infinite) instead of on a copy stream that would hide them.
