@@ -193,7 +193,7 @@ def _is_auto(
     """Whether the session chooses (``strategy="auto"``, the default when nothing else names a policy).
 
     A config, a strategy, a policy or a ring knob (``prefetch_depth``, ``chunk_bytes``) names one;
-    ``strategy="auto"`` with any of the last three is a `PlanError` (auto picks the depth itself).
+    ``strategy="auto"`` with a policy or a ring knob is a `PlanError` (auto picks the depth itself).
     """
     if strategy == "auto":
         named = [k for k in ("prefetch_depth", "chunk_bytes") if k in options]
