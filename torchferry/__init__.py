@@ -12,7 +12,7 @@ from torchferry._errors import (
     TorchferryDeprecationWarning,
 )
 from torchferry._pretrained import from_pretrained
-from torchferry._session import Session, offload
+from torchferry._session import Session, SessionReport, offload
 from torchferry.runtime import meta_parameters
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "PlanError",
     "ScheduleError",
     "Session",
+    "SessionReport",
     "TorchferryDeprecationWarning",
     "__version__",
     "from_pretrained",
