@@ -22,6 +22,7 @@ from torchferry import policies, topology
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
 from torchferry.runtime import Comm, Engine, Steps, Tracer
+from torchferry.runtime._guard import SessionGuard
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
 __all__ = ["Session", "default_policy", "offload"]
@@ -47,6 +48,43 @@ def _policy_knobs(request: OffloadConfig) -> list[str]:
 
 def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+#: Device types a session streams to; ``meta`` only for tests (see docs/contract.md).
+DEVICE_TYPES = ("cpu", "cuda", "meta")
+
+
+def _check_pipeline(pipeline: Any) -> None:
+    """Refuse what cannot be a pipeline before anything else looks at it."""
+    from torch import nn
+
+    if isinstance(pipeline, nn.Module):
+        return
+    attributes = getattr(pipeline, "__dict__", None)
+    if isinstance(attributes, dict) and any(isinstance(v, nn.Module) for v in attributes.values()):
+        return
+    shown = repr(pipeline)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise PlanError(
+        f"torchferry.offload(pipeline): got {type(pipeline).__name__} {shown}, which is not a pipeline; "
+        "pass a torch.nn.Module or an object whose attributes are modules (a diffusers pipeline)"
+    )
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    """The session's device, refused at `offload` unless its type is one torchferry streams to."""
+    if device is None:
+        return _default_device()
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):
+        target = None
+    if target is None or target.type not in DEVICE_TYPES:
+        raise PlanError(
+            f"offload(device={device!r}): torchferry streams weights to 'cpu' or 'cuda' (with an index, "
+            "'cuda:1'); 'meta' is accepted for tests only (nothing is computed there); pass one of those"
+        )
+    return target
 
 
 def _config(config: OffloadConfig | None, strategy: str | None, options: Mapping[str, Any]) -> OffloadConfig:
@@ -134,6 +172,8 @@ def offload(
       block and the ranks all-gather it; every rank must call `offload` alike (a collective). The
       parallel layout defaults to the group's size.
     """
+    _check_pipeline(pipeline)
+    target = _device(device)
     if pipeline in _OPEN:
         raise ExecutionError(
             "this pipeline is already served by an open torchferry session; close() it before opening another"
@@ -154,7 +194,6 @@ def offload(
             "(policies.layerwise(depth=2)) and drop them here"
         )
     request, group = _shard_group(request, process_group)
-    target = torch.device(device) if device is not None else _default_device()
     topo = topology.discover(pipeline, declaration)
     plan = topology.resolve(topo, request)
     chosen = policy if policy is not None else default_policy(request)
@@ -204,6 +243,7 @@ class Session:
         self._closed = False
         try:
             self.engine.anchor(self._anchors())
+            self._guard = SessionGuard(pipeline, plan, self.engine)
         except BaseException:
             self.engine.close()
             raise
@@ -221,22 +261,30 @@ class Session:
     def enter(self, component: str) -> None:
         """A top-level component's forward begins: start its step's schedule."""
         engine = self.engine
+        self._guard.entering(component)  # another thread's step runs: refused
         if engine.running:
             # A step that never finished (a KeyboardInterrupt skips forward hooks): start clean.
             engine.abort()
+            self._guard.snapshot()
+        self._guard.adopt()  # weight edits since the last step reach the host copy, or are refused
         step = self._steps.next(component, engine.residency)
         engine.begin(self._steps.schedule(step))
         self._step = step
 
     def leave(self, component: str, failing: bool) -> None:
         """A top-level component's forward ended: check its step, or recover if it raised."""
-        if failing:
-            self.engine.abort()
-            self._steps.interrupted()
-            return
-        self.engine.finish()
-        if self._step is not None:
-            self._steps.finished(self._step, self.engine.step_peak)
+        if not self._guard.owns():
+            return  # this thread's step was refused at its start; another thread's step runs on
+        try:
+            if failing:
+                self.engine.abort()
+                self._steps.interrupted()
+                return
+            self.engine.finish()
+            if self._step is not None:
+                self._steps.finished(self._step, self.engine.step_peak)
+        finally:
+            self._guard.left()
 
     @contextlib.contextmanager
     def trace(self, component: str, *, skip: int = 0) -> Iterator[Tracer]:
@@ -333,6 +381,7 @@ class Session:
             return
         self._closed = True
         try:
+            self._guard.close()
             self.engine.close(gather=gather)
         finally:
             _OPEN.pop(self.pipeline, None)

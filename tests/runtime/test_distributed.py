@@ -189,6 +189,40 @@ def _dies(rank: int, world: int) -> tuple[str, str, float]:
     return "ok", "", time.monotonic() - start
 
 
+
+def _out_of_step(rank: int, world: int) -> dict[str, list[tuple[str, Any]]]:
+    """Ranks fall out of step: one retries after its own error mid-step, then they run different step
+    counts."""
+    ref = toy.build(0)
+    seen: dict[str, list[tuple[str, Any]]] = {}
+
+    def calls(p: torch.nn.Module, plan: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+        ended: list[tuple[str, Any]] = []
+        for call in plan:
+            try:
+                ended.append(("ok", torch.equal(p("a cat", **call), ref("a cat", **call))))
+            except Exception as exc:
+                ended.append((type(exc).__name__, str(exc)))
+        return ended
+
+    p = toy.build(0)
+    session = torchferry.offload(p, strategy="distributed_layerwise", device="cpu")
+    armed = [rank == 1]
+
+    def fail_once(module: torch.nn.Module, args: Any) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise ValueError("a rank's own error in block 3")
+
+    p.transformer.blocks[3].register_forward_pre_hook(fail_once)
+    seen["retry"] = calls(p, [{}] * (3 if rank == 1 else 2))
+    seen["steps"] = calls(p, [{"steps": 3 if rank == 0 else 2}, {"steps": 2}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadWarning)
+        session.close()
+    return seen
+
+
 # -------------------------------------------------------------------------------------- tests
 
 
@@ -286,10 +320,30 @@ def test_a_rank_that_dies_mid_step_fails_the_others_within_the_timeout() -> None
         kind, message, seconds = error.results[rank]
         assert kind == "ExecutionError" and seconds < 15
         assert re.fullmatch(
-            rf"all-gather of transformer\.blocks\.\d+ failed on rank {rank} of 3 \(gloo\): \w+: .*; a peer "
+            rf"(the check that every rank agrees on the )?all-gather of transformer\.blocks\.\d+ failed on "
+            rf"rank {rank} of 3 \(gloo\): \w+: .*; a peer "
             r"rank died, stalled past the process group's timeout \(the group's timeout is 10 s\), or issued "
             r"a different collective\. Host weights are intact and this step was aborted; the process group "
             r"is likely unusable now, so close\(\) the session \(that needs no collective\) and restart the "
             r"ranks",
             message,
         ), message
+
+
+def test_ranks_out_of_step_raise_on_every_rank_instead_of_aborting() -> None:
+    """A rank retrying after its own error mid-step, or running more steps, raises; it never aborts."""
+    results = run_ranks(_out_of_step, 2, timeout=120, group_timeout=10)
+    disagree = (
+        r"the ranks of the 2-rank weight-shard group disagree on "
+        r"(the all-gather of transformer\.blocks\.\d|the schedule of step \w+#\d) "
+        r"\(this is rank {rank}; digests rank 0: [0-9a-f]{{12}}; rank 1: [0-9a-f]{{12}}\); .*"
+    )
+    zero, one = results
+    assert [k for k, _ in zero["retry"]] == ["ExecutionError", "ok"]
+    assert [k for k, _ in one["retry"]] == ["ValueError", "ExecutionError", "ok"]
+    assert re.fullmatch(disagree.format(rank=0), zero["retry"][0][1]), zero["retry"][0][1]
+    assert re.fullmatch(disagree.format(rank=1), one["retry"][1][1]), one["retry"][1][1]
+    for seen in results:
+        assert all(what is True for kind, what in seen["retry"] + seen["steps"] if kind == "ok")
+        assert {kind for kind, _ in seen["steps"]} <= {"ok", "ExecutionError"}
+    assert "ExecutionError" in {kind for seen in results for kind, _ in seen["steps"]}

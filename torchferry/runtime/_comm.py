@@ -14,6 +14,18 @@ once. With gloo the outputs are ``world`` views of the slot, one at each rank's 
 land in place with no staging memory. NCCL needs one contiguous output, so a chunk is gathered into
 a staging buffer of ``world * c`` bytes (allocated once) and copied into the ``world`` places with
 one strided copy on the same stream.
+
+[Note: ranks out of step]
+gloo aborts the process (SIGABRT, "Received data size doesn't match expected size") when the ranks
+post collectives of different sizes, which happens whenever ranks fall out of step: a rank that
+caught an exception mid-step and calls again, or ranks that run different step counts. So on gloo
+every data collective is preceded by an agreement (`agree`: one fixed-size all-gather of a digest)
+on what it is: the unit, its byte count and chunks. Agreements are always the same size, and a data
+collective runs only after one that every rank passed, so a rank out of step meets a disagreement,
+and every rank raises `ExecutionError`, instead of a mismatched collective. It costs one 33-byte
+all-gather per data collective, on a backend that is synchronous anyway. NCCL agrees on each
+distinct schedule once, before its first collective (an extra host round trip per gather would
+cost the copy/compute overlap).
 """
 
 from __future__ import annotations
@@ -68,6 +80,16 @@ class Comm:
         # Why: (slot, shard bytes, piece) -> per-chunk output views, so steady steps build nothing; the
         # slot tensor is kept in the entry, so a recycled id never returns another slot's views.
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, list[list[torch.Tensor]]]] = {}
+
+    @property
+    def checked(self) -> bool:
+        """Whether every collective is preceded by an agreement on what it is (gloo; see the Note)."""
+        return self.backend == "gloo"
+
+    def _expect(self, what: str, key: str) -> None:
+        """Agree with every rank on the collective about to run (gloo only; see the Note at the top)."""
+        if self.checked:
+            self.agree(what, key)
 
     @property
     def staged(self) -> bool:
@@ -141,6 +163,7 @@ class Comm:
         ceil(S / chunks)`` bytes) is needed for chunked gathers on backends other than gloo.
         """
         size = shard.numel()
+        self._expect(f"the all-gather of {what}", f"all-gather {what} {size} {chunks}")
         full = slot.narrow(0, 0, self.world * size)
         if chunks <= 1 or size == 0:
             self._run(f"all-gather of {what}", _all_gather_single, full, shard)
@@ -183,6 +206,7 @@ class Comm:
 
     def gather_host(self, shard: torch.Tensor, what: str) -> torch.Tensor:
         """Every rank's host ``shard`` put together: a new CPU tensor of ``world * S`` bytes (collective)."""
+        self._expect(f"the re-assembly of {what}", f"re-assembly {what} {shard.numel()}")
         src = shard.to(self.device)
         out = torch.empty(self.world * shard.numel(), dtype=torch.uint8, device=self.device)
         self._run(f"re-assembly of {what}", _all_gather_single, out, src)
