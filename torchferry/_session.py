@@ -21,8 +21,7 @@ import torch
 from torchferry import policies, topology
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
-from torchferry.runtime import Comm, Engine, Steps, Tracer
-from torchferry.runtime._guard import SessionGuard
+from torchferry.runtime import Comm, Engine, SessionGuard, Steps, Tracer
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
 __all__ = ["Session", "default_policy", "offload"]
@@ -381,8 +380,10 @@ class Session:
             return
         self._closed = True
         try:
-            self._guard.close()
-            self.engine.close(gather=gather)
+            try:
+                self._guard.close()  # edits made since the last step reach the weights given back
+            finally:
+                self.engine.close(gather=gather)
         finally:
             _OPEN.pop(self.pipeline, None)
 

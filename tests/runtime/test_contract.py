@@ -321,13 +321,11 @@ def test_copying_a_pipeline_during_a_session_is_refused_and_works_after_close(ho
 # ------------------------------------------------------------------------------ device memory
 
 
-def test_a_device_allocation_that_fails_is_never_counted() -> None:
+def test_a_device_allocation_that_fails_is_never_counted(hand_ring: Callable[..., Schedule]) -> None:
     """A slot too large to allocate raises out of memory and leaves device_bytes where it was."""
     p = toy.build(0)
     plan = topology.resolve(topology.discover(p), topology.OffloadConfig(strategy="layerwise"))
-    from conftest import ring
-
-    good: Schedule = ring(plan)
+    good: Schedule = hand_ring(plan)
     huge = attrs.evolve(good, slots=[Slot(name="s0", nbytes=2**62), good.slots[1]])
     engine = runtime.Engine(p, plan, device="cpu", pin_memory=False)
     try:
@@ -340,10 +338,7 @@ def test_a_device_allocation_that_fails_is_never_counted() -> None:
         assert engine.device_bytes == 0
         with runtime.execute(good, p, plan, device="cpu", engine=engine), torch.no_grad():
             p.transformer(torch.zeros(1, 16, 16), torch.tensor([0.5]), torch.zeros(1, 8, 32))
-        assert (
-            engine.device_bytes
-            == sum(s.nbytes for s in good.slots) + plan.component("transformer").rest_bytes * 0
-        )
+        assert engine.device_bytes == sum(s.nbytes for s in good.slots)  # the ring's slots stay allocated
     finally:
         engine.close()
 
