@@ -263,6 +263,7 @@ class Session:
         self._guard.entering(component)  # another thread's step runs: refused
         if engine.running:
             # A step that never finished (a KeyboardInterrupt skips forward hooks): start clean.
+            self._guard.drain()
             engine.abort()
             self._guard.snapshot()
         self._guard.adopt()  # weight edits since the last step reach the host copy, or are refused
@@ -275,6 +276,7 @@ class Session:
         if not self._guard.owns():
             return  # this thread's step was refused at its start; another thread's step runs on
         try:
+            self._guard.drain()  # a step that failed or ended early still owes the other ranks its gathers
             if failing:
                 self.engine.abort()
                 self._steps.interrupted()

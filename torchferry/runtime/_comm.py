@@ -16,16 +16,19 @@ a staging buffer of ``world * c`` bytes (allocated once) and copied into the ``w
 one strided copy on the same stream.
 
 [Note: ranks out of step]
-gloo aborts the process (SIGABRT, "Received data size doesn't match expected size") when the ranks
-post collectives of different sizes, which happens whenever ranks fall out of step: a rank that
-caught an exception mid-step and calls again, or ranks that run different step counts. So on gloo
-every data collective is preceded by an agreement (`agree`: one fixed-size all-gather of a digest)
-on what it is: the unit, its byte count and chunks. Agreements are always the same size, and a data
-collective runs only after one that every rank passed, so a rank out of step meets a disagreement,
-and every rank raises `ExecutionError`, instead of a mismatched collective. It costs one 33-byte
-all-gather per data collective, on a backend that is synchronous anyway. NCCL agrees on each
-distinct schedule once, before its first collective (an extra host round trip per gather would
-cost the copy/compute overlap).
+gloo aborts the process (SIGABRT, "Received data size doesn't match expected size") when ranks post
+collectives of different sizes, and NCCL hangs; both happen when ranks fall out of step. Two rules
+keep every rank's collectives paired, so that falling out of step is an `ExecutionError`:
+1. Every step that issues collectives starts with an agreement on its schedule (`agree`: one
+   fixed-size all-gather of a digest), every time it runs, not only the first: a rank that runs
+   more steps, or another component, meets its peers in an agreement, and a different schedule is
+   a disagreement on every rank.
+2. A rank whose step fails after the agreement (its own exception, an interrupt, a forward that
+   ends early) still issues the step's remaining all-gathers before it aborts (`drain`, called by
+   the session), with its own shards, so its peers finish the step with the right weights and
+   every rank's next collective is again an agreement. Only a failed collective (a peer died or
+   timed out) owes nothing: then the peers time out too.
+Steps agree once each (one 33-byte all-gather and, on NCCL, one host round trip per step).
 """
 
 from __future__ import annotations
@@ -80,16 +83,8 @@ class Comm:
         # Why: (slot, shard bytes, piece) -> per-chunk output views, so steady steps build nothing; the
         # slot tensor is kept in the entry, so a recycled id never returns another slot's views.
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, list[list[torch.Tensor]]]] = {}
-
-    @property
-    def checked(self) -> bool:
-        """Whether every collective is preceded by an agreement on what it is (gloo; see the Note)."""
-        return self.backend == "gloo"
-
-    def _expect(self, what: str, key: str) -> None:
-        """Agree with every rank on the collective about to run (gloo only; see the Note at the top)."""
-        if self.checked:
-            self.agree(what, key)
+        #: Whether a collective has failed (a peer died or timed out): nothing more is owed to peers.
+        self.failed = False
 
     @property
     def staged(self) -> bool:
@@ -102,6 +97,7 @@ class Comm:
         except OffloadError:
             raise
         except Exception as exc:
+            self.failed = True
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ExecutionError(
                 f"{what} failed on rank {self.rank} of {self.world} ({self.backend}): "
@@ -148,6 +144,23 @@ class Comm:
             )
         return seen
 
+    def drain(self, owed: list[tuple[str, torch.Tensor, int]]) -> None:
+        """Issue all-gathers a failed step still owes its peers: ``(what, this rank's shard, chunks)``.
+
+        The results are dropped; see [Note: ranks out of step]. Nothing is issued after a failed
+        collective.
+        """
+        for what, shard, chunks in owed:
+            if self.failed:
+                return
+            src = shard.to(self.device)
+            size = src.numel()
+            out = torch.empty(self.world * size, dtype=torch.uint8, device=self.device)
+            staging = None
+            if chunks > 1 and self.staged:
+                staging = torch.empty(self.world * -(-size // chunks), dtype=torch.uint8, device=self.device)
+            self.all_gather(out, src, chunks, what, staging)
+
     # -------------------------------------------------------------------------------- gathers
     def all_gather(
         self,
@@ -163,7 +176,6 @@ class Comm:
         ceil(S / chunks)`` bytes) is needed for chunked gathers on backends other than gloo.
         """
         size = shard.numel()
-        self._expect(f"the all-gather of {what}", f"all-gather {what} {size} {chunks}")
         full = slot.narrow(0, 0, self.world * size)
         if chunks <= 1 or size == 0:
             self._run(f"all-gather of {what}", _all_gather_single, full, shard)
@@ -206,7 +218,7 @@ class Comm:
 
     def gather_host(self, shard: torch.Tensor, what: str) -> torch.Tensor:
         """Every rank's host ``shard`` put together: a new CPU tensor of ``world * S`` bytes (collective)."""
-        self._expect(f"the re-assembly of {what}", f"re-assembly {what} {shard.numel()}")
+        self.agree(f"the re-assembly of {what}", f"re-assembly {what} {shard.numel()}")
         src = shard.to(self.device)
         out = torch.empty(self.world * shard.numel(), dtype=torch.uint8, device=self.device)
         self._run(f"re-assembly of {what}", _all_gather_single, out, src)

@@ -160,6 +160,26 @@ class SessionGuard:
         with self._lock:
             self._owner = None
 
+    # ------------------------------------------------------------------------------------ ranks
+    def drain(self) -> None:
+        """The running step is about to end: issue the all-gathers it still owes the other ranks.
+
+        See [Note: ranks out of step] in `torchferry.runtime._comm`; a no-op when the step ran every
+        op, and on one rank. A collective that fails here is not raised (the step's own failure is
+        what the caller sees; the peers time out).
+        """
+        engine = self.engine
+        program, comm = engine.program, engine.comm
+        if program is None or comm is None or program.pc >= len(program.calls):
+            return
+        owed = [
+            (unit.name, unit.packs[0].host, op.chunks)
+            for _, unit, op in program.calls[program.pc :]
+            if op.kind == "gather"
+        ]
+        with contextlib.suppress(ExecutionError):
+            comm.drain(owed)
+
     # ---------------------------------------------------------------------------- weight edits
     def snapshot(self) -> None:
         """Remember each managed tensor's version and data pointer as the engine leaves them now."""
