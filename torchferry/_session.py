@@ -23,7 +23,7 @@ from torchferry import policies, topology
 from torchferry._auto import Chooser, SessionReport, default_budget
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
-from torchferry.runtime import Comm, Engine, Steps, Tracer, prove
+from torchferry.runtime import Comm, Engine, SessionGuard, Steps, Tracer, prove
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
 __all__ = ["Session", "SessionReport", "default_policy", "offload"]
@@ -51,6 +51,43 @@ def _policy_knobs(request: OffloadConfig) -> list[str]:
 
 def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+#: Device types a session streams to; ``meta`` only for tests (see docs/contract.md).
+DEVICE_TYPES = ("cpu", "cuda", "meta")
+
+
+def _check_pipeline(pipeline: Any) -> None:
+    """Refuse what cannot be a pipeline before anything else looks at it."""
+    from torch import nn
+
+    if isinstance(pipeline, nn.Module):
+        return
+    attributes = getattr(pipeline, "__dict__", None)
+    if isinstance(attributes, dict) and any(isinstance(v, nn.Module) for v in attributes.values()):
+        return
+    shown = repr(pipeline)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise PlanError(
+        f"torchferry.offload(pipeline): got {type(pipeline).__name__} {shown}, which is not a pipeline; "
+        "pass a torch.nn.Module or an object whose attributes are modules (a diffusers pipeline)"
+    )
+
+
+def _device(device: torch.device | str | None) -> torch.device:
+    """The session's device, refused at `offload` unless its type is one torchferry streams to."""
+    if device is None:
+        return _default_device()
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):
+        target = None
+    if target is None or target.type not in DEVICE_TYPES:
+        raise PlanError(
+            f"offload(device={device!r}): torchferry streams weights to 'cpu' or 'cuda' (with an index, "
+            "'cuda:1'); 'meta' is accepted for tests only (nothing is computed there); pass one of those"
+        )
+    return target
 
 
 def _config(config: OffloadConfig | None, strategy: str | None, options: Mapping[str, Any]) -> OffloadConfig:
@@ -142,6 +179,8 @@ def offload(
       block and the ranks all-gather it; every rank must call `offload` alike (a collective). The
       parallel layout defaults to the group's size.
     """
+    _check_pipeline(pipeline)
+    target = _device(device)
     if pipeline in _OPEN:
         raise ExecutionError(
             "this pipeline is already served by an open torchferry session; close() it before opening another"
@@ -163,7 +202,6 @@ def offload(
             "(policies.layerwise(depth=2)) and drop them here"
         )
     request, group = _shard_group(request, process_group)
-    target = torch.device(device) if device is not None else _default_device()
     source = "given"
     if auto and request.device_memory_bytes is None:
         budget, source = default_budget(target)
@@ -260,6 +298,7 @@ class Session:
         self._logged: str | None = None
         try:
             self.engine.anchor(self._anchors())
+            self._guard = SessionGuard(pipeline, plan, self.engine)
         except BaseException:
             self.engine.close()
             raise
@@ -277,15 +316,21 @@ class Session:
     def enter(self, component: str) -> None:
         """A top-level component's forward begins: start its step's schedule."""
         engine = self.engine
+        self._guard.entering(component)  # another thread's step runs: refused
         if engine.running:
             # A step that never finished (a KeyboardInterrupt skips forward hooks): start clean.
+            self._guard.drain()
             engine.abort()
+            self._guard.snapshot()
+        self._guard.adopt()  # weight edits since the last step reach the host copy, or are refused
         chooser = self._chooser
         if chooser is not None:
             switch = chooser.pending()
             if switch is not None:
                 # Between steps only: drop what the old schedule left, the new one stages what it needs.
+                self._guard.drain()
                 engine.abort()
+                self._guard.snapshot()
                 self._steps.use(switch, index_free=policies.is_index_free(switch))
                 self.policy = switch
             tracer = chooser.tracer(component)
@@ -298,16 +343,22 @@ class Session:
 
     def leave(self, component: str, failing: bool) -> None:
         """A top-level component's forward ended: check its step, or recover if it raised."""
+        if not self._guard.owns():
+            return  # this thread's step was refused at its start; another thread's step runs on
         measuring, self._measuring = self._measuring, None
-        if failing:
-            self.engine.abort()
-            self._steps.interrupted()
-            if self._chooser is not None:
-                self._chooser.interrupted()
-            return
-        self.engine.finish()
-        if self._step is not None:
-            self._steps.finished(self._step, self.engine.step_peak)
+        try:
+            self._guard.drain()  # a step that failed or ended early still owes the other ranks its gathers
+            if failing:
+                self.engine.abort()
+                self._steps.interrupted()
+                if self._chooser is not None:
+                    self._chooser.interrupted()
+                return
+            self.engine.finish()
+            if self._step is not None:
+                self._steps.finished(self._step, self.engine.step_peak)
+        finally:
+            self._guard.left()
         if measuring is not None and measuring.done and self._chooser is not None:
             self._chooser.traced(measuring.result)
             if not self._chooser.switching and self._chooser.running_name != self._logged:
@@ -439,7 +490,10 @@ class Session:
             return
         self._closed = True
         try:
-            self.engine.close(gather=gather)
+            try:
+                self._guard.close()  # edits made since the last step reach the weights given back
+            finally:
+                self.engine.close(gather=gather)
         finally:
             _OPEN.pop(self.pipeline, None)
 

@@ -189,6 +189,40 @@ def _dies(rank: int, world: int) -> tuple[str, str, float]:
     return "ok", "", time.monotonic() - start
 
 
+
+def _out_of_step(rank: int, world: int) -> dict[str, list[tuple[str, Any]]]:
+    """Ranks fall out of step: one retries after its own error mid-step, then they run different step
+    counts."""
+    ref = toy.build(0)
+    seen: dict[str, list[tuple[str, Any]]] = {}
+
+    def calls(p: torch.nn.Module, plan: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+        ended: list[tuple[str, Any]] = []
+        for call in plan:
+            try:
+                ended.append(("ok", torch.equal(p("a cat", **call), ref("a cat", **call))))
+            except Exception as exc:
+                ended.append((type(exc).__name__, str(exc)))
+        return ended
+
+    p = toy.build(0)
+    session = torchferry.offload(p, strategy="distributed_layerwise", device="cpu")
+    armed = [rank == 1]
+
+    def fail_once(module: torch.nn.Module, args: Any) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise ValueError("a rank's own error in block 3")
+
+    p.transformer.blocks[3].register_forward_pre_hook(fail_once)
+    seen["retry"] = calls(p, [{}, {}])
+    seen["steps"] = calls(p, [{"steps": 3 if rank == 0 else 2}, {"steps": 2}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadWarning)
+        session.close()
+    return seen
+
+
 # -------------------------------------------------------------------------------------- tests
 
 
@@ -293,3 +327,26 @@ def test_a_rank_that_dies_mid_step_fails_the_others_within_the_timeout() -> None
             r"ranks",
             message,
         ), message
+
+
+def test_ranks_out_of_step_raise_on_every_rank_instead_of_aborting() -> None:
+    """A rank retrying after its own error mid-step, or running more steps, raises; it never aborts."""
+    results = run_ranks(_out_of_step, 2, timeout=120, group_timeout=10)
+    zero, one = results
+    assert one["retry"][0] == ("ValueError", "a rank's own error in block 3")
+    ended = [*zero["retry"], *one["retry"][1:], *zero["steps"], *one["steps"]]
+    assert {kind for kind, _ in ended} <= {"ok", "ExecutionError"}
+    assert all(what is True for kind, what in ended if kind == "ok")  # never a wrong output
+    assert "ExecutionError" in {kind for kind, _ in zero["retry"] + one["retry"]}
+    assert "ExecutionError" in {kind for kind, _ in zero["steps"] + one["steps"]}
+    messages = [m for kind, m in ended if kind == "ExecutionError"]
+    assert all(
+        re.fullmatch(
+            r"(the ranks of the 2-rank weight-shard group disagree on the schedule of step \w+#\d+ "
+            r"\(this is rank \d; .*|the check that every rank agrees on the schedule of step \w+#\d+ "
+            r"failed on rank \d of 2 \(gloo\): .*)",
+            m,
+            flags=re.DOTALL,
+        )
+        for m in messages
+    ), messages

@@ -12,6 +12,7 @@ from __future__ import annotations
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm as Comm
 from torchferry.runtime._engine import Engine, execute
+from torchferry.runtime._guard import SessionGuard as SessionGuard
 from torchferry.runtime._meta import meta_parameters
 from torchferry.runtime._probe import load_profile, probe, profile_path, save_profile
 from torchferry.runtime._program import listing

@@ -14,6 +14,21 @@ once. With gloo the outputs are ``world`` views of the slot, one at each rank's 
 land in place with no staging memory. NCCL needs one contiguous output, so a chunk is gathered into
 a staging buffer of ``world * c`` bytes (allocated once) and copied into the ``world`` places with
 one strided copy on the same stream.
+
+[Note: ranks out of step]
+gloo aborts the process (SIGABRT, "Received data size doesn't match expected size") when ranks post
+collectives of different sizes, and NCCL hangs; both happen when ranks fall out of step. Two rules
+keep every rank's collectives paired, so that falling out of step is an `ExecutionError`:
+1. Every step that issues collectives starts with an agreement on its schedule (`agree`: one
+   fixed-size all-gather of a digest), every time it runs, not only the first: a rank that runs
+   more steps, or another component, meets its peers in an agreement, and a different schedule is
+   a disagreement on every rank.
+2. A rank whose step fails after the agreement (its own exception, an interrupt, a forward that
+   ends early) still issues the step's remaining all-gathers before it aborts (`drain`, called by
+   the session), with its own shards, so its peers finish the step with the right weights and
+   every rank's next collective is again an agreement. Only a failed collective (a peer died or
+   timed out) owes nothing: then the peers time out too.
+Steps agree once each (one 33-byte all-gather and, on NCCL, one host round trip per step).
 """
 
 from __future__ import annotations
@@ -68,6 +83,8 @@ class Comm:
         # Why: (slot, shard bytes, piece) -> per-chunk output views, so steady steps build nothing; the
         # slot tensor is kept in the entry, so a recycled id never returns another slot's views.
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, list[list[torch.Tensor]]]] = {}
+        #: Whether a collective has failed (a peer died or timed out): nothing more is owed to peers.
+        self.failed = False
 
     @property
     def staged(self) -> bool:
@@ -80,6 +97,7 @@ class Comm:
         except OffloadError:
             raise
         except Exception as exc:
+            self.failed = True
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ExecutionError(
                 f"{what} failed on rank {self.rank} of {self.world} ({self.backend}): "
@@ -125,6 +143,23 @@ class Comm:
                 "so that all issue the same collectives"
             )
         return seen
+
+    def drain(self, owed: list[tuple[str, torch.Tensor, int]]) -> None:
+        """Issue all-gathers a failed step still owes its peers: ``(what, this rank's shard, chunks)``.
+
+        The results are dropped; see [Note: ranks out of step]. Nothing is issued after a failed
+        collective.
+        """
+        for what, shard, chunks in owed:
+            if self.failed:
+                return
+            src = shard.to(self.device)
+            size = src.numel()
+            out = torch.empty(self.world * size, dtype=torch.uint8, device=self.device)
+            staging = None
+            if chunks > 1 and self.staged:
+                staging = torch.empty(self.world * -(-size // chunks), dtype=torch.uint8, device=self.device)
+            self.all_gather(out, src, chunks, what, staging)
 
     # -------------------------------------------------------------------------------- gathers
     def all_gather(
@@ -183,6 +218,7 @@ class Comm:
 
     def gather_host(self, shard: torch.Tensor, what: str) -> torch.Tensor:
         """Every rank's host ``shard`` put together: a new CPU tensor of ``world * S`` bytes (collective)."""
+        self.agree(f"the re-assembly of {what}", f"re-assembly {what} {shard.numel()}")
         src = shard.to(self.device)
         out = torch.empty(self.world * shard.numel(), dtype=torch.uint8, device=self.device)
         self._run(f"re-assembly of {what}", _all_gather_single, out, src)

@@ -82,14 +82,16 @@ class SlotPool:
         if held is not None:
             return held[1]
         slot = self.table[name]
-        self.ledger.add(slot.nbytes)
-        parked = self.parked.pop(name, None)
+        parked = self.parked.get(name)
         if parked is not None and parked[0].nbytes == slot.nbytes:
             transfer = parked[1]
             transfer.data.untyped_storage().resize_(slot.nbytes)
             transfer.free = None  # fresh memory: the next copy orders itself after compute instead
         else:
             transfer = self.streams.transfer(slot.nbytes)
+        # Counted once the memory exists: an allocation that fails (out of memory) holds nothing.
+        self.parked.pop(name, None)
+        self.ledger.add(slot.nbytes)
         self.slots[name] = (slot, transfer)
         return transfer
 

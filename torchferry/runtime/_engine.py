@@ -15,7 +15,7 @@ into the block's slot on the comm stream, in the schedule's chunks, and the bloc
 into the slot as after any load. Collectives could hang if ranks disagreed, so the ranks agree
 first: when the engine opens, on the plan (then on whether every rank could open: a rank whose
 checkpoint is bad fails alone, the others fail with it, and nothing is changed anywhere), and
-before the first collective of each distinct schedule, on its text. A disagreement raises
+before every step that issues collectives, on its schedule's text. A disagreement raises
 `ExecutionError` on every rank at once. Teardown needs no collective: `close` leaves sharded tensors
 as placeholders unless asked to gather them (`close(gather=True)`, a collective).
 
@@ -325,11 +325,11 @@ class Engine:
                 f"{', '.join(map(str, schedule.entry)) or '(nothing)'} but the device holds {have}; "
                 "run the step that leaves it there first, or build the schedule with this entry"
             )
-        if program.collective and not program.agreed and self.comm is not None:
-            self.comm.agree(
-                f"the schedule of step {step_name(schedule.step)}", schedule_text(schedule, self.plan)
-            )
-            program.agreed = True
+        if program.collective and self.comm is not None:
+            # Every run, not only the first: ranks out of step meet here ([Note: ranks out of step]).
+            if program.agreed is None:
+                program.agreed = schedule_text(schedule, self.plan)
+            self.comm.agree(f"the schedule of step {step_name(schedule.step)}", program.agreed)
         self.streams.begin()
         self.slots.prepare(schedule.slots, occupied=self.placed.values(), used=program.slots)
         self.ledger.mark()

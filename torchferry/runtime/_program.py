@@ -51,7 +51,8 @@ class Program:
     exit: dict[str, str]
     slots: frozenset[str]
     collective: bool = False
-    agreed: bool = False
+    #: The schedule's text the ranks agree on before every run (made at the first; see `Engine.begin`).
+    agreed: str | None = None
     pc: int = 0
 
 

@@ -1,0 +1,316 @@
+"""The session's guard: one caller at a time, weight edits adopted, moves and copies refused.
+
+A session owns the pipeline's weights from open to close: its host buffers are the truth and its
+hooks re-point tensors at device slots. What a user may do to the pipeline meanwhile is checked
+here, at the step boundaries the session already has (`SessionGuard.entering`, `leaving`), and on
+the managed modules themselves. See docs/contract.md.
+
+[Note: the session contract]
+1. Threads. A session serves one step at a time. A top-level component's forward that starts on
+   one thread while another thread's step is running raises `ExecutionError` on the second thread
+   (its call fails, nothing of the running step is touched). Steps of different threads that do not
+   overlap are each exact; serialise whole pipeline calls with a lock of your own to keep each
+   call's steps together.
+2. Weight edits. An edit that keeps a tensor's object, shape, dtype and device (``load_state_dict``,
+   ``p.mul_(2)``, ``p.copy_(...)``, ``p.data = other`` of the same shape and dtype) made between
+   steps is adopted at the next step start (and at close): its values are written to the host copy,
+   device copies are dropped, and every later step and the pipeline after ``close()`` hold the new
+   values. The check compares each managed tensor's version counter, data pointer and module slot
+   with what the last step left (one pass per step: about 1.7 us per tensor on a shared CPU core).
+   Anything else (a tensor of another shape, dtype or device, or another object in the module)
+   raises `ExecutionError` at the next step start, naming the tensor.
+3. Moves and conversions. ``module.to(...)``, ``.half()``, ``.cuda()``, ``.to("meta")`` and every
+   other conversion through ``nn.Module._apply`` on the pipeline or a managed module raise
+   `ExecutionError` before anything is converted; close the session first.
+4. Saving and copying. ``state_dict()`` of a managed module returns standalone CPU tensors (own
+   storage, contiguous, ties kept) that every saver accepts; ``keep_vars=True`` still returns the
+   live objects. Pickling a managed module (``torch.save(pipe)``), ``copy.copy`` and ``copy.deepcopy``
+   raise `ExecutionError`: the hooks and buffers belong to the session. After ``close()`` all work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from torchferry._errors import ExecutionError
+from torchferry.runtime._host import Pack, PackState
+from torchferry.topology import Plan, find_attr
+
+if TYPE_CHECKING:
+    from torchferry.runtime._engine import Engine
+
+__all__ = ["SessionGuard"]
+
+#: Instance attributes the guard sets on every managed module (removed at close).
+_REFUSED = ("_apply", "__deepcopy__", "__reduce_ex__")
+
+
+@attrs.define(slots=True, eq=False)
+class _Record:
+    """One managed tensor, its pack, and where it lives in the module tree."""
+
+    name: str
+    tensor: torch.Tensor
+    pack: Pack
+    index: int
+    #: (a module's ``_parameters`` or ``_buffers`` table, key) for each name the tensor has.
+    places: tuple[tuple[dict[str, Any], str], ...]
+
+
+class _Refusal:
+    """A callable that raises `ExecutionError` with a fixed message (set on a module instance)."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise ExecutionError(self.message)
+
+
+def _pointer(t: torch.Tensor) -> int:
+    return int(t.data_ptr())  # 0 on the meta device
+
+
+class SessionGuard:
+    """Enforces the session contract (see [Note: the session contract]) for one engine."""
+
+    def __init__(self, pipeline: Any, plan: Plan, engine: Engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        # Why: the thread whose step is running now (``None`` between steps), so another is refused.
+        self._owner: threading.Thread | None = None
+        self._component = ""
+        # Why: an edit the host copy cannot take is refused at every step start until close.
+        self._refusal: str | None = None
+        managed: dict[int, tuple[Pack, int]] = {}
+        for pack in engine.store.packs.values():
+            for i, t in enumerate(pack.tensors):
+                managed[id(t)] = (pack, i)
+        places: dict[int, list[tuple[str, dict[str, Any], str]]] = {}
+        # Why: every module whose conversions, copies and pickling are refused, with its path.
+        self._modules: list[tuple[str, nn.Module]] = []
+        seen: set[int] = set()
+        roots: list[tuple[str, nn.Module]] = []
+        on_demand = [c.path for c in plan.components if c.on_demand]
+        if isinstance(pipeline, nn.Module):
+            roots.append(("", pipeline))
+        for top in plan.components:
+            module = find_attr(pipeline, top.path)
+            if not top.on_demand and isinstance(module, nn.Module):
+                roots.append((top.path, module))
+        for prefix, root in roots:
+            for path, module in root.named_modules(prefix=prefix):
+                if id(module) in seen or any(path == o or path.startswith(o + ".") for o in on_demand):
+                    continue  # an on-demand component moves itself (load_to_device, offload_to_cpu)
+                seen.add(id(module))
+                self._modules.append((path, module))
+                for table in (module._parameters, module._buffers):
+                    for key, t in table.items():
+                        if t is not None and id(t) in managed:
+                            places.setdefault(id(t), []).append((f"{path}.{key}".lstrip("."), table, key))
+        self._records: list[_Record] = []
+        for pack in engine.store.packs.values():
+            for i, t in enumerate(pack.tensors):
+                where = places.get(id(t), [])
+                name = where[0][0] if where else f"{pack.name}[{i}]"
+                self._records.append(
+                    _Record(name, t, pack, i, tuple((table, key) for _, table, key in where))
+                )
+        self._by_id = {id(r.tensor): r for r in self._records}
+        self._tensors = [r.tensor for r in self._records]
+        self._places = [(table, key, r.tensor) for r in self._records for table, key in r.places]
+        self._seen: list[tuple[int, int]] = []
+        self._handles: list[RemovableHandle] = []
+        self._install()
+        self.snapshot()
+
+    # ------------------------------------------------------------------------------ threads
+    def entering(self, component: str) -> None:
+        """A top-level step of ``component`` starts on this thread: refuse it if another's runs."""
+        me = threading.current_thread()
+        with self._lock:
+            owner, running = self._owner, self._component
+            if owner is not None and owner is not me and owner.is_alive():
+                raise ExecutionError(
+                    f"a forward of {component!r} started on thread {me.name!r} while thread {owner.name!r} "
+                    f"runs a step of {running!r} on this torchferry session; a session serves one step at "
+                    "a time (its device slots hold one step's weights), so serialise calls on the pipeline "
+                    "(one threading.Lock around each call) or give each thread a pipeline and session "
+                    "of its own"
+                )
+            self._owner, self._component = me, component
+        if self._refusal is not None:
+            raise ExecutionError(self._refusal)
+
+    def owns(self) -> bool:
+        """Whether this thread's step is the running one (false for a step refused at its start)."""
+        return self._owner is threading.current_thread()
+
+    def left(self) -> None:
+        """This thread's step is over (finished or aborted): record what it left, free the session."""
+        self.snapshot()
+        with self._lock:
+            self._owner = None
+
+    # ------------------------------------------------------------------------------------ ranks
+    def drain(self) -> None:
+        """The running step is about to end: issue the all-gathers it still owes the other ranks.
+
+        See [Note: ranks out of step] in `torchferry.runtime._comm`; a no-op when the step ran every
+        op, and on one rank. A collective that fails here is not raised (the step's own failure is
+        what the caller sees; the peers time out).
+        """
+        engine = self.engine
+        program, comm = engine.program, engine.comm
+        if program is None or comm is None or program.pc >= len(program.calls):
+            return
+        owed = [
+            (unit.name, unit.packs[0].host, op.chunks)
+            for _, unit, op in program.calls[program.pc :]
+            if op.kind == "gather"
+        ]
+        with contextlib.suppress(ExecutionError):
+            comm.drain(owed)
+
+    # ---------------------------------------------------------------------------- weight edits
+    def snapshot(self) -> None:
+        """Remember each managed tensor's version and data pointer as the engine leaves them now."""
+        self._seen = [(t._version, t.data_ptr()) for t in self._tensors]
+
+    def _changed(self) -> list[_Record]:
+        # Why: one pass over flat lists; this runs at every step start (see the Note for its cost).
+        seen = [(t._version, t.data_ptr()) for t in self._tensors]
+        if seen == self._seen and all(table.get(key) is t for table, key, t in self._places):
+            return []
+        return [
+            r
+            for r, now, then in zip(self._records, seen, self._seen, strict=True)
+            if now != then or any(table.get(key) is not r.tensor for table, key in r.places)
+        ]
+
+    def adopt(self, *, strict: bool = True) -> None:
+        """Write edits made since the last step into the host copy and drop device copies.
+
+        Edits the host copy cannot take (another object, shape, dtype or device) raise
+        `ExecutionError` when ``strict``; otherwise (at close) they are left as they are.
+        """
+        changed = self._changed()
+        if not changed:
+            return
+        problems = [p for r in changed if (p := self._problem(r)) is not None]
+        if problems and strict:
+            shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
+            self._refusal = (
+                f"{len(problems)} managed tensor(s) were changed during the torchferry session in a way its "
+                f"host copy cannot take ({shown}); an edit during a session must keep each tensor's object, "
+                "shape, dtype and device (load_state_dict, copy_, in-place ops); close() the session "
+                "before replacing, moving or converting weights, then open a new one"
+            )
+            raise ExecutionError(self._refusal)
+        with torch.no_grad():
+            for r in changed:
+                if self._problem(r) is not None:
+                    continue
+                host = r.pack.host_views[r.index]
+                if _pointer(r.tensor) != _pointer(host):
+                    host.copy_(r.tensor.detach())
+                    if r.pack.where is PackState.HOST:
+                        r.tensor.data = host
+        self.engine.abort()
+        self.snapshot()
+
+    def _problem(self, r: _Record) -> str | None:
+        t = r.tensor
+        if any(table.get(key) is not t for table, key in r.places):
+            return f"{r.name} is another tensor object now"
+        piece = r.pack.pieces[r.index]
+        if r.pack.shard is not None:
+            return f"{r.name} belongs to a block this rank holds only a shard of"
+        if (
+            tuple(t.shape) != piece.shape
+            or t.dtype != piece.dtype
+            or t.device not in (r.pack.host.device, self.engine.device)
+        ):
+            return (
+                f"{r.name} holds {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device}, "
+                f"the session {piece.shape} {str(piece.dtype).removeprefix('torch.')}"
+            )
+        return None
+
+    # ---------------------------------------------------------------------- moves and copies
+    def _install(self) -> None:
+        for path, module in self._modules:
+            where = f"{path!r}" if path else "the pipeline"
+            refusals = {
+                "_apply": (
+                    f".to()/.half()/.float()/.cuda()/.to('meta') of {where} (a conversion through "
+                    "nn.Module._apply) while a torchferry session serves it would replace weights the "
+                    "session holds; close() the session first, then move or convert the pipeline"
+                ),
+                "__deepcopy__": self._copy_message(where, "copy.deepcopy"),
+                "__reduce_ex__": (
+                    f"pickling or copying {where} (torch.save, copy.copy) while a torchferry session serves "
+                    "it: its hooks and weight buffers belong to the session; save its state_dict() instead "
+                    "(it returns standalone tensors during a session), or close() the session first"
+                ),
+            }
+            for attr, message in refusals.items():
+                object.__setattr__(module, attr, _Refusal(message))
+            owned = [
+                (key, table)
+                for table in (module._parameters, module._buffers)
+                for key, t in table.items()
+                if t is not None and id(t) in self._by_id
+            ]
+            if owned:
+                hook = self._state_dict_hook(owned)
+                self._handles.append(module.register_state_dict_post_hook(hook))  # type: ignore[no-untyped-call]
+
+    @staticmethod
+    def _copy_message(where: str, what: str) -> str:
+        return (
+            f"{what} of {where} while a torchferry session serves it: the copy would share the session's "
+            "hooks and weight buffers and fail once it closes; copy after close(), or build the copy "
+            "from state_dict() (standalone tensors during a session)"
+        )
+
+    def _state_dict_hook(self, owned: list[tuple[str, dict[str, Any]]]) -> Callable[..., None]:
+        def hook(module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+            copies: dict[int, torch.Tensor] = getattr(state, "_torchferry_copies", None) or {}
+            for key, table in owned:
+                name = prefix + key
+                t = table.get(key)
+                value = state.get(name)
+                if t is None or value is None or value is t:
+                    continue  # keep_vars=True: the caller asked for the live objects
+                copy = copies.get(id(t))
+                if copy is None:
+                    copy = torch.empty(tuple(t.shape), dtype=t.dtype)
+                    copy.copy_(t.detach())
+                    copies[id(t)] = copy
+                state[name] = copy
+            # A plain dict passed as the destination takes no attribute: ties are then copied twice.
+            with contextlib.suppress(AttributeError):
+                state._torchferry_copies = copies  # type: ignore[attr-defined]
+
+        return hook
+
+    def close(self) -> None:
+        """Adopt what can be adopted, then take every refusal and state_dict hook off the modules."""
+        try:
+            self.adopt(strict=False)
+        finally:
+            for _, module in self._modules:
+                for attr in _REFUSED:
+                    module.__dict__.pop(attr, None)
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
