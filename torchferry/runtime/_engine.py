@@ -74,6 +74,20 @@ RANGES: dict[str, str] = {kind: f"torchferry::{kind}" for kind in OP_KINDS}
 
 _profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 
+#: Builds each new engine's stream context when set (see `stream_factory`); ``None``: `stream_context`.
+StreamFactory = Callable[["Engine"], StreamContext]
+STREAMS: StreamFactory | None = None
+
+
+def stream_factory(factory: StreamFactory | None) -> StreamFactory | None:
+    """Make every engine built from now on take its stream context from ``factory``; returns the last one.
+
+    The seam `torchferry.testing.sanitize` uses to run engines on the test-only stream sanitizer.
+    """
+    global STREAMS
+    before, STREAMS = STREAMS, factory
+    return before
+
 
 def _ordinary() -> contextlib.AbstractContextManager[None]:
     """Inference mode off while the engine makes or re-points tensors (see [Note: inference mode])."""
@@ -103,7 +117,7 @@ class Engine:
         self.pipeline = pipeline
         self.plan = plan
         self.device = torch.device(device)
-        self.streams: StreamContext = stream_context(self.device)
+        self.streams: StreamContext = stream_context(self.device) if STREAMS is None else STREAMS(self)
         self.ledger = Ledger()
         pin = pin_memory and self.device.type == "cuda" and torch.cuda.is_available()
         if not pin_memory and self.device.type == "cuda":
@@ -567,6 +581,11 @@ class Engine:
             self.guard.leaving(unit)
         transfer = self.transfers.pop(unit.name, None)
         if transfer is not None:
+            if unit.packs[0].where is PackState.IN_FLIGHT:
+                # A prefetch compute never waited for (a stale one, which `check` allows): the slot's
+                # next writer waits only on ``free``, so compute must first be ordered after this
+                # unit's load or gather, which may still be writing the slot on another stream.
+                self.streams.wait(transfer)
             self.streams.release(transfer)
         where = self.placed.get(unit.name)
         if where is not None and self.occupants.get(where) is unit:
