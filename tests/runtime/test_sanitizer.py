@@ -8,6 +8,7 @@ whose slot a copy then rewrites (issue 10, defect 5) when the evict's old behavi
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -181,3 +182,31 @@ def test_a_stale_gather_schedule_passes_check() -> None:
         ),
     )
     policies.check(_stale_gather(plan), plan)
+
+
+# ---------------------------------------------------------------- the staging buffer, sized once
+def _staged_gathers(rank: int, world: int) -> dict[str, Any]:
+    """Chunked gathers through the staging buffer (as on NCCL) for two pipeline calls on this rank."""
+    expected = toy.build(0)("a cat", steps=2)
+    Comm.staged = property(lambda self: True)  # type: ignore[method-assign, assignment]
+    p = toy.build(0)
+    with torchferry.offload(p, strategy="distributed_layerwise", device="cpu", chunk_bytes=4096) as session:
+        engine = session.engine
+        staging = engine._staging
+        opened = None if staging is None else staging.data.numel()
+        outs = [torch.equal(p("a cat", steps=2), expected) for _ in range(2)]
+        largest = max(pack.host.numel() for pack in engine.store.sharded)
+        chunks = max(op.chunks for s in session.schedules.values() for op in s.ops)
+        same = engine._staging is staging
+        session.close(gather=True)
+    return {"opened": opened, "need": world * 4096, "largest": largest, "chunks": chunks, "same": same,
+            "outs": outs, "sanitized": isinstance(engine.streams, StreamSanitizer)}  # fmt: skip
+
+
+@pytest.mark.dist
+def test_the_gather_staging_buffer_is_sized_once_at_open() -> None:
+    """A staged backend's chunked gathers use one buffer of world x chunk_bytes from open to close."""
+    for row in run_ranks(_staged_gathers, 2, timeout=90):
+        assert row["largest"] > 4096 and row["chunks"] > 1  # the toy's blocks do gather in chunks
+        assert row["opened"] == row["need"]
+        assert row["same"] and row["outs"] == [True, True] and row["sanitized"]

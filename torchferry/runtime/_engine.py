@@ -159,8 +159,9 @@ class Engine:
         self.shards: dict[str, Unit] = {}
         # Why: (shard slot, bytes) -> (slot buffer, its first bytes), so a steady shard load builds nothing.
         self._shard_views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # Why: chunked gathers on NCCL land in one staging buffer, allocated once.
+        # Why: chunked gathers on NCCL land in one staging buffer, sized at open (see `_size_staging`).
         self._staging: DeviceBuffer | None = None
+        self._size_staging(self._plan_staging())
         # Why: a tracer waiting for the step it measures (see `Tracer`, `arm`); ``None``: nothing is traced.
         self._tracing: Tracer | None = None
         # Why: the tracer of the step running now; checked once per op and per block hook.
@@ -299,6 +300,7 @@ class Engine:
         if program is not None:
             return program
         program = compile_program(schedule, self.store.units, _HANDLERS, self.comm)
+        self._size_staging(max((self._staging_need(u, op) for _, u, op in program.calls), default=0))
         self.anchor(dict.fromkeys(op.anchor for op in schedule.ops))
         self.anchor(self._blocks_of(schedule.step.component))
         if len(self._programs) >= MAX_PROGRAMS:  # bounded: a policy that is not index-free makes many
@@ -541,7 +543,7 @@ class Engine:
         size = pack.host.numel()
         cached = self._shard_views.get((op.src, size))
         shard = cached[1] if cached is not None and cached[0] is src.data else src.data.narrow(0, 0, size)
-        staging = self._staging_for(size, op.chunks)
+        staging = None if self._staging is None else self._staging.data
         comm = self.comm
 
         def run() -> None:
@@ -552,19 +554,34 @@ class Engine:
         _, views = pack.views(op.slot, slot.data)
         self._placed_in(unit, op.slot, slot, views)
 
-    def _staging_for(self, size: int, chunks: int) -> torch.Tensor | None:
-        """The staging buffer a chunked gather needs on this backend (grown once to the largest)."""
+    def _staging_need(self, unit: Unit, op: Op) -> int:
+        """Staging bytes op ``op`` (a chunked gather of ``unit`` on a staged backend) needs, else 0."""
         comm = self.comm
-        if comm is None or chunks <= 1 or not comm.staged:
-            return None
-        need = comm.world * -(-size // chunks)
-        if self._staging is None or self._staging.data.numel() < need:
-            if self._staging is not None:
-                self.ledger.sub(self._staging.data.numel())
-            self._staging = self.streams.transfer(need)
-            self.ledger.add(need)
-            self.streams.fence()
-        return self._staging.data
+        if comm is None or op.kind != "gather" or op.chunks <= 1 or not comm.staged:
+            return 0
+        return comm.world * -(-unit.packs[0].host.numel() // op.chunks)
+
+    def _plan_staging(self) -> int:
+        """Staging bytes the plan's own chunking needs: ``world`` chunks of at most ``chunk_bytes``."""
+        comm, chunk = self.comm, self.plan.config.chunk_bytes
+        if comm is None or not comm.staged or not chunk or not self.store.sharded:
+            return 0
+        largest = max(pack.host.numel() for pack in self.store.sharded)
+        return comm.world * min(largest, chunk) if largest > chunk else 0
+
+    def _size_staging(self, need: int) -> None:
+        """Make the staging buffer hold ``need`` bytes: sized at open for the plan's chunks, so a step
+        never swaps it; a custom policy's larger chunks grow it when its schedule is compiled, before
+        the step begins, with compute ordered after every gather first (the old buffer's memory goes
+        back to the allocator under the compute stream)."""
+        if need == 0 or (self._staging is not None and self._staging.data.numel() >= need):
+            return
+        if self._staging is not None:
+            self.streams.settle()
+            self.ledger.sub(self._staging.data.numel())
+        self._staging = self.streams.transfer(need)
+        self.ledger.add(need)
+        self.streams.fence()
 
     def _wait(self, unit: Unit, op: Op) -> None:
         transfer = self.transfers.get(unit.name)
