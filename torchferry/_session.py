@@ -21,7 +21,7 @@ import torch
 from torchferry import policies, topology
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
-from torchferry.runtime import Comm, Engine, Steps, Tracer
+from torchferry.runtime import Comm, Engine, Inputs, Steps, Tracer
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
 __all__ = ["Session", "default_policy", "offload"]
@@ -207,6 +207,8 @@ class Session:
         except BaseException:
             self.engine.close()
             raise
+        # Why: a pipeline call's inputs go to the session device, where its weights run (defect 1).
+        self._inputs = Inputs(pipeline, [c.path for c in plan.components], device)
         _OPEN[pipeline] = self
 
     def _anchors(self) -> list[str]:
@@ -306,7 +308,7 @@ class Session:
 
     @property
     def hook_count(self) -> int:
-        return self.engine.hook_count
+        return self.engine.hook_count + self._inputs.count
 
     @property
     def residency(self) -> tuple[Placement, ...]:
@@ -333,6 +335,7 @@ class Session:
             return
         self._closed = True
         try:
+            self._inputs.remove()
             self.engine.close(gather=gather)
         finally:
             _OPEN.pop(self.pipeline, None)
