@@ -14,6 +14,18 @@ once. With gloo the outputs are ``world`` views of the slot, one at each rank's 
 land in place with no staging memory. NCCL needs one contiguous output, so a chunk is gathered into
 a staging buffer of ``world * c`` bytes (allocated once) and copied into the ``world`` places with
 one strided copy on the same stream.
+
+[Note: failures]
+On gloo every collective is a host call: a peer that died, stalled past the group's timeout or
+issued another collective makes it raise, and `Comm` turns that into `ExecutionError` on every
+surviving rank. NCCL collectives are asynchronous: an all-gather on the comm stream returns at once
+and never raises for a dead peer; NCCL's watchdog ends the process after the group's timeout (by
+default; ``TORCH_NCCL_ASYNC_ERROR_HANDLING``). So the agreements (on the plan, on opening, on each
+schedule) use the group's CPU backend when it has one (``init_process_group("cpu:gloo,cuda:nccl")``):
+a rank that fails to open, disagrees or died before an agreement then fails every rank with
+`ExecutionError` instead of leaving them in NCCL. After any failed collective the group is
+``broken``: the engine then never synchronizes the device (a gather that never completes would
+block it forever) and keeps its device slots allocated (such a gather may still write them).
 """
 
 from __future__ import annotations
@@ -42,6 +54,15 @@ def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None
     _GATHER_SINGLE(out, inp, group=group)
 
 
+def cpu_backend(backend: str) -> bool:
+    """Whether a group's backend string (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``) serves CPU tensors."""
+    for part in backend.split(","):
+        device, _, name = part.rpartition(":")
+        if name == "gloo" and device in ("", "cpu"):
+            return True
+    return False
+
+
 def _timeout(group: Any, device: torch.device) -> str:
     """`` (the group's timeout is N s)`` when the group says, else nothing (only for messages)."""
     try:
@@ -65,6 +86,12 @@ class Comm:
         self.world: int = dist.get_world_size(group)
         self.backend: str = str(dist.get_backend(group))
         self.device = torch.device("cpu") if self.backend == "gloo" else device
+        # Why: agreements go through the group's CPU backend when it has one ("cpu:gloo,cuda:nccl"), so a
+        # dead or disagreeing peer raises there instead of hanging in NCCL (see [Note: failures]).
+        self.agree_device = torch.device("cpu") if cpu_backend(self.backend) else self.device
+        #: Whether a collective on this group has failed: the group is unusable, and a collective that
+        #: never completes may still be queued on the device (the engine then never waits for the device).
+        self.broken = False
         # Why: (slot, shard bytes, piece) -> per-chunk output views, so steady steps build nothing; the
         # slot tensor is kept in the entry, so a recycled id never returns another slot's views.
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, list[list[torch.Tensor]]]] = {}
@@ -80,6 +107,7 @@ class Comm:
         except OffloadError:
             raise
         except Exception as exc:
+            self.broken = True
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ExecutionError(
                 f"{what} failed on rank {self.rank} of {self.world} ({self.backend}): "
@@ -97,8 +125,8 @@ class Comm:
         issue different collectives and hang its peers) or when a rank reports it is not ok.
         """
         digest = hashlib.sha256(text.encode()).digest()
-        mine = torch.tensor([*digest, int(ok)], dtype=torch.uint8, device=self.device)
-        out = torch.empty(self.world * (_DIGEST + 1), dtype=torch.uint8, device=self.device)
+        mine = torch.tensor([*digest, int(ok)], dtype=torch.uint8, device=self.agree_device)
+        out = torch.empty(self.world * (_DIGEST + 1), dtype=torch.uint8, device=self.agree_device)
         self._run(f"the check that every rank agrees on {what}", _all_gather_single, out, mine)
         rows = out.cpu().view(self.world, _DIGEST + 1)
         seen = [

@@ -215,6 +215,11 @@ class Engine:
 
     # ------------------------------------------------------------------------------- the seam
     @property
+    def broken(self) -> bool:
+        """Whether a collective of the weight-shard group failed (the device is then never waited on)."""
+        return self.comm is not None and self.comm.broken
+
+    @property
     def hook_count(self) -> int:
         """Forward hooks this engine has installed on the pipeline."""
         return self.hooks.count
@@ -392,7 +397,8 @@ class Engine:
         if tracer is not None:
             self._untrace()
             tracer.fail()
-        self.streams.synchronize()
+        if not self.broken:
+            self.streams.synchronize()
         self.guard.leaving_all()
         for path in list(self.acquired):
             self._release_module(path)
@@ -419,13 +425,16 @@ class Engine:
     def _close(self, gather: bool) -> None:
         self.unhook()
         self.abort()
-        self.slots.clear()
         self._programs.clear()
-        if self._staging is not None:
-            self.ledger.sub(self._staging.data.numel())
-            self._staging = None
-        if gather:
-            self.gather_host()
+        # After a failed collective a gather still queued may write the slots and the staging buffer
+        # one day, so their memory is kept, and no collective is tried (see [Note: failures] in `_comm`).
+        if not self.broken:
+            self.slots.clear()
+            if self._staging is not None:
+                self.ledger.sub(self._staging.data.numel())
+                self._staging = None
+            if gather:
+                self.gather_host()
         self.store.close()
         if self.store.sharded:
             names = [g.name for g in self.store.sharded]

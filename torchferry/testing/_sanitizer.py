@@ -120,8 +120,9 @@ class StreamSanitizer:
         self._history: weakref.WeakKeyDictionary[DeviceBuffer, _History] = weakref.WeakKeyDictionary()
         # Why: id(module) -> the unit whose weights its forward reads (blocks, component remainders).
         self._readers: dict[int, str] | None = None
-        #: Accesses checked, for tests and figures.
+        #: Accesses checked, and host waits for every stream (`synchronize`), for tests and figures.
         self.checked = 0
+        self.synchronized = 0
 
     # ----------------------------------------------------------------------------- the clocks
     def _tick(self, stream: Stream) -> int:
@@ -241,6 +242,7 @@ class StreamSanitizer:
         self._wait_stream("compute", "comm")
 
     def synchronize(self) -> None:
+        self.synchronized += 1
         every = _Clock()
         for clock in self._clocks.values():
             every.merge(clock)
