@@ -17,6 +17,10 @@ import torchferry
 from torchferry import ExecutionError, OffloadWarning
 from torchferry.runtime._comm import cpu_backend
 from torchferry.testing import StreamSanitizer, run_ranks, toy
+from torchferry.testing._multiproc import SANITIZE_ENV
+
+#: The ranks run on the stream sanitizer, which counts host waits for the device.
+SANITIZED = {SANITIZE_ENV: "1"}
 
 
 def _dies(rank: int, world: int) -> dict[str, Any]:
@@ -48,7 +52,7 @@ def _dies(rank: int, world: int) -> dict[str, Any]:
 def test_a_broken_group_is_never_waited_on_and_its_slots_are_kept() -> None:
     """A survivor of a dead peer closes without a device-wide wait, keeps its slots, and has its weights."""
     with pytest.raises(torchferry.testing.RankError) as caught:
-        run_ranks(_dies, 2, timeout=60, group_timeout=10)
+        run_ranks(_dies, 2, timeout=60, group_timeout=10, env=SANITIZED)
     (survivor,) = [r for r in caught.value.results if r is not None]
     assert survivor == {
         "failed": True, "broken": True, "synchronized": 0, "slots kept": True, "weights": True
@@ -75,7 +79,7 @@ def _healthy(rank: int, world: int) -> dict[str, Any]:
 def test_a_healthy_group_synchronizes_once_and_frees_its_slots_at_close() -> None:
     """The contrast: with every collective done, close waits for the streams once and frees every slot."""
     expected = {"broken": False, "synchronized": 1, "slots kept": False}
-    assert run_ranks(_healthy, 2, timeout=60) == [expected] * 2
+    assert run_ranks(_healthy, 2, timeout=60, env=SANITIZED) == [expected] * 2
 
 
 @pytest.mark.parametrize(

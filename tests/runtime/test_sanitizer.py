@@ -20,6 +20,7 @@ from torchferry.policies import Op, Schedule, Slot, Step, rest_unit
 from torchferry.runtime import Comm, Engine, _engine, execute
 from torchferry.runtime._host import PackState, Unit
 from torchferry.testing import StreamOrderError, StreamSanitizer, run_ranks, sanitize, toy
+from torchferry.testing._multiproc import SANITIZE_ENV
 from torchferry.testing._sanitizer import op_line
 
 
@@ -206,7 +207,7 @@ def _staged_gathers(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.dist
 def test_the_gather_staging_buffer_is_sized_once_at_open() -> None:
     """A staged backend's chunked gathers use one buffer of world x chunk_bytes from open to close."""
-    for row in run_ranks(_staged_gathers, 2, timeout=90):
+    for row in run_ranks(_staged_gathers, 2, timeout=90, env={SANITIZE_ENV: "1"}):
         assert row["largest"] > 4096 and row["chunks"] > 1  # the toy's blocks do gather in chunks
         assert row["opened"] == row["need"]
         assert row["same"] and row["outs"] == [True, True] and row["sanitized"]
