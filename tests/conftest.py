@@ -28,6 +28,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="rewrite tests/golden/**/*.txt from the current code instead of comparing against them",
     )
+    parser.addoption(
+        "--no-stream-sanitizer",
+        action="store_true",
+        default=False,
+        help="run the runtime tests on the plain CPU stream context instead of the stream sanitizer",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

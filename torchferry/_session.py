@@ -23,7 +23,7 @@ from torchferry import policies, topology
 from torchferry._auto import Chooser, SessionReport, default_budget
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
-from torchferry.runtime import Comm, Engine, SessionGuard, Steps, Tracer, prove
+from torchferry.runtime import Comm, Engine, Inputs, SessionGuard, Steps, Tracer, prove
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
 __all__ = ["Session", "SessionReport", "default_policy", "offload"]
@@ -302,6 +302,8 @@ class Session:
         except BaseException:
             self.engine.close()
             raise
+        # Why: a pipeline call's inputs go to the session device, where its weights run (defect 1).
+        self._inputs = Inputs(pipeline, [c.path for c in plan.components], device)
         _OPEN[pipeline] = self
 
     def _anchors(self) -> list[str]:
@@ -463,7 +465,7 @@ class Session:
 
     @property
     def hook_count(self) -> int:
-        return self.engine.hook_count
+        return self.engine.hook_count + self._inputs.count
 
     @property
     def residency(self) -> tuple[Placement, ...]:
@@ -493,6 +495,7 @@ class Session:
             try:
                 self._guard.close()  # edits made since the last step reach the weights given back
             finally:
+                self._inputs.remove()
                 self.engine.close(gather=gather)
         finally:
             _OPEN.pop(self.pipeline, None)

@@ -284,3 +284,150 @@ def test_wan_pipeline_runs_bit_identical(strategy: str, options: dict[str, Any])
     assert torch.equal(streamed[0], reference[0])
     assert torch.equal(streamed[1], reference[1])
     assert torch.equal(_run_wan(pipe)[1], reference[1])
+
+
+# ------------------------------------------------- defect 1: a pipeline's inputs on the session device
+class _HostScheduler(diffusers.FlowMatchEulerDiscreteScheduler):  # type: ignore[misc]
+    """Keeps its timesteps and sigmas on the CPU whatever device it is given.
+
+    A session on the ``meta`` device stands for a GPU here (test only: its tensors have no values),
+    and a scheduler on meta could not read its own sigmas (``float(sigma)``) to step.
+    """
+
+    def set_timesteps(
+        self,
+        num_inference_steps: int | None = None,
+        device: Any = None,
+        sigmas: list[float] | None = None,
+        mu: float | None = None,
+        timesteps: list[float] | None = None,
+    ) -> None:
+        super().set_timesteps(num_inference_steps, None, sigmas=sigmas, mu=mu, timesteps=timesteps)
+
+
+def _flux_pipeline() -> Any:
+    torch.manual_seed(0)
+    transformer, _ = _flux()
+    vae = diffusers.AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        latent_channels=1,
+        norm_num_groups=4,
+        layers_per_block=1,
+    )
+    return diffusers.FluxPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+        vae=vae.eval(),
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=transformer.eval(),
+    )
+
+
+def _call(pipe: Any) -> torch.Tensor:
+    """A whole pipeline call that stops at the latents (the VAE's decode is not part of the proof)."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        if isinstance(pipe, diffusers.WanPipeline):
+            embeds = torch.randn(1, 8, 32, generator=generator)
+            out: torch.Tensor = pipe(
+                prompt_embeds=embeds,
+                negative_prompt_embeds=embeds.flip(1),
+                height=16,
+                width=16,
+                num_frames=5,
+                num_inference_steps=2,
+                generator=generator,
+                output_type="latent",
+            ).frames
+            return out
+        out = pipe(
+            prompt_embeds=torch.randn(1, 6, 32, generator=generator),
+            pooled_prompt_embeds=torch.randn(1, 16, generator=generator),
+            height=16,
+            width=16,
+            num_inference_steps=2,
+            generator=generator,
+            output_type="latent",
+        ).images
+        return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _probed_meta_call(pipe: Any, off: list[str], calls: dict[str, int]) -> tuple[torch.Tensor, Any]:
+    """Call ``pipe`` under a session on ``meta``; ``off`` gets each tensor reaching a managed module off
+    meta, ``calls`` counts each module's forwards. Returns the output and the execution device."""
+    pipe.set_progress_bar_config(disable=True)
+    pipe.scheduler = _HostScheduler.from_config(pipe.scheduler.config)
+
+    def probe(path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            calls[path] = calls.get(path, 0) + 1
+            off.extend(f"{path}: {t.device}" for t in _tensors((args, kwargs)) if t.device.type != "meta")
+
+        return hook
+
+    with torchferry.offload(pipe, strategy="layerwise", device="meta") as session:
+        handles = [
+            topology.find_attr(pipe, path).register_forward_pre_hook(probe(path), with_kwargs=True)
+            for top in session.plan.components
+            for c in top.walk()
+            for path in (c.path, *(b.path for b in c.blocks))
+        ]
+        device = pipe._execution_device
+        try:
+            out = _call(pipe)
+        finally:
+            for handle in handles:
+                handle.remove()
+    return out, device
+
+
+@pytest.mark.parametrize("build", [_wan_pipeline, _flux_pipeline], ids=["wan", "flux"])
+def test_a_pipeline_call_feeds_every_managed_module_on_the_session_device(build: Callable[[], Any]) -> None:
+    """Under a session on a device that is not the CPU, every tensor reaching a component or block is
+    on that device, and the pipeline reports it as its execution device (issue 10, defect 1)."""
+    pipe = build()
+    cls = type(pipe)
+    off: list[str] = []
+    calls: dict[str, int] = {}
+    out, device = _probed_meta_call(pipe, off, calls)
+    assert off == []
+    assert device == torch.device("meta") and out.device.type == "meta"
+    blocks = [b.path for b in topology.discover(pipe).component("transformer").blocks]
+    assert all(calls.get(path, 0) >= 2 for path in ["transformer", *blocks])  # two steps ran
+    assert type(pipe) is cls and pipe._execution_device == torch.device("cpu")  # given back at close
+
+
+def test_without_the_input_hooks_the_probe_sees_host_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe is a real check: with the session's input handling removed, CPU tensors reach the DiT."""
+
+    class Nothing:
+        count = 0
+
+        def __init__(self, *args: Any) -> None: ...
+
+        def remove(self) -> None: ...
+
+    monkeypatch.setattr(torchferry._session, "Inputs", Nothing)
+    off: list[str] = []
+    with pytest.raises(RuntimeError):  # some op then meets a meta weight with a CPU input and refuses
+        _probed_meta_call(_wan_pipeline(), off, {})
+    assert "transformer: cpu" in off  # the latents, timestep and embeddings the pipeline made
+    pipe = _wan_pipeline()
+    with torchferry.offload(pipe, strategy="layerwise", device="meta"):
+        assert pipe._execution_device == torch.device("cpu")  # where diffusers would build its inputs

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from torchferry.policies import Op, Schedule, Slot, Step, rest_unit
-from torchferry.testing import toy
+from torchferry.testing import sanitize, toy
+from torchferry.testing._multiproc import SANITIZE_ENV
 from torchferry.topology import Plan
 
 
@@ -80,6 +81,20 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield None
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def stream_sanitizer(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every engine a runtime test builds runs on the stream sanitizer (``--no-stream-sanitizer``: not).
+
+    Tests marked ``gpu`` keep the real CUDA stream context: they are there to run it.
+    """
+    if request.config.getoption("--no-stream-sanitizer") or "gpu" in request.keywords:
+        yield None
+        return
+    with pytest.MonkeyPatch.context() as patch, sanitize():
+        patch.setenv(SANITIZE_ENV, "1")  # ranks spawned by run_ranks run under it too
+        yield None
 
 
 @pytest.fixture

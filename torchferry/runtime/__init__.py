@@ -12,12 +12,16 @@ from __future__ import annotations
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm as Comm
 from torchferry.runtime._engine import Engine, execute
+from torchferry.runtime._engine import stream_factory as stream_factory
 from torchferry.runtime._guard import SessionGuard as SessionGuard
+from torchferry.runtime._inputs import Inputs as Inputs
 from torchferry.runtime._meta import meta_parameters
 from torchferry.runtime._probe import load_profile, probe, profile_path, save_profile
 from torchferry.runtime._program import listing
 from torchferry.runtime._steps import Steps as Steps
 from torchferry.runtime._steps import prove as prove
+from torchferry.runtime._streams import DeviceBuffer as DeviceBuffer
+from torchferry.runtime._streams import StreamContext as StreamContext
 from torchferry.runtime._trace import Span, StepTrace, Tracer
 
 __all__ = [

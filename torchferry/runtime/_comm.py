@@ -29,6 +29,18 @@ keep every rank's collectives paired, so that falling out of step is an `Executi
    every rank's next collective is again an agreement. Only a failed collective (a peer died or
    timed out) owes nothing: then the peers time out too.
 Steps agree once each (one 33-byte all-gather and, on NCCL, one host round trip per step).
+
+[Note: failures]
+On gloo every collective is a host call: a peer that died, stalled past the group's timeout or
+issued another collective makes it raise, and `Comm` turns that into `ExecutionError` on every
+surviving rank. NCCL collectives are asynchronous: an all-gather on the comm stream returns at once
+and never raises for a dead peer; NCCL's watchdog ends the process after the group's timeout (by
+default; ``TORCH_NCCL_ASYNC_ERROR_HANDLING``). So the agreements (on the plan, on opening, on each
+schedule) use the group's CPU backend when it has one (``init_process_group("cpu:gloo,cuda:nccl")``):
+a rank that fails to open, disagrees or died before an agreement then fails every rank with
+`ExecutionError` instead of leaving them in NCCL. After any failed collective the group is
+``broken``: the engine then never synchronizes the device (a gather that never completes would
+block it forever) and keeps its device slots allocated (such a gather may still write them).
 """
 
 from __future__ import annotations
@@ -57,6 +69,15 @@ def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None
     _GATHER_SINGLE(out, inp, group=group)
 
 
+def cpu_backend(backend: str) -> bool:
+    """Whether a group's backend string (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``) serves CPU tensors."""
+    for part in backend.split(","):
+        device, _, name = part.rpartition(":")
+        if name == "gloo" and device in ("", "cpu"):
+            return True
+    return False
+
+
 def _timeout(group: Any, device: torch.device) -> str:
     """`` (the group's timeout is N s)`` when the group says, else nothing (only for messages)."""
     try:
@@ -80,11 +101,15 @@ class Comm:
         self.world: int = dist.get_world_size(group)
         self.backend: str = str(dist.get_backend(group))
         self.device = torch.device("cpu") if self.backend == "gloo" else device
+        # Why: agreements go through the group's CPU backend when it has one ("cpu:gloo,cuda:nccl"), so a
+        # dead or disagreeing peer raises there instead of hanging in NCCL (see [Note: failures]).
+        self.agree_device = torch.device("cpu") if cpu_backend(self.backend) else self.device
+        #: Whether a collective on this group has failed: the group is unusable, and a collective that
+        #: never completes may still be queued on the device (the engine then never waits for the device).
+        self.broken = False
         # Why: (slot, shard bytes, piece) -> per-chunk output views, so steady steps build nothing; the
         # slot tensor is kept in the entry, so a recycled id never returns another slot's views.
         self._views: dict[tuple[int, int, int], tuple[torch.Tensor, list[list[torch.Tensor]]]] = {}
-        #: Whether a collective has failed (a peer died or timed out): nothing more is owed to peers.
-        self.failed = False
 
     @property
     def staged(self) -> bool:
@@ -97,7 +122,7 @@ class Comm:
         except OffloadError:
             raise
         except Exception as exc:
-            self.failed = True
+            self.broken = True
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise ExecutionError(
                 f"{what} failed on rank {self.rank} of {self.world} ({self.backend}): "
@@ -115,8 +140,8 @@ class Comm:
         issue different collectives and hang its peers) or when a rank reports it is not ok.
         """
         digest = hashlib.sha256(text.encode()).digest()
-        mine = torch.tensor([*digest, int(ok)], dtype=torch.uint8, device=self.device)
-        out = torch.empty(self.world * (_DIGEST + 1), dtype=torch.uint8, device=self.device)
+        mine = torch.tensor([*digest, int(ok)], dtype=torch.uint8, device=self.agree_device)
+        out = torch.empty(self.world * (_DIGEST + 1), dtype=torch.uint8, device=self.agree_device)
         self._run(f"the check that every rank agrees on {what}", _all_gather_single, out, mine)
         rows = out.cpu().view(self.world, _DIGEST + 1)
         seen = [
@@ -151,7 +176,7 @@ class Comm:
         collective.
         """
         for what, shard, chunks in owed:
-            if self.failed:
+            if self.broken:  # a failed collective: nothing more is owed to peers
                 return
             src = shard.to(self.device)
             size = src.numel()

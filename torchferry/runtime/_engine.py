@@ -75,6 +75,20 @@ RANGES: dict[str, str] = {kind: f"torchferry::{kind}" for kind in OP_KINDS}
 
 _profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 
+#: Builds each new engine's stream context when set (see `stream_factory`); ``None``: `stream_context`.
+StreamFactory = Callable[["Engine"], StreamContext]
+STREAMS: StreamFactory | None = None
+
+
+def stream_factory(factory: StreamFactory | None) -> StreamFactory | None:
+    """Make every engine built from now on take its stream context from ``factory``; returns the last one.
+
+    The seam `torchferry.testing.sanitize` uses to run engines on the test-only stream sanitizer.
+    """
+    global STREAMS
+    before, STREAMS = STREAMS, factory
+    return before
+
 
 def _ordinary() -> contextlib.AbstractContextManager[None]:
     """Inference mode off while the engine makes or re-points tensors (see [Note: inference mode])."""
@@ -104,7 +118,7 @@ class Engine:
         self.pipeline = pipeline
         self.plan = plan
         self.device = torch.device(device)
-        self.streams: StreamContext = stream_context(self.device)
+        self.streams: StreamContext = stream_context(self.device) if STREAMS is None else STREAMS(self)
         self.ledger = Ledger()
         pin = pin_memory and self.device.type == "cuda" and torch.cuda.is_available()
         if not pin_memory and self.device.type == "cuda":
@@ -146,8 +160,9 @@ class Engine:
         self.shards: dict[str, Unit] = {}
         # Why: (shard slot, bytes) -> (slot buffer, its first bytes), so a steady shard load builds nothing.
         self._shard_views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # Why: chunked gathers on NCCL land in one staging buffer, allocated once.
+        # Why: chunked gathers on NCCL land in one staging buffer, sized at open (see `_size_staging`).
         self._staging: DeviceBuffer | None = None
+        self._size_staging(self._plan_staging())
         # Why: a tracer waiting for the step it measures (see `Tracer`, `arm`); ``None``: nothing is traced.
         self._tracing: Tracer | None = None
         # Why: the tracer of the step running now; checked once per op and per block hook.
@@ -209,6 +224,11 @@ class Engine:
             progress.close()
 
     # ------------------------------------------------------------------------------- the seam
+    @property
+    def broken(self) -> bool:
+        """Whether a collective of the weight-shard group failed (the device is then never waited on)."""
+        return self.comm is not None and self.comm.broken
+
     @property
     def hook_count(self) -> int:
         """Forward hooks this engine has installed on the pipeline."""
@@ -295,6 +315,7 @@ class Engine:
         if program is not None:
             return program
         program = compile_program(schedule, self.store.units, _HANDLERS, self.comm)
+        self._size_staging(max((self._staging_need(u, op) for _, u, op in program.calls), default=0))
         self.anchor(dict.fromkeys(op.anchor for op in schedule.ops))
         self.anchor(self._blocks_of(schedule.step.component))
         if len(self._programs) >= MAX_PROGRAMS:  # bounded: a policy that is not index-free makes many
@@ -387,7 +408,8 @@ class Engine:
         if tracer is not None:
             self._untrace()
             tracer.fail()
-        self.streams.synchronize()
+        if not self.broken:
+            self.streams.synchronize()
         self.guard.leaving_all()
         for path in list(self.acquired):
             self._release_module(path)
@@ -414,13 +436,16 @@ class Engine:
     def _close(self, gather: bool) -> None:
         self.unhook()
         self.abort()
-        self.slots.clear()
         self._programs.clear()
-        if self._staging is not None:
-            self.ledger.sub(self._staging.data.numel())
-            self._staging = None
-        if gather:
-            self.gather_host()
+        # After a failed collective a gather still queued may write the slots and the staging buffer
+        # one day, so their memory is kept, and no collective is tried (see [Note: failures] in `_comm`).
+        if not self.broken:
+            self.slots.clear()
+            if self._staging is not None:
+                self.ledger.sub(self._staging.data.numel())
+                self._staging = None
+            if gather:
+                self.gather_host()
         self.store.close()
         if self.store.sharded:
             names = [g.name for g in self.store.sharded]
@@ -548,7 +573,7 @@ class Engine:
         size = pack.host.numel()
         cached = self._shard_views.get((op.src, size))
         shard = cached[1] if cached is not None and cached[0] is src.data else src.data.narrow(0, 0, size)
-        staging = self._staging_for(size, op.chunks)
+        staging = None if self._staging is None else self._staging.data
         comm = self.comm
 
         def run() -> None:
@@ -559,19 +584,34 @@ class Engine:
         _, views = pack.views(op.slot, slot.data)
         self._placed_in(unit, op.slot, slot, views)
 
-    def _staging_for(self, size: int, chunks: int) -> torch.Tensor | None:
-        """The staging buffer a chunked gather needs on this backend (grown once to the largest)."""
+    def _staging_need(self, unit: Unit, op: Op) -> int:
+        """Staging bytes op ``op`` (a chunked gather of ``unit`` on a staged backend) needs, else 0."""
         comm = self.comm
-        if comm is None or chunks <= 1 or not comm.staged:
-            return None
-        need = comm.world * -(-size // chunks)
-        if self._staging is None or self._staging.data.numel() < need:
-            if self._staging is not None:
-                self.ledger.sub(self._staging.data.numel())
-            self._staging = self.streams.transfer(need)
-            self.ledger.add(need)
-            self.streams.fence()
-        return self._staging.data
+        if comm is None or op.kind != "gather" or op.chunks <= 1 or not comm.staged:
+            return 0
+        return comm.world * -(-unit.packs[0].host.numel() // op.chunks)
+
+    def _plan_staging(self) -> int:
+        """Staging bytes the plan's own chunking needs: ``world`` chunks of at most ``chunk_bytes``."""
+        comm, chunk = self.comm, self.plan.config.chunk_bytes
+        if comm is None or not comm.staged or not chunk or not self.store.sharded:
+            return 0
+        largest = max(pack.host.numel() for pack in self.store.sharded)
+        return comm.world * min(largest, chunk) if largest > chunk else 0
+
+    def _size_staging(self, need: int) -> None:
+        """Make the staging buffer hold ``need`` bytes: sized at open for the plan's chunks, so a step
+        never swaps it; a custom policy's larger chunks grow it when its schedule is compiled, before
+        the step begins, with compute ordered after every gather first (the old buffer's memory goes
+        back to the allocator under the compute stream)."""
+        if need == 0 or (self._staging is not None and self._staging.data.numel() >= need):
+            return
+        if self._staging is not None:
+            self.streams.settle()
+            self.ledger.sub(self._staging.data.numel())
+        self._staging = self.streams.transfer(need)
+        self.ledger.add(need)
+        self.streams.fence()
 
     def _wait(self, unit: Unit, op: Op) -> None:
         transfer = self.transfers.get(unit.name)
@@ -588,6 +628,11 @@ class Engine:
             self.guard.leaving(unit)
         transfer = self.transfers.pop(unit.name, None)
         if transfer is not None:
+            if unit.packs[0].where is PackState.IN_FLIGHT:
+                # A prefetch compute never waited for (a stale one, which `check` allows): the slot's
+                # next writer waits only on ``free``, so compute must first be ordered after this
+                # unit's load or gather, which may still be writing the slot on another stream.
+                self.streams.wait(transfer)
             self.streams.release(transfer)
         where = self.placed.get(unit.name)
         if where is not None and self.occupants.get(where) is unit:

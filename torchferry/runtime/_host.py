@@ -174,7 +174,10 @@ class Pack:
     def point(self, views: Sequence[torch.Tensor]) -> None:
         """Re-point every tensor of the pack at ``views``."""
         for t, v in zip(self.tensors, views, strict=True):
-            t.data = v
+            if t.is_meta is v.is_meta:
+                t.data = v
+            else:
+                _swap_in(t, v)
 
     def to_host(self) -> None:
         """Point the pack back at its host buffer (nothing is copied: host bytes are the truth)."""
@@ -189,6 +192,18 @@ class Pack:
         self.shard = None
         self.point(self.host_views)
         self.where = PackState.HOST
+
+
+def _swap_in(t: torch.Tensor, v: torch.Tensor) -> None:
+    """Re-point ``t`` at ``v`` across the meta device (a session device for tests only).
+
+    ``t.data = v`` cannot cross between CPU and meta tensors; swapping in a fresh alias of ``v`` (of
+    ``t``'s own class) keeps the tensor object, as the plain path does.
+    """
+    alias = v.view_as(v)
+    if isinstance(t, torch.nn.Parameter):
+        alias = torch.nn.Parameter(alias, requires_grad=t.requires_grad)
+    torch.utils.swap_tensors(t, alias)  # type: ignore[no-untyped-call]
 
 
 @attrs.define(slots=True, eq=False)

@@ -12,6 +12,9 @@ Nothing on the host ever waits for the device: ordering is expressed only with e
   the copy stream. The transfer and its event travel together, as one `DeviceBuffer` owned by the slot.
 - A wait makes the compute stream wait on the unit's ``ready`` event; the block's kernels, enqueued
   afterwards, see the copied bytes (read-after-write). The host thread does not block.
+- An evict records the slot's ``free`` on the compute stream. A unit compute never waited for (a
+  stale prefetch) is waited for first: ``free`` must follow its load or gather too, or the slot's
+  next writer, on another stream, could race a gather still writing it (write-after-write).
 - A gather (multi-rank) has the comm stream wait on the shard copy's event, all-gathers into the
   block slot and records that slot's ``ready`` event on the comm stream; the wait is the same.
 - Staging gives a unit fresh memory allocated on the compute stream; the copy stream first waits on

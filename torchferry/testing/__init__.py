@@ -1,4 +1,4 @@
-"""What tests, benchmarks and the demo share: the toy pipeline and a local multi-process runner.
+"""What tests, benchmarks and the demo share: the toy pipeline, a multi-process runner, the stream sanitizer.
 
 A leaf of the package (as ``torch.testing`` is): nothing in the layers or the session imports it.
 """
@@ -7,5 +7,6 @@ from __future__ import annotations
 
 from torchferry.testing import toy
 from torchferry.testing._multiproc import RankError, RankFailure, run_ranks
+from torchferry.testing._sanitizer import StreamOrderError, StreamSanitizer, sanitize
 
-__all__ = ["RankError", "RankFailure", "run_ranks", "toy"]
+__all__ = ["RankError", "RankFailure", "StreamOrderError", "StreamSanitizer", "run_ranks", "sanitize", "toy"]

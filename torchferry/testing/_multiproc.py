@@ -10,8 +10,10 @@ TCP store that the parent hosts on a port the OS picks, so there is no port to c
 and its arguments must be picklable (a module-level function), as must its result. Results come
 back in rank order. A rank that raises, exits or outlives ``timeout`` makes `run_ranks` raise
 `RankError` naming the rank, with the child's traceback; what the other ranks returned is kept on
-the error. Every child is reaped before `run_ranks` returns or raises. As with any ``spawn``, a
-script calling it needs the ``if __name__ == "__main__":`` guard (children re-import the main module).
+the error. With ``TORCHFERRY_STREAM_SANITIZER=1`` in the environment each rank runs ``fn`` under the
+stream sanitizer (`sanitize`). Every child is reaped before `run_ranks` returns or raises. As with
+any ``spawn``, a script calling it needs the ``if __name__ == "__main__":`` guard (children re-import
+the main module).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ __all__ = ["RankError", "RankFailure", "run_ranks"]
 T = TypeVar("T")
 
 _HOST = "127.0.0.1"
+
+#: Set to ``1`` in the parent's environment, every rank runs ``fn`` under `sanitize` (the runtime tests do).
+SANITIZE_ENV = "TORCHFERRY_STREAM_SANITIZER"
 
 
 @attrs.frozen(kw_only=True)
@@ -94,7 +99,13 @@ def _child(job: _Job, rank: int, out: Any) -> None:
         store = dist.TCPStore(_HOST, job.port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
         dist.init_process_group("gloo", store=store, rank=rank, world_size=job.world, timeout=timeout)
         try:
-            result = job.fn(rank, job.world, *job.args)
+            if os.environ.get(SANITIZE_ENV) == "1":
+                from torchferry.testing._sanitizer import sanitize
+
+                with sanitize():
+                    result = job.fn(rank, job.world, *job.args)
+            else:
+                result = job.fn(rank, job.world, *job.args)
         finally:
             dist.destroy_process_group()
     except BaseException as exc:

@@ -1,0 +1,213 @@
+"""The stream sanitizer: it proves real schedules ordered, and catches the races a CPU run cannot see.
+
+The runtime tests run under it (see ``conftest.py``); these tests show what it catches: a block read
+whose wait went missing, and a stale prefetch all-gathered on the comm stream, evicted unwaited,
+whose slot a copy then rewrites (issue 10, defect 5) when the evict's old behaviour is restored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchferry
+from torchferry import policies, topology
+from torchferry.policies import Op, Schedule, Slot, Step, rest_unit
+from torchferry.runtime import Comm, Engine, _engine, execute
+from torchferry.runtime._host import PackState, Unit
+from torchferry.testing import StreamOrderError, StreamSanitizer, run_ranks, sanitize, toy
+from torchferry.testing._multiproc import SANITIZE_ENV
+from torchferry.testing._sanitizer import op_line
+
+
+def _unwaited(engine: Engine, unit: Unit, op: Op) -> None:
+    """A broken wait: the block counts as ready, but compute is never ordered after its load."""
+    for pack in unit.packs:
+        pack.where = PackState.READY
+
+
+def _old_evict(engine: Engine, unit: Unit, op: Op) -> None:
+    """The evict before the fix of defect 5: it records ``free`` without waiting an unwaited unit."""
+    transfer = engine.transfers.pop(unit.name, None)
+    if transfer is not None:
+        engine.streams.release(transfer)
+    where = engine.placed.get(unit.name)
+    if where is not None and engine.occupants.get(where) is unit:
+        del engine.occupants[where]
+    for pack in unit.packs:
+        pack.to_host()
+    engine.placed.pop(unit.name, None)
+
+
+def test_a_session_runs_on_the_sanitizer_and_its_outputs_stay_bit_identical() -> None:
+    """Under `sanitize` a layerwise session's engine is a `StreamSanitizer` that checks every access."""
+    expected = toy.build(0)("a cat", steps=2)
+    p = toy.build(0)
+    with sanitize(), torchferry.offload(p, strategy="layerwise", device="cpu", prefetch_depth=2) as session:
+        out = p("a cat", steps=2)
+        streams = session.engine.streams
+        assert isinstance(streams, StreamSanitizer)
+        # Every block load (a write) and every block forward (a read) was checked, two steps of 8.
+        assert streams.checked >= 2 * 2 * 8
+    assert torch.equal(out, expected)
+
+
+def test_a_block_read_not_ordered_after_its_load_is_reported_at_the_op() -> None:
+    """With the wait's stream ordering gone, the first streamed block's forward raises naming its load."""
+    p = toy.build(0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(_engine._HANDLERS, "wait", _unwaited)
+        with sanitize(), torchferry.offload(p, strategy="layerwise", device="cpu") as session:
+            with pytest.raises(StreamOrderError) as caught:
+                p("a cat", steps=1)
+            (schedule,) = session.schedules.values()
+    block = "text_encoder.blocks.0"
+    load = next(i for i, op in enumerate(schedule.ops) if op.kind == "load" and op.unit == block)
+    pc = 1 + next(i for i, op in enumerate(schedule.ops) if op.kind == "wait" and op.unit == block)
+    assert str(caught.value) == (
+        f"stream sanitizer: the forward of {block} (before op "
+        f"{pc} ({op_line(schedule.ops[pc])})) on the compute stream reads bytes that op "
+        f"{load} ({op_line(schedule.ops[load])}) writes on the copy stream, and is not "
+        "ordered after that write (read after write); a missing event wait\n"
+        + policies.format_marked(schedule, [pc])
+    )
+
+
+# ------------------------------------------------------------------------ defect 5, two ranks
+def _stale_gather(plan: topology.Plan) -> Schedule:
+    """A text-encoder step that all-gathers a transformer block it never waits for (a stale prefetch),
+    evicts it, and loads the encoder's blocks into the same slot on the copy stream."""
+    block = plan.component("transformer").blocks[0]
+    encoder = plan.component("text_encoder")
+    shard = policies.shard_nbytes(block.nbytes, plan.config.dp_size)
+    size = max(shard * plan.config.dp_size, *(b.nbytes for b in encoder.blocks))
+    first, anchor = encoder.blocks[0].path, encoder.path
+    ops = [
+        Op(when="before", anchor=anchor, stream="copy", kind="stage", unit=rest_unit(anchor),
+           nbytes=encoder.rest_bytes),
+        Op(when="before", anchor=anchor, stream="compute", kind="wait", unit=rest_unit(anchor)),
+        Op(when="before", anchor=anchor, stream="copy", kind="load", unit=block.path, slot="h0",
+           src="shard", nbytes=shard),
+        Op(when="before", anchor=anchor, stream="comm", kind="gather", unit=block.path, slot="s0",
+           src="h0", nbytes=shard * plan.config.dp_size),
+        Op(when="before", anchor=first, stream="compute", kind="evict", unit=block.path),
+    ]  # fmt: skip
+    for b in encoder.blocks:
+        ops += [
+            Op(when="before", anchor=b.path, stream="copy", kind="load", unit=b.path, slot="s0",
+               nbytes=b.nbytes),
+            Op(when="before", anchor=b.path, stream="compute", kind="wait", unit=b.path),
+            Op(when="after", anchor=b.path, stream="compute", kind="evict", unit=b.path),
+        ]  # fmt: skip
+    ops.append(Op(when="after", anchor=anchor, stream="copy", kind="unstage", unit=rest_unit(anchor)))
+    return Schedule(
+        policy="stale-gather(hand-written)",
+        plan=plan.digest,
+        step=Step(component=anchor),
+        slots=[Slot(name="s0", nbytes=size), Slot(name="h0", nbytes=shard, kind="shard")],
+        entry=(),
+        ops=ops,
+        exit=(),
+    )
+
+
+def _defect5(rank: int, world: int, old: bool) -> tuple[str, str]:
+    """Run the stale-gather step on this rank under the sanitizer (with the old evict if ``old``)."""
+    p = toy.build(0)
+    ids = toy.tokenize("a cat")
+    with torch.no_grad():
+        expected = p.text_encoder(ids)
+    config = topology.OffloadConfig(
+        strategy="distributed_layerwise",
+        components={"dit", "text_encoder"},
+        parallel=topology.ParallelLayout(data_parallel_size=world),
+    )
+    plan = topology.resolve(topology.discover(p), config)
+    schedule = _stale_gather(plan)
+    if old:
+        _engine._HANDLERS["evict"] = _old_evict
+    with sanitize():
+        engine = Engine(p, plan, device="cpu", comm=Comm(dist.group.WORLD, torch.device("cpu")))
+    try:
+        with torch.no_grad(), execute(schedule, p, plan, device="cpu", engine=engine):
+            out = p.text_encoder(ids)
+    except StreamOrderError as exc:
+        return "race", str(exc)
+    finally:
+        engine.close(gather=True)
+    return "ok", str(torch.equal(out, expected))
+
+
+@pytest.mark.dist
+def test_the_sanitizer_catches_a_stale_gather_evicted_unwaited_and_the_fix_orders_it() -> None:
+    """Defect 5: with the old evict the encoder's load races the stale gather; with the fix it is ordered."""
+    old = run_ranks(_defect5, 2, True, timeout=90)
+    fixed = run_ranks(_defect5, 2, False, timeout=90)
+    assert fixed == [("ok", "True")] * 2
+    p = toy.build(0)
+    plan = topology.resolve(
+        topology.discover(p),
+        topology.OffloadConfig(
+            strategy="distributed_layerwise",
+            components={"dit", "text_encoder"},
+            parallel=topology.ParallelLayout(data_parallel_size=2),
+        ),
+    )
+    schedule = _stale_gather(plan)
+    line = op_line
+
+    def op(i: int) -> str:
+        return f"op {i} ({line(schedule.ops[i])})"
+
+    message = (
+        f"stream sanitizer: {op(5)} on the copy stream writes a buffer that {op(3)} wrote on the comm "
+        "stream, and is not ordered after that write (write after write); a missing event wait\n"
+        + policies.format_marked(schedule, [5])
+    )
+    assert old == [("race", message)] * 2, re.sub(r"\s+", " ", str(old))[:2000]
+
+
+def test_a_stale_gather_schedule_passes_check() -> None:
+    """The hand-written stale-gather step is one `check` accepts: the race is the runtime's to order."""
+    p = toy.build(0)
+    plan = topology.resolve(
+        topology.discover(p),
+        topology.OffloadConfig(
+            strategy="distributed_layerwise",
+            components={"dit", "text_encoder"},
+            parallel=topology.ParallelLayout(data_parallel_size=2),
+        ),
+    )
+    policies.check(_stale_gather(plan), plan)
+
+
+# ---------------------------------------------------------------- the staging buffer, sized once
+def _staged_gathers(rank: int, world: int) -> dict[str, Any]:
+    """Chunked gathers through the staging buffer (as on NCCL) for two pipeline calls on this rank."""
+    expected = toy.build(0)("a cat", steps=2)
+    Comm.staged = property(lambda self: True)  # type: ignore[method-assign, assignment]
+    p = toy.build(0)
+    with torchferry.offload(p, strategy="distributed_layerwise", device="cpu", chunk_bytes=4096) as session:
+        engine = session.engine
+        staging = engine._staging
+        opened = None if staging is None else staging.data.numel()
+        outs = [torch.equal(p("a cat", steps=2), expected) for _ in range(2)]
+        largest = max(pack.host.numel() for pack in engine.store.sharded)
+        chunks = max(op.chunks for s in session.schedules.values() for op in s.ops)
+        same = engine._staging is staging
+        session.close(gather=True)
+    return {"opened": opened, "need": world * 4096, "largest": largest, "chunks": chunks, "same": same,
+            "outs": outs, "sanitized": isinstance(engine.streams, StreamSanitizer)}  # fmt: skip
+
+
+@pytest.mark.dist
+def test_the_gather_staging_buffer_is_sized_once_at_open() -> None:
+    """A staged backend's chunked gathers use one buffer of world x chunk_bytes from open to close."""
+    for row in run_ranks(_staged_gathers, 2, timeout=90, env={SANITIZE_ENV: "1"}):
+        assert row["largest"] > 4096 and row["chunks"] > 1  # the toy's blocks do gather in chunks
+        assert row["opened"] == row["need"]
+        assert row["same"] and row["outs"] == [True, True] and row["sanitized"]

@@ -1,0 +1,327 @@
+"""A stream sanitizer: a test-only stream context that proves every slot access is ordered.
+
+CPU copies are synchronous, so no CPU test sees a missing event wait; on CUDA the same missing wait
+is a race. `StreamSanitizer` runs every copy and collective synchronously (as `CpuStreams` does, so
+outputs are unchanged) and, beside it, keeps the happens-before order the CUDA stream context would
+give, with one vector clock per stream:
+
+- every copy (copy stream), collective (comm stream) and block forward (compute stream) is an
+  access that advances its stream's own entry;
+- an event records its stream's clock; waiting on it (`wait`, a copy ordered after ``free``, a
+  collective after its source's ``ready``) merges that clock into the waiting stream's, as does a
+  whole-stream wait (`fence`, `settle`, `synchronize`, a copy into fresh memory).
+
+Each device buffer (a slot, a staged unit's memory) keeps its last write (a load, a gather) and the
+reads since (a gather reading a shard slot, a block running from its slot). An access raises
+`StreamOrderError`, naming the schedule op, when a read is not ordered after the write it reads, or a
+write is not ordered after the buffer's previous write and the reads of the data it overwrites.
+Reads by blocks are seen through one global forward hook (it runs before the module's own hooks,
+so before the engine's ``after`` ops), only while `sanitize` is active; the pipeline's modules get
+no hook of their own, so a closed session still gives them back untouched.
+
+    with sanitize():                 # every engine built inside uses a StreamSanitizer
+        with torchferry.offload(pipe, strategy="layerwise") as session:
+            pipe("a cat")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, final
+
+import attrs
+import torch
+
+from torchferry.policies import Op, format_marked, rest_unit
+from torchferry.runtime import DeviceBuffer, stream_factory
+from torchferry.topology import find_attr
+
+if TYPE_CHECKING:
+    from torchferry.runtime import Engine, Tracer
+
+__all__ = ["StreamOrderError", "StreamSanitizer", "sanitize"]
+
+Stream = Literal["copy", "comm", "compute"]
+_STREAMS: tuple[Stream, ...] = ("copy", "comm", "compute")
+
+
+class StreamOrderError(AssertionError):
+    """A device buffer access the CUDA streams would not order (a race on a GPU)."""
+
+
+@attrs.define(slots=True, eq=False)
+class _Clock:
+    """A vector clock: how far each stream had got, as seen from one stream or event."""
+
+    copy: int = 0
+    comm: int = 0
+    compute: int = 0
+
+    def merge(self, other: _Clock) -> None:
+        self.copy = max(self.copy, other.copy)
+        self.comm = max(self.comm, other.comm)
+        self.compute = max(self.compute, other.compute)
+
+    def snapshot(self) -> _Clock:
+        return _Clock(copy=self.copy, comm=self.comm, compute=self.compute)
+
+    def seen(self, stream: Stream) -> int:
+        return int(getattr(self, stream))
+
+
+@attrs.define(slots=True, eq=False)
+class _Event:
+    """A recorded event: the clock of the stream it was recorded on, at that point."""
+
+    clock: _Clock = attrs.field(factory=_Clock)
+
+
+@attrs.frozen(slots=True)
+class _Access:
+    """One access to a buffer: its stream, that stream's own clock entry, and what made it."""
+
+    stream: Stream
+    time: int
+    what: str
+
+
+@attrs.define(slots=True, eq=False)
+class _History:
+    """A buffer's last write and the reads of that write so far."""
+
+    write: _Access | None = None
+    reads: list[_Access] = attrs.field(factory=list)
+
+
+def op_line(op: Op) -> str:
+    """``op``'s canonical text line (its ``repr`` without the ``Op<...>`` wrapper)."""
+    return repr(op).removeprefix("Op<").removesuffix(">")
+
+
+def _ordered(clock: _Clock, access: _Access) -> bool:
+    return clock.seen(access.stream) >= access.time
+
+
+@final
+class StreamSanitizer:
+    """The stream context that checks ordering (see the module docstring); one per engine.
+
+    ``engine`` names the op that runs (for messages) and the modules whose forwards are reads.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.device: torch.device = engine.device
+        self.tracer: Tracer | None = None
+        self._clocks: dict[Stream, _Clock] = {s: _Clock() for s in _STREAMS}
+        # Why: each buffer's writes and reads, keyed by identity (a buffer outlives storage resizes).
+        self._history: weakref.WeakKeyDictionary[DeviceBuffer, _History] = weakref.WeakKeyDictionary()
+        # Why: id(module) -> the unit whose weights its forward reads (blocks, component remainders).
+        self._readers: dict[int, str] | None = None
+        #: Accesses checked, and host waits for every stream (`synchronize`), for tests and figures.
+        self.checked = 0
+        self.synchronized = 0
+
+    # ----------------------------------------------------------------------------- the clocks
+    def _tick(self, stream: Stream) -> int:
+        clock = self._clocks[stream]
+        time = clock.seen(stream) + 1
+        setattr(clock, stream, time)
+        return time
+
+    def _record(self, event: Any, stream: Stream) -> _Event:
+        recorded = event if isinstance(event, _Event) else _Event()
+        recorded.clock = self._clocks[stream].snapshot()
+        return recorded
+
+    def _wait_event(self, stream: Stream, event: Any) -> None:
+        if isinstance(event, _Event):
+            self._clocks[stream].merge(event.clock)
+
+    def _wait_stream(self, stream: Stream, other: Stream) -> None:
+        self._clocks[stream].merge(self._clocks[other])
+
+    # -------------------------------------------------------------------------------- checks
+    def _where(self) -> str:
+        """The op running now, as its line, or the block/step position when no op runs."""
+        program = self.engine.program
+        if program is None or program.pc >= len(program.calls):
+            return "outside any op"
+        return f"op {program.pc} ({op_line(program.schedule.ops[program.pc])})"
+
+    def _listing(self) -> str:
+        program = self.engine.program
+        if program is None:
+            return ""
+        pc = program.pc
+        return "\n" + format_marked(program.schedule, ["exit" if pc >= len(program.calls) else pc])
+
+    def _write(self, buffer: DeviceBuffer, stream: Stream, what: str) -> None:
+        history = self._history.setdefault(buffer, _History())
+        clock = self._clocks[stream]
+        self.checked += 1
+        last = history.write
+        if last is not None and not _ordered(clock, last):
+            self._fail(
+                f"{what} on the {stream} stream writes a buffer that {last.what} wrote on the "
+                f"{last.stream} stream, and is not ordered after that write (write after write)"
+            )
+        for read in history.reads:
+            if not _ordered(clock, read):
+                self._fail(
+                    f"{what} on the {stream} stream overwrites bytes that {read.what} reads on the "
+                    f"{read.stream} stream, and is not ordered after that read (write after read)"
+                )
+        history.write = _Access(stream=stream, time=self._tick(stream), what=what)
+        history.reads.clear()
+
+    def _read(self, buffer: DeviceBuffer, stream: Stream, what: str) -> None:
+        history = self._history.setdefault(buffer, _History())
+        self.checked += 1
+        last = history.write
+        if last is not None and not _ordered(self._clocks[stream], last):
+            self._fail(
+                f"{what} on the {stream} stream reads bytes that {last.what} writes on the "
+                f"{last.stream} stream, and is not ordered after that write (read after write)"
+            )
+        history.reads.append(_Access(stream=stream, time=self._tick(stream), what=what))
+
+    def _fail(self, message: str) -> None:
+        raise StreamOrderError(f"stream sanitizer: {message}; a missing event wait{self._listing()}")
+
+    # ------------------------------------------------------------------------ StreamContext
+    def begin(self) -> None: ...
+
+    def transfer(self, nbytes: int) -> DeviceBuffer:
+        return DeviceBuffer(data=torch.empty(nbytes, dtype=torch.uint8, device=self.device), ready=_Event())
+
+    def copy_in(self, dst: DeviceBuffer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.free is None:
+            self._wait_stream("copy", "compute")
+        else:
+            self._wait_event("copy", dst.free)
+        self._write(dst, "copy", self._where())
+        tracer = self.tracer
+        begin = None if tracer is None else tracer.mark()
+        dst_bytes.copy_(src)
+        if tracer is not None:
+            tracer.span("copy", begin, tracer.mark(), dst_bytes.nbytes)
+        dst.ready = self._record(dst.ready, "copy")
+
+    def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
+        self._wait_event("comm", src.ready)
+        if dst.free is None:
+            self._wait_stream("comm", "compute")
+        else:
+            self._wait_event("comm", dst.free)
+        where = self._where()
+        self._read(src, "comm", where)
+        self._write(dst, "comm", where)
+        tracer = self.tracer
+        begin = None if tracer is None else tracer.mark()
+        run()
+        if tracer is not None:
+            tracer.span("comm", begin, tracer.mark())
+        dst.ready = self._record(dst.ready, "comm")
+        src.free = self._record(src.free, "comm")
+
+    def wait(self, transfer: DeviceBuffer) -> None:
+        self._wait_event("compute", transfer.ready)
+
+    def release(self, transfer: DeviceBuffer) -> None:
+        transfer.free = self._record(transfer.free, "compute")
+
+    def fence(self) -> None:
+        self._wait_stream("copy", "compute")
+        self._wait_stream("comm", "compute")
+
+    def settle(self) -> None:
+        self._wait_stream("compute", "copy")
+        self._wait_stream("compute", "comm")
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        every = _Clock()
+        for clock in self._clocks.values():
+            every.merge(clock)
+        for clock in self._clocks.values():
+            clock.merge(every)
+
+    # ------------------------------------------------------------------------- block reads
+    def ran(self, module: torch.nn.Module) -> None:
+        """``module``'s forward has run on the compute stream: if it is a block (or a component's
+        remainder), it read its unit's device buffers."""
+        if getattr(self.engine, "program", None) is None:  # between steps, or an engine that never opened
+            return
+        readers = self._readers
+        if readers is None:
+            readers = self._readers = self._find_readers()
+        unit = readers.get(id(module))
+        if unit is None:
+            return
+        buffers = self._buffers()
+        for pack in self.engine.store.units[unit].packs:
+            tensor = next((t for t in pack.tensors if t.numel() and t.device == self.device), None)
+            if tensor is None:
+                continue
+            buffer = buffers.get(tensor.untyped_storage().data_ptr())
+            if buffer is not None:
+                self._read(buffer, "compute", f"the forward of {unit} (before {self._where()})")
+
+    def _find_readers(self) -> dict[int, str]:
+        engine = self.engine
+        readers: dict[int, str] = {}
+        for top in engine.plan.components:
+            for c in top.walk():
+                rest = rest_unit(c.path)
+                if rest in engine.store.units:
+                    readers[id(find_attr(engine.pipeline, c.path))] = rest
+                for b in c.blocks:
+                    if b.path in engine.store.units:
+                        readers[id(find_attr(engine.pipeline, b.path))] = b.path
+        return readers
+
+    def _buffers(self) -> dict[int, DeviceBuffer]:
+        """Every buffer with a history or in the engine's slots and staged units, by storage address."""
+        engine = self.engine
+        found: dict[int, DeviceBuffer] = {}
+        live = [b for _, b in engine.slots.slots.values()]
+        live += [b for held in engine.staged.values() for b, _ in held]
+        for buffer in live:
+            storage = buffer.data.untyped_storage()
+            if storage.nbytes():
+                found[storage.data_ptr()] = buffer
+        return found
+
+
+#: The sanitizers of engines built under `sanitize`, told of every module forward.
+_LIVE: weakref.WeakSet[StreamSanitizer] = weakref.WeakSet()
+
+
+def _ran(module: torch.nn.Module, args: Any, output: Any) -> None:
+    for sanitizer in list(_LIVE):
+        sanitizer.ran(module)
+
+
+def _factory(engine: Engine) -> StreamSanitizer:
+    sanitizer = StreamSanitizer(engine)
+    _LIVE.add(sanitizer)
+    return sanitizer
+
+
+@contextlib.contextmanager
+def sanitize() -> Iterator[None]:
+    """Every engine built inside runs on a `StreamSanitizer` (CPU devices only; test use).
+
+    Swaps the engine's stream-context seam (`runtime.stream_factory`) and installs one global
+    forward hook for block reads; both are restored on exit.
+    """
+    before = stream_factory(_factory)
+    handle = torch.nn.modules.module.register_module_forward_hook(_ran)
+    try:
+        yield
+    finally:
+        handle.remove()
+        stream_factory(before)
