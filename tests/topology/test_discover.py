@@ -131,16 +131,10 @@ def test_dotted_block_attribute() -> None:
 def test_declaration_block_attrs_override_class_attribute() -> None:
     """`Declaration.block_attrs[path]` wins over the model class's own block attributes."""
     pipeline = Pipeline(plan=Declaration(block_attrs={"transformer": ("blocks.0.attn",)}))
-    with pytest.warns(
-        OffloadWarning,
-        match=re.escape(
-            "DiT.blocks.0.attn is a single Linear, not a block list; it is streamed as one block"
-        ),
-    ):
-        topo = discover(pipeline)
+    topo = discover(pipeline)
     (stack,) = topo.component("transformer").stacks
     assert stack.attrs == ("blocks.0.attn",)
-    assert [b.path for b in stack.blocks] == ["transformer.blocks.0.attn.0"]
+    assert [b.path for b in stack.blocks] == ["transformer.blocks.0.attn"]
 
 
 def test_singular_block_attribute_is_deprecated_once_per_class() -> None:
@@ -598,3 +592,205 @@ def test_vae_and_resident_are_plain_components() -> None:
     assert vae.stacks == ()
     assert names(vae.tensors) == ["vae.conv.weight", "vae.conv.bias"]
     assert isinstance(Vae(), nn.Module)
+
+
+# ---------------------------------------------------------------------------------------------
+# Discovery with nothing declared: structure, single-module blocks, the components mapping
+
+
+class _Attention(nn.Module):
+    """A block holding an inner list of its own (never a ring of the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_out = nn.ModuleList([nn.Linear(8, 8), nn.Dropout()])
+        self.norm = nn.LayerNorm(8)
+
+
+class _Bare(nn.Module):
+    """An undeclared model: two block lists, an embedder with its own list, a small helper list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Module()
+        self.embed.refiner = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.transformer_blocks = nn.ModuleList(_Attention() for _ in range(3))
+        self.single_blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.norms = nn.ModuleList(nn.LayerNorm(2) for _ in range(2))
+        self.out = nn.Linear(8, 8)
+
+
+def test_bare_model_ring_is_found_from_structure() -> None:
+    """An undeclared bare model is its own DiT; its top-level block lists form one ring, in order."""
+    topo = discover(_Bare())
+    (dit,) = topo.components
+    assert (dit.path, dit.kind) == ("", "dit")
+    (stack,) = dit.stacks
+    assert stack.attrs == ("transformer_blocks", "single_blocks")
+    assert [b.path for b in stack.blocks] == [
+        "transformer_blocks.0",
+        "transformer_blocks.1",
+        "transformer_blocks.2",
+        "single_blocks.0",
+        "single_blocks.1",
+    ]
+    assert "embed.refiner.0.weight" in names(dit.tensors)
+    assert "norms.0.weight" in names(dit.tensors)
+
+
+def test_inner_block_list_is_never_a_component() -> None:
+    """A model whose list sits at a legacy DiT name (``transformer_blocks``) is not scanned as a pipeline."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.transformer_blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    topo = discover(Model())  # no deprecation warning: the model is not a pipeline
+    assert [(c.path, len(c.blocks)) for c in topo.components] == [("", 2)]
+    assert topo.declares_components
+
+
+def test_model_with_a_transformer_inside_is_one_bare_model() -> None:
+    """A model holding a ``transformer`` part and tensors of its own is one DiT whose ring is inside it."""
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.patch = nn.Linear(4, 4)
+            self.transformer = Inner()
+
+    topo = discover(Model())
+    assert [(c.path, c.stacks[0].attrs) for c in topo.components] == [("", ("transformer.layers",))]
+
+
+def test_single_module_and_module_dict_are_blocks_named_by_their_paths() -> None:
+    """A declared single module is one block at its own path; a ModuleDict's blocks are named by key."""
+
+    class UNetLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.down = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.mid = nn.Linear(4, 4)
+            self.up = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+
+    topo = discover(UNetLike(), Declaration(block_attrs={"": ("down", "mid", "up")}))
+    assert [b.path for b in topo.components[0].blocks] == ["down.0", "down.1", "mid", "up.a", "up.b"]
+
+
+def test_registry_attribute_that_is_none_is_skipped() -> None:
+    """A registered UNet built without a mid block streams its down and up blocks, with no problem."""
+
+    class UNet2DConditionModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.down_blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.mid_block = None
+            self.up_blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    (unet,) = discover(UNet2DConditionModel()).components
+    assert unet.stacks[0].attrs == ("down_blocks", "up_blocks")
+    assert unet.problems == ()
+
+
+class _Mapped:
+    """A pipeline listing its components in a ``components`` mapping, as diffusers pipelines do."""
+
+    def __init__(self) -> None:
+        self.transformer = _Bare()
+        self.text_encoder = Encoder(blocks=3)
+        self.image_encoder = Encoder()
+        self.vae = Vae()
+        self.controlnet = nn.Linear(4, 4)
+        self.scheduler = object()
+
+    @property
+    def components(self) -> dict[str, object]:
+        names_ = ("transformer", "text_encoder", "image_encoder", "vae", "controlnet", "scheduler")
+        return {name: getattr(self, name) for name in names_}
+
+
+def test_pipeline_components_come_from_its_components_mapping() -> None:
+    """An unknown pipeline class is read from its ``components``: kinds, rings and a declaration."""
+    topo = discover(_Mapped())
+    assert [(c.path, c.kind, len(c.blocks)) for c in topo.components] == [
+        ("transformer", "dit", 5),
+        ("text_encoder", "encoder", 3),
+        ("image_encoder", "encoder", 0),
+        ("vae", "vae", 0),
+        ("controlnet", "resident", 0),
+    ]
+    declaration = topo.declaration
+    assert declaration is not None
+    assert declaration.encoder_block_attrs == {"text_encoder": ("encoder.block",)}
+    assert declaration.encoder_component_types == {"text_encoder": "text_encoder"}
+    assert declaration.resident_dit_paths == {"transformer"}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compiled_component_is_unwrapped() -> None:
+    """A ``torch.compile``d component is discovered through its original module, under its own path."""
+    pipe = _Mapped()
+    pipe.transformer = torch.compile(pipe.transformer)  # type: ignore[assignment]
+    topo = discover(pipe)
+    dit = topo.component("transformer")
+    assert dit.class_name == "_Bare"
+    assert dit.blocks[0].path == "transformer.transformer_blocks.0"
+    assert not any("_orig_mod" in t.name for t in dit.all_tensors())
+
+
+def test_order_mismatch_names_both_orders_and_the_declaration() -> None:
+    """`order_mismatch` is None for a forward that follows the ring, else both orders and the fix."""
+    from torchferry.topology._resolve import order_mismatch
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+            self.hints = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+
+    pipe = Pipeline()
+    pipe.transformer = Model()  # type: ignore[assignment]
+    dit = discover(pipe, Declaration(block_attrs={"transformer": ("blocks", "hints")})).component(
+        "transformer"
+    )
+    assert order_mismatch(dit, ["transformer.blocks.0", "transformer.blocks.1"]) is None
+    assert order_mismatch(dit, ["transformer.hints.0"]) == (
+        "declared order transformer.blocks.0-2, transformer.hints.0-1, forward ran transformer.hints.0; "
+        "declare Declaration(block_attrs={'transformer': ('hints', 'blocks')}) so the ring follows the "
+        "forward"
+    )
+
+
+def test_block_less_dit_is_told_a_declaration_from_its_tensor_names() -> None:
+    """`suggest_declaration` names the largest numbered list, else the large children, else nothing."""
+    from torchferry.topology._resolve import suggest_declaration
+
+    class Numbered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Module()
+            for i in range(3):
+                self.body.add_module(str(i), nn.Linear(4, 4))
+            self.head = nn.Linear(4, 4)
+
+    class Named(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(8, 8)
+            self.second = nn.Linear(8, 8)
+            self.tiny = nn.LayerNorm(1)
+
+    none = Declaration(block_attrs={"": ()})
+    assert suggest_declaration(discover(Numbered(), none).components[0]) == (
+        "; for example pass declaration=Declaration(block_attrs={'': ('body',)}) listing the block lists "
+        "(or single blocks) in the order its forward runs them"
+    )
+    assert "('first', 'second')" in suggest_declaration(discover(Named(), none).components[0])
+    assert suggest_declaration(discover(nn.Linear(2, 2), none).components[0]) == ""

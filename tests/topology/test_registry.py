@@ -106,9 +106,24 @@ def _tiny_encoders(transformers: Any) -> dict[str, Callable[[], nn.Module]]:
     }
 
 
-def test_every_registered_dit_class_has_a_tiny_config() -> None:
-    """Each registered DiT class is exercised by a tiny model below (adding one needs a test)."""
-    assert set(TINY_DITS) == set(DIT_BLOCK_ATTRS)
+def test_tiny_configs_are_registered_classes() -> None:
+    """The tiny models below are registered classes (every registered one runs in tests/integration)."""
+    assert set(TINY_DITS) <= set(DIT_BLOCK_ATTRS)
+
+
+def test_registry_matches_subclasses_and_class_names() -> None:
+    """A subclass of a registered class inherits its entry; a class name matches only exactly."""
+
+    class WanTransformer3DModel(nn.Module):
+        pass
+
+    class MyWan(WanTransformer3DModel):
+        pass
+
+    assert block_attrs_for(MyWan) == ("blocks",)
+    assert block_attrs_for("MyWan") is None
+    assert block_attrs_for(nn.Module) is None
+    assert block_attrs_for("UNet2DConditionModel") == ("down_blocks", "mid_block", "up_blocks")
 
 
 @pytest.mark.parametrize("class_name", sorted(TINY_DITS))
@@ -155,7 +170,7 @@ def test_registered_pipeline_components_match_diffusers() -> None:
 
 def test_unknown_classes_have_no_entry() -> None:
     """Unknown model, encoder and pipeline classes answer None or nothing, never a guess."""
-    assert block_attrs_for("UNet2DConditionModel") is None
+    assert block_attrs_for("UNet2DConditionModelX") is None
     assert encoder_block_attrs_for("BertModel") is None
     assert encoder_block_layouts_for("BertModel") == ()
     assert declaration_for_pipeline("StableDiffusionXLPipeline", ["unet"]) is None
@@ -219,3 +234,19 @@ def test_pipeline_components_in_pipeline_order() -> None:
         ("text_encoder", "encoder"),
         ("vae", "vae"),
     )
+
+
+def test_pipeline_registry_matches_subclasses() -> None:
+    """A subclass of a registered pipeline class gets its components and its declaration."""
+
+    class FluxPipeline:
+        pass
+
+    class MyFlux(FluxPipeline):
+        pass
+
+    assert pipeline_components(MyFlux) == pipeline_components("FluxPipeline")
+    assert declaration_for_pipeline(MyFlux, ["transformer"]) == declaration_for_pipeline(
+        "FluxPipeline", ["transformer"]
+    )
+    assert pipeline_components("MyFlux") is None

@@ -223,7 +223,9 @@ def test_selected_dit_without_blocks_explicit() -> None:
     topology = discover(Pipeline(), Declaration(block_attrs={"transformer": ()}))
     with error(
         "Selected DiT 'transformer' (DiT) has no streamable blocks; declare them with "
-        "DiT._layerwise_offload_blocks_attrs or Declaration.block_attrs['transformer']"
+        "DiT._layerwise_offload_blocks_attrs or Declaration.block_attrs['transformer']; for example pass "
+        "declaration=Declaration(block_attrs={'transformer': ('blocks',)}) listing the block lists (or "
+        "single blocks) in the order its forward runs them"
     ):
         resolve(topology, explicit())
 
@@ -231,7 +233,11 @@ def test_selected_dit_without_blocks_explicit() -> None:
 def test_selected_dit_without_blocks_legacy() -> None:
     """A legacy DiT without blocks warns and stays resident with all its tensors as remainder."""
     topology = discover(Pipeline(), Declaration(block_attrs={"transformer": ()}))
-    with warns("DiT 'transformer' (DiT) has no streamable blocks; it is not offloaded and stays resident"):
+    with warns(
+        "DiT 'transformer' (DiT) has no streamable blocks; it is not offloaded and stays resident; for "
+        "example pass declaration=Declaration(block_attrs={'transformer': ('blocks',)}) listing the block "
+        "lists (or single blocks) in the order its forward runs them"
+    ):
         result = resolve(topology, LAYER)
     dit = result.component("transformer")
     assert dit.stacks == ()
@@ -484,10 +490,24 @@ def test_block_claimed_by_two_components() -> None:
         "for each block list"
     ):
         resolve(discover(Shared()), LAYER)
-    assert (
-        resolve(discover(Shared()), OffloadConfig(strategy="model_level")).component("transformer_2").stacks
-        == ()
-    )
+    with warns(
+        "model_level offload swaps DiTs against encoders, but test_resolve.Shared has no encoder "
+        "component: each DiT ('transformer', 'transformer_2') is staged whole onto the device for its "
+        "forward and nothing else is offloaded; use strategy='layerwise' to stream its blocks instead"
+    ):
+        plan = resolve(discover(Shared()), OffloadConfig(strategy="model_level"))
+    assert plan.component("transformer_2").stacks == ()
+
+
+def test_model_level_without_a_dit_warns_that_nothing_moves() -> None:
+    """Model-level offload of a pipeline with no DiT warns that nothing is moved (rule 12)."""
+
+    with warns(
+        "model_level offload swaps DiTs against encoders, but test_resolve.NoDiT has no DiT "
+        "component, so nothing is moved; declare the DiT in _dit_modules (see "
+        "torchferry.topology.SupportsComponentDiscovery)"
+    ):
+        resolve(discover(NoDiT()), OffloadConfig(strategy="model_level"))
 
 
 def test_all_problems_are_reported_together() -> None:

@@ -64,6 +64,7 @@ from torchferry.runtime._steps import step_name
 from torchferry.runtime._streams import DeviceBuffer, StreamContext, stream_context
 from torchferry.runtime._trace import Tracer
 from torchferry.topology import Plan
+from torchferry.topology._resolve import order_mismatch
 
 __all__ = ["RANGES", "Engine", "execute"]
 
@@ -152,6 +153,8 @@ class Engine:
         # Why: the tracer of the step running now; checked once per op and per block hook.
         self.tracer: Tracer | None = None
         self.guard = GradGuard()
+        # Why: the blocks the running step's forward reached, in order, to report a ring it does not follow.
+        self.ran: list[str] = []
 
     def _open(
         self,
@@ -325,6 +328,7 @@ class Engine:
         self.ledger.mark()
         program.pc = 0
         self.program = program
+        self.ran = []
         if self._tracing is not None and self._tracing.wants(schedule.step):
             self.tracer = self.streams.tracer = self._tracing
             self.tracer.start(schedule, self.streams)
@@ -457,6 +461,16 @@ class Engine:
 
     def not_resident(self, path: str, pack: Pack, program: Program) -> None:
         """Raise: block ``path`` was reached while ``pack`` was not ready on the device."""
+        owner = next(
+            (c for top in self.plan.components for c in top.walk() if any(b.path == path for b in c.blocks)),
+            None,
+        )
+        order = None if owner is None else order_mismatch(owner, self.ran)
+        if order is not None:
+            raise ExecutionError(
+                f"block {path} was reached out of its ring's order in step "
+                f"{step_name(program.schedule.step)}: {order}"
+            )
         raise ExecutionError(
             f"block {path} was reached while its weights were {pack.where.value}: step "
             f"{step_name(program.schedule.step)} had not made it resident by then (the mark is the next op "

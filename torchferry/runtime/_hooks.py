@@ -182,6 +182,8 @@ class Hooks:
                 driver.enter(path)
             program = engine.program
             if program is not None:
+                if block:
+                    engine.ran.append(path)
                 stop = program.stops.get(key)
                 if stop is not None and stop > program.pc:
                     engine.run(program, stop)

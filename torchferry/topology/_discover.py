@@ -9,7 +9,7 @@ never moves, allocates or writes anything.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import attrs
 import torch
@@ -168,10 +168,93 @@ def _scanned_list(pipeline: object, names: Sequence[str]) -> list[tuple[str, nn.
     seen: set[int] = set()
     for name in names:
         module = getattr(pipeline, name, None)
+        if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            continue  # a block list of the model itself, never a component
         if isinstance(module, nn.Module) and id(module) not in seen:
             seen.add(id(module))
             found.append((name, module))
     return found
+
+
+def _kind_of(name: str, module: nn.Module) -> ComponentKind:
+    """The kind of a pipeline component, from its class's package and its name."""
+    packages = [c.__module__ for c in type(module).__mro__]
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf.startswith("vae") or leaf.endswith("vae") or any(".autoencoders" in p for p in packages):
+        return "vae"
+    if leaf in LEGACY_DIT_ATTRS or any(
+        p.startswith(("diffusers.models.transformers", "diffusers.models.unets")) for p in packages
+    ):
+        return "dit"
+    if "encoder" in leaf or any(p.split(".")[0] == "transformers" for p in packages):
+        return "encoder"
+    return "resident"
+
+
+def _mapped_components(pipeline: object) -> dict[ComponentKind, list[tuple[str, nn.Module]]] | None:
+    """The components a pipeline lists in its own ``components`` mapping (every diffusers pipeline does).
+
+    Each module the mapping names is a component, under the attribute it is stored at: a diffusers
+    model from ``diffusers.models.transformers``/``unets`` (or a ``transformer``/``unet`` name) is a
+    DiT, an autoencoder (or a ``vae`` name) a VAE, a transformers model (or an ``*encoder*`` name) an
+    encoder, anything else (a ControlNet, an adapter) stays resident.
+    """
+    if isinstance(pipeline, nn.Module):
+        return None
+    mapping = getattr(pipeline, "components", None)
+    if not isinstance(mapping, Mapping):
+        return None
+    lists: dict[ComponentKind, list[tuple[str, nn.Module]]] = {
+        "dit": [],
+        "encoder": [],
+        "vae": [],
+        "resident": [],
+    }
+    seen: set[int] = set()
+    for name in mapping:
+        module = getattr(pipeline, name, None) if isinstance(name, str) else None
+        # Only modules stored at the attribute they are listed under: the runtime finds them by path.
+        if not isinstance(module, nn.Module) or module is not mapping[name] or id(module) in seen:
+            continue
+        seen.add(id(module))
+        lists[_kind_of(name, _unwrap(module))].append((name, module))
+    return lists if any(lists.values()) else None
+
+
+def _mapped_declaration(lists: Mapping[ComponentKind, list[tuple[str, nn.Module]]]) -> Declaration:
+    """The `Declaration` of a pipeline found from its ``components`` mapping.
+
+    Like the known pipelines' declarations: every DiT may keep resident blocks; every text encoder
+    (a ``text_encoder`` name) is a selector, streams its known block paths (else those found from
+    structure, each its own ring) and is declared replicated. DiT rings are left to the model class,
+    the registry or structure.
+    """
+    types: dict[str, str] = {}
+    encoder_blocks: dict[str, tuple[str, ...]] = {}
+    for path, module in lists["encoder"]:
+        leaf = path.rsplit(".", 1)[-1]
+        if not (leaf.startswith("text_encoder") or leaf.endswith("text_encoder")):
+            continue
+        types[path] = "text_encoder"
+        inner = _unwrap(module)
+        paths = _registry.encoder_block_attrs_for(type(inner))
+        if paths is None or not all(_present(inner, p) for p in paths):
+            paths = structural_block_attrs(inner)
+        if paths:
+            encoder_blocks[path] = paths
+    return Declaration(
+        resident_dit_paths=[path for path, _ in lists["dit"]],
+        encoder_component_types=types,
+        encoder_block_attrs=encoder_blocks,
+        encoder_dlo_weight_replication=tuple(types),
+    )
+
+
+def _present(module: nn.Module, dotted: str) -> bool:
+    try:
+        return isinstance(_get_path(module, dotted), nn.Module)
+    except _Missing:
+        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,10 +262,10 @@ def _scanned_list(pipeline: object, names: Sequence[str]) -> list[tuple[str, nn.
 
 
 def _registry_pipeline(pipeline: object) -> tuple[tuple[str, ComponentKind], ...] | None:
-    """``(path, kind)`` of the components of a known diffusers pipeline class, else None."""
+    """``(path, kind)`` of the components of a known diffusers pipeline class (or a subclass), else None."""
     if isinstance(pipeline, nn.Module):
         return None
-    return _registry.pipeline_components(type(pipeline).__name__)
+    return _registry.pipeline_components(type(pipeline))
 
 
 def _as_attrs(value: str | Iterable[object]) -> tuple[str, ...]:
@@ -191,13 +274,99 @@ def _as_attrs(value: str | Iterable[object]) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
 
 
-def _dit_block_attrs(module: nn.Module, path: str, declaration: Declaration | None) -> tuple[str, ...]:
-    """The block attributes of one DiT, by precedence (see `discover`)."""
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) runs, else ``module`` itself.
+
+    The wrapper forwards attribute reads to ``_orig_mod`` and calls it from its own forward, so the
+    original module's paths and hooks serve the compiled one too.
+    """
+    for _ in range(8):  # a wrapper of a wrapper, never a cycle
+        inner = module._modules.get("_orig_mod")
+        if type(module).__name__ != "OptimizedModule" or inner is None:
+            break
+        module = inner
+    return module
+
+
+def _module_bytes(module: nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer under ``module``."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in (*module.parameters(), *module.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _is_block_list(module: nn.Module) -> bool:
+    """A list of at least two blocks with tensors: a ``ModuleList``, or a ``Sequential`` of one class."""
+    if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+        return False
+    members = list(module)
+    if not all(_holds_tensors(m) for m in members):
+        return False
+    return isinstance(module, nn.ModuleList) or len({type(m) for m in members}) == 1
+
+
+#: A block list found from structure joins the ring when it holds at least 1/8 of the largest one's bytes.
+STRUCTURAL_SHARE = 8
+
+
+def structural_block_attrs(module: nn.Module, skip: Iterable[nn.Module] = ()) -> tuple[str, ...]:
+    """The block lists of ``module`` found from its structure alone, in registration order.
+
+    A block list is a ``ModuleList`` (or a ``Sequential`` of one class) of at least two modules that
+    hold tensors. Only the outermost lists count (a list inside a block is part of that block), and
+    of those only the ones nearest the model's root (a list inside an embedder is that embedder's);
+    the modules in ``skip`` (other components) are not entered, and a list joins the ring only if it
+    holds at least 1/`STRUCTURAL_SHARE` of the largest list's bytes (small helper lists stay in the
+    remainder). Several lists form one ring, in the order the model registered them; a model whose
+    forward interleaves its lists needs its order declared (the runtime reports the order it ran).
+    """
+    stop = {id(m) for m in skip}
+    found: list[tuple[str, int, int]] = []
+    seen: set[int] = set()
+
+    def visit(mod: nn.Module, prefix: str, depth: int) -> None:
+        for name, child in mod._modules.items():
+            if child is None or id(child) in stop or id(child) in seen:
+                continue
+            seen.add(id(child))
+            path = join_path(prefix, name)
+            if _is_block_list(child):
+                found.append((path, depth, _module_bytes(child)))
+            else:
+                visit(child, path, depth + 1)
+
+    visit(module, "", 0)
+    if not found:
+        return ()
+    # The shallowest lists are the model's own; deeper ones belong to an embedder or an encoder
+    # inside it (a refiner, a motion encoder) that runs on its own schedule.
+    top = min(depth for _, depth, _ in found)
+    found = [entry for entry in found if entry[1] == top]
+    largest = max(nbytes for _, _, nbytes in found)
+    return tuple(path for path, _, nbytes in found if nbytes * STRUCTURAL_SHARE >= largest)
+
+
+def _dit_block_attrs(
+    module: nn.Module, path: str, declaration: Declaration | None, skip: Iterable[nn.Module] = ()
+) -> tuple[tuple[str, ...], bool]:
+    """The block attributes of one DiT, by precedence (see `discover`), and whether they were declared.
+
+    Attributes that come from the registry or from structure are not the user's words: one that is
+    ``None`` on this instance (a UNet built without a mid block) is skipped without a problem.
+    """
     if declaration is not None and path in declaration.block_attrs:
-        return declaration.block_attrs[path]
+        return declaration.block_attrs[path], True
     plural = getattr(module, "_layerwise_offload_blocks_attrs", None)
     if plural is not None:
-        return _as_attrs(plural)
+        return _as_attrs(plural), True
     singular = getattr(module, "_layerwise_offload_blocks_attr", None)
     if singular is not None:
         cls = _qualname(type(module))
@@ -207,35 +376,51 @@ def _dit_block_attrs(module: nn.Module, path: str, declaration: Declaration | No
             f"{cls} declares _layerwise_offload_blocks_attr = {singular!r}; the singular attribute is "
             f"deprecated, declare _layerwise_offload_blocks_attrs = ({singular!r},) instead",
         )
-        return _as_attrs(singular)
-    return _registry.block_attrs_for(type(module).__name__) or ()
+        return _as_attrs(singular), True
+    known = _registry.block_attrs_for(type(module))
+    if known is not None:
+        return known, False
+    return structural_block_attrs(module, skip), False
 
 
-def _has_block_attrs(module: nn.Module, declaration: Declaration | None) -> bool:
-    """Whether ``module`` is itself a model with blocks (a bare DiT rather than a pipeline)."""
+def _declares_block_attrs(module: nn.Module, declaration: Declaration | None) -> bool:
+    """Whether ``module`` is a model that declares its blocks (or is a known class)."""
     if declaration is not None and "" in declaration.block_attrs:
         return True
     if any(hasattr(module, a) for a in ("_layerwise_offload_blocks_attrs", "_layerwise_offload_blocks_attr")):
         return True
-    return _registry.block_attrs_for(type(module).__name__) is not None
+    return _registry.block_attrs_for(type(module)) is not None
 
 
-def _blocks_of(container: object, attr: str, owner_class: str, problems: list[str]) -> list[nn.Module]:
-    """The blocks one attribute contributes to a DiT ring."""
+def _is_bare_model(module: nn.Module, scanned: list[tuple[str, nn.Module]]) -> bool:
+    """Whether an undeclared ``nn.Module`` is a model of its own rather than a container of components.
+
+    A container holds nothing but its components; a model has tensors of its own outside whatever
+    the legacy attribute names found (a ``transformer`` attribute inside a model is a part of it).
+    """
+    inside = {id(t) for _, c in scanned for t in (*c.parameters(), *c.buffers())}
+    own = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in inside]
+    return bool(own) or not scanned
+
+
+def _blocks_of(
+    container: object, attr: str, owner_class: str, problems: list[str], *, declared: bool = True
+) -> list[tuple[str, nn.Module]]:
+    """The blocks one attribute contributes to a DiT ring, each with its path below the attribute.
+
+    A list's blocks are ``attr.0``, ``attr.1``, ...; a ``ModuleDict``'s are ``attr.<key>``; a single
+    module (a UNet's ``mid_block``) is one block at ``attr`` itself.
+    """
     if isinstance(container, (nn.ModuleList, nn.Sequential)):
-        return list(container)
+        return [(str(i), m) for i, m in enumerate(container)]
     if isinstance(container, nn.ModuleDict):
-        return list(container.values())
+        return list(container.items())
     if isinstance(container, nn.Module):
-        warnings.warn(
-            f"{owner_class}.{attr} is a single {type(container).__name__}, not a block list; "
-            "it is streamed as one block",
-            OffloadWarning,
-            stacklevel=4,
-        )
-        return [container]
+        return [("", container)]
     if isinstance(container, (list, tuple)) and all(isinstance(m, nn.Module) for m in container):
-        return list(container)
+        return [(str(i), m) for i, m in enumerate(container)]
+    if container is None and not declared:
+        return []
     problems.append(f"block attribute {attr!r} of {owner_class} is {_describe(container)}, not a block list")
     return []
 
@@ -280,6 +465,32 @@ def _walk(module: nn.Module, prefix: str, stop: frozenset[int]) -> Iterator[_Fou
         active.discard(id(mod))
 
     yield from visit(module, prefix)
+
+
+def _check_plain(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor torchferry cannot re-point: a wrapper subclass (naming its type), an inference tensor.
+
+    Subclasses that keep ordinary storage and only override ``__torch_function__`` (diffusers'
+    ``GGUFParameter``) stream like any parameter; wrapper subclasses that dispatch to inner tensors
+    (torchao's quantized tensors, ``DTensor``) have no storage torchferry could move.
+    """
+    cls = type(tensor)
+    if cls in (torch.Tensor, nn.Parameter) or cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+        if tensor.is_inference():
+            raise PlanError(
+                f"Tensor {name!r} was created under torch.inference_mode(), and an inference tensor can "
+                "never be re-pointed at torchferry's buffers outside it; build the model outside "
+                "inference mode, or give it ordinary tensors first, outside inference mode: "
+                "model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)"
+            )
+        return
+    raise PlanError(
+        f"Tensor {name!r} is a {_qualname(cls)}, a tensor subclass that keeps its data in inner tensors; "
+        "torchferry streams tensors with storage of their own only (torch.Tensor, nn.Parameter and "
+        "subclasses without __torch_dispatch__ such as diffusers' GGUFParameter, in any dtype it knows, "
+        "float8 included); dequantize it (for a DTensor, full_tensor()) before offloading, or leave its "
+        "component out of the offload"
+    )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -391,7 +602,7 @@ def _param_bytes(module: nn.Module) -> int:
 
 
 def _ring(
-    path: str, attr_blocks: list[tuple[str, list[nn.Module]]], canonical: dict[int, str]
+    path: str, attr_blocks: list[tuple[str, list[tuple[str, nn.Module]]]], canonical: dict[int, str]
 ) -> tuple[tuple[str, ...], list[tuple[str, nn.Module]]]:
     """One ring from the blocks of several attributes, in order, each block once, canonically named."""
     attrs_used: list[str] = []
@@ -401,11 +612,11 @@ def _ring(
         if not modules:
             continue
         attrs_used.append(attr)
-        for i, block in enumerate(modules):
+        for name, block in modules:
             if id(block) in seen:
                 continue
             seen.add(id(block))
-            block_path = canonical.setdefault(id(block), join_path(path, f"{attr}.{i}"))
+            block_path = canonical.setdefault(id(block), join_path(path, join_path(attr, name)))
             blocks.append((block_path, block))
     return tuple(attrs_used), blocks
 
@@ -419,14 +630,17 @@ def _dit_skeleton(
 ) -> _Skeleton:
     cls = type(module).__name__
     skeleton = _Skeleton(path=path, kind="dit", module=module)
-    attr_blocks: list[tuple[str, list[nn.Module]]] = []
-    for attr in _dit_block_attrs(module, path, declaration):
+    attr_blocks: list[tuple[str, list[tuple[str, nn.Module]]]] = []
+    others = [m for m in module.modules() if id(m) in component_ids and m is not module]
+    block_attrs, by_user = _dit_block_attrs(module, path, declaration, others)
+    for attr in block_attrs:
         try:
             container = _get_path(module, attr)
         except _Missing:
-            skeleton.problems.append(f"block attribute {attr!r} was not found on {cls}")
+            if by_user:
+                skeleton.problems.append(f"block attribute {attr!r} was not found on {cls}")
             continue
-        attr_blocks.append((attr, _blocks_of(container, attr, cls, skeleton.problems)))
+        attr_blocks.append((attr, _blocks_of(container, attr, cls, skeleton.problems, declared=by_user)))
     stack_attrs, blocks = _ring(path, attr_blocks, canonical)
     if blocks:
         skeleton.stacks.append((stack_attrs, blocks))
@@ -461,7 +675,7 @@ def _child_skeleton(
                     f"{cls} block list was found as {attr!r} by scanning well-known names; declare it in "
                     f"Declaration.offload_submodules (the scan is deprecated)",
                 )
-            skeleton.stacks.append(_ring(path, [(attr, list(found))], canonical))
+            skeleton.stacks.append(_ring(path, [(attr, _blocks_of(found, attr, cls, []))], canonical))
             return skeleton
         if declared is not None:
             skeleton.problems.append(
@@ -491,7 +705,7 @@ def _encoder_skeleton(
                 "not a ModuleList of at least two blocks"
             )
             continue
-        skeleton.stacks.append(_ring(path, [(attr, list(found))], canonical))
+        skeleton.stacks.append(_ring(path, [(attr, _blocks_of(found, attr, cls, []))], canonical))
     return skeleton
 
 
@@ -504,6 +718,7 @@ def _occurrences(skeletons: list[_Skeleton], component_ids: frozenset[int]) -> l
     ) -> None:
         nonlocal seq
         for name, tensor, buffer, persistent in _walk(root, prefix, stop):
+            _check_plain(name, tensor)
             occurrences.append(
                 _Occurrence(
                     rank=(index, category, seq),
@@ -581,6 +796,7 @@ def discover(pipeline: object, declaration: Declaration | None = None) -> Topolo
     declaration = _declaration_of(pipeline, declaration)
     declares = isinstance(pipeline, SupportsComponentDiscovery)
     known = None if declares else _registry_pipeline(pipeline)
+    mapped = None if declares or known is not None else _mapped_components(pipeline)
     lists: dict[ComponentKind, list[tuple[str, nn.Module]]]
     if known is not None:
         declares = True
@@ -591,9 +807,14 @@ def discover(pipeline: object, declaration: Declaration | None = None) -> Topolo
                 lists[kind].append((path, module))
         if declaration is None:
             declaration = _registry.declaration_for_pipeline(
-                type(pipeline).__name__,
-                {path: type(module).__name__ for entries in lists.values() for path, module in entries},
+                type(pipeline),
+                {path: type(_unwrap(m)).__name__ for entries in lists.values() for path, m in entries},
             )
+    elif mapped is not None:
+        declares = True
+        lists = mapped
+        if declaration is None:
+            declaration = _mapped_declaration(lists)
     elif declares:
         lists = {
             "dit": _declared_list(pipeline, "_dit_modules"),
@@ -601,9 +822,6 @@ def discover(pipeline: object, declaration: Declaration | None = None) -> Topolo
             "vae": _declared_list(pipeline, "_vae_modules"),
             "resident": _declared_list(pipeline, "_resident_modules"),
         }
-    elif isinstance(pipeline, nn.Module) and _has_block_attrs(pipeline, declaration):
-        declares = True
-        lists = {"dit": [("", pipeline)], "encoder": [], "vae": [], "resident": []}
     else:
         lists = {
             "dit": _scanned_list(pipeline, LEGACY_DIT_ATTRS),
@@ -611,8 +829,14 @@ def discover(pipeline: object, declaration: Declaration | None = None) -> Topolo
             "vae": _scanned_list(pipeline, LEGACY_VAE_ATTRS),
             "resident": [],
         }
-        cls = _qualname(type(pipeline))
-        if any(lists.values()):
+        scanned = [entry for entries in lists.values() for entry in entries]
+        if isinstance(pipeline, nn.Module) and (
+            _declares_block_attrs(_unwrap(pipeline), declaration) or _is_bare_model(pipeline, scanned)
+        ):
+            declares = True
+            lists = {"dit": [("", pipeline)], "encoder": [], "vae": [], "resident": []}
+        elif scanned:
+            cls = _qualname(type(pipeline))
             _warn_once(
                 _warned_legacy_pipelines,
                 cls,
@@ -620,6 +844,7 @@ def discover(pipeline: object, declaration: Declaration | None = None) -> Topolo
                 "attribute names, which is deprecated. Declare _dit_modules, _encoder_modules and "
                 "_vae_modules (see torchferry.topology.SupportsComponentDiscovery)",
             )
+    lists = {kind: [(path, _unwrap(m)) for path, m in entries] for kind, entries in lists.items()}
 
     component_ids = frozenset(id(m) for entries in lists.values() for _, m in entries)
     canonical: dict[int, str] = {}

@@ -9,6 +9,7 @@ replication, the DiTs allowed to keep resident blocks).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 import attrs
 
@@ -27,6 +28,8 @@ __all__ = [
     "pipeline_components",
 ]
 
+_UNET = ("down_blocks", "mid_block", "up_blocks")
+
 #: diffusers DiT class -> its block ``ModuleList`` attributes, concatenated in order into ONE ring.
 DIT_BLOCK_ATTRS: FrozenMap[str, tuple[str, ...]] = FrozenMap(
     {
@@ -36,6 +39,19 @@ DIT_BLOCK_ATTRS: FrozenMap[str, tuple[str, ...]] = FrozenMap(
         "HunyuanVideoTransformer3DModel": ("transformer_blocks", "single_transformer_blocks"),
         "SD3Transformer2DModel": ("transformer_blocks",),
         "LTXVideoTransformer3DModel": ("transformer_blocks",),
+        # The VACE hint blocks run before the main blocks (registered after them).
+        "WanVACETransformer3DModel": ("vace_blocks", "blocks"),
+        # Forwards that interleave a second list with the main one: the main ring streams, the
+        # interleaved list (temporal blocks, face adapters) stays with the resident remainder.
+        "LatteTransformer3DModel": ("transformer_blocks",),
+        "WanAnimateTransformer3DModel": ("blocks",),
+        # UNets: down, mid (one module), up; registration order puts ``up_blocks`` before ``mid_block``.
+        "UNet2DConditionModel": _UNET,
+        "UNet2DModel": _UNET,
+        "UNet1DModel": _UNET,
+        "UNet3DConditionModel": _UNET,
+        "UNetMotionModel": _UNET,
+        "UNetSpatioTemporalConditionModel": _UNET,
     }
 )
 
@@ -56,6 +72,9 @@ ENCODER_BLOCK_LAYOUTS: FrozenMap[str, tuple[tuple[str, ...], ...]] = FrozenMap(
         "LlamaModel": (("layers",),),
     }
 )
+
+
+_T = TypeVar("_T")
 
 
 def _entries(value: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
@@ -130,30 +149,48 @@ PIPELINES: FrozenMap[str, PipelineEntry] = FrozenMap(
 )
 
 
-def block_attrs_for(class_name: str) -> tuple[str, ...] | None:
-    """The block attributes of the known diffusers DiT class ``class_name`` (one ring), or None."""
-    return DIT_BLOCK_ATTRS.get(class_name)
+def _lookup(table: Mapping[str, _T], key: str | type) -> _T | None:
+    """``table``'s entry for a class name, or for a class: its own name, else its nearest base's."""
+    if isinstance(key, str):
+        return table.get(key)
+    for base in key.__mro__:
+        found = table.get(base.__name__)
+        if found is not None:
+            return found
+    return None
 
 
-def encoder_block_layouts_for(class_name: str) -> tuple[tuple[str, ...], ...]:
+def block_attrs_for(model_class: str | type) -> tuple[str, ...] | None:
+    """The block attributes of a known diffusers DiT class (one ring), or None.
+
+    ``model_class`` is a class name (exact match) or a class: then a subclass of a known class (a
+    variant defined by a user or a pipeline) inherits its base's entry.
+    """
+    return _lookup(DIT_BLOCK_ATTRS, model_class)
+
+
+def encoder_block_layouts_for(class_name: str | type) -> tuple[tuple[str, ...], ...]:
     """Every known block layout of the text-encoder class ``class_name``, newest first (may be empty).
 
     Only the first (newest) layout is declared for a known pipeline (`encoder_block_attrs_for`); on
     an older transformers layout its paths are not found and `resolve` reports the encoder's
     problems (errors when strict, warnings otherwise).
     """
-    return ENCODER_BLOCK_LAYOUTS.get(class_name, ())
+    return _lookup(ENCODER_BLOCK_LAYOUTS, class_name) or ()
 
 
-def encoder_block_attrs_for(class_name: str) -> tuple[str, ...] | None:
+def encoder_block_attrs_for(class_name: str | type) -> tuple[str, ...] | None:
     """The block paths (each its own ring) of ``class_name`` under transformers 5.x, or None."""
     layouts = encoder_block_layouts_for(class_name)
     return layouts[0] if layouts else None
 
 
-def pipeline_components(pipeline_class_name: str) -> tuple[tuple[str, ComponentKind], ...] | None:
-    """``(path, kind)`` of every DiT, encoder and VAE the pipeline class holds, in pipeline order."""
-    entry = PIPELINES.get(pipeline_class_name)
+def pipeline_components(pipeline_class: str | type) -> tuple[tuple[str, ComponentKind], ...] | None:
+    """``(path, kind)`` of every DiT, encoder and VAE the pipeline class holds, in pipeline order.
+
+    ``pipeline_class`` is a class name, or a class (a subclass of a known pipeline matches it).
+    """
+    entry = _lookup(PIPELINES, pipeline_class)
     if entry is None:
         return None
     dits: tuple[tuple[str, ComponentKind], ...] = tuple((p, "dit") for p, _ in entry.dits)
@@ -163,7 +200,7 @@ def pipeline_components(pipeline_class_name: str) -> tuple[tuple[str, ComponentK
 
 
 def declaration_for_pipeline(
-    pipeline_class_name: str, component_paths: Iterable[str] | Mapping[str, str]
+    pipeline_class: str | type, component_paths: Iterable[str] | Mapping[str, str]
 ) -> Declaration | None:
     """The `Declaration` of a known diffusers pipeline class, or None for an unknown class.
 
@@ -174,7 +211,7 @@ def declaration_for_pipeline(
     selector, streams its known block paths, and is declared replicated (diffusers loads each encoder
     whole on every rank, so its weights are identical across the shard group).
     """
-    entry = PIPELINES.get(pipeline_class_name)
+    entry = _lookup(PIPELINES, pipeline_class)
     if entry is None:
         return None
     if isinstance(component_paths, Mapping):

@@ -21,9 +21,15 @@ The rules, in the order they are applied (messages name the component, what was 
 8. Encoder block problems are errors when explicit or all-gathering, warnings otherwise; a selected
    encoder needs a streamable plan or a lifecycle when explicit; an on-demand encoder without
    blocks cannot all-gather.
-9. A component declared on-demand needs ``load_to_device`` and ``offload_to_cpu``.
+9. A component declared on-demand needs ``load_to_device`` and ``offload_to_cpu``; a loaded
+   (not stub) encoder cannot be both on-demand and streamed by its block stacks.
 10. Legacy layerwise offload with no DiT is a complete no-op with a ``skip_reason``.
 11. Every streamed block has exactly one owner (checked last).
+12. Model-level offload (not explicit) that would swap nothing warns: no DiT (nothing moves), or
+    DiTs but no encoder stage (each DiT is staged whole; layerwise would stream it).
+
+A DiT left without blocks under a layerwise strategy is told a `Declaration` that would stream it,
+judged from its tensor names (its largest numbered list, else its large children).
 
 Every error is collected; one `PlanError` reports them all. Warnings (`OffloadWarning`) are issued
 only when the plan is returned. Components the request does not stream carry no stacks: their
@@ -32,6 +38,7 @@ block tensors fold into their remainder.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import attrs
@@ -41,7 +48,7 @@ from torchferry.topology._config import OffloadConfig
 from torchferry.topology._model import Component, Declaration, Stack, Topology
 from torchferry.topology._plan import Plan
 
-__all__ = ["TEXT_ENCODER", "encoder_type", "resolve"]
+__all__ = ["TEXT_ENCODER", "encoder_type", "order_mismatch", "resolve", "suggest_declaration"]
 
 TEXT_ENCODER = "text_encoder"
 _NO_DIT_SKIP = "No DiT/transformer component was found for layerwise offload of the DiT"
@@ -69,6 +76,46 @@ def _flat(component: Component, *, selected: bool = False, on_demand: bool = Fal
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
+
+
+def _block_candidates(component: Component) -> tuple[str, ...]:
+    """Attributes of ``component`` that could form its ring, judged from its tensor names alone.
+
+    Numbered children (``layers.0``, ``layers.1``) make a list; the one holding most bytes wins.
+    Without any, the direct children that each hold at least 1/8 of the largest child's bytes,
+    in tensor order, each one block.
+    """
+    prefix = f"{component.path}." if component.path else ""
+    lists: dict[str, int] = {}
+    children: dict[str, int] = {}
+    for tensor in component.all_tensors():
+        name = tensor.name.removeprefix(prefix)
+        parts = name.split(".")
+        if len(parts) > 1:
+            children[parts[0]] = children.get(parts[0], 0) + tensor.nbytes
+        for i in range(1, len(parts) - 1):
+            if parts[i].isdigit():
+                head = ".".join(parts[:i])
+                lists[head] = lists.get(head, 0) + tensor.nbytes
+                break
+    if lists:
+        return (max(lists, key=lambda k: lists[k]),)
+    if not children:
+        return ()
+    largest = max(children.values())
+    picked = tuple(name for name, nbytes in children.items() if nbytes * 8 >= largest)
+    return picked if len(picked) > 1 else ()
+
+
+def suggest_declaration(component: Component) -> str:
+    """``; declare for example Declaration(...)`` naming a ring that would stream, or ``""``."""
+    found = _block_candidates(component)
+    if not found:
+        return ""
+    return (
+        f"; for example pass declaration=Declaration(block_attrs={{{component.path!r}: {found!r}}}) "
+        "listing the block lists (or single blocks) in the order its forward runs them"
+    )
 
 
 @attrs.define
@@ -176,15 +223,16 @@ class _Resolver:
                 f"DiT {dit.path!r}: {problem}; that attribute is skipped",
             )
         if not dit.blocks:
+            hint = suggest_declaration(dit)
             if explicit and not dit.problems:
                 self.errors.append(
                     f"Selected DiT {dit.path!r} ({cls}) has no streamable blocks; declare them with "
-                    f"{cls}._layerwise_offload_blocks_attrs or Declaration.block_attrs[{dit.path!r}]"
+                    f"{cls}._layerwise_offload_blocks_attrs or Declaration.block_attrs[{dit.path!r}]{hint}"
                 )
             elif not explicit:
                 self.warnings.append(
                     f"DiT {dit.path!r} ({cls}) has no streamable blocks; it is not offloaded and stays "
-                    "resident"
+                    f"resident{hint}"
                 )
             return _flat(dit, selected=selected)
 
@@ -271,6 +319,14 @@ class _Resolver:
         on_demand = encoder.path in declaration.on_demand_component_paths
         if on_demand:
             self.on_demand_lifecycle(encoder)
+            if encoder.stacks and not encoder.stub:
+                self.errors.append(
+                    f"Encoder {encoder.path!r} is declared both on-demand (Declaration."
+                    "on_demand_component_paths: the pipeline moves it whole with load_to_device/"
+                    "offload_to_cpu) and with block stacks (Declaration.encoder_block_attrs"
+                    f"[{encoder.path!r}]: torchferry streams its blocks); a loaded encoder is moved one way "
+                    "only, so remove it from one of the two"
+                )
         group = config.dp_size if config.uses_allgather("text_encoder") else 1
         if group > 1 and encoder.path not in declaration.encoder_dlo_weight_replication:
             self.errors.append(
@@ -330,6 +386,31 @@ class _Resolver:
 
     # -----------------------------------------------------------------------------------------
 
+    def model_level_stage(self) -> None:
+        """Rule 12: model-level offload that would swap nothing says so, with what would stream."""
+        topo = self.topology
+        where = topo.pipeline_class or "this pipeline"
+        dits = topo.of_kind("dit")
+        if not dits:
+            self.warnings.append(
+                f"model_level offload swaps DiTs against encoders, but {where} has no DiT component, so "
+                "nothing is moved; declare the DiT in _dit_modules (see "
+                "torchferry.topology.SupportsComponentDiscovery)"
+            )
+        elif not topo.of_kind("encoder"):
+            paths = ", ".join(repr(d.path) for d in dits)
+            streams = [d for d in dits if d.blocks]
+            fix = (
+                "use strategy='layerwise' to stream its blocks instead"
+                if streams
+                else "use strategy='layerwise' with a declared ring" + suggest_declaration(dits[0])
+            )
+            self.warnings.append(
+                f"model_level offload swaps DiTs against encoders, but {where} has no encoder component: "
+                f"each DiT ({paths}) is staged whole onto the device for its forward and nothing else is "
+                f"offloaded; {fix}"
+            )
+
     def ownership(self, components: tuple[Component, ...]) -> None:
         """Rule 11: each streamed block belongs to one component."""
         owners: dict[str, str] = {}
@@ -370,6 +451,8 @@ def resolve(topology: Topology, config: OffloadConfig) -> Plan:
         else:
             resolved.append(_flat(component, selected=False, on_demand=False))
 
+    if config.strategy == "model_level" and not config.explicit:
+        r.model_level_stage()
     skip_reason = None
     if config.strategy == "layerwise" and config.offloads("dit") and not topology.of_kind("dit"):
         skip_reason = _NO_DIT_SKIP
@@ -385,3 +468,69 @@ def resolve(topology: Topology, config: OffloadConfig) -> Plan:
     for message in r.warnings:
         warnings.warn(message, OffloadWarning, stacklevel=2)
     return Plan(topology=topology, config=config, components=resolved, skip_reason=skip_reason)
+
+
+def _runs(paths: list[str], ring: tuple[str, ...], attr_of: dict[str, str]) -> str:
+    """``paths`` compactly: consecutive blocks of one attribute as ``attr.0-3``."""
+    out: list[str] = []
+    i = 0
+    while i < len(paths):
+        attr = attr_of.get(paths[i])
+        j = i
+        while (
+            attr is not None
+            and j + 1 < len(paths)
+            and attr_of.get(paths[j + 1]) == attr
+            and paths[j + 1] in ring
+            and ring.index(paths[j + 1]) == ring.index(paths[j]) + 1
+        ):
+            j += 1
+        if j > i + 1 or (j == i + 1):
+            first, last = paths[i], paths[j].rsplit(".", 1)[-1]
+            out.append(f"{first}-{last}")
+        else:
+            out.append(paths[i])
+        i = j + 1
+    return ", ".join(out)
+
+
+def order_mismatch(component: Component, ran: list[str]) -> str | None:
+    """Why the blocks ``ran`` (in forward order so far) do not follow ``component``'s ring, and the fix.
+
+    ``None`` when they do. Otherwise: ``declared order X, forward ran Y; declare ...`` with the
+    `Declaration` whose ring follows the forward: the attributes in the order the forward first
+    entered them when it runs each one's blocks together, else every block named on its own.
+    """
+    for stack in component.stacks:
+        ring = tuple(b.path for b in stack.blocks)
+        seen = [p for p in ran if p in ring]
+        if not seen or seen == list(ring[: len(seen)]):
+            continue
+        prefix = f"{component.path}." if component.path else ""
+        attr_of: dict[str, str] = {}
+        for path in ring:
+            relative = path.removeprefix(prefix)
+            attr_of[path] = next(
+                (a for a in stack.attrs if relative == a or relative.startswith(f"{a}.")), relative
+            )
+        order: list[str] = []
+        for path in seen:
+            if attr_of[path] not in order:
+                order.append(attr_of[path])
+        order += [a for a in stack.attrs if a not in order]
+        grouped = [p for a in order for p in ring if attr_of[p] == a]
+        entered = [attr_of[p] for p in seen]
+        together = all(
+            order.index(x) <= order.index(y) for x, y in itertools.pairwise(entered)
+        )
+        if together and seen == grouped[: len(seen)]:
+            attrs_ = tuple(order)
+        else:
+            rest = [p for p in ring if p not in seen]
+            attrs_ = tuple(p.removeprefix(prefix) for p in [*seen, *rest])
+        return (
+            f"declared order {_runs(list(ring), ring, attr_of)}, forward ran {_runs(seen, ring, attr_of)}; "
+            f"declare Declaration(block_attrs={{{component.path!r}: {attrs_!r}}}) so the ring follows "
+            "the forward"
+        )
+    return None
