@@ -111,8 +111,9 @@ def test_undeclared_diffusers_class_streams_bit_identical(name: str) -> None:
         with torchferry.offload(model, strategy="layerwise", prefetch_depth=depth, device="cpu") as session:
             streamed = _run(model, spec)
             peak = session.peak_device_bytes
+            packed = session.host_bytes  # the model in 256-byte aligned packs, as a device would hold it
         assert torch.equal(streamed, reference), f"layerwise depth {depth}"
-        assert 0 < peak < total, f"layerwise depth {depth}: peak {peak} of {total} bytes"
+        assert 0 < peak < packed, f"layerwise depth {depth}: peak {peak} of {packed} packed bytes ({total} raw)"
     with (
         pytest.warns(OffloadWarning, match=re.escape("has no encoder component")),
         torchferry.offload(model, strategy="model_level", device="cpu") as session,
@@ -164,8 +165,7 @@ def test_unregistered_pipeline_is_served_from_its_components() -> None:
         with torch.no_grad():
             assert torch.equal(pipe.text_encoder(ids).last_hidden_state, embeds)
         assert torch.equal(_run(pipe.transformer, spec), reference)
-        whole = sum(_bytes(m) for m in (pipe.transformer, pipe.text_encoder, pipe.vae))
-        assert 0 < session.peak_device_bytes < whole
+        assert 0 < session.peak_device_bytes < session.host_bytes  # the two in 256-byte aligned packs
 
 
 def _call_pixart(pipe: Any) -> torch.Tensor:

@@ -59,6 +59,7 @@ def test_resolver_prefers_registered_children() -> None:
 
 
 @pytest.mark.parametrize("strategy", ["model_level", "layerwise"])
+@pytest.mark.filterwarnings("ignore:model_level offload swaps DiTs against encoders")
 def test_offload_a_model_with_children_named_like_methods(strategy: str) -> None:
     """A DiT whose block list is ``double`` and head is ``half`` streams bit-identically and closes clean."""
     pipe, ref = _Pipeline(), _Pipeline()

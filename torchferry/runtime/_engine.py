@@ -63,8 +63,7 @@ from torchferry.runtime._program import (
 from torchferry.runtime._steps import step_name
 from torchferry.runtime._streams import DeviceBuffer, StreamContext, stream_context
 from torchferry.runtime._trace import Tracer
-from torchferry.topology import Plan
-from torchferry.topology._resolve import order_mismatch
+from torchferry.topology import Plan, order_mismatch
 
 __all__ = ["RANGES", "Engine", "execute"]
 

@@ -52,6 +52,7 @@ from torchferry.topology._model import (
 from torchferry.topology._model import find_attr as find_attr
 from torchferry.topology._plan import Plan, canonical
 from torchferry.topology._protocol import SupportsComponentDiscovery
+from torchferry.topology._resolve import order_mismatch as order_mismatch
 from torchferry.topology._resolve import resolve
 from torchferry.topology._units import memory_bytes, parse_bytes, parse_rate
 
