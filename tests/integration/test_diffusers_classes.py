@@ -113,7 +113,7 @@ def test_undeclared_diffusers_class_streams_bit_identical(name: str) -> None:
             peak = session.peak_device_bytes
             packed = session.host_bytes  # the model in 256-byte aligned packs, as a device would hold it
         assert torch.equal(streamed, reference), f"layerwise depth {depth}"
-        assert 0 < peak < packed, f"layerwise depth {depth}: peak {peak} of {packed} packed bytes ({total} raw)"
+        assert 0 < peak < packed, f"depth {depth}: peak {peak} of {packed} packed bytes ({total} raw)"
     with (
         pytest.warns(OffloadWarning, match=re.escape("has no encoder component")),
         torchferry.offload(model, strategy="model_level", device="cpu") as session,
