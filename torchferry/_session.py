@@ -21,7 +21,7 @@ import torch
 from torchferry import policies, topology
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
-from torchferry.runtime import Comm, Engine, Steps, Tracer
+from torchferry.runtime import CLAIMS, Comm, Engine, Steps, Tracer, Watch, refuse_foreign
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
 __all__ = ["Session", "default_policy", "offload"]
@@ -156,6 +156,8 @@ def offload(
     request, group = _shard_group(request, process_group)
     target = torch.device(device) if device is not None else _default_device()
     topo = topology.discover(pipeline, declaration)
+    refuse_foreign(pipeline, topo)
+    CLAIMS.check(pipeline, topo)
     plan = topology.resolve(topo, request)
     chosen = policy if policy is not None else default_policy(request)
     comm = None
@@ -208,6 +210,10 @@ class Session:
             self.engine.close()
             raise
         _OPEN[pipeline] = self
+        # Why: the tensors this session serves, refused to a second session until close.
+        self._claimed = CLAIMS.claim(pipeline, plan.topology)
+        # Why: tensors added to a component after opening (a LoRA adapter) are checked at each step.
+        self._watch = Watch(pipeline, plan.topology, device)
 
     def _anchors(self) -> list[str]:
         paths: list[str] = []
@@ -220,6 +226,7 @@ class Session:
     # --------------------------------------------------------------------------- engine driver
     def enter(self, component: str) -> None:
         """A top-level component's forward begins: start its step's schedule."""
+        self._watch.check(component)
         engine = self.engine
         if engine.running:
             # A step that never finished (a KeyboardInterrupt skips forward hooks): start clean.
@@ -336,6 +343,7 @@ class Session:
             self.engine.close(gather=gather)
         finally:
             _OPEN.pop(self.pipeline, None)
+            CLAIMS.release(self._claimed)
 
     def __enter__(self) -> Session:
         return self
