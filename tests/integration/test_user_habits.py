@@ -108,6 +108,21 @@ def test_lora_added_before_opening_streams_with_its_blocks() -> None:
     assert torch.equal(_run(model, spec), reference)
 
 
+def test_lora_loaded_from_a_state_dict_streams_bit_identical() -> None:
+    """``load_lora_adapter`` with a peft LoRA state dict streams to the output of the model it came from."""
+    pytest.importorskip("peft")
+    from peft.utils import get_peft_model_state_dict
+
+    source, spec = _flux()
+    torch.manual_seed(1)
+    source.add_adapter(_lora())
+    reference = _run(source, spec)
+    model, _ = _flux()
+    model.load_lora_adapter(get_peft_model_state_dict(source), prefix=None, adapter_name="default")
+    with torchferry.offload(model, strategy="layerwise", device="cpu"):
+        assert torch.equal(_run(model, spec), reference)
+
+
 def test_peft_injected_adapter_streams_bit_identical() -> None:
     """peft's ``inject_adapter_in_model`` on a plain torch model streams to the plain output."""
     peft = pytest.importorskip("peft")
