@@ -344,6 +344,8 @@ class Session:
         finally:
             _OPEN.pop(self.pipeline, None)
             CLAIMS.release(self._claimed)
+            self._claimed = []
+            self._watch.clear()
 
     def __enter__(self) -> Session:
         return self

@@ -165,6 +165,12 @@ class Watch:
                 self._held.extend(tensors)
                 self._known[component.path] = {id(t) for t in tensors}
 
+    def clear(self) -> None:
+        """Forget every component (the session closed): hold no tensor any longer."""
+        self._roots.clear()
+        self._known.clear()
+        self._held.clear()
+
     def check(self, component: str) -> None:
         """Raise `ExecutionError` if ``component`` gained tensors on another device since opening."""
         root = self._roots.get(component)
