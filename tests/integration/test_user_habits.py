@@ -7,6 +7,7 @@ gives the plain output bit for bit, or is refused with a whole message before an
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, ClassVar
 
 import diffusers_zoo as zoo
@@ -418,6 +419,36 @@ def test_second_parameter_object_on_one_storage_moves_with_its_owner() -> None:
     assert weight == again != original
     assert block.weight.data_ptr() == block.again.data_ptr()
     assert block.weight is not block.again
+
+
+class AliasedModel(Model):
+    """`Model` whose blocks each hold two Parameter objects over one storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Aliased() for _ in range(4))
+
+
+def test_alias_objects_built_on_meta_are_filled_from_a_checkpoint(tmp_path: Path) -> None:
+    """Aliases made under ``meta_parameters`` get their owner's checkpoint bytes and stay tied after close."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    source = AliasedModel().eval()
+    with torch.no_grad():
+        reference = source(_x())
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items() if not k.endswith(".again")}, path)
+    with torchferry.meta_parameters():
+        model = AliasedModel().eval()
+    with torch.no_grad(), torchferry.offload(model, strategy="layerwise", device="cpu", checkpoint=str(path)):
+        assert torch.equal(model(_x()), reference)
+    for block in model.blocks:
+        assert isinstance(block, Aliased)
+        assert not block.again.is_meta
+        assert block.again.data_ptr() == block.weight.data_ptr()
+    with torch.no_grad():
+        assert torch.equal(model(_x()), reference)
 
 
 def test_close_gives_back_strides_offsets_and_shared_storage() -> None:

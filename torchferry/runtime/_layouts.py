@@ -14,7 +14,9 @@ things a module may have that this layout does not keep are handled here:
 
 `Layouts.take` records, before the pack takes the tensors over, each storage whose layout a pack
 would not give back (its size, and every tensor's offset, shape and strides on it); ordinary
-tensors (one object, offset 0, dense, the whole storage) record nothing and cost nothing. When the
+tensors (one object, offset 0, dense, the whole storage) record nothing and cost nothing. Meta
+tensors (a pipeline built under `meta_parameters`, filled from a checkpoint) are grouped by their
+storage object, so aliases made on the meta device share one CPU storage after close. When the
 last pack holding one of its tensors gives its tensors back (`Layouts.given_back`), one storage of
 the recorded size is allocated again and every tensor is set onto it with its recorded offset and
 strides and its bit-identical values: aliases share bytes again, views share one storage again.
@@ -53,14 +55,19 @@ def aliased(
                 other = find_attr(pipeline, name)
             except AttributeError:
                 continue
-            if not isinstance(other, torch.Tensor) or id(other) in seen or other.is_meta:
-                continue
-            if other.untyped_storage().data_ptr() != owner.untyped_storage().data_ptr():
+            if not isinstance(other, torch.Tensor) or id(other) in seen or not _same_storage(other, owner):
                 continue
             seen.add(id(other))
             out_tensors.append(other)
             out_pieces.append(piece)
     return out_tensors, out_pieces
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view one storage (meta tensors have no address: compare the storage object)."""
+    if a.is_meta or b.is_meta:
+        return a.is_meta and b.is_meta and a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
 @attrs.define(slots=True, eq=False)
@@ -94,12 +101,13 @@ class Layouts:
     @classmethod
     def take(cls, packs: Mapping[str, Iterable[torch.Tensor]]) -> Layouts:
         """Record the layouts that ``packs`` (name -> its tensors, still on their own storage) would lose."""
-        by_storage: dict[int, tuple[_Storage, set[int]]] = {}
+        by_storage: dict[tuple[str, int], tuple[_Storage, set[int]]] = {}
         for name, tensors in packs.items():
             for t in tensors:
-                if t.is_meta or t.device.type != "cpu" or t.untyped_storage().nbytes() == 0:
+                if t.device.type not in ("cpu", "meta") or t.untyped_storage().nbytes() == 0:
                     continue
-                key = t.untyped_storage().data_ptr()
+                storage_ = t.untyped_storage()
+                key = ("meta", storage_._cdata) if t.is_meta else ("cpu", storage_.data_ptr())
                 entry = by_storage.get(key)
                 if entry is None:
                     entry = (_Storage(nbytes=t.untyped_storage().nbytes(), tensors=[], packs=set()), set())
