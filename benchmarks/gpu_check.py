@@ -371,6 +371,9 @@ class Skip(Exception):
     """A row that cannot run here; its message says why and what would bring it."""
 
 
+#: auto's calibrated predicted step within this of the measured one (issue 11).
+AUTO_PREDICTION_TARGET = 0.10
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "torchferry layerwise d1": {"strategy": "layerwise", "prefetch_depth": 1},
     "torchferry layerwise d2": {"strategy": "layerwise", "prefetch_depth": 2},
@@ -642,6 +645,38 @@ class Check:
         }
         row["verdict"] = "; ".join(self.verdicts(row))
         return row
+
+    def auto_choice(self) -> dict[str, Any]:
+        """``offload(model, device_memory=...)`` (strategy auto) under a budget about half the blocks short of
+        everything: what it chose, and its calibrated predicted step against the measured one."""
+        budget = self.weight_bytes - max(self.size.blocks // 2 - 1, 0) * self.block_bytes
+        with (
+            torch.no_grad(),
+            torchferry.offload(self.model, device=self.device, device_memory=budget) as session,
+        ):
+            stats, out = time_steps(self.fn(), self.size, self.device)
+            report = session.report()
+        predicted = report.predicted_step_s.get("transformer")
+        error = predicted / stats.min - 1 if predicted else None
+        said = "not calibrated" if error is None else f"{error:+.1%} vs the measured min"
+        met = error is not None and abs(error) <= AUTO_PREDICTION_TARGET
+        return {
+            **stats.to_json(),
+            **self.identity(out),
+            "budget_bytes": budget,
+            "policy": report.policy,
+            "h2d_bytes_per_s": report.h2d_bytes_per_s,
+            "host_op_s": report.host_op_s,
+            "host_block_s": report.host_block_s,
+            "predicted_step_s": predicted,
+            "traced_step_s": report.measured_step_s.get("transformer"),
+            "prediction_error": error,
+            "switches": list(report.switches),
+            "reason": report.reason,
+            "verdict": f"auto chose {report.policy}; predicted {said}: "
+            + ("met" if met else "NOT met")
+            + f" (target {AUTO_PREDICTION_TARGET:.0%})",
+        }
 
     def verdicts(self, row: dict[str, Any]) -> list[str]:
         """The targets a variant is held to: ledger == prediction, and on CUDA step time, H2D and peak."""
@@ -1141,6 +1176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check.row("cuda path", check.cuda_path)
     for name, options in VARIANTS.items():
         check.row(name, functools.partial(check.variant, name, options))
+    check.row("auto", check.auto_choice)
     check.row("transfer bound", check.transfer_bound)
     check.row("host syncs", check.host_syncs)
     check.row("ordering stress", check.ordering_stress)

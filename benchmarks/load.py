@@ -17,6 +17,16 @@ resident set (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, cross-checked with 
 - ``diffusers``: ``ModelMixin.from_pretrained`` then ``enable_group_offload`` (block level, CPU
   onload since no accelerator is assumed), when diffusers is importable.
 
+A second table loads a diffusers pipeline folder (a ``WanPipeline`` holding a bf16
+``WanTransformer3DModel`` of about the same size, saved with ``save_pretrained`` in shards), when
+diffusers is importable:
+
+- ``from_pretrained``: ``torchferry.from_pretrained(WanPipeline, folder)``: the pipeline built on
+  meta from the configs, its weights read straight from the files into the session's host store.
+- ``pipe``: ``WanPipeline.from_pretrained(folder)`` alone (no offloading).
+- ``pipe+offload``: ``WanPipeline.from_pretrained(folder)`` then ``torchferry.offload(pipe)``: the
+  pipeline's own tensors and the host store are both alive while the store fills.
+
 Each child then reads every byte once (``+touch``, a per-tensor word sum that must agree across
 paths): safetensors returns tensors viewing a file mapping, so the meta and diffusers paths only page
 their weights in then, and stay file-backed (not pinnable, evictable) where torchferry's buffers are
@@ -44,6 +54,8 @@ from typing import Any, ClassVar
 
 HERE = Path(__file__).resolve().parent
 MODES = ("torchferry", "reader", "ordinary", "ordinary-meta", "diffusers")
+FOLDER_MODES = ("from_pretrained", "pipe", "pipe+offload")
+PIPELINE = "pipeline"
 SHARDS = 2
 WEIGHTS = "diffusion_pytorch_model"
 
@@ -324,9 +336,107 @@ def _load_diffusers(folder: Path) -> dict[str, Any]:
     }
 
 
+def _generate_pipeline(folder: Path, hidden: int, layers: int) -> dict[str, Any]:
+    """A WanPipeline folder (transformer and scheduler only) of about the custom model's size."""
+    import torch
+
+    try:
+        import diffusers
+    except ImportError as exc:
+        return {"skipped": f"diffusers is not importable ({exc})"}
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        transformer = _wan(diffusers, hidden, layers)
+    transformer = transformer.to_empty(device="cpu").to(torch.bfloat16)
+    keep = transformer._keep_in_fp32_modules
+    for name, param in transformer.named_parameters():  # as from_pretrained(torch_dtype=bf16) keeps them
+        if any(k in name.split(".") for k in keep):
+            param.data = param.data.float()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in transformer.state_dict().values():
+            t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
+    pipe = diffusers.WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=None,
+        transformer=transformer,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+    target = folder / PIPELINE
+    pipe.save_pretrained(str(target), max_shard_size="256MB")
+    files = sum(p.stat().st_size for p in target.rglob("*.safetensors"))
+    shards = len(list(target.rglob("*.safetensors")))
+    return {"file_bytes": files, "shards": shards, "tensors": len(transformer.state_dict())}
+
+
+def _wan(diffusers: Any, hidden: int, layers: int) -> Any:
+    # A Wan block holds about 16 hidden² weights, the benchmark model's 12: 3/4 of the layers match it.
+    return diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=hidden // 128,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=256,
+        freq_dim=256,
+        ffn_dim=4 * hidden,
+        num_layers=max(1, layers * 3 // 4),
+    )
+
+
+def _load_folder(folder: Path, mode: str) -> dict[str, Any]:
+    """One way of loading the pipeline folder; the transformer's bytes are touched and summed."""
+    import torch
+
+    import torchferry
+
+    try:
+        import diffusers
+    except ImportError as exc:
+        return {"skipped": f"diffusers is not importable ({exc})"}
+    target = str(folder / PIPELINE)
+    extra = {"tokenizer": None, "text_encoder": None, "vae": None, "transformer_2": None}
+    wan = diffusers.WanPipeline  # diffusers imports lazily: the pipeline's modules load here, not below
+    baseline = _peak()
+    start = time.perf_counter()
+    session = None
+    if mode == "from_pretrained":
+        session = torchferry.from_pretrained(
+            diffusers.WanPipeline, target, strategy="layerwise", device="cpu"
+        )
+        pipe = session.pipeline
+    else:
+        pipe = wan.from_pretrained(target, torch_dtype=torch.bfloat16, **extra)
+        if mode == "pipe+offload":
+            session = torchferry.offload(pipe, strategy="layerwise", device="cpu")
+    seconds = time.perf_counter() - start
+    held = (
+        session.host_bytes
+        if session is not None
+        else sum(t.nbytes for t in pipe.transformer.state_dict().values())
+    )
+    checksum, touch = _touch(pipe.transformer.state_dict().values())
+    peak = _peak()
+    if session is not None:
+        session.close()
+    return {
+        "peak": peak,
+        "seconds": seconds,
+        "touch_seconds": touch,
+        "checksum": checksum,
+        "baseline": baseline,
+        "held_bytes": held,
+    }
+
+
 def _child(mode: str, folder: Path, hidden: int, layers: int) -> None:
     if mode == "generate":
         result = _generate(folder, hidden, layers)
+    elif mode == "generate-pipeline":
+        result = _generate_pipeline(folder, hidden, layers)
+    elif mode in FOLDER_MODES:
+        result = _load_folder(folder, mode)
     elif mode == "torchferry":
         result = _load_torchferry(folder, hidden, layers)
     elif mode == "reader":
@@ -345,7 +455,10 @@ def _child(mode: str, folder: Path, hidden: int, layers: int) -> None:
 def _spawn(mode: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--folder", str(folder)]
     command += ["--hidden", str(args.hidden), "--layers", str(args.layers)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=1800)
+    # The child imports torchferry from this checkout, not whichever one is installed.
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=1800, env=env)
     if done.returncode != 0:
         return {"failed": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"}
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -356,11 +469,46 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _best(done: list[dict[str, Any]]) -> dict[str, Any]:
+    timed = [r for r in done if "seconds" in r]
+    if not timed:
+        return done[0]
+    best = min(timed, key=lambda r: r["seconds"] + r["touch_seconds"])
+    best["all_seconds"] = [round(r["seconds"] + r["touch_seconds"], 3) for r in timed]
+    best["peak"]["ru_maxrss"] = max(r["peak"]["ru_maxrss"] for r in timed)
+    best["peak"]["vm_hwm"] = max(r["peak"]["vm_hwm"] for r in timed)
+    return best
+
+
+def _print_table(rows: dict[str, dict[str, Any]], ckpt: int) -> None:
+    """One table of load paths over the same files; 'bytes ok' compares their checksums."""
+    header = (
+        f"{'path':<16} {'load':>7} {'+touch':>7} {'peak RSS':>10} {'RSS/ckpt':>9} {'(peak-base)/ckpt':>17}"
+        f" {'bytes ok':>8}"
+    )
+    sums = {row["checksum"] for row in rows.values() if "checksum" in row}
+    print(header)
+    print("-" * len(header))
+    for mode, row in rows.items():
+        if "seconds" not in row:
+            print(f"{mode:<16} skipped: {row.get('skipped') or row.get('failed')}")
+            continue
+        peak = row["peak"]["ru_maxrss"]
+        base = row["baseline"]["ru_maxrss"]
+        row["peak_over_checkpoint"] = peak / ckpt
+        row["net_over_checkpoint"] = (peak - base) / ckpt
+        row["bytes_match"] = len(sums) == 1
+        print(
+            f"{mode:<16} {row['seconds']:>6.2f}s {row['touch_seconds']:>6.2f}s {_gib(peak):>10} "
+            f"{peak / ckpt:>8.2f}x {(peak - base) / ckpt:>16.2f}x {'yes' if len(sums) == 1 else 'NO':>8}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=40)
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join((*MODES, *FOLDER_MODES)))
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "load.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -369,48 +517,41 @@ def main() -> None:
     if args.child:
         _child(args.child, args.folder, args.hidden, args.layers)
         return
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - {*MODES, *FOLDER_MODES})
+    if unknown:
+        raise SystemExit(
+            f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join((*MODES, *FOLDER_MODES))}"
+        )
     with tempfile.TemporaryDirectory(prefix="torchferry-load-") as tmp:
         folder = Path(tmp)
         made = _spawn("generate", folder, args)
         if "failed" in made:
             raise SystemExit(f"could not generate the checkpoint: {made['failed']}")
         ckpt = made["file_bytes"]
-        rows: dict[str, dict[str, Any]] = {}
-        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes.split(",")}
+        pipeline: dict[str, Any] = {}
+        if any(m in FOLDER_MODES for m in modes):
+            pipeline = _spawn("generate-pipeline", folder, args)
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
         for _ in range(args.repeat):
             for mode, done in runs.items():
+                if mode in FOLDER_MODES and "file_bytes" not in pipeline:
+                    done.append({"skipped": pipeline.get("skipped") or pipeline.get("failed")})
+                    continue
                 done.append(_spawn(mode, folder, args))
-        for mode, done in runs.items():
-            timed = [r for r in done if "seconds" in r]
-            if not timed:
-                rows[mode] = done[0]
-                continue
-            best = min(timed, key=lambda r: r["seconds"] + r["touch_seconds"])
-            best["all_seconds"] = [round(r["seconds"] + r["touch_seconds"], 3) for r in timed]
-            best["peak"]["ru_maxrss"] = max(r["peak"]["ru_maxrss"] for r in timed)
-            best["peak"]["vm_hwm"] = max(r["peak"]["vm_hwm"] for r in timed)
-            rows[mode] = best
+        rows = {mode: _best(done) for mode, done in runs.items() if mode in MODES}
+        folder_rows = {mode: _best(done) for mode, done in runs.items() if mode in FOLDER_MODES}
     print(f"checkpoint: {_gib(ckpt)} in {SHARDS} shards ({made['tensors']} tensors), bf16, from page cache")
-    header = (
-        f"{'path':<14} {'load':>7} {'+touch':>7} {'peak RSS':>10} {'RSS/ckpt':>9} {'(peak-base)/ckpt':>17}"
-        f" {'bytes ok':>8}"
-    )
-    sums = {row["checksum"] for row in rows.values() if "checksum" in row}
-    print(header)
-    print("-" * len(header))
-    for mode, row in rows.items():
-        if "seconds" not in row:
-            print(f"{mode:<14} skipped: {row.get('skipped') or row.get('failed')}")
-            continue
-        peak = row["peak"]["ru_maxrss"]
-        base = row["baseline"]["ru_maxrss"]
-        row["peak_over_checkpoint"] = peak / ckpt
-        row["net_over_checkpoint"] = (peak - base) / ckpt
-        row["bytes_match"] = len(sums) == 1
+    _print_table(rows, ckpt)
+    if folder_rows and "file_bytes" in pipeline:
+        print()
         print(
-            f"{mode:<14} {row['seconds']:>6.2f}s {row['touch_seconds']:>6.2f}s {_gib(peak):>10} "
-            f"{peak / ckpt:>8.2f}x {(peak - base) / ckpt:>16.2f}x {'yes' if len(sums) == 1 else 'NO':>8}"
+            f"pipeline folder: WanPipeline, {_gib(pipeline['file_bytes'])} in {pipeline['shards']} shards "
+            f"({pipeline['tensors']} tensors), bf16, from page cache"
         )
+        _print_table(folder_rows, pipeline["file_bytes"])
+    elif folder_rows:
+        print(f"pipeline folder: skipped: {pipeline.get('skipped') or pipeline.get('failed')}")
     print(f"best of {args.repeat} runs each (fresh child processes, interleaved)")
     print("load: until the call returns; +touch: then reading every byte once (lazy mappings page in)")
     print("base: the child's peak RSS after its imports (torch), before loading starts")
@@ -426,6 +567,11 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "target": "torchferry peak RSS <= 1.2x checkpoint bytes",
         "rows": rows,
+        "pipeline_folder": {
+            "file_bytes": pipeline.get("file_bytes"),
+            "shards": pipeline.get("shards"),
+            "rows": folder_rows,
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -155,3 +155,17 @@ def test_overlap_fraction_counts_only_covered_copy_time() -> None:
     computes = [(1.0, 3.0), (1.5, 2.5), (5.0, 9.0)]
     assert gpu_check.overlap_fraction(copies, computes) == pytest.approx(0.5)
     assert gpu_check.overlap_fraction(copies, []) == 0.0
+
+
+def test_auto_benchmark_runs_on_cpu(tmp_path: Path) -> None:
+    """auto.py --quick compares auto with every hand-picked configuration at each budget, in one run."""
+    out = _run("auto.py", "--quick", "--out", str(tmp_path))
+    assert "auto within 5% of the best, prediction within 10% (" in out
+    result = json.loads((tmp_path / "auto.json").read_text())
+    rows = result["rows"]
+    assert [r["budget"] for r in rows][-1] == "everything fits"
+    assert rows[-1]["auto_policy"] == "none()" and rows[0]["auto_policy"] == "layerwise(depth=1)"
+    assert rows[0]["candidates"] == 1 and rows[-1]["candidates"] > rows[0]["candidates"]
+    for r in rows:
+        assert r["auto"]["min_s"] > 0 and r["predicted_s"] > 0 and r["best_stats"]["min_s"] > 0
+        assert r["auto_vs_best"] == pytest.approx(r["auto"]["min_s"] / r["best_stats"]["min_s"] - 1)

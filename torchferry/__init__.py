@@ -11,7 +11,8 @@ from torchferry._errors import (
     ScheduleError,
     TorchferryDeprecationWarning,
 )
-from torchferry._session import Session, offload
+from torchferry._pretrained import from_pretrained
+from torchferry._session import Session, SessionReport, offload
 from torchferry.runtime import meta_parameters
 
 __version__ = "0.1.0"
@@ -23,8 +24,10 @@ __all__ = [
     "PlanError",
     "ScheduleError",
     "Session",
+    "SessionReport",
     "TorchferryDeprecationWarning",
     "__version__",
+    "from_pretrained",
     "meta_parameters",
     "offload",
     "policies",

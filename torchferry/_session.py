@@ -10,6 +10,7 @@ the engine carries it out while the component runs. The pipeline is called exact
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Iterator, Mapping
 from types import TracebackType
@@ -19,12 +20,15 @@ import attrs
 import torch
 
 from torchferry import policies, topology
+from torchferry._auto import Chooser, SessionReport, default_budget
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
-from torchferry.runtime import CLAIMS, Comm, Engine, Steps, Tracer, Watch, refuse_foreign
+from torchferry.runtime import CLAIMS, Comm, Engine, Steps, Tracer, Watch, prove, refuse_foreign
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
-__all__ = ["Session", "default_policy", "offload"]
+__all__ = ["Session", "SessionReport", "default_policy", "offload"]
+
+LOG = logging.getLogger("torchferry")
 
 #: Pipelines a session is serving now, so a second session on the same pipeline is refused.
 _OPEN: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()
@@ -117,8 +121,12 @@ def offload(
 ) -> Session:
     """Take over ``pipeline``'s weights and stream them to ``device`` on the policy's schedule.
 
-    ``config`` (or ``strategy`` and any `OffloadConfig` field as a keyword) says what to offload;
-    ``policy`` replaces the strategy's built-in policy (its knobs then go to its factory: passing
+    ``strategy`` defaults to ``"auto"``: the session picks strategy, depth and resident blocks that
+    fit the budget (``device_memory=``, else the device's free memory at open less a margin for
+    activations), measures this machine and re-chooses once calibrated (see `torchferry._auto`,
+    `Session.report`). A ``config``, a ``policy`` or a ring knob (``prefetch_depth=``) names the
+    policy instead. ``config`` (or ``strategy`` and any `OffloadConfig` field as a keyword) says what
+    to offload; ``policy`` replaces the strategy's built-in policy (its knobs then go to its factory: passing
     ``prefetch_depth`` or ``chunk_bytes`` with it is a `PlanError`); ``device`` defaults to CUDA when
     present. ``device_memory=`` is the device budget, in bytes or as ``"24GiB"``/``"80GB"``.
     Everything that can be rejected is rejected (`PlanError`) before the pipeline is touched. Use the
@@ -146,7 +154,8 @@ def offload(
             )
         config_options = dict(config_options)
         config_options["device_memory_bytes"] = topology.memory_bytes(config_options.pop("device_memory"))
-    request = _config(config, strategy, config_options)
+    auto = _is_auto(config, strategy, policy, config_options)
+    request = _config(config, "layerwise" if auto else strategy, config_options)
     if policy is not None and _policy_knobs(request):
         raise PlanError(
             f"offload(policy=...) with {' and '.join(_policy_knobs(request))}: those knobs configure the "
@@ -155,17 +164,55 @@ def offload(
         )
     request, group = _shard_group(request, process_group)
     target = torch.device(device) if device is not None else _default_device()
+    source = "given"
+    if auto and request.device_memory_bytes is None:
+        budget, source = default_budget(target)
+        request = attrs.evolve(request, device_memory_bytes=budget)
     topo = topology.discover(pipeline, declaration)
     refuse_foreign(pipeline, topo)
     CLAIMS.check(pipeline, topo)
     plan = topology.resolve(topo, request)
-    chosen = policy if policy is not None else default_policy(request)
+    chooser = None
+    if auto:
+        assert plan.config.device_memory_bytes is not None
+        chooser = Chooser(plan, target, plan.config.device_memory_bytes, source)
+    chosen = (
+        policy if policy is not None else chooser.policy if chooser is not None else default_policy(request)
+    )
     comm = None
     if group is not None and plan.config.dp_size > 1:
         from torchferry.runtime import Comm
 
         comm = Comm(group, target)
-    return Session(pipeline, plan, chosen, device=target, comm=comm, prefix_map=checkpoint_prefix_map)
+    return Session(
+        pipeline, plan, chosen, device=target, comm=comm, prefix_map=checkpoint_prefix_map, chooser=chooser
+    )
+
+
+def _is_auto(
+    config: OffloadConfig | None, strategy: str | None, policy: Policy | None, options: Mapping[str, Any]
+) -> bool:
+    """Whether the session chooses (``strategy="auto"``, the default when nothing else names a policy).
+
+    A config, a strategy, a policy or a ring knob (``prefetch_depth``, ``chunk_bytes``) names one;
+    ``strategy="auto"`` with a policy or a ring knob is a `PlanError` (auto picks the depth itself).
+    """
+    if strategy == "auto":
+        named = [k for k in ("prefetch_depth", "chunk_bytes") if k in options]
+        if policy is not None:
+            named.insert(0, "policy")
+        if named:
+            raise PlanError(
+                f"offload(strategy='auto') with {' and '.join(f'{k}=' for k in named)}: auto picks the "
+                "policy and its depth itself; drop them, or name the strategy (strategy='layerwise')"
+            )
+        return True
+    return (
+        strategy is None
+        and config is None
+        and policy is None
+        and not any(k in options for k in ("prefetch_depth", "chunk_bytes"))
+    )
 
 
 class Session:
@@ -184,7 +231,11 @@ class Session:
         device: torch.device,
         comm: Comm | None = None,
         prefix_map: Mapping[str, str] | None = None,
+        chooser: Chooser | None = None,
     ) -> None:
+        # Every top-level component's first schedule is proved before anything moves (`runtime.prove`).
+        for top in plan.components:
+            prove(policy(plan, Step(component=top.path)), plan)
         self.pipeline = pipeline
         self.plan = plan
         self.policy = policy
@@ -204,6 +255,11 @@ class Session:
         self.step_peaks: dict[Step, int] = self._steps.peaks
         self._step: Step | None = None
         self._closed = False
+        # Why: auto's choice, measurements and re-choices (``None``: the caller named the policy).
+        self._chooser = chooser
+        # Why: the chooser's tracer of the running step, handed to it when the step finishes.
+        self._measuring: Tracer | None = None
+        self._logged: str | None = None
         try:
             self.engine.anchor(self._anchors())
         except BaseException:
@@ -231,19 +287,40 @@ class Session:
         if engine.running:
             # A step that never finished (a KeyboardInterrupt skips forward hooks): start clean.
             engine.abort()
+        chooser = self._chooser
+        if chooser is not None:
+            switch = chooser.pending()
+            if switch is not None:
+                # Between steps only: drop what the old schedule left, the new one stages what it needs.
+                engine.abort()
+                self._steps.use(switch, index_free=policies.is_index_free(switch))
+                self.policy = switch
+            tracer = chooser.tracer(component)
+            if tracer is not None and not engine.traced:
+                engine.arm(tracer)
+                self._measuring = tracer
         step = self._steps.next(component, engine.residency)
         engine.begin(self._steps.schedule(step))
         self._step = step
 
     def leave(self, component: str, failing: bool) -> None:
         """A top-level component's forward ended: check its step, or recover if it raised."""
+        measuring, self._measuring = self._measuring, None
         if failing:
             self.engine.abort()
             self._steps.interrupted()
+            if self._chooser is not None:
+                self._chooser.interrupted()
             return
         self.engine.finish()
         if self._step is not None:
             self._steps.finished(self._step, self.engine.step_peak)
+        if measuring is not None and measuring.done and self._chooser is not None:
+            self._chooser.traced(measuring.result)
+            if not self._chooser.switching and self._chooser.running_name != self._logged:
+                # One line per schedule the session settles on: what it measured, chose and why.
+                self._logged = self._chooser.running_name
+                LOG.info("%s", self._chooser.report())
 
     @contextlib.contextmanager
     def trace(self, component: str, *, skip: int = 0) -> Iterator[Tracer]:
@@ -297,6 +374,35 @@ class Session:
             yield
 
     # ------------------------------------------------------------------------------- figures
+    def report(self) -> SessionReport:
+        """What this session measured, chose, predicted and measured again, and why.
+
+        Under ``strategy="auto"``: the budget and where it came from, the bandwidth measured, the
+        chooser's `policies.Choice`, the calibrated cost model, each streaming component's predicted
+        and measured steady step and every switch of schedule. Otherwise the policy the caller named.
+        """
+        if self._chooser is not None:
+            return self._chooser.report()
+        budget = self.plan.config.device_memory_bytes
+        name = getattr(self.policy, "name", getattr(self.policy, "__name__", "custom policy"))
+        return SessionReport(
+            budget=budget,
+            budget_source="given" if budget is not None else "none given",
+            h2d_bytes_per_s=None,
+            h2d_source="",
+            policy=name,
+            choice=None,
+            cost=None,
+            calibrated=False,
+            block_s={},
+            predicted_step_s={},
+            measured_step_s={},
+            host_op_s=0.0,
+            host_block_s=0.0,
+            switches=(),
+            reason=f"{name}: named by the caller (strategy={self.plan.strategy!r}); nothing was chosen",
+        )
+
     @property
     def device_bytes(self) -> int:
         """Device bytes the runtime holds now (slots, staged units, acquired components)."""

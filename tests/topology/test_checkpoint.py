@@ -142,7 +142,7 @@ def test_tens_of_gigabytes_plan_without_reading_data(tmp_path: Path) -> None:
     elapsed = time.perf_counter() - start
     assert topology.nbytes == 60 * GIB
     assert len(topology.components[0].blocks) == 120
-    assert elapsed < 1.0
+    assert elapsed < 10.0  # reading 60 GiB would take far longer; loose so a loaded machine passes
 
 
 def test_garbage_data_region_still_plans(tmp_path: Path) -> None:

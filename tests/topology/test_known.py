@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 from typing import NamedTuple
 
 import pytest
@@ -486,23 +485,14 @@ def test_topology_is_hashable_and_cached() -> None:
     assert len({first, rebuilt}) == 1
 
 
-def test_every_topology_loads_fast() -> None:
-    """Building all known topologies from the shipped files takes well under a second."""
-    _known._topology.cache_clear()
-    _known._document.cache_clear()
-    start = time.perf_counter()
-    for model_id in KNOWN_MODELS:
-        known_topology(model_id)
-    assert time.perf_counter() - start < 0.5
-
-
 def test_unknown_id_lists_the_known_ones() -> None:
     """An unknown id is a PlanError naming every known id and alias and what else to pass."""
     msg = (
         "unknown model id 'flux.2-dev': torchferry knows wan2.1-t2v-14b, wan2.2-t2v-a14b, wan2.1-t2v-1.3b, "
         "wan2.2-ti2v-5b, flux.1-dev, qwen-image, hunyuanvideo, sd3.5-large, ltx-video-2b, "
         "ltx-video-13b-0.9.7; aliases: ltx-video-2b-0.9.1 (ltx-video-2b), ltx-video-2b-0.9.5 "
-        "(ltx-video-2b). Pass one of these ids, or a safetensors file, folder or *.index.json."
+        "(ltx-video-2b). Pass one of these ids or their hub ids (black-forest-labs/FLUX.1-dev; torchferry "
+        "plan --list shows them), a diffusers pipeline folder, or a safetensors file, folder or *.index.json."
     )
     with pytest.raises(PlanError, match=re.escape(msg)):
         known_topology("flux.2-dev")

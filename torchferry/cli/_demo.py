@@ -28,6 +28,7 @@ import torch
 
 import torchferry
 from torchferry import policies, topology
+from torchferry._auto import calibrate, measure
 from torchferry._errors import OffloadError
 from torchferry.cli._tables import table
 from torchferry.cli._timeline import Panel, lanes_of, render_panels
@@ -105,7 +106,9 @@ class DemoRow:
 
     strategy: str
     peak_device_bytes: int = 0
+    #: The fastest steady step (the least disturbed by other work), and the median of the same steps.
     step_s: float = 0.0
+    median_s: float = 0.0
     calls: int = 0
     identical: bool | None = None
     note: str = ""
@@ -151,14 +154,16 @@ def _step_timer(dit: torch.nn.Module, device: torch.device) -> Iterator[list[flo
 
 def _calls(
     pipeline: toy.ToyPipeline, device: torch.device, steps: int, calls: int
-) -> tuple[list[torch.Tensor], float]:
-    """Outputs of ``calls`` pipeline calls, and the median step time of all calls after the first."""
+) -> tuple[list[torch.Tensor], tuple[float, float]]:
+    """Outputs of ``calls`` pipeline calls, and the fastest and the median step of all calls after
+    the first (each call's first step, which stages what the text encoder left, is not counted)."""
     outputs: list[torch.Tensor] = []
     with _step_timer(pipeline.transformer, device) as times:
         for _ in range(calls):
             outputs.append(pipeline(PROMPT, steps=steps, seed=SEED, device=device).cpu())
-    measured = times[steps:] if calls > 1 else times
-    return outputs, statistics.median(measured)
+    later = times[steps:] if calls > 1 else times
+    steady = [t for i, t in enumerate(later) if i % steps != 0] or later
+    return outputs, (min(steady), statistics.median(steady))
 
 
 def _traced_call(session: torchferry.Session, pipeline: toy.ToyPipeline, device: torch.device) -> StepTrace:
@@ -198,12 +203,30 @@ def _run_strategy(
     with torchferry.offload(
         pipeline, device=device, components=_COMPONENTS, checkpoint=str(checkpoint), **options
     ) as session:
-        outputs, step_s = _calls(pipeline, device, steps, calls)
+        outputs, (step_s, median_s) = _calls(pipeline, device, steps, calls)
         peak = session.peak_device_bytes
+        note = ""
+        if "strategy" not in options:
+            report = session.report()
+            predicted = report.predicted_step_s.get("transformer")
+            note = f"chose {report.policy} within {_bytes(report.budget or 0)}"
+            if predicted is not None and report.calibrated:
+                note += (
+                    f"; its calibrated model predicts {predicted * 1e3:.2f} ms per step, measured here "
+                    f"{step_s * 1e3:.2f} ms ({(predicted / step_s - 1) * 100:+.1f}%)"
+                )
         if trace:
             traced = _traced_call(session, pipeline, device)
     identical = all(torch.equal(a, b) for a, b in zip(outputs, reference, strict=True))
-    row = DemoRow(strategy=label, peak_device_bytes=peak, step_s=step_s, calls=calls, identical=identical)
+    row = DemoRow(
+        strategy=label,
+        peak_device_bytes=peak,
+        step_s=step_s,
+        median_s=median_s,
+        calls=calls,
+        identical=identical,
+        note=note,
+    )
     return row, traced
 
 
@@ -244,7 +267,7 @@ def _distributed_rank(rank: int, world: int, job: _RankJob) -> _RankResult:
         dit_transfer="allgather",
     )
     try:
-        outputs, step_s = _calls(pipeline, target, job.steps, job.calls)
+        outputs, (step_s, _median) = _calls(pipeline, target, job.steps, job.calls)
         peak = session.peak_device_bytes
         # Every rank runs the traced call (its gathers are collectives); each traces its own step.
         traced = _traced_call(session, pipeline, target) if job.trace else None
@@ -307,10 +330,32 @@ def _bytes(n: int) -> str:
     return policies.format_bytes(n, exact=False)
 
 
+def _spread(row: DemoRow) -> float:
+    """How far the median step is above the fastest: the noise a figure carries."""
+    return row.median_s / row.step_s - 1 if row.step_s > 0 and row.median_s > 0 else 0.0
+
+
+def overhead_cell(row: DemoRow, resident: DemoRow) -> str:
+    """The overhead over resident from the fastest steps, or ``within noise`` when the spread of
+    either run is larger than the difference (offloading is never faster than resident; a negative
+    figure is noise)."""
+    if resident.step_s <= 0:
+        return "-"
+    overhead = row.step_s / resident.step_s - 1
+    noise = max(_spread(row), _spread(resident))
+    if overhead <= 0 or overhead < noise:
+        return f"within noise ({noise * 100:.0f}%)"
+    return f"{overhead * 100:+.1f}%"
+
+
 def format_table(rows: Sequence[DemoRow], resident_step_s: float) -> str:
-    """The demo's result table."""
+    """The demo's result table: time/step is the fastest steady step, with the median's distance
+    above it (the spread); the overhead is judged from the fastest."""
     header = ["strategy", "peak device", "time/step", "overhead", "outputs identical"]
     body: list[list[str]] = []
+    resident = next((r for r in rows if r.identical is None and r.error is None), None)
+    if resident is None or resident.step_s != resident_step_s:
+        resident = DemoRow(strategy="resident", step_s=resident_step_s, median_s=resident_step_s)
     for r in rows:
         if r.error is not None:
             body.append([r.strategy, "-", "-", "-", f"FAILED: {r.error}"])
@@ -318,9 +363,12 @@ def format_table(rows: Sequence[DemoRow], resident_step_s: float) -> str:
         if r.identical is None:
             overhead, same = "-", "(reference)"
         else:
-            overhead = f"{(r.step_s / resident_step_s - 1) * 100:+.1f}%" if resident_step_s > 0 else "-"
+            overhead = overhead_cell(r, resident)
             same = "yes" if r.identical else "NO"
-        body.append([r.strategy, _bytes(r.peak_device_bytes), f"{r.step_s * 1e3:.2f} ms", overhead, same])
+        spread = f" (+{_spread(r) * 100:.0f}%)" if r.median_s > 0 else ""
+        body.append(
+            [r.strategy, _bytes(r.peak_device_bytes), f"{r.step_s * 1e3:.2f} ms{spread}", overhead, same]
+        )
     return "\n".join(table(header, body, right={1, 2, 3})) + "\n"
 
 
@@ -392,9 +440,14 @@ def timeline_svg(
             else f"measured on {measured.device} (synchronous copies)"
         )
         rank = ", rank 0" if distributed else ""
-        panels.append(
-            Panel(heading=how + rank, lanes=lanes_of(measured.spans), note=_measured_note(measured, ranks))
+        calibrated = calibrate([measure(measured, plan)], h2d_bytes_per_s=cost.h2d_bytes_per_s)
+        again = policies.simulate(measured.schedule, calibrated).makespan_s
+        note = (
+            f"{_measured_note(measured, ranks)}; calibrated on it (runtime figures, "
+            f"{calibrated.host_op_s * 1e6:.1f} us/op host): simulated {again * 1e3:.2f} ms "
+            f"({(again / measured.wall_s - 1) * 100:+.1f}%)"
         )
+        panels.append(Panel(heading=how + rank, lanes=lanes_of(measured.spans), note=note))
     subtitle = "simulated above, measured below, to one time scale" if measured is not None else ""
     return render_panels(
         panels, title="torchferry demo: one denoising step, stream by stream", subtitle=subtitle
@@ -475,15 +528,19 @@ def _run(
 
     resident = toy.load_checkpoint(_skeleton(), checkpoint).to(target)
     assert isinstance(resident, toy.ToyPipeline)
-    reference, resident_step_s = _calls(resident, target, steps, calls)
+    reference, (resident_step_s, resident_median_s) = _calls(resident, target, steps, calls)
     rows = [
         DemoRow(
             strategy="resident (no offload)",
             peak_device_bytes=_weight_bytes(resident),
             step_s=resident_step_s,
+            median_s=resident_median_s,
             calls=calls,
         )
     ]
+    # auto's budget: everything but half the DiT's blocks, so it must choose what to stream.
+    block = max(b.nbytes for b in topology.discover(resident).component("transformer").blocks)
+    auto_budget = _weight_bytes(resident) - (_BLOCKS // 2) * block
     progress(f"resident: {resident_step_s * 1e3:.2f} ms per step")
     del resident
 
@@ -538,6 +595,22 @@ def _run(
             f"({time.perf_counter() - t0:.2f} s)"
         )
 
+    t0 = time.perf_counter()
+    row, _ = _run_strategy(
+        f"auto (device_memory={_bytes(auto_budget)})",
+        checkpoint=checkpoint,
+        reference=reference,
+        device=target,
+        steps=steps,
+        calls=calls,
+        device_memory=auto_budget,
+    )
+    rows.append(row)
+    progress(
+        f"auto: {row.note or 'no note'}; outputs {'identical' if row.identical else 'DIFFER'} "
+        f"({time.perf_counter() - t0:.2f} s)"
+    )
+
     if timeline is not None:
         per_block = resident_step_s / _BLOCKS
         bandwidth = _copy_bandwidth(target)
@@ -554,8 +627,9 @@ def _run(
     where = "host memory standing in for a device" if target.type == "cpu" else str(target)
     timed = f"calls 2-{calls}" if calls > 2 else "call 2" if calls == 2 else "the only call (no warm-up)"
     stdout.write(
-        f"peak device: weight bytes held on {target} ({where}); time/step: median DiT forward of "
-        f"{timed}, {steps} steps each\n"
+        f"peak device: weight bytes held on {target} ({where}); time/step: the fastest steady DiT "
+        f"forward of {timed}, {steps} steps each (in brackets: how far the median is above it); "
+        "overhead from the fastest, 'within noise' when the spread is larger\n"
     )
     stdout.writelines(f"{r.strategy}: {r.note}\n" for r in rows if r.note and r.error is None)
     differ = [r.strategy for r in rows if r.identical is False]

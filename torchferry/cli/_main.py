@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -37,6 +38,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _size(text: str) -> int:
+    if re.fullmatch(r"\s*[0-9.]+\s*", text):
+        raise argparse.ArgumentTypeError(
+            f"{text.strip()!r} has no unit; write {text.strip()}GiB (binary) or {text.strip()}GB (decimal)"
+        )
     try:
         value = parse_bytes(text)
     except ValueError as exc:
@@ -131,14 +136,26 @@ def _parser() -> _Parser:
     plan = commands.add_parser(
         "plan",
         help="will MODEL fit a device, with which strategy, and how much slower",
-        description="Plan MODEL (a known id, a safetensors file, a folder of shards or an *.index.json; "
-        "headers only) for a device memory budget: per-component bytes, and for each strategy whether "
-        "it fits, its simulated peak device bytes, step time and overhead versus all-resident, and the "
-        "automatic choice.",
+        description="Plan MODEL (a known id, a hub id such as black-forest-labs/FLUX.1-dev, a diffusers "
+        "pipeline folder, a safetensors file, a folder of shards or an *.index.json; headers only) for a "
+        "device memory budget: per-component bytes, and for each strategy whether its weights fit, its "
+        "simulated peak device bytes of weights, step time and overhead versus all-resident, and the "
+        "automatic choice. 'fits' and 'peak device' count weights only: activations and the VAE decode "
+        "need room beyond them.",
     )
-    plan.add_argument("model", nargs="?", metavar="MODEL", help="known id (see --list) or checkpoint path")
+    plan.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help="known id or hub id (see --list), pipeline folder, or checkpoint path",
+    )
     plan.add_argument("--list", action="store_true", help="list the known model ids with their sizes")
-    plan.add_argument("--device-memory", type=_size, metavar="SIZE", help="device budget, e.g. 24GiB or 80GB")
+    plan.add_argument(
+        "--device-memory",
+        type=_size,
+        metavar="SIZE",
+        help="device budget for the weights, with a unit: 24GiB or 80GB (a bare number is refused)",
+    )
     plan.add_argument(
         "--h2d", type=_rate, metavar="RATE", help="host-to-device bandwidth (default: the device's; 25GB/s)"
     )

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from torchferry import policies, topology
-from torchferry._errors import OffloadError
+from torchferry._errors import OffloadError, PlanError
 from torchferry.cli._tables import table as _table
 from torchferry.policies import CostModel, Policy, Schedule, Step
 from torchferry.topology import (
@@ -53,7 +53,6 @@ JSON_VERSION = 1
 STRATEGY_ORDER = (*policies.STRATEGIES, "auto")
 
 _RESOLUTION = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?:x\s*(\d+)\s*f?)?\s*$", re.IGNORECASE)
-_NUMBERED = re.compile(r"^(.+?)\.(\d+)\.")
 
 
 def parse_resolution(text: str) -> Resolution:
@@ -72,25 +71,16 @@ def parse_resolution(text: str) -> Resolution:
 
 
 def _looks_like_path(model: str) -> bool:
-    return (
-        os.path.exists(model) or "/" in model or os.sep in model or model.endswith((".safetensors", ".json"))
+    return os.path.exists(model) or model.endswith((".safetensors", ".json")) or (
+        ("/" in model or os.sep in model)
+        and topology.hub_snapshot(model) is None
+        and topology.hub_model_id(model) is None
     )
 
 
 def detect_block_attrs(names: Sequence[str]) -> tuple[str, ...]:
-    """Block attributes guessed from tensor names: prefixes followed by at least two distinct indices.
-
-    ``blocks.0.attn.q.weight`` and ``blocks.1.…`` make ``blocks`` a block attribute; the shortest
-    numbered prefix of a name wins (so ``blocks.3.ffn.net.0`` counts for ``blocks`` only). Shorter
-    attributes come first (``transformer_blocks`` before ``single_transformer_blocks``).
-    """
-    indices: dict[str, set[int]] = {}
-    for name in names:
-        match = _NUMBERED.match(name)
-        if match:
-            indices.setdefault(match.group(1), set()).add(int(match.group(2)))
-    found = [attr for attr, seen in indices.items() if len(seen) >= 2]
-    return tuple(sorted(found, key=lambda a: (len(a), a)))
+    """Block attributes guessed from tensor names (see `topology` ``guess_block_attrs``)."""
+    return topology.guess_block_attrs(names)
 
 
 def _by_component(attrs_: Sequence[str], names: Sequence[str]) -> dict[str, tuple[str, ...]] | None:
@@ -112,14 +102,48 @@ def _by_component(attrs_: Sequence[str], names: Sequence[str]) -> dict[str, tupl
     return {k: tuple(v) for k, v in mapping.items()}
 
 
-def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[Topology, KnownModel | None]:
-    """The topology ``model`` names (a known id, or a checkpoint file, folder or ``*.index.json``).
+def _known_candidates() -> dict[str, Topology]:
+    return {m: topology.known_topology(m) for m in (*topology.KNOWN_MODELS, *topology.KNOWN_ALIASES)}
 
-    A checkpoint is read through its headers only; its block attributes are ``block_attrs`` or,
-    when not given, guessed with `detect_block_attrs` (a checkpoint of a whole pipeline, its tensors
-    named ``<component>.…``, becomes one component per name prefix). Unknown ids and broken
-    checkpoints raise `PlanError`.
+
+def _pipeline_folder(path: str, hub_id: str | None) -> tuple[Topology, KnownModel | None]:
+    """A pipeline folder's topology, and the known model whose DiT shapes it has (or its hub id names)."""
+    topo = topology.from_pipeline_folder(path)
+    match = topology.known_match(topo, _known_candidates())
+    if match is None and hub_id is not None:
+        match = topology.hub_model_id(hub_id)
+    return topo, None if match is None else topology.known_model(match)
+
+
+def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[Topology, KnownModel | None]:
+    """The topology ``model`` names (a known id, a hub id, a pipeline folder or a checkpoint).
+
+    - a diffusers pipeline folder (``model_index.json`` and a subfolder per component): its
+      components from its headers (`topology.from_checkpoint`), with the known model whose DiT
+      tensor names and shapes it has, for the compute estimate;
+    - a hub id (``black-forest-labs/FLUX.1-dev``): its snapshot in the local Hugging Face cache when
+      there is one (as a pipeline folder), else the known model it names;
+    - a checkpoint file, folder or ``*.index.json``, read through its headers only; its block
+      attributes are ``block_attrs`` or, when not given, guessed with `detect_block_attrs` (a
+      checkpoint of a whole pipeline, its tensors named ``<component>.…``, becomes one component
+      per name prefix);
+    - else a known id. Unknown ids and broken checkpoints raise `PlanError`.
     """
+    snapshot = None if os.path.exists(model) else topology.hub_snapshot(model)
+    folder = model if os.path.isdir(model) else (str(snapshot) if snapshot is not None else None)
+    if folder is not None and topology.is_pipeline_folder(folder):
+        if block_attrs is not None:
+            raise PlanError(
+                f"{folder}: --block-attrs is for a checkpoint of one model; a pipeline folder's block "
+                "attributes come from each component's class (its config.json)"
+            )
+        return _pipeline_folder(folder, model if snapshot is not None else None)
+    if not os.path.exists(model) and topology.is_hub_id(model) and topology.hub_model_id(model) is None:
+        raise PlanError(
+            f"{model}: no such checkpoint file or folder, nor a snapshot of that hub repository in "
+            f"{topology.hub_cache_dir()}; torchferry downloads nothing, so fetch it first (huggingface-cli "
+            f"download {model}) or pass a known id (torchferry plan --list)"
+        )
     if not _looks_like_path(model):
         return topology.known_topology(model), topology.known_model(model)
     if block_attrs is not None:
@@ -240,6 +264,8 @@ class PlanReport:
     recommended: StrategyRow | None
     schedule: Schedule | None = None
     warnings: tuple[str, ...] = ()
+    #: The known model the compute estimate comes from ("" for a checkpoint of unknown shapes).
+    known_id: str = ""
 
 
 def _component_row(c: topology.Component) -> ComponentRow:
@@ -485,6 +511,7 @@ def build_report(model: str, topo: Topology, known: KnownModel | None, options: 
         forwards_per_step=planner.forwards,
         world_size=planner.world,
         hf_repo=known.hf_repo if known is not None else "",
+        known_id=known.id if known is not None else "",
         rows=tuple(rows),
         recommended=recommended,
         schedule=schedules.get(shown),
@@ -519,6 +546,10 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
         where = f"known model; tensor shapes from the published config of {report.hf_repo}"
     elif kind == "checkpoint":
         where = f"safetensors headers of {where}"
+    elif kind == "folder":
+        where = f"safetensors headers of the pipeline folder {where}"
+        if report.known_id:
+            where += f"\n(its DiT has the shapes of the known model {report.known_id}, whose FLOPs are known)"
     title = f"{report.model}" + (f" ({report.pipeline_class})" if report.pipeline_class else "")
     lines = [title, where, f"total: {_b(report.total_bytes)} ({report.total_bytes} bytes)", ""]
     lines += _table(
@@ -569,6 +600,7 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
             ]
         )
     lines += _table(["strategy", "fits", "peak device", "step", "overhead", "notes"], table, {2, 3, 4})
+    lines.append("(fits and peak device count weights only: leave room for activations and the VAE decode)")
     lines.append("")
     rec = report.recommended
     if rec is not None:
@@ -633,6 +665,7 @@ def report_document(report: PlanReport, *, show_schedule: bool = False) -> dict[
             "compute": report.compute,
             "block_s": report.block_s,
             "forwards_per_step": report.forwards_per_step,
+            "fits_counts": "weights only (no activations, no VAE decode)",
         },
         "strategies": [_row_document(r) for r in report.rows],
         "recommended": None if report.recommended is None else _row_document(report.recommended),
@@ -653,6 +686,7 @@ def list_document() -> list[dict[str, Any]]:
                 "id": model_id,
                 "pipeline_class": topo.pipeline_class,
                 "hf_repo": topology.known_model(model_id).hf_repo,
+                "hub_ids": [repo for repo, m in topology.HUB_IDS.items() if m == model_id],
                 "total_bytes": topo.nbytes,
                 "components": {c.path: c.nbytes for c in topo.components},
             }
@@ -665,6 +699,7 @@ def list_document() -> list[dict[str, Any]]:
                 "alias_of": base,
                 "pipeline_class": topo.pipeline_class,
                 "hf_repo": topology.known_model(alias).hf_repo,
+                "hub_ids": [repo for repo, m in topology.HUB_IDS.items() if m == alias],
                 "total_bytes": topo.nbytes,
                 "components": {c.path: c.nbytes for c in topo.components},
             }
@@ -681,4 +716,8 @@ def format_list() -> str:
         name = entry["id"] + (f" (= {entry['alias_of']}, other VAE)" if "alias_of" in entry else "")
         rows.append([name, entry["pipeline_class"], _b(entry["total_bytes"]), _b(dits), str(len(comps))])
     lines = _table(["id", "pipeline", "total", "DiT(s)", "components"], rows, {2, 3, 4})
+    lines += ["", "hub ids (a snapshot in the local Hugging Face cache is planned from its files):"]
+    lines += _table(
+        ["hub id", "id"], [[repo, model] for repo, model in topology.HUB_IDS.items()], set()
+    )[1:]
     return "\n".join(lines) + "\n"

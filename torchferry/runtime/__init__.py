@@ -19,6 +19,7 @@ from torchferry.runtime._meta import meta_parameters
 from torchferry.runtime._probe import load_profile, probe, profile_path, save_profile
 from torchferry.runtime._program import listing
 from torchferry.runtime._steps import Steps as Steps
+from torchferry.runtime._steps import prove as prove
 from torchferry.runtime._trace import Span, StepTrace, Tracer
 
 __all__ = [

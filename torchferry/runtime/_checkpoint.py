@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import BinaryIO, NoReturn, TypeAlias
 
+import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
@@ -45,6 +46,7 @@ from torchferry.topology import (
     locate,
     open_regular,
     parse_header,
+    pipeline_sources,
     show,
 )
 
@@ -107,6 +109,9 @@ def _plural(n: int, word: str) -> str:
 class CheckpointReader:
     """Reads a safetensors checkpoint (one file, a folder of shards, or an ``*.index.json``).
 
+    A diffusers pipeline folder (``model_index.json``, one subfolder per component) is read as one
+    checkpoint whose tensors are named from the pipeline root (``transformer.blocks.0.…``).
+
     Opening reads headers only. ``prefix_map`` maps a prefix of the model's qualified names to the
     prefix the checkpoint uses instead (``{"transformer.": ""}`` for a component checkpoint whose keys
     lack the component path); the longest matching prefix applies. Every method taking
@@ -121,8 +126,14 @@ class CheckpointReader:
         self.prefix_map: FrozenMap[str, str] = FrozenMap(dict(prefix_map or {}))
         self._handles: dict[str, BinaryIO] = {}
         self._closed = False
-        sources = locate(path)
-        files, index = sources.files, sources.weight_map
+        folder = pipeline_sources(path)  # a diffusers pipeline folder: names under "<component>."
+        files: Sequence[str]
+        index: Mapping[str, str] | None
+        if folder is not None:
+            files, index, prefixes = folder
+        else:
+            sources = locate(path)
+            files, index, prefixes = sources.files, sources.weight_map, {}
         entries: dict[str, HeaderEntry] = {}
         problems: list[str] = []
         broken: dict[str, str] = {}
@@ -150,6 +161,8 @@ class CheckpointReader:
                 try:
                     # The header comes from the descriptor the data is later mapped from (no reopen).
                     found = parse_header(file, handle)
+                    if prefixes:
+                        found = tuple(attrs.evolve(e, name=prefixes[file] + e.name) for e in found)
                 except PlanError as exc:
                     problem = _problem(exc)
                     problems.append(problem)
@@ -181,6 +194,8 @@ class CheckpointReader:
         for key in broken:
             entries.pop(key, None)
         self.files: tuple[str, ...] = tuple(files)
+        #: For a pipeline folder, each component's name prefix (``"transformer."``); else empty.
+        self.components: tuple[str, ...] = tuple(dict.fromkeys(prefixes.values()))
         self.entries: FrozenMap[str, HeaderEntry] = FrozenMap(entries)
         #: Problems found in the headers (and index), in file order; `validate` reports them.
         self.problems: tuple[str, ...] = tuple(problems)
@@ -297,10 +312,14 @@ class CheckpointReader:
             problems.extend(self._spec_problems(spec, prefix_map, claimed, unknown)[1])
         problems.extend(self._unknown(unknown))
         if not allow_extra:
+            # A pipeline folder's component the pipeline does not hold at all (loaded with vae=None) is
+            # not extra: its subfolder is simply not used.
+            used = {c for c in self.components if any(k.startswith(c) for k in claimed)}
             problems.extend(
                 f"{self.entries[k].file}: tensor {k!r} is not expected by the model; remove it, map the "
                 f"model's names with prefix_map, or pass allow_extra=True"
                 for k in sorted(set(self.entries) - claimed)
+                if not self.components or any(k.startswith(c) for c in used)
             )
         if problems:
             self._fail(problems)

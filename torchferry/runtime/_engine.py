@@ -60,6 +60,7 @@ from torchferry.runtime._program import (
     listing,
     schedule_text,
 )
+from torchferry.runtime._progress import Progress
 from torchferry.runtime._steps import step_name
 from torchferry.runtime._streams import DeviceBuffer, StreamContext, stream_context
 from torchferry.runtime._trace import Tracer
@@ -177,28 +178,35 @@ class Engine:
     ) -> HostStore:
         failure: BaseException | None = None
         prepared = None
+        path = plan.config.checkpoint
+        what = "copying weights to pinned host memory" if pin else "copying weights to host memory"
+        progress = Progress(what if path is None else f"reading weights from {path}")
         try:
-            path = plan.config.checkpoint
             if path is None:
-                prepared = HostStore.prepare(pipeline, plan, pin=pin, sharding=sharding)
+                prepared = HostStore.prepare(pipeline, plan, pin=pin, sharding=sharding, progress=progress)
             else:
                 with CheckpointReader(path, prefix_map=prefix_map) as reader:
-                    prepared = HostStore.prepare(pipeline, plan, pin=pin, reader=reader, sharding=sharding)
+                    prepared = HostStore.prepare(
+                        pipeline, plan, pin=pin, reader=reader, sharding=sharding, progress=progress
+                    )
         except Exception as exc:
             failure = exc
-        if self.comm is not None:
-            try:
-                self.comm.agree("open the session", "ready", ok=failure is None)
-            except ExecutionError:
-                if prepared is not None:
-                    prepared.discard()
-                if failure is not None:
-                    raise failure from None
-                raise
-        if failure is not None:
-            raise failure
-        assert prepared is not None
-        return prepared.commit()
+        try:
+            if self.comm is not None:
+                try:
+                    self.comm.agree("open the session", "ready", ok=failure is None)
+                except ExecutionError:
+                    if prepared is not None:
+                        prepared.discard()
+                    if failure is not None:
+                        raise failure from None
+                    raise
+            if failure is not None:
+                raise failure
+            assert prepared is not None
+            return prepared.commit()
+        finally:
+            progress.close()
 
     # ------------------------------------------------------------------------------- the seam
     @property

@@ -43,7 +43,7 @@ resident, and the session's ``close(gather=True)`` re-assembles full host copies
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -265,6 +265,7 @@ class HostStore:
         reader: CheckpointReader | None = None,
         sharding: Sharding | None = None,
         pinner: HostPinner | None = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> Prepared:
         """Check everything, allocate (and pin) every buffer and, from a checkpoint, read it, without
         touching the pipeline.
@@ -272,7 +273,9 @@ class HostStore:
         ``pin`` page-locks the buffers with ``pinner`` (default `CudaPinner`); a refused pin falls
         back to pageable memory with one `OffloadWarning`. Raises `PlanError` for a pipeline or
         checkpoint that cannot serve ``plan`` (every problem at once); see the Notes at the top of
-        this module. A `Prepared` that is not committed must be `Prepared.discard`-ed.
+        this module. A `Prepared` that is not committed must be `Prepared.discard`-ed. ``progress``,
+        when given, is called once per pack as its buffer is filled (here from a checkpoint, else in
+        `Prepared.commit`) with the pack's bytes and the bytes of all packs.
         """
         specs = _group_specs(plan)
         lookup = _Lookup(pipeline)
@@ -324,6 +327,7 @@ class HostStore:
         memory = HostMemory((pinner or CudaPinner()) if pin else None)
         buffers: dict[str, torch.Tensor] = {}
         loose_values: list[torch.Tensor | None] = []
+        total = sum(_span_bytes(name, layouts[name][1], sharding) for name in specs)
         try:
             for name, (_, nbytes) in layouts.items():
                 start, end = _span(name, nbytes, sharding) or (0, nbytes)
@@ -333,6 +337,8 @@ class HostStore:
                     pieces, nbytes = layouts[name]
                     span = _span(name, nbytes, sharding)
                     _read(reader, pack, pieces, resolved[name], span, host=buffers[name])
+                    if progress is not None:
+                        progress(buffers[name].numel(), total)
                 for spec, live in zip(loose, loose_live, strict=True):
                     loose_values.append(_read_loose(reader, spec, live))
         except BaseException:
@@ -349,6 +355,7 @@ class HostStore:
             filled=reader is not None,
             memory=memory,
             loose=list(zip(loose_live, loose_values, strict=True)) if reader is not None else [],
+            progress=None if reader is not None or progress is None else (progress, total),
         )
 
     def reset(self) -> None:
@@ -408,6 +415,8 @@ class Prepared:
     filled: bool
     memory: HostMemory
     loose: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+    #: Told of each group `commit` fills from the module, with the bytes of all groups.
+    progress: tuple[Callable[[int, int], None], int] | None = None
 
     def discard(self) -> None:
         """Give up this store without taking the pipeline over: unpin and free every buffer."""
@@ -431,6 +440,8 @@ class Prepared:
             host = self.buffers[name]
             if not self.filled:
                 _from_module(ordered, pieces, nbytes, span, host)
+                if self.progress is not None:
+                    self.progress[0](host.numel(), self.progress[1])
             for t in ordered:
                 if t.is_meta:
                     _materialise(t)
@@ -557,6 +568,11 @@ def _span(name: str, nbytes: int, sharding: Sharding | None) -> tuple[int, int] 
 
     shard = shard_nbytes(nbytes, sharding.world)
     return sharding.rank * shard, (sharding.rank + 1) * shard
+
+
+def _span_bytes(name: str, nbytes: int, sharding: Sharding | None) -> int:
+    span = _span(name, nbytes, sharding)
+    return nbytes if span is None else span[1] - span[0]
 
 
 def _from_module(

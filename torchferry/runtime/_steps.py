@@ -13,10 +13,11 @@ from typing import TypeVar
 
 import attrs
 
-from torchferry.policies import Placement, Policy, Schedule, Step
+from torchferry._errors import PlanError, ScheduleError
+from torchferry.policies import Placement, Policy, Schedule, Step, check
 from torchferry.topology import Plan
 
-__all__ = ["MAX_SCHEDULES", "Steps", "step_name"]
+__all__ = ["MAX_SCHEDULES", "Steps", "prove", "step_name"]
 
 #: Schedules (and step peaks, and follow-ups) kept, oldest dropped first; a pipeline call needs one
 #: per component forward, and a model called in a loop counts forwards without end.
@@ -36,6 +37,17 @@ def bounded_put(table: dict[K, V], key: K, value: V, limit: int = MAX_SCHEDULES)
     if key not in table and len(table) >= limit:
         table.pop(next(iter(table)))
     table[key] = value
+
+
+def prove(schedule: Schedule, plan: Plan) -> None:
+    """`policies.check` for a schedule the session is about to run: a violation is a `PlanError`."""
+    try:
+        check(schedule, plan)
+    except ScheduleError as exc:
+        raise PlanError(
+            f"step {step_name(schedule.step)}: the schedule {schedule.policy} made breaks the plan, so "
+            f"none of it ran; fix the policy, lower its depth or raise device_memory=\n{exc}"
+        ) from None
 
 
 class Steps:
@@ -69,12 +81,25 @@ class Steps:
         return step
 
     def schedule(self, step: Step) -> Schedule:
-        """The policy's schedule for ``step`` (asked once per distinct step)."""
+        """The policy's schedule for ``step`` (asked once per distinct step), proved by `policies.check`.
+
+        The proof runs once, when the schedule is made, and is cached with it: a schedule that breaks
+        an invariant (a depth or a custom policy over ``config.device_memory_bytes``, say) is a
+        `PlanError` with the marked listing before any of its ops runs.
+        """
         schedule = self.schedules.get(step)
         if schedule is None:
             schedule = self.policy(self.plan, step)
+            prove(schedule, self.plan)
             bounded_put(self.schedules, step, schedule)
         return schedule
+
+    def use(self, policy: Policy, *, index_free: bool) -> None:
+        """Serve the steps from here on with ``policy`` (a switch between steps): its schedules replace
+        the cached ones; step naming carries on."""
+        self.policy = policy
+        self.index_free = index_free
+        self.schedules.clear()
 
     def interrupted(self) -> None:
         """The running step failed: the next forward starts a new run (its index is 0)."""

@@ -24,13 +24,28 @@ from torchferry.topology._config import (
     Transfer,
 )
 from torchferry.topology._discover import discover
+from torchferry.topology._folder import (
+    FolderComponent,
+    PipelineFolder,
+    from_pipeline_folder,
+    hub_cache_dir,
+    hub_snapshot,
+    is_pipeline_folder,
+    read_pipeline_folder,
+)
+from torchferry.topology._folder import guess_block_attrs as guess_block_attrs
+from torchferry.topology._folder import is_hub_id as is_hub_id
+from torchferry.topology._folder import known_match as known_match
+from torchferry.topology._folder import pipeline_sources as pipeline_sources
 from torchferry.topology._frozen import FrozenMap
 from torchferry.topology._known import (
+    HUB_IDS,
     KNOWN_ALIASES,
     KNOWN_MODELS,
     KnownComponent,
     KnownModel,
     Resolution,
+    hub_model_id,
     known_model,
     known_topology,
 )
@@ -59,6 +74,7 @@ from torchferry.topology._units import memory_bytes, parse_bytes, parse_rate
 __all__ = [
     "COMPONENT_NAMES",
     "DTYPE_SIZES",
+    "HUB_IDS",
     "KNOWN_ALIASES",
     "KNOWN_MODELS",
     "MAX_PREFETCH_DEPTH",
@@ -69,11 +85,13 @@ __all__ = [
     "Component",
     "ComponentKind",
     "Declaration",
+    "FolderComponent",
     "FrozenMap",
     "KnownComponent",
     "KnownModel",
     "OffloadConfig",
     "ParallelLayout",
+    "PipelineFolder",
     "Plan",
     "Resolution",
     "SelectableComponent",
@@ -87,6 +105,11 @@ __all__ = [
     "discover",
     "dtype_size",
     "from_checkpoint",
+    "from_pipeline_folder",
+    "hub_cache_dir",
+    "hub_model_id",
+    "hub_snapshot",
+    "is_pipeline_folder",
     "join_path",
     "known_model",
     "known_topology",
@@ -95,5 +118,6 @@ __all__ = [
     "packed_nbytes",
     "parse_bytes",
     "parse_rate",
+    "read_pipeline_folder",
     "resolve",
 ]

@@ -547,6 +547,10 @@ def from_checkpoint(
 ) -> Topology:
     """Describe a safetensors checkpoint (file, shard folder or ``*.index.json``) without reading data.
 
+    A diffusers pipeline folder (``model_index.json`` and a subfolder per component) is described by
+    `from_pipeline_folder`: components and block attributes come from the folder itself, and a
+    mapping ``block_attrs`` overrides them per component name.
+
     ``block_attrs`` is either a sequence of block attributes (``("transformer_blocks",
     "single_transformer_blocks")``): the checkpoint is one DiT with path ``""`` and tensors named
     ``<attr>.<i>.…`` form its one ring, attributes in order and indices numerically; or a mapping
@@ -557,6 +561,12 @@ def from_checkpoint(
     prefix (the longest wins; ``""`` matches everything). ``declaration`` is attached to the
     topology for `resolve` (resident DiT paths, encoder types and so on).
     """
+    source_path = Path(os.fspath(path))
+    if source_path.is_dir() and (source_path / "model_index.json").is_file():
+        from torchferry.topology._folder import from_pipeline_folder
+
+        by_component = _normalise(block_attrs) if isinstance(block_attrs, Mapping) else None
+        return from_pipeline_folder(source_path, by_component, declaration=declaration)
     components = _normalise(block_attrs)
     sources = locate(path)
     source = sources.path

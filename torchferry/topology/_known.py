@@ -34,11 +34,13 @@ from torchferry.topology._model import (
 from torchferry.topology._registry import declaration_for_pipeline
 
 __all__ = [
+    "HUB_IDS",
     "KNOWN_ALIASES",
     "KNOWN_MODELS",
     "KnownComponent",
     "KnownModel",
     "Resolution",
+    "hub_model_id",
     "known_model",
     "known_topology",
 ]
@@ -67,6 +69,31 @@ _ALIASES: dict[str, tuple[str, dict[str, str]]] = {
 
 #: Alias -> the known id it is a variant of (same DiT and encoders, another VAE release).
 KNOWN_ALIASES: FrozenMap[str, str] = FrozenMap({alias: base for alias, (base, _) in _ALIASES.items()})
+
+
+#: Hugging Face hub repository ids -> the known id whose shipped specs they hold (matched case-insensitively).
+HUB_IDS: FrozenMap[str, str] = FrozenMap(
+    {
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers": "wan2.1-t2v-14b",
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers": "wan2.2-t2v-a14b",
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": "wan2.1-t2v-1.3b",
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers": "wan2.2-ti2v-5b",
+        "black-forest-labs/FLUX.1-dev": "flux.1-dev",
+        "Qwen/Qwen-Image": "qwen-image",
+        "hunyuanvideo-community/HunyuanVideo": "hunyuanvideo",
+        "stabilityai/stable-diffusion-3.5-large": "sd3.5-large",
+        "Lightricks/LTX-Video": "ltx-video-2b",
+        "Lightricks/LTX-Video-0.9.1": "ltx-video-2b-0.9.1",
+        "Lightricks/LTX-Video-0.9.5": "ltx-video-2b-0.9.5",
+        "Lightricks/LTX-Video-0.9.7-dev": "ltx-video-13b-0.9.7",
+    }
+)
+_HUB_LOWER = {repo.lower(): model for repo, model in HUB_IDS.items()}
+
+
+def hub_model_id(repo_id: str) -> str | None:
+    """The known id the hub repository ``repo_id`` holds (case-insensitive), or ``None``."""
+    return _HUB_LOWER.get(repo_id.strip().lower())
 
 
 def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -240,6 +267,7 @@ _FACTS: dict[str, dict[str, Any]] = {
 def _resolve_id(model_id: str) -> tuple[str, str, dict[str, str]]:
     """``(id as asked, known id, variant overrides)``; an unknown id is a `PlanError`."""
     key = model_id.strip().lower()
+    key = _HUB_LOWER.get(key, key)
     if key in KNOWN_MODELS:
         return key, key, {}
     if key in _ALIASES:
@@ -248,7 +276,9 @@ def _resolve_id(model_id: str) -> tuple[str, str, dict[str, str]]:
     aliases = ", ".join(f"{a} ({b})" for a, b in KNOWN_ALIASES.items())
     raise PlanError(
         f"unknown model id {model_id!r}: torchferry knows {', '.join(KNOWN_MODELS)}; "
-        f"aliases: {aliases}. Pass one of these ids, or a safetensors file, folder or *.index.json."
+        f"aliases: {aliases}. Pass one of these ids or their hub ids (black-forest-labs/FLUX.1-dev; "
+        "torchferry plan --list shows them), a diffusers pipeline folder, or a safetensors file, folder or "
+        "*.index.json."
     )
 
 
@@ -324,8 +354,8 @@ def _topology(key: str) -> Topology:
 def known_topology(model_id: str) -> Topology:
     """The exact topology of the known public model ``model_id`` (tensor shapes and dtypes as loaded).
 
-    ``model_id`` is one of `KNOWN_MODELS` or `KNOWN_ALIASES` (case-insensitive); anything else is a
-    `PlanError` that lists them.
+    ``model_id`` is one of `KNOWN_MODELS`, `KNOWN_ALIASES` or `HUB_IDS` (case-insensitive); anything
+    else is a `PlanError` that lists them.
     """
     key, _, _ = _resolve_id(model_id)
     return _topology(key)

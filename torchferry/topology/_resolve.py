@@ -145,20 +145,30 @@ class _Resolver:
             return
         dits, encoders = topo.of_kind("dit"), topo.of_kind("encoder")
         where = topo.pipeline_class or "this pipeline"
+        kind, _, path = topo.source.partition(":")
+        stored = kind in ("checkpoint", "folder")
+        if stored:
+            where = f"the checkpoint {path}" if not topo.pipeline_class else f"{where} at {path}"
+
+        def declare(attr: str) -> str:
+            if stored:  # nothing to declare: the files hold what they hold
+                return "plan a checkpoint that holds the whole pipeline (a diffusers pipeline folder)"
+            return f"declare it in {attr}"
+
         if config.strategy == "model_level":
             if not dits:
                 self.errors.append(
                     f"model_level offload with explicit components swaps a DiT against the encoders, "
-                    f"but {where} has no DiT component; declare it in _dit_modules"
+                    f"but {where} has no DiT component; {declare('_dit_modules')}"
                 )
             if not encoders:
                 self.errors.append(
                     f"model_level offload with explicit components swaps the DiT against an encoder "
-                    f"stage, but {where} has no encoder component; declare it in _encoder_modules"
+                    f"stage, but {where} has no encoder component; {declare('_encoder_modules')}"
                 )
         elif config.offloads("dit") and not dits:
             self.errors.append(
-                f"'dit' is selected but {where} has no DiT component; declare it in _dit_modules or "
+                f"'dit' is selected but {where} has no DiT component; {declare('_dit_modules')} or "
                 "remove 'dit' from components"
             )
         if config.offloads("text_encoder") and not any(

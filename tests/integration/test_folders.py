@@ -1,0 +1,359 @@
+"""Diffusers pipeline folders (save_pretrained's layout) planned, opened and loaded by torchferry, bit-exact.
+
+Tiny Wan and Flux pipelines are built from small configs (no download), saved with
+``save_pretrained`` as single files per component and as many small shards with an index, then
+planned from the folder (`from_checkpoint`, ``torchferry plan``), opened from it
+(``offload(checkpoint=FOLDER)`` over a pipeline built on meta) and loaded with
+`torchferry.from_pretrained`, each compared with diffusers' own load and run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchferry
+from torchferry import PlanError, topology
+from torchferry.cli import main
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+def _wan_pipeline() -> Any:
+    torch.manual_seed(0)
+    transformer = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=4,
+        rope_max_seq_len=32,
+    ).eval()
+    vae = diffusers.AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).eval()
+    encoder = transformers.UMT5EncoderModel(
+        transformers.UMT5Config(
+            vocab_size=32, d_model=32, d_kv=4, d_ff=32, num_layers=3, num_heads=4, decoder_start_token_id=0
+        )
+    ).eval()
+    return diffusers.WanPipeline(
+        tokenizer=None,
+        text_encoder=encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+
+
+def _flux_pipeline() -> Any:
+    torch.manual_seed(0)
+    transformer = diffusers.FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=16,
+        axes_dims_rope=(4, 6, 6),
+    ).eval()
+    vae = diffusers.AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(8, 8),
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        latent_channels=4,
+        norm_num_groups=4,
+        layers_per_block=1,
+        shift_factor=0.0,
+        scaling_factor=1.0,
+    ).eval()
+    clip = transformers.CLIPTextModel(
+        transformers.CLIPTextConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            projection_dim=16,
+            max_position_embeddings=16,
+        )
+    ).eval()
+    t5 = transformers.T5EncoderModel(
+        transformers.T5Config(vocab_size=32, d_model=32, d_kv=4, d_ff=32, num_layers=2, num_heads=4)
+    ).eval()
+    return diffusers.FluxPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=None,
+        text_encoder_2=t5,
+        tokenizer_2=None,
+        transformer=transformer,
+    )
+
+
+def _run_wan(pipe: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    pipe.set_progress_bar_config(disable=True)
+    ids = torch.tensor([[3, 7, 1, 9, 2, 5, 0, 0]])
+    with torch.no_grad():
+        embeds = pipe.text_encoder(ids).last_hidden_state
+        frames = pipe(
+            prompt_embeds=embeds,
+            negative_prompt_embeds=embeds.flip(1),
+            height=16,
+            width=16,
+            num_frames=5,
+            num_inference_steps=2,
+            generator=torch.Generator().manual_seed(0),
+            output_type="pt",
+        ).frames
+    return embeds, frames
+
+
+def _run_flux(pipe: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        pooled = pipe.text_encoder(torch.tensor([[1, 4, 2, 7]])).pooler_output
+        embeds = pipe.text_encoder_2(torch.tensor([[3, 5, 1, 2, 6, 0]])).last_hidden_state
+        images = pipe(
+            prompt_embeds=embeds,
+            pooled_prompt_embeds=pooled,
+            height=16,
+            width=16,
+            num_inference_steps=2,
+            guidance_scale=3.5,
+            generator=torch.Generator().manual_seed(0),
+            output_type="pt",
+        ).images
+    return embeds, images
+
+
+def _save(pipe: Any, folder: Path, sharded: bool) -> Path:
+    pipe.save_pretrained(str(folder), **({"max_shard_size": "20KB"} if sharded else {}))
+    return folder
+
+
+def _specs(topo: topology.Topology) -> dict[str, set[tuple[str, tuple[int, ...], str]]]:
+    """Per component, every persistent tensor as a checkpoint stores it (each tied set once)."""
+    out: dict[str, set[tuple[str, tuple[int, ...], str]]] = {}
+    for c in topo.components:
+        out[c.path] = {(t.name, t.shape, t.dtype) for t in c.all_tensors() if not t.buffer or t.persistent}
+    return out
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_folder_topology_matches_the_pipeline(tmp_path: Path, sharded: bool) -> None:
+    """A saved Wan pipeline's folder plans as the pipeline: components, kinds, classes, blocks, tensors."""
+    pipe = _wan_pipeline()
+    folder = _save(pipe, tmp_path / "wan", sharded)
+    if sharded:
+        assert (folder / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    planned = topology.from_checkpoint(folder)
+    found = topology.discover(pipe)
+    assert planned.pipeline_class == "WanPipeline"
+    assert planned.source == f"folder:{folder}"
+    assert [(c.path, c.kind, c.class_name, len(c.blocks)) for c in planned.components] == [
+        ("transformer", "dit", "WanTransformer3DModel", 4),
+        ("text_encoder", "encoder", "UMT5EncoderModel", 3),
+        ("vae", "vae", "AutoencoderKLWan", 0),
+    ]
+    assert [b.path for b in planned.components[0].blocks] == [b.path for b in found.components[0].blocks]
+    mine, theirs = _specs(planned), _specs(found)
+    for path in ("transformer", "vae"):
+        assert mine[path] == theirs[path]
+    # The encoder's tied embedding is stored once, under one of its names.
+    assert mine["text_encoder"] <= theirs["text_encoder"] | {
+        (a, t.shape, t.dtype) for t in found.components[1].all_tensors() for a in t.aliases
+    }
+    assert planned.declaration is not None
+    assert planned.declaration.encoder_block_attrs["text_encoder"] == ("encoder.block",)
+
+
+def test_plan_command_reads_a_pipeline_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``torchferry plan FOLDER`` lists each component with the class its config.json names."""
+    folder = _save(_wan_pipeline(), tmp_path / "wan", True)
+    assert main(["plan", str(folder), "--device-memory", "100KiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{folder} (WanPipeline)\nsafetensors headers of the pipeline folder {folder}\n")
+    assert re.search(r"^transformer\s+dit\s+WanTransformer3DModel\s", out, re.MULTILINE)
+    assert re.search(r"^text_encoder\s+encoder\s+UMT5EncoderModel\s", out, re.MULTILINE)
+    assert re.search(r"^vae\s+vae\s+AutoencoderKLWan\s", out, re.MULTILINE)
+    assert main(["plan", str(folder), "--device-memory", "100KiB", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["class_name"] for c in doc["components"]] == [
+        "WanTransformer3DModel",
+        "UMT5EncoderModel",
+        "AutoencoderKLWan",
+    ]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_offload_from_a_folder_over_a_meta_pipeline_is_bit_exact(tmp_path: Path, sharded: bool) -> None:
+    """A Wan pipeline built on meta and opened with checkpoint=FOLDER runs exactly as the saved one."""
+    ref = _wan_pipeline()
+    folder = _save(ref, tmp_path / "wan", sharded)
+    expected = _run_wan(ref)
+    with torchferry.meta_parameters():
+        pipe = _wan_pipeline()
+    assert pipe.transformer.blocks[0].attn1.to_q.weight.is_meta
+    with torchferry.offload(pipe, strategy="layerwise", device="cpu", checkpoint=folder):
+        got = _run_wan(pipe)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+
+
+def test_offload_from_a_folder_skips_components_the_pipeline_lacks(tmp_path: Path) -> None:
+    """A pipeline loaded without one of the folder's components opens from it; that subfolder is unused."""
+    ref = _wan_pipeline()
+    folder = _save(ref, tmp_path / "wan", False)
+    with torchferry.meta_parameters():
+        pipe = _wan_pipeline()
+    pipe.vae = None
+    with torchferry.offload(pipe, strategy="layerwise", device="cpu", checkpoint=folder) as session:
+        assert [c.path for c in session.plan.components] == ["transformer", "text_encoder"]
+        ids = torch.tensor([[3, 7, 1, 9]])
+        with torch.no_grad():
+            got = pipe.text_encoder(ids).last_hidden_state
+            assert torch.equal(got, ref.text_encoder(ids).last_hidden_state)
+
+
+def test_offload_from_a_folder_rejects_a_mismatched_pipeline(tmp_path: Path) -> None:
+    """A folder whose DiT has another shape is refused, naming the component's tensor, before any change."""
+    folder = _save(_wan_pipeline(), tmp_path / "wan", False)
+    pipe = _wan_pipeline()
+    pipe.transformer.blocks[0].attn1.to_q.weight.data = torch.zeros(24, 25)
+    with pytest.raises(PlanError) as info:
+        torchferry.offload(pipe, strategy="layerwise", device="cpu", checkpoint=folder)
+    file = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    assert (
+        f"{file}: tensor 'transformer.blocks.0.attn1.to_q.weight': shape [24, 24] but the model expects "
+        "[24, 25] for 'transformer.blocks.0.attn1.to_q.weight'; this checkpoint is for another model "
+        "configuration"
+    ) in str(info.value)
+    assert pipe.transformer.blocks[0].attn1.to_q.weight.shape == (24, 25)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_from_pretrained_equals_diffusers_from_pretrained(tmp_path: Path, sharded: bool) -> None:
+    """torchferry.from_pretrained of a saved Wan pipeline runs exactly as WanPipeline.from_pretrained."""
+    folder = _save(_wan_pipeline(), tmp_path / "wan", sharded)
+    plain = diffusers.WanPipeline.from_pretrained(str(folder), tokenizer=None, transformer_2=None)
+    expected = _run_wan(plain)
+    with torchferry.from_pretrained(
+        diffusers.WanPipeline, folder, strategy="layerwise", device="cpu", prefetch_depth=2
+    ) as session:
+        assert session.host_bytes >= topology.from_checkpoint(folder).nbytes
+        got = _run_wan(session.pipeline)
+        ours = session.pipeline.transformer.state_dict()
+        assert all(torch.equal(v, ours[k]) for k, v in plain.transformer.state_dict().items())
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+
+
+def test_from_pretrained_flux_in_bfloat16(tmp_path: Path) -> None:
+    """A bf16 FluxPipeline folder loads in its stored dtype and matches diffusers' torch_dtype=bf16 load."""
+    folder = _save(_flux_pipeline().to(torch.bfloat16), tmp_path / "flux", False)
+    plain = diffusers.FluxPipeline.from_pretrained(
+        str(folder), tokenizer=None, tokenizer_2=None, torch_dtype=torch.bfloat16
+    )
+    expected = _run_flux(plain)
+    with torchferry.from_pretrained(
+        diffusers.FluxPipeline, folder, torch_dtype=torch.bfloat16, strategy="model_level", device="cpu"
+    ) as session:
+        pipe = session.pipeline
+        assert pipe.transformer.transformer_blocks[0].attn.to_q.weight.dtype == torch.bfloat16
+        got = _run_flux(pipe)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+
+
+def test_from_pretrained_builds_every_model_on_meta(tmp_path: Path) -> None:
+    """Before the session reads the files, every parameter of every model component is on meta."""
+    from torchferry._pretrained import _build_on_meta
+
+    folder = _save(_flux_pipeline(), tmp_path / "flux", True)
+    pipe, options = _build_on_meta(diffusers.FluxPipeline, folder, None, {"device": "cpu"})
+    assert options == {"device": "cpu"}
+    for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
+        params = list(getattr(pipe, name).parameters())
+        assert params and all(p.is_meta for p in params), name
+    assert pipe.tokenizer is None and pipe.tokenizer_2 is None
+
+
+def test_from_pretrained_refuses_a_dtype_it_would_have_to_convert(tmp_path: Path) -> None:
+    """torch_dtype=bf16 over a float32 folder is refused with the fix, before anything is read."""
+    folder = _save(_wan_pipeline(), tmp_path / "wan", False)
+    with pytest.raises(PlanError, match=re.escape("torchferry copies the stored bytes and never converts")):
+        torchferry.from_pretrained(diffusers.WanPipeline, folder, torch_dtype=torch.bfloat16, device="cpu")
+
+
+def test_from_pretrained_refuses_a_component_it_cannot_build_on_meta(tmp_path: Path) -> None:
+    """A model component that is neither a diffusers nor a transformers model is refused, naming it."""
+    folder = _save(_wan_pipeline(), tmp_path / "wan", False)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["transformer"] = ["torch.nn", "Linear"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(PlanError) as info:
+        torchferry.from_pretrained(diffusers.WanPipeline, folder, device="cpu")
+    assert str(info.value) == (
+        "component 'transformer' (torch.Linear) is neither a diffusers ModelMixin nor a transformers "
+        "PreTrainedModel, so torchferry cannot build it from its configuration; load that component "
+        "yourself (Linear.from_pretrained(folder, subfolder='transformer')) and pass it as "
+        "from_pretrained(..., transformer=model)"
+    )
+
+
+def test_from_pretrained_takes_components_as_diffusers_does(tmp_path: Path) -> None:
+    """A component passed by keyword replaces the folder's, as in diffusers' from_pretrained."""
+    ref = _wan_pipeline()
+    folder = _save(ref, tmp_path / "wan", False)
+    expected = _run_wan(ref)
+    mine = _wan_pipeline().vae
+    with torchferry.from_pretrained(diffusers.WanPipeline, folder, vae=mine, device="cpu") as session:
+        assert session.pipeline.vae is mine
+        got = _run_wan(session.pipeline)
+    assert torch.equal(got[1], expected[1])
+
+
+def test_from_pretrained_finds_a_hub_id_in_the_local_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub id cached in $HF_HUB_CACHE loads from its snapshot; an absent one says how to fetch it."""
+    ref = _wan_pipeline()
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-wan"
+    snapshot = _save(ref, repo / "snapshots" / "0123abc", True)
+    (repo / "blobs").mkdir()
+    for i, file in enumerate(sorted(p for p in snapshot.rglob("*") if p.is_file())):
+        blob = repo / "blobs" / f"blob{i}"  # the hub cache keeps files as blobs, linked from snapshots
+        file.rename(blob)
+        file.symlink_to(blob)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    expected = _run_wan(ref)
+    with torchferry.from_pretrained(diffusers.WanPipeline, "tiny-org/tiny-wan", device="cpu") as session:
+        assert session.plan.config.checkpoint == str(repo / "snapshots" / "0123abc")
+        assert torch.equal(_run_wan(session.pipeline)[1], expected[1])
+    with pytest.raises(PlanError) as info:
+        torchferry.from_pretrained(diffusers.WanPipeline, "tiny-org/other", device="cpu")
+    assert str(info.value) == (
+        "tiny-org/other: no such folder, nor a hub id in the local Hugging Face cache; download it first "
+        "(huggingface-cli download tiny-org/other, or Pipeline.from_pretrained once), or pass the folder's "
+        "path"
+    )

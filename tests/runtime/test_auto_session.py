@@ -1,0 +1,178 @@
+"""``offload(pipe)``: the budget kept, the choice made from measurements, switched between steps only."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import pytest
+import torch
+from module_checks import hook_count, same_weights
+
+import torchferry
+from torchferry import PlanError, policies
+from torchferry._auto import CPU_BUDGET, SessionReport, measure
+from torchferry.testing import toy
+
+
+def _layerwise_peak(p: torch.nn.Module, **options: Any) -> int:
+    """The device peak of two calls under layerwise depth 1 (a budget it just fits)."""
+    with torchferry.offload(p, strategy="layerwise", device="cpu", **options) as session:
+        p("a cat", steps=3)
+        p("a cat", steps=3)
+        return session.peak_device_bytes
+
+
+@pytest.mark.parametrize("custom", [False, True])
+def test_budget_broken_by_depth_is_refused_before_anything_moves(custom: bool) -> None:
+    """A depth (or a custom policy) whose schedule passes the budget is a PlanError with the listing,
+    and the pipeline is left untouched."""
+    p, ref = toy.build(0), toy.build(0)
+    budget = _layerwise_peak(p)
+    before = {n: t.data_ptr() for n, t in p.state_dict().items()}
+    options: dict[str, Any] = {"policy": policies.layerwise(3)} if custom else {"prefetch_depth": 3}
+    with pytest.raises(PlanError) as caught:
+        torchferry.offload(p, strategy="layerwise", device="cpu", device_memory=budget, **options)
+    text = str(caught.value)
+    first = text.splitlines()[0]
+    assert re.fullmatch(
+        r"step \w+#0: the schedule layerwise\(depth=3\) made breaks the plan, so none of it ran; fix the "
+        r"policy, lower its depth or raise device_memory=",
+        first,
+    ), first
+    assert "[4]" in text and "over the budget of" in text and "<-- here" in text
+    assert {n: t.data_ptr() for n, t in p.state_dict().items()} == before
+    assert hook_count(p) == 0 and same_weights(p, ref)
+
+
+def test_offload_with_no_options_fits_the_cpu_default_and_is_bit_identical() -> None:
+    """offload(pipe) alone picks, within the stated CPU budget, a plan whose outputs equal the plain run."""
+    p, ref = toy.build(0), toy.build(0)
+    with torchferry.offload(p, device="cpu") as session:
+        for _ in range(2):
+            assert torch.equal(p("a cat", steps=4), ref("a cat", steps=4))
+        report = session.report()
+        assert session.plan.config.device_memory_bytes == CPU_BUDGET
+        assert session.peak_device_bytes <= CPU_BUDGET
+    assert report.budget == CPU_BUDGET
+    assert report.budget_source == "the CPU default of 8.0 GiB"
+    assert report.policy == "none()"
+    assert report.reason.startswith("none(): every component fits whole")
+    assert same_weights(p, ref) and hook_count(p) == 0
+
+
+def test_explicit_config_keeps_the_layerwise_default() -> None:
+    """A config names its own strategy (OffloadConfig defaults to layerwise): nothing is chosen."""
+    p = toy.build(0)
+    with torchferry.offload(p, torchferry.topology.OffloadConfig(), device="cpu") as session:
+        report = session.report()
+    assert session.plan.strategy == "layerwise"
+    assert report.choice is None and report.policy == "layerwise(depth=1)"
+    assert (
+        report.reason == "layerwise(depth=1): named by the caller (strategy='layerwise'); nothing was chosen"
+    )
+
+
+def test_auto_with_ring_knobs_is_refused() -> None:
+    """strategy='auto' picks the depth itself: passing one is a PlanError saying what to do."""
+    with pytest.raises(
+        PlanError,
+        match=re.escape(
+            "offload(strategy='auto') with prefetch_depth=: auto picks the policy and its depth itself; "
+            "drop them, or name the strategy (strategy='layerwise')"
+        ),
+    ):
+        torchferry.offload(toy.build(0), strategy="auto", device="cpu", prefetch_depth=2)
+
+
+def _record(session: torchferry.Session, module: torch.nn.Module, into: list[str]) -> Any:
+    """After every forward of ``module`` (past the session's hooks), note the policy its step ran."""
+
+    def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
+        last = session.engine.last
+        assert last is not None
+        into.append(last.policy)
+
+    return module.register_forward_hook(post)
+
+
+def test_recalibration_switches_between_steps_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Under a tight budget the measured choice replaces the assumed one once, between two steps,
+    bit-identically; the report says what was measured and chosen, and one INFO line says it too."""
+    p, ref = toy.build(0, hidden=64), toy.build(0, hidden=64)
+    budget = _layerwise_peak(p, components={"dit"}) + 3 * 60_000
+    seen: list[str] = []
+    caplog.set_level(logging.INFO, logger="torchferry")
+    with torchferry.offload(p, device="cpu", device_memory=budget, components={"dit"}) as session:
+        first = session.report()
+        handle = _record(session, p.transformer, seen)
+        for _ in range(3):
+            assert torch.equal(p("a cat", steps=5), ref("a cat", steps=5))
+        handle.remove()
+        report = session.report()
+        assert session.peak_device_bytes <= budget
+        assert max(session.step_peaks.values()) <= budget
+    assert first.policy == "layerwise(depth=1)" and not first.calibrated
+    assert first.reason.endswith("(under assumed compute; re-chosen once a step is measured)")
+    # One change of policy, at a step boundary: a run of the old policy, then only the new one.
+    changes = [i for i in range(1, len(seen)) if seen[i] != seen[i - 1]]
+    assert len(changes) == 1, seen
+    assert report.switches == (f"{seen[0]} -> {seen[-1]}: calibrated on transformer",)
+    assert report.choice is not None and report.policy == report.choice.policy().name == seen[-1]
+    assert report.choice.resident and report.calibrated
+    assert report.cost is not None and report.cost.source.startswith("measured by the session")
+    assert set(report.predicted_step_s) == set(report.measured_step_s) == {"transformer"}
+    assert report.host_op_s > 0 and report.block_s["transformer"] > 0
+    assert report.budget == budget and report.budget_source == "given"
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"torchferry: {seen[-1]}")]
+    assert len(lines) == 1 and f"within budget {policies.format_bytes(budget, exact=False)}" in lines[0]
+    assert "predicted" in lines[0] and "measured" in lines[0] and "why: " in lines[0]
+    assert same_weights(p, ref)
+
+
+def test_two_experts_keep_the_budget_at_every_step_including_the_switch() -> None:
+    """On a two-expert toy under a tight budget every step, the one that prefetches the next expert
+    included, stays within the budget, and outputs equal the plain run."""
+    p, ref = toy.build(0, two_experts=True, hidden=64), toy.build(0, two_experts=True, hidden=64)
+    budget = _layerwise_peak(p, components={"dit", "text_encoder"}) + 60_000
+    with torchferry.offload(p, device="cpu", device_memory=budget, components={"dit", "text_encoder"}) as s:
+        for _ in range(3):
+            assert torch.equal(p("a cat", steps=6), ref("a cat", steps=6))
+        switch = [
+            step for step in s.schedules if step.component == "transformer" and step.next == "transformer_2"
+        ]
+        report = s.report()
+        peaks = dict(s.step_peaks)
+    assert switch, "the step before the expert switch ran"
+    exit_units = {pl.unit for pl in s.schedules[switch[0]].exit} if switch[0] in s.schedules else set()
+    assert not exit_units or any(u.startswith("transformer_2.") for u in exit_units)
+    assert peaks and max(peaks.values()) <= budget
+    assert set(report.predicted_step_s) == {"transformer", "transformer_2"}
+    assert set(report.measured_step_s) <= {"transformer", "transformer_2"}
+    assert same_weights(p, ref)
+
+
+def test_measure_reads_block_compute_and_host_cost_from_a_trace() -> None:
+    """`measure` takes each block's forward from the trace and leaves no time unaccounted."""
+    p = toy.build(0)
+    with torchferry.offload(p, strategy="layerwise", device="cpu") as session:
+        with session.trace("transformer", skip=1) as tracer:
+            p("a cat", steps=3)
+        figures = measure(tracer.result, session.plan)
+    blocks = {f"transformer.blocks.{i}" for i in range(8)}
+    assert set(figures.block_s) == blocks and all(v > 0 for v in figures.block_s.values())
+    ops = len(tracer.result.schedule.ops)
+    total = (
+        sum(figures.block_s.values()) + figures.rest_s + figures.host_op_s * ops + figures.host_block_s * 8
+    )
+    assert total == pytest.approx(tracer.result.wall_s, rel=1e-6)
+    assert figures.policy == "layerwise(depth=1)" and figures.clock == "host clock"
+
+
+def test_report_of_a_named_policy_says_nothing_was_chosen() -> None:
+    """A session whose caller named the policy reports it, with no measurements."""
+    with torchferry.offload(toy.build(0), strategy="none", device="cpu") as session:
+        report = session.report()
+    assert isinstance(report, SessionReport)
+    assert report.policy == "none()" and not report.calibrated and report.predicted_step_s == {}

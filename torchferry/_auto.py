@@ -1,0 +1,463 @@
+"""The session's side of ``strategy="auto"``: the budget, what is measured, the calibrated re-choice.
+
+[Note: choosing in a session]
+`offload` with ``strategy="auto"`` (its default) resolves a layerwise plan whose budget
+(``config.device_memory_bytes``) is the one given, else the device's free memory when the session
+opens minus `ACTIVATION_MARGIN` (at least `ACTIVATION_MARGIN_MIN`) for activations, else on the CPU
+`CPU_BUDGET`. It measures the host-to-device bandwidth once per process (`h2d_bandwidth`: a pinned
+copy on CUDA, a host memcpy on the CPU) and asks `policies.choose`, the chooser behind
+``torchferry plan``, for strategy, depth and resident blocks under a cost model from the device's
+profile (`runtime.load_profile`, else its device class) with that bandwidth.
+
+Then it measures what the choice depends on. `Chooser` traces up to `MAX_TRACES` steady steps of
+each streaming DiT per schedule, then one in `TRACE_EVERY` (`runtime.Tracer`; every step of a run
+but the first, so the step starts where the one before ended), and turns the fastest into figures
+(`measure`): each block's compute, the host seconds per op and per hooked block, and the
+component's non-block remainder. After the first measured step of a component it re-chooses under
+`policies.CostModel.calibrated`; a changed choice is used from the next step on (never inside one:
+the session drops what the old schedule left on the device between the two steps and the new
+schedule stages what it needs). A component re-chooses again only when a later measurement moves
+its block compute by more than `REMEASURE_MARGIN`; later measurements still refine the cost model.
+
+On the CPU copies run on the compute thread, so the calibrated model charges them as host time per
+op (its bandwidth is infinite) instead of on a copy stream that would hide them.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+import attrs
+import torch
+
+from torchferry import policies
+from torchferry._errors import PlanError, ScheduleError
+from torchferry.policies import Choice, CostModel, DeviceProfile, Policy, Schedule
+from torchferry.runtime import StepTrace, Tracer, load_profile
+from torchferry.topology import Plan
+
+__all__ = [
+    "ACTIVATION_MARGIN",
+    "ACTIVATION_MARGIN_MIN",
+    "CPU_BUDGET",
+    "MAX_TRACES",
+    "REMEASURE_MARGIN",
+    "TRACE_EVERY",
+    "Chooser",
+    "Measured",
+    "SessionReport",
+    "calibrate",
+    "default_budget",
+    "h2d_bandwidth",
+    "measure",
+    "predicted_step_s",
+]
+
+LOG = logging.getLogger("torchferry")
+
+#: Fraction of the device's free memory at open left to activations when no budget is given.
+ACTIVATION_MARGIN = 0.10
+#: The least left to activations (bytes): 1 GiB.
+ACTIVATION_MARGIN_MIN = 1 << 30
+#: The budget on a CPU "device" when none is given (bytes): 8 GiB.
+CPU_BUDGET = 8 << 30
+#: A component re-chooses a second time only if its measured step moves by more than this fraction.
+REMEASURE_MARGIN = 0.25
+#: Steady steps traced per component; calibration uses the fastest (the least disturbed).
+MAX_TRACES = 8
+#: After `MAX_TRACES`, one step in this many is still traced, so a quieter moment refines the figures.
+TRACE_EVERY = 8
+#: Bytes of the timed copy that measures the host-to-device bandwidth (CUDA, CPU).
+_COPY_BYTES = {"cuda": 64 << 20, "cpu": 16 << 20}
+
+
+def default_budget(device: torch.device) -> tuple[int, str]:
+    """The budget when none is given, and a sentence saying where it came from."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        margin = max(ACTIVATION_MARGIN_MIN, int(free * ACTIVATION_MARGIN))
+        budget = max(free - margin, 0)
+        return budget, (
+            f"free device memory at open {policies.format_bytes(free, exact=False)} minus "
+            f"{policies.format_bytes(margin, exact=False)} for activations"
+        )
+    return CPU_BUDGET, f"the CPU default of {policies.format_bytes(CPU_BUDGET, exact=False)}"
+
+
+@functools.cache
+def _bandwidth(device: str) -> float:
+    target = torch.device(device)
+    cuda = target.type == "cuda"
+    nbytes = _COPY_BYTES["cuda" if cuda else "cpu"]
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dest = torch.empty(nbytes, dtype=torch.uint8, device=target)
+    best = math.inf
+    for _ in range(4):
+        start = time.perf_counter()
+        dest.copy_(host, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(target)
+        best = min(best, time.perf_counter() - start)
+    del host, dest
+    if cuda:
+        torch.cuda.empty_cache()
+    return nbytes / best
+
+
+def h2d_bandwidth(device: torch.device) -> tuple[float, str]:
+    """Host-to-device bytes per second, measured once per process and device (the fastest of three
+    timed copies after a warm-up), and how it was measured."""
+    cuda = device.type == "cuda"
+    what = "pinned host-to-device copy" if cuda else "host memcpy"
+    nbytes = _COPY_BYTES["cuda" if cuda else "cpu"]
+    return _bandwidth(str(device)), f"measured: {policies.format_bytes(nbytes, exact=False)} {what}"
+
+
+def base_profile(device: torch.device) -> DeviceProfile:
+    """The device's saved profile (`runtime.load_profile`) when it is of this kind of device, else
+    its device class, else `policies.DEFAULT_DEVICE`."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    saved = load_profile()
+    if saved is not None and (saved.name == "cpu") == (device.type == "cpu"):
+        return saved
+    return policies.match_device_class(name) or policies.DEFAULT_DEVICE
+
+
+@attrs.frozen(kw_only=True)
+class Measured:
+    """What one traced step of ``component`` measured (seconds).
+
+    ``block_s`` holds each block's forward; ``rest_s`` the component's own compute outside its blocks;
+    ``host_op_s`` the host time per op the runtime ran (on the CPU its copies included) and
+    ``host_block_s`` per block it hooked; ``wall_s`` the step; ``policy`` the schedule's policy.
+    """
+
+    component: str
+    policy: str
+    wall_s: float
+    block_s: Mapping[str, float]
+    rest_s: float
+    host_op_s: float
+    host_block_s: float
+    clock: str
+
+
+def measure(trace: StepTrace, plan: Plan) -> Measured:
+    """The figures of one traced step: block compute, host cost per op and per block, remainder.
+
+    Host cost is fitted over the gaps between consecutive block forwards (each gap holds the hooks of
+    two blocks' ends and the ops anchored there): ``gap = host_block + ops x host_op``, least squares
+    when the op count varies, all of it per op otherwise. On the CPU the copies inside a gap are taken
+    out first and then spread over the step's ops (they run on the compute thread). The remainder is
+    what the step took beyond its blocks, stalls and host cost.
+    """
+    schedule = trace.schedule
+    component = trace.component
+    paths = {b.path for c in plan.component(component).walk() for b in c.blocks}
+    cpu = trace.clock == "host clock"
+    blocks = [s for s in trace.spans if s.stream == "compute" and s.kind == "compute" and s.label in paths]
+    stalls = [s for s in trace.spans if s.kind == "stall"]
+    copies = [s for s in trace.spans if s.stream in ("copy", "comm")] if cpu else []
+    at: dict[tuple[str, str], int] = {}
+    for op in schedule.ops:
+        at[op.when, op.anchor] = at.get((op.when, op.anchor), 0) + 1
+    xs: list[float] = []
+    ys: list[float] = []
+    for a, b in itertools.pairwise(blocks):
+        inside = sum(
+            s.duration_s
+            for s in (*stalls, *copies)
+            if s.start_s >= a.end_s - 1e-9 and s.end_s <= b.start_s + 1e-9
+        )
+        xs.append(at.get(("after", a.label), 0) + at.get(("before", b.label), 0))
+        ys.append(max(b.start_s - a.end_s - inside, 0.0))
+    host_block, host_op = _fit(xs, ys)
+    ops = len(schedule.ops)
+    copy_s = sum(s.duration_s for s in copies)
+    if cpu and ops:
+        host_op += copy_s / ops
+    compute = sum(s.duration_s for s in blocks)
+    stall = sum(s.duration_s for s in stalls)
+    rest = trace.wall_s - compute - stall - host_block * len(blocks) - host_op * ops
+    per_block: dict[str, float] = {}
+    for s in blocks:
+        per_block[s.label] = per_block.get(s.label, 0.0) + s.duration_s
+    return Measured(
+        component=component,
+        policy=schedule.policy,
+        wall_s=trace.wall_s,
+        block_s=per_block,
+        rest_s=max(rest, 0.0),
+        host_op_s=host_op,
+        host_block_s=host_block,
+        clock=trace.clock,
+    )
+
+
+def predicted_step_s(policy: Policy, plan: Plan, component: str, cost: CostModel) -> float:
+    """Simulated steady step of ``component`` under ``policy``: `policies.simulate` of its steady
+    schedule, plus, for a whole-component schedule (which anchors no block, so simulates none), its
+    blocks' compute and hooks."""
+    schedule: Schedule = policies.steady_schedule(policy, plan, component)
+    report = policies.simulate(schedule, cost)
+    blocks = [b.path for c in plan.component(component).walk() for b in c.blocks]
+    anchored = {op.anchor for op in schedule.ops}
+    if blocks and not anchored & set(blocks):
+        extra = sum(cost.compute_seconds(b, block=True) for b in blocks) + cost.host_block_s * len(blocks)
+        return report.makespan_s + extra
+    return report.makespan_s
+
+
+def calibrate(
+    figures: Sequence[Measured],
+    *,
+    h2d_bytes_per_s: float,
+    collective_bytes_per_s: float = 100e9,
+    default_block_s: float = 0.01,
+) -> CostModel:
+    """`policies.CostModel.calibrated` from measurements: each block's and component's compute, the
+    mean host cost per op and per block, the bandwidth given (infinite when measured on the CPU,
+    whose copies are in the host cost per op); blocks never measured take the measured mean."""
+    compute: dict[str, float] = {}
+    for m in figures:
+        compute.update(m.block_s)
+        compute[m.component] = m.rest_s
+    blocks = [v for m in figures for v in m.block_s.values()]
+    cpu = any(m.clock == "host clock" for m in figures)
+    n = max(len(figures), 1)
+    return CostModel.calibrated(
+        h2d_bytes_per_s=math.inf if cpu else h2d_bytes_per_s,
+        block_s=sum(blocks) / len(blocks) if blocks else default_block_s,
+        compute_s=compute,
+        host_op_s=sum(m.host_op_s for m in figures) / n,
+        host_block_s=sum(m.host_block_s for m in figures) / n,
+        collective_bytes_per_s=math.inf if cpu else collective_bytes_per_s,
+        forwards_per_step=1,
+        source="measured by the session"
+        + ("; copies on the compute thread (CPU) charged per op" if cpu else ""),
+    )
+
+
+def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """``(a, b)`` with ``y ~ a + b x``, both at least 0; ``(0, y / x)`` when x never varies."""
+    if not ys:
+        return 0.0, 0.0
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        # Not separable: every gap holds as many ops. Ops carry the runtime's real work (re-pointing,
+        # copies), so all of it goes to them; a schedule with another op mix refits it.
+        return (0.0, my / mx) if mx else (my, 0.0)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+    a = my - b * mx
+    if b < 0:
+        return my, 0.0
+    if a < 0:
+        return 0.0, my / mx if mx else 0.0
+    return a, b
+
+
+@attrs.frozen(kw_only=True)
+class SessionReport:
+    """What a session measured, what it chose, what it predicted and what it then measured, and why.
+
+    ``budget`` (bytes) and ``budget_source`` say what the schedules must fit; ``h2d_bytes_per_s`` and
+    ``h2d_source`` the bandwidth measured (``None`` when nothing was chosen here); ``policy`` is the
+    policy running now and ``choice`` the chooser's `policies.Choice` behind it (``None`` when the
+    caller picked the strategy or policy). Per streaming component: ``block_s`` the mean measured
+    block forward, ``predicted_step_s`` the simulated steady step of the running schedule under the
+    calibrated cost model, ``measured_step_s`` the fastest traced step of it (absent until traced).
+    ``cost`` is the cost model in use, ``calibrated`` whether it holds measured compute, ``switches``
+    each change of schedule (``old -> new: why``), ``reason`` the choice in a sentence.
+    """
+
+    budget: int | None
+    budget_source: str
+    h2d_bytes_per_s: float | None
+    h2d_source: str
+    policy: str
+    choice: Choice | None
+    cost: CostModel | None
+    calibrated: bool
+    block_s: Mapping[str, float]
+    predicted_step_s: Mapping[str, float]
+    measured_step_s: Mapping[str, float]
+    host_op_s: float
+    host_block_s: float
+    switches: tuple[str, ...]
+    reason: str
+
+    def error(self, component: str) -> float | None:
+        """``predicted / measured - 1`` of ``component``'s step, when both are known."""
+        p, m = self.predicted_step_s.get(component), self.measured_step_s.get(component)
+        return p / m - 1 if p is not None and m else None
+
+    def __str__(self) -> str:
+        """The report in one line (the session logs it at INFO)."""
+        budget = "none" if self.budget is None else policies.format_bytes(self.budget, exact=False)
+        parts = [f"torchferry: {self.policy} within budget {budget} ({self.budget_source})"]
+        if self.h2d_bytes_per_s is not None:
+            parts.append(f"h2d {self.h2d_bytes_per_s / 1e9:.3g} GB/s ({self.h2d_source})")
+        for c, p in self.predicted_step_s.items():
+            figure = f"{c}: predicted {p * 1e3:.3f} ms"
+            m = self.measured_step_s.get(c)
+            if m is not None:
+                figure += f", measured {m * 1e3:.3f} ms ({(p / m - 1) * 100:+.1f}%)"
+            b = self.block_s.get(c)
+            if b is not None:
+                figure += f", block {b * 1e3:.3f} ms"
+            parts.append(figure)
+        if self.calibrated:
+            parts.append(f"host {self.host_op_s * 1e6:.1f} us/op, {self.host_block_s * 1e6:.1f} us/block")
+        parts.append(f"why: {self.reason}")
+        return "; ".join(parts)
+
+
+class Chooser:
+    """The auto strategy inside one session: the current choice, the measurements, the re-choices.
+
+    The session asks `tracer` at each step's start whether to trace it, hands each finished trace to
+    `traced`, and asks `pending` between steps for a policy to switch to.
+    """
+
+    def __init__(self, plan: Plan, device: torch.device, budget: int, budget_source: str) -> None:
+        self.plan = plan
+        self.device = device
+        self.budget = budget
+        self.budget_source = budget_source
+        self.h2d, self.h2d_source = h2d_bandwidth(device)
+        profile = base_profile(device)
+        topo = plan.topology
+        self.base = policies.estimate_cost(
+            topo, device=attrs.evolve(profile, h2d_bytes_per_s=self.h2d), forwards_per_step=1
+        )
+        self.cost = self.base
+        lay = policies.layout(plan)
+        dits = [c.path for c in plan.components if lay.streamed.get(c.path) and c.kind == "dit"]
+        #: Components whose steps are measured and predicted: the streaming DiTs (else any streamer).
+        self.components: tuple[str, ...] = tuple(
+            dits or [c.path for c in plan.components if lay.streamed.get(c.path)]
+        )
+        try:
+            self.choice: Choice = policies.choose(plan, budget, self.cost)
+        except ScheduleError as exc:
+            raise PlanError(
+                f"offload(strategy='auto'): nothing fits the budget ({budget_source}): {exc}; pass a "
+                "larger device_memory= or fewer components"
+            ) from None
+        self.policy: Policy = self.choice.policy()
+        self._pending: Policy | None = None
+        self.switches: list[str] = []
+        # Why: the fastest measurement of each component under the schedule it ran, for the cost model.
+        self.measured: dict[str, Measured] = {}
+        # Why: the traced walls of each component under the running policy, for `measured_step_s`.
+        self.walls: dict[str, list[float]] = {}
+        # Why: the measured step each component's last re-choice used, against REMEASURE_MARGIN.
+        self._chosen_at: dict[str, float] = {}
+        self._run: tuple[str, int] | None = None
+        self._fresh = False
+
+    # ------------------------------------------------------------------------------ the session
+    def pending(self) -> Policy | None:
+        """The policy to switch to before the next step, once (``None``: keep the running one)."""
+        policy, self._pending = self._pending, None
+        if policy is not None:
+            self.policy = policy
+            self._fresh = True
+            self.walls.clear()
+        return policy
+
+    def tracer(self, component: str) -> Tracer | None:
+        """A tracer for the step of ``component`` starting now, if it is one to measure."""
+        last = self._run
+        index = last[1] + 1 if last is not None and last[0] == component else 0
+        self._run = (component, index)
+        fresh, self._fresh = self._fresh, False
+        if component not in self.components or index == 0 or fresh:
+            return None
+        if len(self.walls.get(component, ())) >= MAX_TRACES and index % TRACE_EVERY:
+            return None
+        return Tracer(self.device, component)
+
+    def interrupted(self) -> None:
+        """A step failed: the next forward starts a new run."""
+        self._run = None
+
+    def traced(self, trace: StepTrace) -> None:
+        """One traced steady step: keep its figures, re-choose when they call for it."""
+        c = trace.component
+        figures = measure(trace, self.plan)
+        self.walls.setdefault(c, []).append(trace.wall_s)
+        best = self.measured.get(c)
+        if best is None or figures.wall_s < best.wall_s or best.policy != figures.policy:
+            self.measured[c] = figures
+        # Compute does not depend on the schedule, so it is what a second re-choice is judged by.
+        compute = sum(self.measured[c].block_s.values())
+        before = self._chosen_at.get(c)
+        if before is not None and abs(compute / before - 1) <= REMEASURE_MARGIN:
+            self.cost = self.calibrated()  # the model keeps learning; the choice stands
+            return
+        self._chosen_at[c] = compute
+        self._rechoose(c)
+
+    @property
+    def switching(self) -> bool:
+        """Whether a re-choice is waiting for the next step."""
+        return self._pending is not None
+
+    @property
+    def running_name(self) -> str:
+        return getattr(self.policy, "name", "")
+
+    def _rechoose(self, component: str) -> None:
+        self.cost = self.calibrated()
+        choice = policies.choose(self.plan, self.budget, self.cost)
+        old = self.running_name
+        new = choice.policy()
+        self.choice = choice
+        if new.name != old:
+            self._pending = new
+            self.switches.append(f"{old} -> {new.name}: calibrated on {component}")
+            LOG.info("torchferry: after measuring %s, switching %s -> %s", component, old, new.name)
+
+    def calibrated(self) -> CostModel:
+        """The cost model of every measurement so far (blocks never measured take their mean)."""
+        return calibrate(
+            list(self.measured.values()),
+            h2d_bytes_per_s=self.h2d,
+            collective_bytes_per_s=self.base.collective_bytes_per_s,
+            default_block_s=self.base.block_s,
+        )
+
+    # ------------------------------------------------------------------------------ the figures
+    def predicted(self, component: str) -> float:
+        """Simulated steady step of ``component`` under the running policy and the current model."""
+        return predicted_step_s(self.policy, self.plan, component, self.cost)
+
+    def report(self) -> SessionReport:
+        calibrated = bool(self.measured)
+        figures = list(self.measured.values())
+        return SessionReport(
+            budget=self.budget,
+            budget_source=self.budget_source,
+            h2d_bytes_per_s=self.h2d,
+            h2d_source=self.h2d_source,
+            policy=self.running_name,
+            choice=self.choice,
+            cost=self.cost,
+            calibrated=calibrated,
+            block_s={m.component: sum(m.block_s.values()) / max(len(m.block_s), 1) for m in figures},
+            predicted_step_s={c: self.predicted(c) for c in self.components},
+            measured_step_s={c: min(w) for c, w in self.walls.items() if w},
+            host_op_s=sum(m.host_op_s for m in figures) / len(figures) if figures else 0.0,
+            host_block_s=sum(m.host_block_s for m in figures) / len(figures) if figures else 0.0,
+            switches=tuple(self.switches),
+            reason=self.choice.reason
+            + ("" if calibrated else " (under assumed compute; re-chosen once a step is measured)"),
+        )

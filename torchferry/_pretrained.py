@@ -1,0 +1,263 @@
+"""`from_pretrained`: a diffusers pipeline built from its folder, every weight read once into the host store.
+
+[Note: why Pipeline.from_pretrained under meta_parameters() still loads everything]
+diffusers' ``ModelMixin.from_pretrained`` (``low_cpu_mem_usage=True``, its default) builds each model
+under accelerate's ``init_empty_weights`` (parameters on meta), then *loads the state dict into it*:
+``load_model_dict_into_meta`` reads every shard with ``safetensors.torch.load_file`` and assigns each
+tensor into ``module._parameters[name]`` directly, bypassing ``register_parameter``. transformers'
+``PreTrainedModel.from_pretrained`` likewise materialises every parameter from the files. So a
+``torchferry.meta_parameters()`` block around ``Pipeline.from_pretrained`` sees parameters created
+on meta and then replaced by loaded CPU tensors: nothing is left on meta, the whole model is in
+memory, and ``offload(checkpoint=...)`` would then hold it a second time.
+
+`from_pretrained` therefore never calls a model's ``from_pretrained``. Each model component is
+built from its configuration alone under `meta_parameters` (diffusers: ``Cls.from_config(
+Cls.load_config(subfolder))``; transformers: ``Cls(Cls.config_class.from_pretrained(subfolder))``),
+its parameters given the dtypes the files store, and put in eval mode as ``from_pretrained`` leaves
+it; the other components (schedulers, tokenizers) load with their own ``from_pretrained`` (they hold
+no weights); the pipeline class is called with them and with the other values of
+``model_index.json``; and `torchferry.offload(pipeline, checkpoint=folder)` fills the host store
+straight from the files, one block at a time. Host memory is then about one copy of the model from
+the start (measured by ``benchmarks/load.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchferry._errors import PlanError
+from torchferry._session import Session, offload
+from torchferry.runtime import meta_parameters
+from torchferry.topology import (
+    FolderComponent,
+    from_checkpoint,
+    hub_snapshot,
+    is_pipeline_folder,
+    read_pipeline_folder,
+)
+
+__all__ = ["from_pretrained", "resolve_folder"]
+
+
+def resolve_folder(model: str | os.PathLike[str]) -> Path:
+    """The local pipeline folder ``model`` names: a path, or a hub id found in the local hub cache.
+
+    Nothing is downloaded: a hub id that is not in the cache is a `PlanError` saying how to fetch it.
+    """
+    path = Path(os.fspath(model)).expanduser()
+    if path.is_dir():
+        return path
+    text = os.fspath(model)
+    snapshot = hub_snapshot(text)
+    if snapshot is not None:
+        return snapshot
+    if path.exists():
+        raise PlanError(f"{text}: a pipeline is a folder with a model_index.json, and this is a file")
+    raise PlanError(
+        f"{text}: no such folder, nor a hub id in the local Hugging Face cache; download it first "
+        f"(huggingface-cli download {text}, or Pipeline.from_pretrained once), or pass the folder's path"
+    )
+
+
+def _class(comp: FolderComponent) -> Any:
+    try:
+        module = importlib.import_module(comp.library)
+    except ImportError as exc:
+        raise PlanError(
+            f"component {comp.name!r} is a {comp.library}.{comp.index_class}, and {comp.library} cannot be "
+            f"imported ({exc}); install it"
+        ) from None
+    cls = getattr(module, comp.index_class, None)
+    if cls is None:
+        raise PlanError(
+            f"component {comp.name!r}: {comp.library} has no class {comp.index_class!r} (model_index.json "
+            f"names it); upgrade {comp.library}"
+        )
+    return cls
+
+
+def _build_model(comp: FolderComponent, cls: type[nn.Module]) -> nn.Module:
+    """``cls`` built from the subfolder's configuration with its parameters on the meta device."""
+    where = f"component {comp.name!r} ({cls.__module__.split('.')[0]}.{cls.__name__})"
+    how = (
+        f"load that component yourself ({cls.__name__}.from_pretrained(folder, subfolder={comp.name!r})) "
+        f"and pass it as from_pretrained(..., {comp.name}=model)"
+    )
+    load_config = getattr(cls, "load_config", None)
+    config_class = getattr(cls, "config_class", None)
+    try:
+        with meta_parameters():
+            if load_config is not None and hasattr(cls, "from_config"):
+                model = cls.from_config(load_config(str(comp.folder)))
+            elif config_class is not None and hasattr(config_class, "from_pretrained"):
+                model = cls(config_class.from_pretrained(str(comp.folder)))
+            else:
+                raise PlanError(
+                    f"{where} is neither a diffusers ModelMixin nor a transformers PreTrainedModel, so "
+                    f"torchferry cannot build it from its configuration; {how}"
+                )
+    except PlanError:
+        raise
+    except Exception as exc:
+        raise PlanError(
+            f"{where} could not be built from its configuration with its parameters on the meta device "
+            f"({type(exc).__name__}: {exc}); {how}"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"{where}: building it from its configuration gave a {type(model).__name__}; {how}")
+    return model.eval()
+
+
+def _stored_dtypes(
+    model: nn.Module,
+    name: str,
+    stored: Mapping[str, str],
+    torch_dtype: torch.dtype | None,
+    problems: list[str],
+) -> None:
+    """Give every meta parameter the dtype its file stores (loading copies bytes, never converts)."""
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    done: dict[int, nn.Parameter] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            full = f"{name}.{module_name}.{attr}" if module_name else f"{name}.{attr}"
+            if id(param) in done:
+                module._parameters[attr] = done[id(param)]
+                continue
+            dtype_name = stored.get(full)
+            if dtype_name is None:
+                continue  # a tied alias stored under its other name, or missing: validated at offload
+            dtype = getattr(torch, dtype_name)
+            if torch_dtype is not None and dtype.is_floating_point and dtype != torch_dtype:
+                kept = dtype == torch.float32 and any(k in full.split(".") for k in keep)
+                if not kept:
+                    problems.append(f"{full} is stored as {dtype_name}")
+            if param.is_meta and param.dtype != dtype:
+                replaced = nn.Parameter(
+                    torch.empty(param.shape, dtype=dtype, device="meta"), param.requires_grad
+                )
+                module._parameters[attr] = replaced
+                done[id(param)] = replaced
+            else:
+                done[id(param)] = param
+    for module_name, module in model.named_modules():
+        for attr, buf in list(module._buffers.items()):
+            full = f"{name}.{module_name}.{attr}" if module_name else f"{name}.{attr}"
+            dtype_name = stored.get(full)
+            if buf is not None and dtype_name is not None and str(buf.dtype) != f"torch.{dtype_name}":
+                module._buffers[attr] = buf.to(getattr(torch, dtype_name))
+
+
+def from_pretrained(
+    pipeline_class: Any,
+    pretrained_model_name_or_path: str | os.PathLike[str],
+    *,
+    torch_dtype: torch.dtype | None = None,
+    **kwargs: Any,
+) -> Session:
+    """Build ``pipeline_class`` from a diffusers pipeline folder, its weights read straight into host buffers.
+
+    Reads like ``pipeline_class.from_pretrained(folder, ...)``: ``pretrained_model_name_or_path`` is a
+    pipeline folder (``model_index.json`` and a subfolder per component) or a hub id already in the
+    local Hugging Face cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub``, ``~/.cache/huggingface/hub``);
+    keyword arguments named after components (``text_encoder=model``, ``tokenizer=None``) replace them
+    as in diffusers, and every other keyword goes to `torchferry.offload` (``strategy=``,
+    ``device=``, any `OffloadConfig` field). Model components are built on the meta device from their
+    configurations and filled from the files once, so host memory holds about one copy of the model
+    (see the Note at the top of this module). Parameters take the dtypes the files store;
+    ``torch_dtype``, when given, must be that dtype (weights are copied, never converted; a class's
+    ``_keep_in_fp32_modules`` may stay float32). Returns the open `Session`; its ``pipeline`` is the
+    pipeline, called as usual::
+
+        with torchferry.from_pretrained(FluxPipeline, "black-forest-labs/FLUX.1-dev", device="cuda") as s:
+            image = s.pipeline("a ferry at dawn").images[0]
+
+    A component diffusers or transformers cannot build under meta, a folder without safetensors
+    weights, or a request ``offload`` rejects is a `PlanError`, raised before anything is read.
+    """
+    folder = resolve_folder(pretrained_model_name_or_path)
+    pipeline, options = _build_on_meta(pipeline_class, folder, torch_dtype, kwargs)
+    return offload(pipeline, checkpoint=str(folder), **options)
+
+
+def _build_on_meta(
+    pipeline_class: Any, folder: Path, torch_dtype: torch.dtype | None, kwargs: Mapping[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """The pipeline with every model parameter on meta, and the keywords left for `offload`."""
+    if not is_pipeline_folder(folder):
+        raise PlanError(
+            f"{folder}: no model_index.json, so this is not a diffusers pipeline folder; pass the folder "
+            "save_pretrained wrote (or a hub snapshot), or load a bare model and use torchferry.offload"
+        )
+    found = read_pipeline_folder(folder)
+    signature = inspect.signature(pipeline_class.__init__)
+    accepted = {
+        n
+        for n, p in signature.parameters.items()
+        if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
+    names = {c.name for c in found.components} | set(found.absent) | {k for k, _ in found.init_values}
+    given = {k: v for k, v in kwargs.items() if k in names or k in accepted}
+    options = {k: v for k, v in kwargs.items() if k not in given}
+    if "checkpoint" in options:
+        raise PlanError(
+            "from_pretrained(checkpoint=...): the checkpoint is the pipeline folder itself; drop checkpoint="
+        )
+    stored = {t.name: t.dtype for c in from_checkpoint(folder).components for t in c.all_tensors()}
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for comp in found.components:
+        if comp.name in given or comp.name not in accepted:
+            continue
+        cls = _class(comp)
+        if isinstance(cls, type) and issubclass(cls, nn.Module):
+            if comp.source is None:
+                raise PlanError(
+                    f"component {comp.name!r} ({comp.index_class}): {comp.folder} holds no *.safetensors "
+                    "weights, and torchferry reads safetensors only; re-save the pipeline with "
+                    "save_pretrained (safetensors is its default) or pass the component yourself"
+                )
+            model = _build_model(comp, cls)
+            _stored_dtypes(model, comp.name, stored, torch_dtype, problems)
+            values[comp.name] = model
+        else:
+            loader = getattr(cls, "from_pretrained", None)
+            if loader is None:
+                raise PlanError(
+                    f"component {comp.name!r}: {comp.library}.{comp.index_class} has no from_pretrained; "
+                    f"pass it yourself as from_pretrained(..., {comp.name}=...)"
+                )
+            values[comp.name] = loader(str(comp.folder))
+    if problems:
+        shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
+        raise PlanError(
+            f"from_pretrained(torch_dtype={torch_dtype}): {len(problems)} tensor(s) of {folder} are stored "
+            "in "
+            f"another dtype ({shown}); torchferry copies the stored bytes and never converts, so save the "
+            "pipeline in that dtype first (pipe.to(dtype).save_pretrained(...)) or drop torch_dtype"
+        )
+    for name in found.absent:
+        if name in accepted and name not in given:
+            values[name] = None
+    for name, value in found.init_values:
+        if name in accepted and name not in given:
+            values[name] = value
+    values.update(given)
+    try:
+        pipeline = pipeline_class(**values)
+    except Exception as exc:
+        raise PlanError(
+            f"{pipeline_class.__name__}(...) could not be built from {folder} ({type(exc).__name__}: {exc}); "
+            "pass the missing components as keywords, as to its own from_pretrained"
+        ) from None
+    return pipeline, options
