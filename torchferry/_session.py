@@ -23,7 +23,18 @@ from torchferry import policies, topology
 from torchferry._auto import Chooser, SessionReport, default_budget
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
-from torchferry.runtime import Comm, Engine, Inputs, SessionGuard, Steps, Tracer, prove
+from torchferry.runtime import (
+    CLAIMS,
+    Comm,
+    Engine,
+    Inputs,
+    SessionGuard,
+    Steps,
+    Tracer,
+    Watch,
+    prove,
+    refuse_foreign,
+)
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
 __all__ = ["Session", "SessionReport", "default_policy", "offload"]
@@ -207,6 +218,8 @@ def offload(
         budget, source = default_budget(target)
         request = attrs.evolve(request, device_memory_bytes=budget)
     topo = topology.discover(pipeline, declaration)
+    refuse_foreign(pipeline, topo)
+    CLAIMS.check(pipeline, topo)
     plan = topology.resolve(topo, request)
     chooser = None
     if auto:
@@ -296,15 +309,23 @@ class Session:
         # Why: the chooser's tracer of the running step, handed to it when the step finishes.
         self._measuring: Tracer | None = None
         self._logged: str | None = None
+        inputs: Inputs | None = None
         try:
             self.engine.anchor(self._anchors())
             self._guard = SessionGuard(pipeline, plan, self.engine)
+            # Why: a pipeline call's inputs go to the session device, where its weights run (defect 1).
+            inputs = Inputs(pipeline, [c.path for c in plan.components], device)
+            # Why: tensors added to a component after opening (a LoRA adapter) are checked at each step.
+            self._watch = Watch(pipeline, plan.topology, device)
         except BaseException:
+            if inputs is not None:
+                inputs.remove()
             self.engine.close()
             raise
-        # Why: a pipeline call's inputs go to the session device, where its weights run (defect 1).
-        self._inputs = Inputs(pipeline, [c.path for c in plan.components], device)
+        self._inputs = inputs
         _OPEN[pipeline] = self
+        # Why: the tensors this session serves, refused to a second session until close.
+        self._claimed = CLAIMS.claim(pipeline, plan.topology)
 
     def _anchors(self) -> list[str]:
         paths: list[str] = []
@@ -317,6 +338,7 @@ class Session:
     # --------------------------------------------------------------------------- engine driver
     def enter(self, component: str) -> None:
         """A top-level component's forward begins: start its step's schedule."""
+        self._watch.check(component)
         engine = self.engine
         self._guard.entering(component)  # another thread's step runs: refused
         if engine.running:
@@ -499,6 +521,9 @@ class Session:
                 self.engine.close(gather=gather)
         finally:
             _OPEN.pop(self.pipeline, None)
+            CLAIMS.release(self._claimed)
+            self._claimed = []
+            self._watch.clear()
 
     def __enter__(self) -> Session:
         return self

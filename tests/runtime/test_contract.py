@@ -407,3 +407,51 @@ def test_the_meta_device_is_accepted_for_tests() -> None:
     assert session.device == torch.device("meta")
     session.close()
     assert same_weights(p, ref)
+
+
+# ----------------------------------------------------------------- edits through ``.data``
+def _fuse_lora(pipe: Any) -> None:
+    """An edit in the manner of diffusers' fuse_lora: ``weight.data`` changed in place (no version bump)."""
+    with torch.no_grad():
+        for p in pipe.transformer.parameters():
+            p.data.add_(0.5)
+
+
+@pytest.mark.parametrize("options", SESSIONS, ids=_ids)
+def test_a_fuse_through_data_lands_in_every_later_step_and_after_close(options: dict[str, Any]) -> None:
+    """A ``fuse_lora`` that writes ``.data`` in place between calls reaches every later call and close()."""
+    p, ref = toy.build(0), toy.build(0)
+    _fuse_lora(ref)
+    expected = ref("a cat", steps=3)
+    object.__setattr__(p.transformer, "fuse_lora", lambda: _fuse_lora(p))
+    with torchferry.offload(p, **options):
+        p("a cat", steps=3)
+        p.transformer.fuse_lora()
+        assert torch.equal(p("a cat", steps=3), expected)
+        assert torch.equal(p("a cat", steps=3), expected)
+    assert torch.equal(p("a cat", steps=3), expected)
+    assert same_weights(p, ref)
+
+
+def test_a_fuse_inside_a_step_is_refused() -> None:
+    """Fusing from inside a forward (a step is running) is an ExecutionError, and nothing is edited."""
+    p, ref = toy.build(0), toy.build(0)
+    object.__setattr__(p.transformer, "fuse_lora", lambda: _fuse_lora(p))
+    seen: list[str] = []
+
+    def fuse_during(module: torch.nn.Module, args: Any) -> None:
+        try:
+            p.transformer.fuse_lora()
+        except ExecutionError as exc:
+            seen.append(str(exc))
+
+    with torchferry.offload(p, **LAYERWISE):
+        handle = p.transformer.register_forward_pre_hook(fuse_during)
+        p("a cat", steps=1)
+        handle.remove()
+    handle.remove()
+    assert seen and seen[0] == (
+        "transformer.fuse_lora() was called inside a step of the torchferry session (from a forward); "
+        "fuse or merge adapters between pipeline calls"
+    )
+    assert same_weights(p, ref)

@@ -10,6 +10,9 @@ from __future__ import annotations
 # Imports written ``name as name`` are for the layers above, which enter only through this file
 # (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.runtime._checkpoint import CheckpointReader
+from torchferry.runtime._claims import CLAIMS as CLAIMS
+from torchferry.runtime._claims import Watch as Watch
+from torchferry.runtime._claims import refuse_foreign as refuse_foreign
 from torchferry.runtime._comm import Comm as Comm
 from torchferry.runtime._engine import Engine, execute
 from torchferry.runtime._engine import stream_factory as stream_factory

@@ -26,6 +26,15 @@ the managed modules themselves. See docs/contract.md.
    storage, contiguous, ties kept) that every saver accepts; ``keep_vars=True`` still returns the
    live objects. Pickling a managed module (``torch.save(pipe)``), ``copy.copy`` and ``copy.deepcopy``
    raise `ExecutionError`: the hooks and buffers belong to the session. After ``close()`` all work.
+5. Edits that hide from the version counter. Fusing or merging a LoRA (diffusers' ``fuse_lora`` and
+   ``unfuse_lora`` on a pipeline or model, peft's ``merge_adapter``/``unmerge_adapter`` and a
+   ``LoraLayer``'s ``merge``/``unmerge``) writes ``weight.data`` in place, which bumps no version
+   counter, so rule 2 cannot see it, and a block a device slot holds would take the edit in the slot
+   only. These methods are wrapped while the session is open: between steps they first point every
+   weight at its host copy (dropping device copies), so the edit lands in the host copy, and rule 2
+   then adopts whatever they re-assigned. Called inside a step they raise `ExecutionError`. Other
+   writes through ``.data`` of a tensor a slot holds are outside this contract: edit through the
+   tensor itself (``p.mul_(2)``, ``p.copy_``), or close the session first.
 """
 
 from __future__ import annotations
@@ -52,6 +61,11 @@ __all__ = ["SessionGuard"]
 #: Instance attributes the guard sets on every managed module (removed at close).
 _REFUSED = ("_apply", "__deepcopy__", "__reduce_ex__")
 
+#: Methods that write weights in place through ``.data`` (rule 5), wrapped on any object that has them;
+#: ``merge``/``unmerge`` only on peft's layers, where they are a LoRA merge.
+_WRITE_THROUGH = ("fuse_lora", "unfuse_lora", "merge_adapter", "unmerge_adapter")
+_PEFT_WRITE_THROUGH = ("merge", "unmerge")
+
 
 @attrs.define(slots=True, eq=False)
 class _Record:
@@ -63,6 +77,18 @@ class _Record:
     index: int
     #: (a module's ``_parameters`` or ``_buffers`` table, key) for each name the tensor has.
     places: tuple[tuple[dict[str, Any], str], ...]
+
+
+class _WriteThrough:
+    """A weight-editing method of a served object, run with every weight at its host copy (rule 5)."""
+
+    def __init__(self, method: Callable[..., Any], guard: SessionGuard, what: str) -> None:
+        self.method = method
+        self.guard = guard
+        self.what = what
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.guard.write_through(self.method, self.what, *args, **kwargs)
 
 
 class _Refusal:
@@ -129,7 +155,13 @@ class SessionGuard:
         self._places = [(table, key, r.tensor) for r in self._records for table, key in r.places]
         self._seen: list[tuple[int, int]] = []
         self._handles: list[RemovableHandle] = []
+        # Why: the objects given write-through methods (rule 5) and the names, removed at close.
+        self._wrapped: list[tuple[object, str]] = []
         self._install()
+        objects: list[tuple[str, object]] = [(p, m) for p, m in self._modules]
+        if not isinstance(pipeline, nn.Module):
+            objects.insert(0, ("", pipeline))
+        self._wrap(objects)
         self.snapshot()
 
     # ------------------------------------------------------------------------------ threads
@@ -303,11 +335,44 @@ class SessionGuard:
 
         return hook
 
+    def _wrap(self, objects: list[tuple[str, object]]) -> None:
+        for path, obj in objects:
+            names: tuple[str, ...] = _WRITE_THROUGH
+            if type(obj).__module__.split(".")[0] == "peft":
+                names = names + _PEFT_WRITE_THROUGH
+            for name in names:
+                method = getattr(obj, name, None)
+                if not callable(method) or isinstance(method, _WriteThrough):
+                    continue
+                try:
+                    object.__setattr__(obj, name, _WriteThrough(method, self, f"{path or 'pipeline'}.{name}"))
+                except (AttributeError, TypeError):
+                    continue  # an object without an instance dict keeps its method (none such in diffusers)
+                self._wrapped.append((obj, name))
+
+    def write_through(self, method: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` (a weight edit through ``.data``) with every weight at its host copy (rule 5)."""
+        if self.engine.running:
+            raise ExecutionError(
+                f"{what}() was called inside a step of the torchferry session (from a forward); fuse or "
+                "merge adapters between pipeline calls"
+            )
+        self.adopt()
+        self.engine.abort()  # every weight now points at its host copy: the edit lands there
+        self.snapshot()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            self.adopt(strict=False)
+
     def close(self) -> None:
         """Adopt what can be adopted, then take every refusal and state_dict hook off the modules."""
         try:
             self.adopt(strict=False)
         finally:
+            for obj, name in self._wrapped:
+                vars(obj).pop(name, None)
+            self._wrapped.clear()
             for _, module in self._modules:
                 for attr in _REFUSED:
                     module.__dict__.pop(attr, None)

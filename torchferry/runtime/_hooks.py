@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchferry._errors import ExecutionError, OffloadWarning
 from torchferry.policies import DEVICE, rest_unit
+from torchferry.runtime._claims import called_outside
 from torchferry.runtime._host import Pack, PackState, Unit
 from torchferry.topology import find_attr
 
@@ -181,6 +182,8 @@ class Hooks:
             if driver is not None:
                 driver.enter(path)
             program = engine.program
+            if program is None and block and pack is not None and pack.where is not PackState.READY:
+                raise called_outside(engine.plan, path, pack.where.value)
             if program is not None:
                 if block:
                     engine.ran.append(path)

@@ -52,6 +52,7 @@ from torch import nn
 
 from torchferry._errors import PlanError
 from torchferry.policies import rest_unit
+from torchferry.runtime._layouts import Layouts, aliased
 from torchferry.runtime._pinning import CudaPinner, Footprint, HostMemory, HostPinner
 from torchferry.topology import Component, Plan, TensorSpec, find_attr, packed_nbytes
 from torchferry.topology import pack as pack_specs
@@ -232,6 +233,8 @@ class HostStore:
         self.units = units
         #: The buffers' memory: it alone pins and frees them.
         self.memory = memory
+        # Why: storage layouts (aliases, shared storage, gapped strides) close restores ([Note: as it was]).
+        self.layouts = Layouts()
 
     @property
     def pinned(self) -> bool:
@@ -409,6 +412,7 @@ class HostStore:
         pack.host = torch.empty(0, dtype=torch.uint8)
         del self.packs[pack.name]
         self.memory.release(pack.name)
+        self.layouts.given_back(pack.name)
 
 
 @attrs.define(eq=False)
@@ -438,10 +442,16 @@ class Prepared:
         """Re-point the pipeline's tensors at the host buffers (copying the module's bytes in if no
         checkpoint was read); the only step that mutates the pipeline, and it cannot fail."""
         packs: dict[str, Pack] = {}
+        members = {}
         for name, tensors in self.live.items():
-            pieces, nbytes = self.layouts[name]
-            span = _span(name, nbytes, self.sharding)
+            specs = [spec for spec, _ in pack_specs(self.specs[name])]
             ordered = list(_ordered(self.specs[name], tensors))
+            members[name] = aliased(self.pipeline, specs, ordered, self.layouts[name][0])
+        layouts = Layouts.take({name: tensors for name, (tensors, _) in members.items()})
+        for name in self.live:
+            nbytes = self.layouts[name][1]
+            ordered, pieces = members[name]
+            span = _span(name, nbytes, self.sharding)
             host = self.buffers[name]
             if not self.filled:
                 _from_module(ordered, pieces, nbytes, span, host)
@@ -460,7 +470,7 @@ class Prepared:
             packs[name] = Pack(
                 name=name,
                 tensors=tuple(ordered),
-                pieces=pieces,
+                pieces=tuple(pieces),
                 nbytes=nbytes,
                 host=host,
                 host_views=views,
@@ -475,7 +485,9 @@ class Prepared:
                 live.data = value
         self.buffers = {}
         units = _units(self.plan, packs, self.pipeline)
-        return HostStore(packs, units, self.memory)
+        store = HostStore(packs, units, self.memory)
+        store.layouts = layouts
+        return store
 
 
 class _Lookup:

@@ -1,0 +1,225 @@
+"""What a session will not share: modules another offloader drives, tensors another session serves.
+
+torchferry moves a pipeline's weights itself, so it refuses, before anything is mutated, a pipeline
+that something else moves too, instead of letting two movers fight over the same tensors:
+
+- accelerate hooks (``module._hf_hook``), which diffusers' ``enable_model_cpu_offload()``,
+  ``enable_sequential_cpu_offload()`` and ``device_map=`` loading install;
+- diffusers hooks that move or re-cast weights (``enable_group_offload``/``apply_group_offloading``,
+  ``enable_layerwise_casting``), found in a module's ``_diffusers_hook`` registry;
+- tensors an open session already serves: a second session on ``pipe.transformer`` while ``pipe``
+  is served, or on ``pipe`` while ``pipe.transformer`` is.
+
+A block the pipeline calls outside its component's forward (``pipe.transformer.blocks[0](x)`` from
+the pipeline's own code) runs when no step does, so nothing loads it: `called_outside` is the
+`ExecutionError` its hook raises when its weights are not on the device, instead of letting it run
+on host weights (a device mismatch on a GPU; silently unmanaged on the CPU).
+
+While a session is open, `Watch` notices tensors added to a component after it opened (a LoRA
+adapter injected into a served transformer): they are not in the plan, so nothing moves them. On
+the session's device they simply stay where they are; on another device the component's next
+forward would mix devices, so it is an `ExecutionError` naming the tensors and the fix.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from torchferry._errors import ExecutionError, PlanError
+from torchferry.topology import Plan, Topology, find_attr
+
+__all__ = ["Claims", "Watch", "called_outside", "refuse_foreign"]
+
+#: diffusers hook names (``diffusers.hooks``) whose hooks move or re-cast a module's weights.
+MOVING_HOOKS: dict[str, str] = {
+    "group_offloading": "group offloading (enable_group_offload / apply_group_offloading)",
+    "lazy_prefetch_group_offloading": "group offloading (enable_group_offload / apply_group_offloading)",
+    "layer_execution_tracker": "group offloading (enable_group_offload / apply_group_offloading)",
+    "layerwise_casting": "layerwise casting (enable_layerwise_casting)",
+}
+
+
+def _modules(pipeline: Any, topo: Topology) -> Iterator[tuple[str, torch.nn.Module]]:
+    """Every module of every component of ``topo``, with its dotted path under ``pipeline``."""
+    for component in topo.components:
+        root = find_attr(pipeline, component.path)
+        if not isinstance(root, torch.nn.Module):
+            continue
+        for name, module in root.named_modules():
+            yield ".".join(p for p in (component.path, name) if p), module
+
+
+def refuse_foreign(pipeline: Any, topo: Topology) -> None:
+    """Raise `PlanError` if another offloader's hooks sit on a module of ``topo``'s components."""
+    found: list[str] = []
+    kinds: set[str] = set()
+    for path, module in _modules(pipeline, topo):
+        where = repr(path) if path else "the model"
+        hook = getattr(module, "_hf_hook", None)
+        if hook is not None:
+            found.append(f"{where}: an accelerate hook ({type(hook).__name__})")
+            kinds.add("accelerate")
+        registry = getattr(module, "_diffusers_hook", None)
+        names = getattr(registry, "hooks", {})
+        moving = sorted({MOVING_HOOKS[n] for n in names if n in MOVING_HOOKS})
+        if moving:
+            found.append(f"{where}: diffusers {' and '.join(moving)} hooks")
+            kinds.add("diffusers")
+    if not found:
+        return
+    fixes = []
+    if "accelerate" in kinds:
+        fixes.append(
+            "pipe.remove_all_hooks() undoes enable_model_cpu_offload() and enable_sequential_cpu_offload(), "
+            "accelerate.hooks.remove_hook_from_module(module, recurse=True) any other accelerate hook "
+            "(and load without device_map=)"
+        )
+    if "diffusers" in kinds:
+        fixes.append(
+            "build the model without diffusers' group offloading or layerwise casting (torchferry streams "
+            "the blocks itself; to store weights in float8, cast them before opening)"
+        )
+    shown = found[:4] + ([f"... and {len(found) - 4} more"] if len(found) > 4 else [])
+    raise PlanError(
+        "torchferry.offload cannot serve a pipeline that another offloader also moves or re-casts "
+        "(torchferry moves every weight itself):\n  "
+        + "\n  ".join(shown)
+        + "\nRemove them first: "
+        + "; ".join(fixes)
+    )
+
+
+def _tensors(pipeline: Any, topo: Topology) -> Iterator[tuple[str, torch.Tensor]]:
+    for component in topo.components:
+        for spec in component.all_tensors():
+            try:
+                t = find_attr(pipeline, spec.name)
+            except AttributeError:
+                continue
+            if isinstance(t, torch.Tensor):
+                yield spec.name, t
+
+
+class Claims:
+    """The tensors open sessions serve, so a second session over any of them is refused."""
+
+    def __init__(self) -> None:
+        # Why: id(tensor) -> (a weak reference to it, the class of the pipeline its session serves);
+        # weak, so a pipeline dropped without close() frees its tensors (a tensor compares by value, so
+        # it cannot key a WeakKeyDictionary).
+        self._held: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+
+    def check(self, pipeline: Any, topo: Topology) -> None:
+        """Raise `ExecutionError` if an open session serves a tensor of ``topo``."""
+        for name, t in _tensors(pipeline, topo):
+            entry = self._held.get(id(t))
+            if entry is not None and entry[0]() is t:
+                owner = entry[1]
+                raise ExecutionError(
+                    f"tensor {name!r} of this {type(pipeline).__name__} is already served by the open "
+                    f"torchferry session on a {owner}: a module can be served by one session at a time; "
+                    "close() that session first, or offload the whole pipeline in one session"
+                )
+
+    def claim(self, pipeline: Any, topo: Topology) -> list[torch.Tensor]:
+        """Mark every tensor of ``topo`` as served; returns them for `release`."""
+        owner = type(pipeline).__name__
+        held = [t for _, t in _tensors(pipeline, topo)]
+        for t in held:
+            self._held[id(t)] = (weakref.ref(t), owner)
+        return held
+
+    def release(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Unmark ``tensors`` (their session closed)."""
+        for t in tensors:
+            entry = self._held.get(id(t))
+            if entry is not None and entry[0]() is t:
+                del self._held[id(t)]
+        for key in [k for k, (ref, _) in self._held.items() if ref() is None]:
+            del self._held[key]
+
+
+#: The tensors of every open session in this process.
+CLAIMS = Claims()
+
+
+class Watch:
+    """The tensors of each top-level component when the session opened, to notice ones added later."""
+
+    def __init__(self, pipeline: Any, topo: Topology, device: torch.device) -> None:
+        self._device = device
+        self._roots: dict[str, torch.nn.Module] = {}
+        # Why: ids of each component's tensors at opening (and of those accepted since), held below.
+        self._known: dict[str, set[int]] = {}
+        # Why: keeps those tensors alive, so their ids cannot be reused by a new tensor.
+        self._held: list[torch.Tensor] = []
+        for component in topo.components:
+            root = find_attr(pipeline, component.path)
+            if isinstance(root, torch.nn.Module):
+                self._roots[component.path] = root
+                tensors = list(_own(root))
+                self._held.extend(tensors)
+                self._known[component.path] = {id(t) for t in tensors}
+
+    def clear(self) -> None:
+        """Forget every component (the session closed): hold no tensor any longer."""
+        self._roots.clear()
+        self._known.clear()
+        self._held.clear()
+
+    def check(self, component: str) -> None:
+        """Raise `ExecutionError` if ``component`` gained tensors on another device since opening."""
+        root = self._roots.get(component)
+        if root is None:
+            return
+        known = self._known[component]
+        added = [t for t in _own(root) if id(t) not in known]
+        if not added:
+            return
+        elsewhere = {id(t) for t in added if not _on(t, self._device)}
+        if not elsewhere:
+            self._held.extend(added)  # on the session's device already: they run where they are
+            known.update(id(t) for t in added)
+            return
+        names = [
+            ".".join(p for p in (component, n) if p)
+            for n, t in (*root.named_parameters(remove_duplicate=False), *root.named_buffers())
+            if id(t) in elsewhere
+        ]
+        shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ExecutionError(
+            f"{len(names)} tensor(s) of {component or 'the model'!r} were added after the torchferry "
+            f"session opened and are on another device than its {self._device} ({shown}; a LoRA adapter "
+            "loaded into a served model?): the session moves only the tensors it planned; close() the "
+            "session, add the adapters, then open a new one (adapters loaded before opening stream "
+            "with their blocks)"
+        )
+
+
+def _own(root: torch.nn.Module) -> Iterator[torch.Tensor]:
+    yield from root.parameters()
+    yield from root.buffers()
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    if t.device.type != device.type:
+        return False
+    return device.index is None or t.device.index == device.index
+
+
+def called_outside(plan: Plan, path: str, where: str) -> ExecutionError:
+    """The error for block ``path`` run while no step runs and its weights are ``where``."""
+    top = next(
+        (t.path for t in plan.components for c in t.walk() if any(b.path == path for b in c.blocks)), path
+    )
+    name = top or "the model"
+    return ExecutionError(
+        f"block {path} ran outside the forward of its component {name!r} while its weights were {where}: "
+        f"torchferry loads the blocks of {name!r} only while its forward runs, and this block was called "
+        f"directly (by the pipeline's own code?); call it from inside the forward of {name!r}, or keep "
+        f"{name!r} on the device (leave it out with components=[...], or use strategy='none')"
+    )

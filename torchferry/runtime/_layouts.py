@@ -1,0 +1,149 @@
+"""Tensors given back as they were: alias objects moved with their owner, storage layouts restored.
+
+[Note: as it was]
+A pack stores each tensor once, in dense strides, at its own offset of the pack's buffer. Three
+things a module may have that this layout does not keep are handled here:
+
+1. *Alias objects*: two `Parameter` objects over the same bytes (``b = nn.Parameter(a.data)``) are
+   one `TensorSpec` with aliases (discovery groups them by storage and view). Only the owner is
+   looked up by name, so `aliased` adds every other object of the same view to the pack, on a copy
+   of the owner's piece: each re-point moves them together, and they keep reading the same bytes.
+2. *Non-dense strides* (a slice ``w[:, ::2]``, whose elements have gaps) are stored contiguously.
+3. *Shared storage*: tensors that are disjoint views of one storage (``base[:64].view(8, 8)`` and
+   ``base[64:].view(8, 8)``), or that start at an offset of a larger storage.
+
+`Layouts.take` records, before the pack takes the tensors over, each storage whose layout a pack
+would not give back (its size, and every tensor's offset, shape and strides on it); ordinary
+tensors (one object, offset 0, dense, the whole storage) record nothing and cost nothing. Meta
+tensors (a pipeline built under `meta_parameters`, filled from a checkpoint) are grouped by their
+storage object, so aliases made on the meta device share one CPU storage after close. When the
+last pack holding one of its tensors gives its tensors back (`Layouts.given_back`), one storage of
+the recorded size is allocated again and every tensor is set onto it with its recorded offset and
+strides and its bit-identical values: aliases share bytes again, views share one storage again.
+Bytes of the storage that no managed tensor covers were never copied to the host store and come
+back as zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import attrs
+import torch
+
+from torchferry.topology import TensorSpec, find_attr
+
+__all__ = ["Layouts", "aliased"]
+
+_P = TypeVar("_P")
+
+
+def aliased(
+    pipeline: Any, specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor], pieces: Sequence[_P]
+) -> tuple[list[torch.Tensor], list[_P]]:
+    """``tensors`` and ``pieces`` (one per spec, in order) with every alias object of a spec added.
+
+    ``specs`` are in the order of ``tensors``. An alias name that resolves to the owner's own object
+    (a tied weight) adds nothing; another object on the same view is appended with the owner's piece.
+    """
+    out_tensors, out_pieces = list(tensors), list(pieces)
+    seen = {id(t) for t in tensors}
+    for spec, owner, piece in zip(specs, tensors, pieces, strict=True):
+        for name in spec.aliases:
+            try:
+                other = find_attr(pipeline, name)
+            except AttributeError:
+                continue
+            if not isinstance(other, torch.Tensor) or id(other) in seen or not _same_storage(other, owner):
+                continue
+            seen.add(id(other))
+            out_tensors.append(other)
+            out_pieces.append(piece)
+    return out_tensors, out_pieces
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view one storage (meta tensors have no address: compare the storage object)."""
+    if a.is_meta or b.is_meta:
+        return a.is_meta and b.is_meta and a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+@attrs.define(slots=True, eq=False)
+class _Storage:
+    """One storage to rebuild: its size, the tensors on it, and the packs still holding any of them."""
+
+    nbytes: int
+    tensors: list[tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...]]]
+    packs: set[str]
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``t`` alone is its whole storage, dense and at offset 0 (a pack gives that back as is)."""
+    if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        return False
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class Layouts:
+    """Storage layouts to restore when packs give their tensors back (see [Note: as it was])."""
+
+    def __init__(self) -> None:
+        # Why: pack name -> the storages that wait for it, so each give-back touches only its own.
+        self._waiting: dict[str, list[_Storage]] = {}
+
+    @classmethod
+    def take(cls, packs: Mapping[str, Iterable[torch.Tensor]]) -> Layouts:
+        """Record the layouts that ``packs`` (name -> its tensors, still on their own storage) would lose."""
+        by_storage: dict[tuple[str, int], tuple[_Storage, set[int]]] = {}
+        for name, tensors in packs.items():
+            for t in tensors:
+                if t.device.type not in ("cpu", "meta") or t.untyped_storage().nbytes() == 0:
+                    continue
+                storage_ = t.untyped_storage()
+                key = ("meta", storage_._cdata) if t.is_meta else ("cpu", storage_.data_ptr())
+                entry = by_storage.get(key)
+                if entry is None:
+                    entry = (_Storage(nbytes=t.untyped_storage().nbytes(), tensors=[], packs=set()), set())
+                    by_storage[key] = entry
+                storage, ids = entry
+                if id(t) in ids:
+                    continue
+                ids.add(id(t))
+                storage.tensors.append((t, int(t.storage_offset()), tuple(t.shape), tuple(t.stride())))
+                storage.packs.add(name)
+        layouts = cls()
+        for storage, _ in by_storage.values():
+            if len(storage.tensors) == 1 and _plain(storage.tensors[0][0]):
+                continue
+            for name in storage.packs:
+                layouts._waiting.setdefault(name, []).append(storage)
+        return layouts
+
+    @property
+    def pending(self) -> int:
+        """Storages still waiting for a pack to give its tensors back."""
+        return len({id(s) for group in self._waiting.values() for s in group})
+
+    def given_back(self, pack: str) -> None:
+        """Pack ``pack`` gave its tensors storage of their own: rebuild each storage no pack holds now."""
+        for storage in self._waiting.pop(pack, ()):
+            storage.packs.discard(pack)
+            if not storage.packs:
+                _rebuild(storage)
+
+
+def _rebuild(storage: _Storage) -> None:
+    """One fresh storage of the recorded size, every tensor set onto it with its values and layout."""
+    fresh = torch.zeros(storage.nbytes, dtype=torch.uint8).untyped_storage()
+    with torch.no_grad():
+        for t, offset, shape, stride in storage.tensors:
+            view = torch.empty(0, dtype=t.dtype).set_(fresh, offset, shape, stride)
+            view.copy_(t.data)
+            t.data = view
