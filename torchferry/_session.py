@@ -25,6 +25,7 @@ from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
 from torchferry.runtime import (
     CLAIMS,
+    Claim,
     Comm,
     Engine,
     Inputs,
@@ -325,7 +326,7 @@ class Session:
         self._inputs = inputs
         _OPEN[pipeline] = self
         # Why: the tensors this session serves, refused to a second session until close.
-        self._claimed = CLAIMS.claim(pipeline, plan.topology)
+        self._claimed: Claim | None = CLAIMS.claim(pipeline, plan.topology)
 
     def _anchors(self) -> list[str]:
         paths: list[str] = []
@@ -522,7 +523,7 @@ class Session:
         finally:
             _OPEN.pop(self.pipeline, None)
             CLAIMS.release(self._claimed)
-            self._claimed = []
+            self._claimed = None
             self._watch.clear()
 
     def __enter__(self) -> Session:

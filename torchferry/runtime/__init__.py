@@ -11,6 +11,7 @@ from __future__ import annotations
 # (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._claims import CLAIMS as CLAIMS
+from torchferry.runtime._claims import Claim as Claim
 from torchferry.runtime._claims import Watch as Watch
 from torchferry.runtime._claims import refuse_foreign as refuse_foreign
 from torchferry.runtime._comm import Comm as Comm

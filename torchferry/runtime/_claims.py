@@ -24,9 +24,10 @@ forward would mix devices, so it is an `ExecutionError` naming the tensors and t
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
@@ -104,42 +105,52 @@ def _tensors(pipeline: Any, topo: Topology) -> Iterator[tuple[str, torch.Tensor]
                 yield spec.name, t
 
 
+@attrs.define(eq=False)
+class Claim:
+    """What one session claimed: its tensors, held while it is open (so their ids stay theirs)."""
+
+    owner: str
+    tensors: list[torch.Tensor]
+
+
 class Claims:
     """The tensors open sessions serve, so a second session over any of them is refused."""
 
     def __init__(self) -> None:
-        # Why: id(tensor) -> (a weak reference to it, the class of the pipeline its session serves);
-        # weak, so a pipeline dropped without close() frees its tensors (a tensor compares by value, so
-        # it cannot key a WeakKeyDictionary).
-        self._held: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+        # Why: id(tensor) -> a weak reference to the `Claim` holding it. The claim (kept by its session)
+        # holds the tensor, so the id cannot be reused while the claim lives; weak, so a session dropped
+        # without close() leaves nothing here. (Not a weak reference to the tensor itself: a tensor with
+        # one cannot be swapped, which crossing to the meta device needs.)
+        self._held: dict[int, weakref.ref[Claim]] = {}
 
     def check(self, pipeline: Any, topo: Topology) -> None:
         """Raise `ExecutionError` if an open session serves a tensor of ``topo``."""
         for name, t in _tensors(pipeline, topo):
-            entry = self._held.get(id(t))
-            if entry is not None and entry[0]() is t:
-                owner = entry[1]
+            ref = self._held.get(id(t))
+            claim = None if ref is None else ref()
+            if claim is not None and any(held is t for held in claim.tensors):
                 raise ExecutionError(
                     f"tensor {name!r} of this {type(pipeline).__name__} is already served by the open "
-                    f"torchferry session on a {owner}: a module can be served by one session at a time; "
-                    "close() that session first, or offload the whole pipeline in one session"
+                    f"torchferry session on a {claim.owner}: a module can be served by one session at a "
+                    "time; close() that session first, or offload the whole pipeline in one session"
                 )
 
-    def claim(self, pipeline: Any, topo: Topology) -> list[torch.Tensor]:
-        """Mark every tensor of ``topo`` as served; returns them for `release`."""
-        owner = type(pipeline).__name__
-        held = [t for _, t in _tensors(pipeline, topo)]
-        for t in held:
-            self._held[id(t)] = (weakref.ref(t), owner)
-        return held
+    def claim(self, pipeline: Any, topo: Topology) -> Claim:
+        """Mark every tensor of ``topo`` as served; returns the claim for `release`."""
+        claim = Claim(owner=type(pipeline).__name__, tensors=[t for _, t in _tensors(pipeline, topo)])
+        ref = weakref.ref(claim)
+        for t in claim.tensors:
+            self._held[id(t)] = ref
+        return claim
 
-    def release(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Unmark ``tensors`` (their session closed)."""
-        for t in tensors:
-            entry = self._held.get(id(t))
-            if entry is not None and entry[0]() is t:
-                del self._held[id(t)]
-        for key in [k for k, (ref, _) in self._held.items() if ref() is None]:
+    def release(self, claim: Claim | None) -> None:
+        """Unmark the tensors of ``claim`` (their session closed)."""
+        if claim is not None:
+            for t in claim.tensors:
+                if (ref := self._held.get(id(t))) is not None and ref() is claim:
+                    del self._held[id(t)]
+            claim.tensors = []
+        for key in [k for k, ref in self._held.items() if ref() is None]:
             del self._held[key]
 
 
