@@ -165,7 +165,7 @@ def test_warns_once_per_session() -> None:
 
 
 def test_frozen_model_gradient_to_the_input_raises() -> None:
-    """With every weight frozen, a backward to the input through streamed blocks raises, never a wrong grad."""
+    """With every weight frozen, a backward to the input through streamed blocks raises (no wrong grad)."""
     p = toy.build(0, blocks=4).requires_grad_(False)
     latents, t, context = inputs()
     latents.requires_grad_(True)
@@ -178,7 +178,7 @@ def test_frozen_model_gradient_to_the_input_raises() -> None:
 
 
 def test_trainable_patch_in_with_frozen_blocks_raises() -> None:
-    """A trainable remainder (patch_in) behind frozen streamed blocks: backward raises, patch_in gets no grad."""
+    """A trainable patch_in behind frozen streamed blocks: backward raises, and patch_in gets no grad."""
     p = toy.build(0, blocks=4).requires_grad_(False)
     p.transformer.patch_in.requires_grad_(True)
     with torchferry.offload(p, strategy="layerwise", device="cpu"):

@@ -65,6 +65,8 @@ _grad_enabled = torch.is_grad_enabled
 _inference = torch.is_inference_mode_enabled
 _compiling = torch.compiler.is_compiling
 
+_Hook = Callable[..., None]
+
 
 class Driver(Protocol):
     """What the engine tells about top-level component forwards (the session picks steps from it)."""
@@ -133,7 +135,7 @@ def _opaque(body: Callable[..., None]) -> Callable[..., None]:
     def hook(*args: Any) -> None:
         if _compiling():
             if not disabled:
-                disabled.append(torch.compiler.disable(body, recursive=True))
+                disabled.append(torch.compiler.disable(body, recursive=True))  # type: ignore[no-untyped-call]
             disabled[0](*args)
             return
         body(*args)
@@ -150,9 +152,7 @@ class Hooks:
         self.driver = driver
         self._handles: dict[str, tuple[RemovableHandle, ...]] = {}
         # Why: each anchor's module and hook bodies (pre, post, failed), so `forward` can fire them.
-        self._calls: dict[
-            str, tuple[torch.nn.Module, Callable[..., None], Callable[..., None] | None, Callable[..., None] | None]
-        ] = {}
+        self._calls: dict[str, tuple[torch.nn.Module, _Hook, _Hook | None, _Hook | None]] = {}
         self._tops = frozenset(c.path for c in engine.plan.components)
         self._blocks = frozenset(
             b.path for top in engine.plan.components for c in top.walk() for b in c.blocks
