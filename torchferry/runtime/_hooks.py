@@ -16,10 +16,9 @@ call does one dictionary lookup, one comparison and, when ops are due, one run o
   ``always_call=True`` after it, abandons the step when the call was not done. So a pipeline called
   inside an ``except`` block runs normally (nothing reads `sys.exc_info`).
 
-The hooks are opaque to `torch.compile`: under Dynamo each hook calls its body through
-`torch.compiler.disable`, so a compiled block or model traces none of the engine's code and a
-compiled block stays one graph (the hooks run eagerly around it); outside Dynamo the check costs one
-flag read.
+The hooks are opaque to `torch.compile` (`torch.compiler.disable`, see `_opaque`): Dynamo traces
+none of the engine's code, so a compiled block stays one graph, the hooks run eagerly around it,
+and nothing recompiles per block.
 
 [Note: gradients]
 torchferry serves inference; gradients through streamed weights are not supported, and they fail
@@ -43,6 +42,7 @@ are right. Under ``torch.no_grad()`` or inference mode this costs one grad-mode 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -124,23 +124,27 @@ class GradGuard:
             self.leaving(unit)
 
 
-def _opaque(body: Callable[..., None]) -> Callable[..., None]:
-    """``body`` as a hook Dynamo does not trace: called through `torch.compiler.disable` when compiling.
+def _opaque(body: _Hook) -> _Hook:
+    """``body`` as a hook Dynamo does not trace (see the module docstring).
 
-    The disabled wrapper is made on the first compiled call (importing Dynamo is not free, and an
-    eager run never needs it).
+    When Dynamo is loaded already (diffusers loads it) the hook is ``body`` under
+    `torch.compiler.disable`, which Dynamo skips whole, however the model is compiled. Otherwise
+    importing Dynamo is left to whoever compiles, and the hook checks `torch.compiler.is_compiling`
+    (one flag read) and calls ``body`` through a disabled wrapper made on the first compiled call.
     """
-    disabled: list[Callable[..., None]] = []
+    if "torch._dynamo" in sys.modules:
+        disabled: _Hook = torch.compiler.disable(body, recursive=True)  # type: ignore[no-untyped-call]
+        return disabled
+    lazy: list[_Hook] = []
 
     def hook(*args: Any) -> None:
         if _compiling():
-            if not disabled:
-                disabled.append(torch.compiler.disable(body, recursive=True))  # type: ignore[no-untyped-call]
-            disabled[0](*args)
+            if not lazy:
+                lazy.append(torch.compiler.disable(body, recursive=True))  # type: ignore[no-untyped-call]
+            lazy[0](*args)
             return
         body(*args)
 
-    hook.__wrapped__ = body  # type: ignore[attr-defined]
     return hook
 
 
