@@ -35,7 +35,9 @@ __all__ = [
     "ROOT",
     "Stats",
     "fmt_bytes",
+    "fmt_load",
     "fmt_seconds",
+    "load_average",
     "loglog_slope",
     "machine",
     "per_call",
@@ -184,6 +186,22 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> tuple[float, float, float] | None:
+    """The machine's 1, 5 and 15 minute load averages (``None`` where the OS does not say)."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except (AttributeError, OSError):
+        return None
+    return (round(one, 2), round(five, 2), round(fifteen, 2))
+
+
+def fmt_load(load: tuple[float, float, float] | None) -> str:
+    """``load average 1.2, 0.8, 0.5 (2 cores)``, or that it is unknown."""
+    if load is None:
+        return "load average unknown"
+    return f"load average {load[0]}, {load[1]}, {load[2]} ({os.cpu_count()} cores)"
+
+
 def machine() -> dict[str, Any]:
     """Where and when a benchmark ran: date, CPU, cores, Python, torch, threads and CUDA device."""
     info: dict[str, Any] = {
@@ -192,6 +210,7 @@ def machine() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "nproc": os.cpu_count(),
         "python": platform.python_version(),
+        "load_average": load_average(),
     }
     try:
         import torch
