@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 __all__ = [
+    "CLOCKS",
     "HERE",
     "RESULTS",
     "ROOT",
@@ -82,16 +83,22 @@ def pin_threads(threads: int) -> int:
     return torch.get_num_threads()
 
 
+#: The clocks a benchmark may time with: wall time, or this thread's CPU time (which time spent
+#: waiting for a core while other work runs on the machine does not inflate).
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
 def round_robin(
-    calls: Mapping[str, Callable[[], object]], repeats: int, *, warmup: int = 3
+    calls: Mapping[str, Callable[[], object]], repeats: int, *, warmup: int = 3, clock: str = "wall"
 ) -> dict[str, Stats]:
     """Time each call once per round, in turn, so machine noise falls on all of them alike."""
+    now = CLOCKS[clock]
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for round_ in range(warmup + repeats):
         for name, call in calls.items():
-            start = time.perf_counter()
+            start = now()
             call()
-            elapsed = time.perf_counter() - start
+            elapsed = now() - start
             if round_ >= warmup:
                 samples[name].append(elapsed)
     return {name: Stats.of(s) for name, s in samples.items()}

@@ -144,11 +144,11 @@ def block_copy_s(session: Any, repeats: int) -> float:
 
 
 def breakdown(
-    session: Any, forward: Forward, blocks: int, per_block_s: float, repeats: int
+    session: Any, forward: Forward, blocks: int, per_block_s: float, *, repeats: int, clock: str = "wall"
 ) -> dict[str, Any]:
     """Where torchferry layerwise spends its per-block time, timed inside live forwards.
 
-    Timers wrap the engine's op runs (``advance``), the copies (``copy_in``) and the re-pointing
+    Timers wrap the engine's op runs (``Engine.run``), the copies (``copy_in``) and the re-pointing
     (``Pack.point``) of ``repeats`` forwards; each figure is the least over those forwards, per
     block. ``hooks and the rest`` is the measured overhead minus the op runs: the hook calls
     themselves (torch's hook dispatch and ours). Schedules and compiled programs are cached (the
@@ -158,17 +158,19 @@ def breakdown(
 
     engine = session.engine
     spent = {"advance": 0.0, "copy": 0.0, "repoint": 0.0}
-    advance, copy_in, point = engine.advance, engine.streams.copy_in, _host.Pack.point
+    run, copy_in, point = engine.run, engine.streams.copy_in, _host.Pack.point
+
+    now = common.CLOCKS[clock]
 
     def timed(name: str, fn: Callable[..., None]) -> Callable[..., None]:
         def run(*args: Any) -> None:
-            start = time.perf_counter()
+            start = now()
             fn(*args)
-            spent[name] += time.perf_counter() - start
+            spent[name] += now() - start
 
         return run
 
-    engine.advance = timed("advance", advance)
+    engine.run = timed("advance", run)
     engine.streams.copy_in = timed("copy", copy_in)
     _host.Pack.point = timed("repoint", point)  # type: ignore[method-assign]
     per_forward: list[dict[str, float]] = []
@@ -181,7 +183,7 @@ def breakdown(
             forward()
             per_forward.append(dict(spent))
     finally:
-        del engine.advance
+        del engine.run
         del engine.streams.copy_in
         _host.Pack.point = point  # type: ignore[method-assign]
     least = {key: min(f[key] for f in per_forward) / blocks for key in spent}
@@ -215,6 +217,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=30, help="timed rounds (after 3 warm-up rounds)")
     parser.add_argument("--blocks", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (pinned)")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(common.CLOCKS),
+        default="wall",
+        help="wall time, or this thread's CPU time (steadier on a machine shared with other work)",
+    )
     parser.add_argument("--profile", action="store_true", help="also break torchferry's per-block time down")
     parser.add_argument("--quick", action="store_true", help="8 blocks, 3 rounds: a smoke run")
     parser.add_argument("--out", type=Path, default=common.RESULTS / "overhead.json")
@@ -248,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             forwards[name] = forward
             outputs[name] = forward()
         load_before = common.load_average()
-        stats = common.round_robin(forwards, args.repeats)
+        stats = common.round_robin(forwards, args.repeats, clock=args.clock)
         load_after = common.load_average()
         ours_name = "torchferry layerwise"
         extra: dict[str, Any] = {"load_average": {"before": load_before, "after": load_after}}
@@ -257,7 +265,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         extra["block_copy_us"] = block_copy_s(sessions[ours_name], 20) * 1e6
         if args.profile:
             extra["breakdown"] = breakdown(
-                sessions[ours_name], forwards[ours_name], blocks, ours_s, args.repeats
+                sessions[ours_name],
+                forwards[ours_name],
+                blocks,
+                ours_s,
+                repeats=args.repeats,
+                clock=args.clock,
             )
             extra["cprofile"] = cprofile(forwards[ours_name], 20)
         extra["schedules_cached"] = {n: len(s.schedules) for n, s in sessions.items()}
@@ -282,8 +295,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ours_us = rows[ours_name]["overhead_per_block_us"]
     title = (
         f"diffusers WanTransformer3DModel, {blocks} blocks, tiny config (hidden 64, 32 tokens), CPU, "
-        f"{threads} thread(s), {args.repeats} round-robin rounds; per block = (min - resident min) / "
-        f"{blocks} (judged), and from medians; {common.fmt_load(load_before)} before, "
+        f"{threads} thread(s), {args.repeats} round-robin rounds, {args.clock} clock; per block = "
+        f"(min - resident min) / {blocks} (judged), and from medians; {common.fmt_load(load_before)} before, "
         f"{common.fmt_load(load_after)} after"
     )
     print(title)
@@ -369,6 +382,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "blocks": blocks,
         "repeats": args.repeats,
         "threads": threads,
+        "clock": args.clock,
         "rows": rows,
         "verdict": verdict,
         "notes": notes,
