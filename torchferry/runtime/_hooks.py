@@ -16,9 +16,10 @@ call does one dictionary lookup, one comparison and, when ops are due, one run o
   ``always_call=True`` after it, abandons the step when the call was not done. So a pipeline called
   inside an ``except`` block runs normally (nothing reads `sys.exc_info`).
 
-The hooks are opaque to `torch.compile` (`torch.compiler.disable`, see `_opaque`): Dynamo traces
-none of the engine's code, so a compiled block stays one graph, the hooks run eagerly around it,
-and nothing recompiles per block.
+The hooks are opaque to `torch.compile` (see `_opaque`): Dynamo traces none of the engine's code,
+so a compiled block stays one graph, the hooks run eagerly around it, and nothing recompiles per
+block; an eager call pays one flag read for it (`torch.compiler.disable`'s own wrapper, which
+switches Dynamo's frame callback off and on at every call, is kept for the first compiled call).
 
 [Note: gradients]
 torchferry serves inference; gradients through streamed weights are not supported, and they fail
@@ -125,27 +126,55 @@ class GradGuard:
 
 
 def _opaque(body: _Hook) -> _Hook:
-    """``body`` as a hook Dynamo does not trace (see the module docstring).
+    """``body`` as a hook Dynamo does not trace, at no cost to an eager call.
 
-    When Dynamo is loaded already (diffusers loads it) the hook is ``body`` under
-    `torch.compiler.disable`, which Dynamo skips whole, however the model is compiled. Otherwise
-    importing Dynamo is left to whoever compiles, and the hook checks `torch.compiler.is_compiling`
-    (one flag read) and calls ``body`` through a disabled wrapper made on the first compiled call.
+    The hook carries Dynamo's ``_torchdynamo_disable`` mark, so a compiled caller does not inline it
+    (it graph-breaks around the call), and its code runs with Dynamo's frame strategy "skip, and skip
+    everything it calls" (`_skip_in_dynamo`), so nothing of the engine is compiled either. Both are
+    read by Dynamo alone: an eager call pays one flag read. Dynamo is never imported for this: when
+    it is not loaded yet at anchor time, the first compiled call finds `torch.compiler.is_compiling`
+    true, runs ``body`` through a disabled wrapper and sets the strategy then.
     """
-    if "torch._dynamo" in sys.modules:
-        disabled: _Hook = torch.compiler.disable(body, recursive=True)  # type: ignore[no-untyped-call]
-        return disabled
     lazy: list[_Hook] = []
+
+    def eager(*args: Any) -> None:
+        _skip_in_dynamo()
+        body(*args)
 
     def hook(*args: Any) -> None:
         if _compiling():
             if not lazy:
-                lazy.append(torch.compiler.disable(body, recursive=True))  # type: ignore[no-untyped-call]
+                lazy.append(torch.compiler.disable(eager, recursive=True))  # type: ignore[no-untyped-call]
             lazy[0](*args)
             return
         body(*args)
 
+    hook._torchdynamo_disable = True  # type: ignore[attr-defined]
+    _HOOK_CODES.add(hook.__code__)
+    _skip_in_dynamo()
     return hook
+
+
+#: The code objects of the hook functions (shared by every closure made from one ``def``).
+_HOOK_CODES: set[Any] = set()
+_SKIPPED: set[Any] = set()
+
+
+def _skip_in_dynamo() -> None:
+    """Give every hook's code Dynamo's strategy "skip this frame and every frame it calls", if loaded."""
+    if "torch._dynamo" not in sys.modules or _HOOK_CODES <= _SKIPPED:
+        return
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy
+        from torch._dynamo import eval_frame
+    except ImportError:  # another torch: the lazy path above still keeps the engine out of graphs
+        return
+    set_code_exec_strategy = getattr(eval_frame, "set_code_exec_strategy", None)
+    if set_code_exec_strategy is None:
+        return
+    for code in _HOOK_CODES - _SKIPPED:
+        set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+        _SKIPPED.add(code)
 
 
 class Hooks:
