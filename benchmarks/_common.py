@@ -30,12 +30,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 __all__ = [
+    "CLOCKS",
     "HERE",
     "RESULTS",
     "ROOT",
     "Stats",
     "fmt_bytes",
+    "fmt_load",
     "fmt_seconds",
+    "load_average",
     "loglog_slope",
     "machine",
     "per_call",
@@ -80,16 +83,22 @@ def pin_threads(threads: int) -> int:
     return torch.get_num_threads()
 
 
+#: The clocks a benchmark may time with: wall time, or this thread's CPU time (which time spent
+#: waiting for a core while other work runs on the machine does not inflate).
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
 def round_robin(
-    calls: Mapping[str, Callable[[], object]], repeats: int, *, warmup: int = 3
+    calls: Mapping[str, Callable[[], object]], repeats: int, *, warmup: int = 3, clock: str = "wall"
 ) -> dict[str, Stats]:
     """Time each call once per round, in turn, so machine noise falls on all of them alike."""
+    now = CLOCKS[clock]
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for round_ in range(warmup + repeats):
         for name, call in calls.items():
-            start = time.perf_counter()
+            start = now()
             call()
-            elapsed = time.perf_counter() - start
+            elapsed = now() - start
             if round_ >= warmup:
                 samples[name].append(elapsed)
     return {name: Stats.of(s) for name, s in samples.items()}
@@ -184,6 +193,22 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> tuple[float, float, float] | None:
+    """The machine's 1, 5 and 15 minute load averages (``None`` where the OS does not say)."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except (AttributeError, OSError):
+        return None
+    return (round(one, 2), round(five, 2), round(fifteen, 2))
+
+
+def fmt_load(load: tuple[float, float, float] | None) -> str:
+    """``load average 1.2, 0.8, 0.5 (2 cores)``, or that it is unknown."""
+    if load is None:
+        return "load average unknown"
+    return f"load average {load[0]}, {load[1]}, {load[2]} ({os.cpu_count()} cores)"
+
+
 def machine() -> dict[str, Any]:
     """Where and when a benchmark ran: date, CPU, cores, Python, torch, threads and CUDA device."""
     info: dict[str, Any] = {
@@ -192,6 +217,7 @@ def machine() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "nproc": os.cpu_count(),
         "python": platform.python_version(),
+        "load_average": load_average(),
     }
     try:
         import torch

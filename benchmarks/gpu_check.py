@@ -225,6 +225,21 @@ def allocated(device: torch.device) -> int | None:
     return torch.cuda.memory_allocated(device)
 
 
+def host_enqueue_per_block(run: Callable[[], object], blocks: int, device: torch.device) -> float:
+    """Host seconds per block to issue one steady forward (least of 5): on CUDA the host-side cost
+    that stays exposed once transfers overlap (the queue is drained before each, not inside it)."""
+    samples = []
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - began)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return min(samples) / blocks
+
+
 def peak_of_step(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[int, int] | None:
     """(bytes allocated at the start, most bytes allocated during) one step; ``None`` off CUDA."""
     if device.type != "cuda":
@@ -614,6 +629,7 @@ class Check:
                 self.fn()()
             trace = tracer.result
             copy = copy_figures(self.fn(), session, self.model.transformer, self.device)
+            enqueue = host_enqueue_per_block(self.fn(), self.size.blocks, self.device)
             reserved = torch.cuda.max_memory_reserved(self.device) if self.cuda else None
             pinned = session.engine.store.pinned
         measured = None
@@ -642,6 +658,7 @@ class Check:
             else None,
             "copy": copy,
             "host_pinned": pinned,
+            "enqueue_per_block_s": enqueue,
         }
         row["verdict"] = "; ".join(self.verdicts(row))
         return row
@@ -1093,6 +1110,7 @@ def summary(check: Check) -> str:
                 _mib(e.get("measured_peak_bytes")) if ok else None,
                 _mib(e.get("predicted_peak_bytes")) if ok else None,
                 _mib(e.get("ledger_peak_bytes")) if ok else None,
+                f"{e['enqueue_per_block_s'] * 1e6:.1f}" if ok and "enqueue_per_block_s" in e else None,
                 _brief(e) if not ok else (e.get("verdict") or _figures(e)),
             ]
         )
@@ -1107,6 +1125,7 @@ def summary(check: Check) -> str:
         "peak MiB",
         "predicted",
         "ledger",
+        "enqueue us/block",
         "note",
     ]
     return common.table(headers, lines)

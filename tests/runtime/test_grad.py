@@ -162,3 +162,40 @@ def test_warns_once_per_session() -> None:
                     loss(p, args)
         assert [str(w.message) for w in caught] == [warning()]
         assert all(w.category is OffloadWarning for w in caught)
+
+
+def test_frozen_model_gradient_to_the_input_raises() -> None:
+    """With every weight frozen, a backward to the input through streamed blocks raises (no wrong grad)."""
+    p = toy.build(0, blocks=4).requires_grad_(False)
+    latents, t, context = inputs()
+    latents.requires_grad_(True)
+    with torchferry.offload(p, strategy="layerwise", device="cpu"):
+        with pytest.warns(OffloadWarning, match=re.escape(warning())):
+            out = p.transformer(latents, t, context).square().sum()
+        with pytest.raises(RuntimeError, match=MODIFIED):
+            out.backward()
+    assert latents.grad is None
+
+
+def test_trainable_patch_in_with_frozen_blocks_raises() -> None:
+    """A trainable patch_in behind frozen streamed blocks: backward raises, and patch_in gets no grad."""
+    p = toy.build(0, blocks=4).requires_grad_(False)
+    p.transformer.patch_in.requires_grad_(True)
+    with torchferry.offload(p, strategy="layerwise", device="cpu"):
+        with pytest.warns(OffloadWarning, match=re.escape(warning())):
+            out = loss(p, inputs())
+        with pytest.raises(RuntimeError, match=MODIFIED):
+            out.backward()
+    assert p.transformer.patch_in.weight.grad is None
+
+
+def test_frozen_model_with_resident_blocks_gives_reference_input_gradient() -> None:
+    """Frozen weights in staged (resident) blocks stay valid: the input's gradient equals the plain run's."""
+    p, ref = toy.build(0, blocks=4).requires_grad_(False), toy.build(0, blocks=4).requires_grad_(False)
+    latents, t, context = inputs()
+    mine, theirs = latents.clone().requires_grad_(True), latents.clone().requires_grad_(True)
+    ref.transformer(theirs, t, context).square().sum().backward()
+    with torchferry.offload(p, strategy="layerwise", device="cpu", resident_layers=4):
+        p.transformer(mine, t, context).square().sum().backward()
+    assert mine.grad is not None and theirs.grad is not None
+    assert torch.equal(mine.grad, theirs.grad)

@@ -287,3 +287,22 @@ def test_device_memory_is_taken_as_text_or_bytes() -> None:
         PlanError, match=re.escape("two names for the device budget; pass device_memory= alone")
     ):
         torchferry.offload(p, device="cpu", device_memory=1, device_memory_bytes=1)
+
+
+def test_pipeline_called_inside_an_except_block_runs_normally() -> None:
+    """Inside an ``except`` clause a call allocates as outside one and gives the plain outputs (no abort)."""
+    p, ref = toy.build(0), toy.build(0)
+    with torchferry.offload(p, strategy="layerwise", device="cpu") as session:
+        p("a cat", steps=2)
+        before = session.engine.ledger.allocations
+        p("a cat", steps=2)
+        per_call = session.engine.ledger.allocations - before
+        try:
+            raise ValueError("a retry handler's exception")
+        except ValueError:
+            before = session.engine.ledger.allocations
+            out = p("a cat", steps=2)
+            inside = session.engine.ledger.allocations - before
+        assert (per_call, inside) == (1, 1)
+        assert torch.equal(out, ref("a cat", steps=2))
+    assert same_weights(p, ref)

@@ -473,8 +473,32 @@ class Engine:
             pack.unshard(comm.gather_host(pack.host, pack.name))
             self.store.give_back(pack)
 
+    def advance(self, program: Program, stop: int) -> None:
+        """Run ``program``'s ops up to op ``stop``, as ordinary tensors whatever the caller's mode."""
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():
+                self.run(program, stop)
+        else:
+            self.run(program, stop)
+
     def run(self, program: Program, stop: int) -> None:
         """Run ``program``'s ops up to (not including) op ``stop``."""
+        calls = program.calls
+        i = program.pc
+        if self.tracer is not None or _profiling():
+            self._run_observed(program, stop)
+            return
+        try:
+            while i < stop:
+                handler, unit, op = calls[i]
+                program.pc = i  # the op running now, as listings and the stream sanitizer name it
+                handler(self, unit, op)
+                i += 1
+        finally:
+            program.pc = i
+
+    def _run_observed(self, program: Program, stop: int) -> None:
+        """`run` with each op told to the tracer and inside its profiler range."""
         calls = program.calls
         i = program.pc
         tracer = self.tracer

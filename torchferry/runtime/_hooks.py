@@ -1,9 +1,25 @@
-"""The engine's hooks: forward pre/post hooks at every anchor, the `Driver` they tell, the grad guard.
+"""The engine's hooks: a forward pre hook at every anchor, post hooks where ops need one, the grad guard.
 
-A schedule's ops are keyed to anchors (``before``/``after`` a block or component). The pre hook of
-an anchor runs every pending op up to its stop and checks that a block about to run is resident;
-the post hook runs the ops keyed after it. At a top-level component the hooks also tell the
-`Driver` (the session) that its forward starts and ends, which starts and finishes a step.
+A schedule's ops are keyed to anchors (``before``/``after`` a block or component). Each anchor's
+hooks are built once, when it is anchored, with everything that does not change between calls
+bound in (its stop keys, its pack, whether it is a block or a top-level component), so a steady
+call does one dictionary lookup, one comparison and, when ops are due, one run of the program.
+
+- A *block* has a pre hook only: it runs every pending op up to its ``before`` stop (which includes
+  the ``after`` ops of the block before it: ops run in schedule order whatever anchor reaches them)
+  and checks that the block is resident. Ops keyed after the last block run when the component's
+  post hook is reached, or at the next anchor.
+- A *component* has a pre hook and a post hook; the post hook runs the ops keyed after it.
+- A *top-level* component also tells the `Driver` (the session) that its forward starts and ends,
+  which starts and finishes a step. Failure is decided from the forward itself: the post hook runs
+  only when the forward returned (it marks the call done), and a third hook, registered with
+  ``always_call=True`` after it, abandons the step when the call was not done. So a pipeline called
+  inside an ``except`` block runs normally (nothing reads `sys.exc_info`).
+
+The hooks are opaque to `torch.compile` (see `_opaque`): Dynamo traces none of the engine's code,
+so a compiled block stays one graph, the hooks run eagerly around it, and nothing recompiles per
+block; an eager call pays one flag read for it (`torch.compiler.disable`'s own wrapper, which
+switches Dynamo's frame callback off and on at every call, is kept for the first compiled call).
 
 [Note: gradients]
 torchferry serves inference; gradients through streamed weights are not supported, and they fail
@@ -12,14 +28,16 @@ and autograd keeps what a forward with grad saved (the weights, and views such a
 pointing into the slot; re-pointing a tensor (``tensor.data = ...``) bumps no version counter, so
 a backward would read whichever block the slot holds by then. So a block that runs with grad
 enabled (its pre hook sees `torch.is_grad_enabled`) while its unit sits in a slot is remembered
-(``graded``), and when that unit leaves the slot (evict, or `abort`) every tensor of it that
-requires grad has its version counter bumped: a later backward raises autograd's "modified by an
-inplace operation" error. The first such block of a session warns (`OffloadWarning`). A component
-whose own remainder sits in a slot (a custom policy may stream one) is checked the same way around
-its forward. Staged units (``device`` placements, and every unit of the none and model_level
-strategies) keep device memory of their own that nothing else overwrites: unstaging only drops
-the engine's reference, what autograd saved stays valid, and their gradients are right. Under
-``torch.no_grad()`` or inference mode this costs one grad-mode check per block.
+(``graded``), and when that unit leaves the slot (evict, or `abort`) every tensor of it has its
+version counter bumped, frozen ones (``requires_grad=False``) included: autograd also saves the
+frozen weights a forward multiplied by when the gradient flows to the input or to other trainable
+tensors, so a later backward through that forward raises autograd's "modified by an inplace
+operation" error whatever requires grad. The first such block of a session warns
+(`OffloadWarning`). A component whose own remainder sits in a slot (a custom policy may stream one)
+is checked the same way around its forward. Staged units (``device`` placements, and every unit of
+the none and model_level strategies) keep device memory of their own that nothing else overwrites:
+unstaging only drops the engine's reference, what autograd saved stays valid, and their gradients
+are right. Under ``torch.no_grad()`` or inference mode this costs one grad-mode check per block.
 """
 
 from __future__ import annotations
@@ -43,6 +61,13 @@ if TYPE_CHECKING:
     from torchferry.runtime._engine import Engine
 
 __all__ = ["Driver", "GradGuard", "Hooks"]
+
+_READY = PackState.READY
+_grad_enabled = torch.is_grad_enabled
+_inference = torch.is_inference_mode_enabled
+_compiling = torch.compiler.is_compiling
+
+_Hook = Callable[..., None]
 
 
 class Driver(Protocol):
@@ -83,17 +108,17 @@ class GradGuard:
                     "that follow). Run the pipeline under torch.no_grad() or torch.inference_mode(), or "
                     "use strategy='none' or 'model_level' if you need gradients",
                     OffloadWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
 
     def leaving(self, unit: Unit) -> None:
-        """``unit`` leaves its slot: make what autograd saved of it unusable."""
+        """``unit`` leaves its slot: make what autograd saved of it unusable (frozen tensors too)."""
         if unit not in self.graded:
             return
         self.graded.discard(unit)
-        torch.autograd.graph.increment_version(
-            [t for pack in unit.packs for t in pack.tensors if t.requires_grad]
-        )
+        tensors = [t for pack in unit.packs for t in pack.tensors if not t.is_inference()]
+        if tensors:
+            torch.autograd.graph.increment_version(tensors)
 
     def leaving_all(self) -> None:
         """Every unit leaves its slot (the engine aborts)."""
@@ -101,30 +126,87 @@ class GradGuard:
             self.leaving(unit)
 
 
+def _opaque(body: _Hook) -> _Hook:
+    """``body`` as a hook Dynamo does not trace, at no cost to an eager call.
+
+    The hook carries Dynamo's ``_torchdynamo_disable`` mark, so a compiled caller does not inline it
+    (it graph-breaks around the call), and its code runs with Dynamo's frame strategy "skip, and skip
+    everything it calls" (`_skip_in_dynamo`), so nothing of the engine is compiled either. Both are
+    read by Dynamo alone: an eager call pays one flag read. Dynamo is never imported for this: when
+    it is not loaded yet at anchor time, the first compiled call finds `torch.compiler.is_compiling`
+    true, runs ``body`` through a disabled wrapper and sets the strategy then.
+    """
+    lazy: list[_Hook] = []
+
+    def eager(*args: Any) -> None:
+        _skip_in_dynamo()
+        body(*args)
+
+    def hook(*args: Any) -> None:
+        if _compiling():
+            if not lazy:
+                lazy.append(torch.compiler.disable(eager, recursive=True))  # type: ignore[no-untyped-call]
+            lazy[0](*args)
+            return
+        body(*args)
+
+    hook._torchdynamo_disable = True  # type: ignore[attr-defined]
+    _HOOK_CODES.add(hook.__code__)
+    _skip_in_dynamo()
+    return hook
+
+
+#: The code objects of the hook functions (shared by every closure made from one ``def``).
+_HOOK_CODES: set[Any] = set()
+_SKIPPED: set[Any] = set()
+
+
+def _skip_in_dynamo() -> None:
+    """Give every hook's code Dynamo's strategy "skip this frame and every frame it calls", if loaded."""
+    if "torch._dynamo" not in sys.modules or _HOOK_CODES <= _SKIPPED:
+        return
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy
+        from torch._dynamo import eval_frame
+    except ImportError:  # another torch: the lazy path above still keeps the engine out of graphs
+        return
+    set_code_exec_strategy = getattr(eval_frame, "set_code_exec_strategy", None)
+    if set_code_exec_strategy is None:
+        return
+    for code in _HOOK_CODES - _SKIPPED:
+        set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+        _SKIPPED.add(code)
+
+
 class Hooks:
-    """The forward hooks one engine installs on its pipeline, at most one pre/post pair per path."""
+    """The forward hooks one engine installs on its pipeline, built once per anchored path."""
 
     def __init__(self, engine: Engine, driver: Driver | None) -> None:
         self.engine = engine
         self.driver = driver
-        self._hooks: dict[str, tuple[RemovableHandle, RemovableHandle]] = {}
-        # Why: each anchor's module and hook functions, so `forward` can fire them around other calls.
-        self._calls: dict[str, tuple[torch.nn.Module, Callable[..., None], Callable[..., None]]] = {}
+        self._handles: dict[str, tuple[RemovableHandle, ...]] = {}
+        # Why: each anchor's module and hook bodies (pre, post, failed), so `forward` can fire them.
+        self._calls: dict[str, tuple[torch.nn.Module, _Hook, _Hook | None, _Hook | None]] = {}
         self._tops = frozenset(c.path for c in engine.plan.components)
         self._blocks = frozenset(
             b.path for top in engine.plan.components for c in top.walk() for b in c.blocks
         )
+        # Why: the block whose forward the tracer has open (a block has no post hook to close it).
+        self.open_block: str | None = None
+        # Why: per top-level path, whether its latest forward returned (its post hook ran), so the
+        # always-called hook knows a failure from the forward itself.
+        self._done: dict[str, bool] = {}
 
     @property
     def count(self) -> int:
         """Forward hooks installed on the pipeline."""
-        return 2 * len(self._hooks)
+        return sum(len(h) for h in self._handles.values())
 
     def anchor(self, paths: Iterable[str]) -> None:
-        """Install forward pre/post hooks at each block or component path (once per path)."""
+        """Install the hooks of each block or component path (once per path)."""
         engine = self.engine
         for path in paths:
-            if path in self._hooks:
+            if path in self._handles:
                 continue
             try:
                 module = find_attr(engine.pipeline, path)
@@ -137,88 +219,145 @@ class Hooks:
                 raise ExecutionError(
                     f"schedule anchor {path!r} is a {type(module).__name__}, not a torch module"
                 )
+            top = path in self._tops
             unit = engine.store.units.get(path)
-            pack = (
-                unit.packs[0]
-                if unit is not None and len(unit.packs) == 1 and path not in self._tops
-                else None
-            )
-            block = path in self._blocks
-            before, after = self._pre_hook(path, pack, block), self._post_hook(path, block)
-            pre = module.register_forward_pre_hook(before)
-            post = module.register_forward_hook(after, always_call=True)
-            self._hooks[path] = (pre, post)
-            self._calls[path] = (module, before, after)
+            pack = unit.packs[0] if unit is not None and len(unit.packs) == 1 and not top else None
+            handles: list[RemovableHandle] = []
+            post: Callable[..., None] | None = None
+            failed: Callable[..., None] | None = None
+            if path in self._blocks and not top:
+                pre = self._block_hook(path, pack)
+                handles.append(module.register_forward_pre_hook(_opaque(pre)))
+            else:
+                pre, post = self._component_hooks(path, top)
+                handles.append(module.register_forward_pre_hook(_opaque(pre)))
+                handles.append(module.register_forward_hook(_opaque(post)))
+                if top:
+                    failed = self._failed_hook(path)
+                    handles.append(module.register_forward_hook(_opaque(failed), always_call=True))
+            self._handles[path] = tuple(handles)
+            self._calls[path] = (module, pre, post, failed)
 
     @contextlib.contextmanager
     def forward(self, path: str) -> Iterator[None]:
         """Treat the body as a forward of the anchored module at ``path``: its hooks fire around it."""
-        module, before, after = self._calls[path]
+        module, pre, post, failed = self._calls[path]
         try:
-            before(module, ())
+            pre(module, ())
             yield
         except BaseException:
-            after(module, (), None)
+            if failed is not None:
+                failed(module, (), None)
             raise
-        after(module, (), None)
+        if post is not None:
+            post(module, (), None)
+        if failed is not None:
+            failed(module, (), None)
 
     def remove(self) -> None:
         """Remove every hook from the pipeline."""
-        for pre, post in self._hooks.values():
-            pre.remove()
-            post.remove()
-        self._hooks.clear()
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
+        self._handles.clear()
         self._calls.clear()
 
-    def _pre_hook(self, path: str, pack: Pack | None, block: bool) -> Callable[..., None]:
+    def _block_hook(self, path: str, pack: Pack | None) -> Callable[..., None]:
         key = f"before {path}"
-        driver = self.driver if path in self._tops else None
         engine = self.engine
+        guard = engine.guard
+        hooks = self
 
         def pre(module: torch.nn.Module, args: Any) -> None:
-            if torch.is_inference_mode_enabled():
-                with torch.inference_mode(False), torch.no_grad():
-                    return pre(module, args)
-            if driver is not None:
-                driver.enter(path)
             program = engine.program
-            if program is None and block and pack is not None and pack.where is not PackState.READY:
-                raise called_outside(engine.plan, path, pack.where.value)
-            if program is not None:
-                if block:
-                    engine.ran.append(path)
-                stop = program.stops.get(key)
-                if stop is not None and stop > program.pc:
-                    engine.run(program, stop)
-                if pack is not None and pack.where is not PackState.READY:
+            if program is None:
+                if pack is not None and pack.where is not _READY:
+                    raise called_outside(engine.plan, path, pack.where.value)
+            else:
+                engine.ran.append(path)
+                tracer = engine.tracer
+                if tracer is not None:
+                    hooks._close_block()
+                stop = program.stops.get(key, 0)
+                if stop > program.pc:
+                    engine.advance(program, stop)
+                if pack is not None and pack.where is not _READY:
                     engine.not_resident(path, pack, program)
-                if block and engine.tracer is not None:
-                    engine.tracer.block_begin(path)
-            if torch.is_grad_enabled():
-                engine.guard.ran(path, block, engine.placed, engine.store.units)
+                if tracer is not None:
+                    hooks.open_block = path
+                    tracer.block_begin(path)
+            if _grad_enabled():
+                guard.ran(path, True, engine.placed, engine.store.units)
 
         return pre
 
-    def _post_hook(self, path: str, block: bool) -> Callable[..., None]:
-        key = f"after {path}"
-        driver = self.driver if path in self._tops else None
+    def _close_block(self) -> None:
+        """End the tracer's open block span (a component's forward ends, or the step does)."""
+        tracer = self.engine.tracer
+        if self.open_block is not None and tracer is not None:
+            tracer.block_end(self.open_block)
+        self.open_block = None
+
+    def _component_hooks(self, path: str, top: bool) -> tuple[Callable[..., None], Callable[..., None]]:
+        before, after = f"before {path}", f"after {path}"
+        driver = self.driver if top else None
         engine = self.engine
+        guard = engine.guard
+        hooks = self
+        done = self._done
+        done[path] = True
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            if top:
+                done[path] = False
+                hooks.open_block = None
+            if driver is not None:
+                if _inference():
+                    with torch.inference_mode(False), torch.no_grad():
+                        driver.enter(path)
+                else:
+                    driver.enter(path)
+            program = engine.program
+            if program is not None:
+                stop = program.stops.get(before, 0)
+                if stop > program.pc:
+                    engine.advance(program, stop)
+            if _grad_enabled():
+                guard.ran(path, False, engine.placed, engine.store.units)
 
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if torch.is_inference_mode_enabled():
-                with torch.inference_mode(False), torch.no_grad():
-                    return post(module, args, output)
-            if not block and torch.is_grad_enabled():
-                engine.guard.ran(path, block, engine.placed, engine.store.units)
-            failing = sys.exc_info()[1] is not None
+            if top:
+                done[path] = True
+            if _grad_enabled():
+                guard.ran(path, False, engine.placed, engine.store.units)
             program = engine.program
-            if program is not None and not failing:
-                if block and engine.tracer is not None:
-                    engine.tracer.block_end(path)
-                stop = program.stops.get(key)
-                if stop is not None and stop > program.pc:
-                    engine.run(program, stop)
+            if program is not None:
+                hooks._close_block()
+                stop = program.stops.get(after, 0)
+                if stop > program.pc:
+                    engine.advance(program, stop)
             if driver is not None:
-                driver.leave(path, failing)
+                if _inference():
+                    with torch.inference_mode(False), torch.no_grad():
+                        driver.leave(path, False)
+                else:
+                    driver.leave(path, False)
 
-        return post
+        return pre, post
+
+    def _failed_hook(self, path: str) -> Callable[..., None]:
+        """The always-called hook of a top-level component: abandons the step when the forward raised."""
+        done = self._done
+        driver = self.driver
+        hooks = self
+
+        def failed(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if done[path]:
+                return
+            done[path] = True
+            hooks.open_block = None
+            if driver is not None:
+                with torch.inference_mode(False), torch.no_grad():
+                    driver.leave(path, True)
+
+        return failed
