@@ -77,42 +77,81 @@ def test_store_pins_exactly_its_pages_and_close_unpins_them() -> None:
     assert store.pinned_bytes == 0
 
 
-def test_a_refused_pin_falls_back_to_pageable_memory_before_anything_changes() -> None:
-    """The third buffer's pin fails: prepare unpins the first two, warns once, and leaves the pipeline as it
-    was; commit then serves the pipeline from pageable memory with unchanged outputs."""
+WARNING = (
+    "torchferry: could not pin a host buffer of {n} bytes (RuntimeError: cudaHostRegister of 4096 bytes "
+    "returned cudaErrorMemoryAllocation); the session keeps its weights in pageable host memory "
+    "instead, where every host-to-device copy is synchronous (no overlap with compute). Raise the "
+    "locked-memory limit (ulimit -l, or the container's memlock limit) or free host memory, or pass "
+    "pin_memory=False to choose pageable memory"
+)
+
+
+def test_a_pinner_that_refuses_outright_is_found_in_prepare_before_anything_changes() -> None:
+    """The probe page's pin fails in prepare: one warning, nothing pinned, the pipeline as it was; commit
+    then serves the pipeline from pageable memory with unchanged outputs."""
     p, ref = toy.build(0), toy.build(0)
     before = _snapshot(p)
-    pinner = _Refusing(allow=2)
-    warning = (
-        "torchferry: could not pin a host buffer of {n} bytes (RuntimeError: cudaHostRegister of 4096 bytes "
-        "returned cudaErrorMemoryAllocation); the session keeps its weights in pageable host memory "
-        "instead, where every host-to-device copy is synchronous (no overlap with compute). Raise the "
-        "locked-memory limit (ulimit -l, or the container's memlock limit) or free host memory, or pass "
-        "pin_memory=False to choose pageable memory"
-    )
+    pinner = _Refusing(allow=0)
     with pytest.warns(OffloadWarning) as caught:
         prepared = HostStore.prepare(p, _plan(p), pin=True, pinner=pinner)
-    third = list(prepared.buffers.values())[2].numel()
-    assert [str(w.message) for w in caught] == [warning.format(n=third)]
-    assert pinner.calls == 3
-    assert pinner.books.ranges == {}
+    assert [str(w.message) for w in caught] == [WARNING.format(n=PAGE)]
+    assert pinner.calls == 1
     after = _snapshot(p)
     assert [(n, ptr) for n, ptr, _ in after] == [(n, ptr) for n, ptr, _ in before]
     assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(after, before, strict=True))
     store = prepared.commit()
+    assert pinner.calls == 1
     assert not store.pinned
     assert store.pinned_bytes == 0
     assert torch.equal(p("a cat"), ref("a cat"))
     store.close()
 
 
-def test_a_discarded_prepare_unpins_everything() -> None:
-    """A store prepared but never committed (another rank failed to open) gives every pin back."""
+def test_a_pin_refused_part_way_through_commit_falls_back_to_pageable_memory() -> None:
+    """The second pack's pin fails in commit (a locked-memory limit reached part-way): commit does not
+    raise, unpins the first pack, warns once, and serves unchanged outputs from pageable memory."""
+    p, ref = toy.build(0), toy.build(0)
+    pinner = _Refusing(allow=2)  # the probe page, then the first pack
+    prepared = HostStore.prepare(p, _plan(p), pin=True, pinner=pinner)
+    assert pinner.books.ranges == {}  # from the module, packs are pinned only once filled, in commit
+    second = [b for b in prepared.buffers.values() if b.numel()][1].numel()
+    with pytest.warns(OffloadWarning) as caught:
+        store = prepared.commit()
+    assert [str(w.message) for w in caught] == [WARNING.format(n=second)]
+    assert pinner.calls == 3
+    assert pinner.books.ranges == {}
+    assert not store.pinned
+    assert store.pinned_bytes == 0
+    assert torch.equal(p("a cat"), ref("a cat"))
+    store.close()
+
+
+def test_packs_from_the_module_are_pinned_one_by_one_as_commit_fills_them() -> None:
+    """From the module, prepare pins nothing (the model is never held twice); each pack is registered
+    right after its tensors are re-pointed at it, and a discarded prepare leaves nothing pinned."""
     p = toy.build(0)
     pinner = BookPinner()
     prepared = HostStore.prepare(p, _plan(p), pin=True, pinner=pinner)
-    assert pinner.ranges
+    assert pinner.ranges == {}
     prepared.discard()
+    assert pinner.ranges == {}
+    order: list[int] = []
+
+    class _Watching(HostPinner):
+        def register(self, ptr: int, nbytes: int) -> None:
+            pinner.register(ptr, nbytes)
+            # Each pack pinned so far already backs its tensors (re-pointed before its pin).
+            tensors = [*p.parameters(), *p.buffers()]
+            order.append(sum(1 for t in tensors if ptr <= t.data_ptr() < ptr + nbytes))
+
+        def unregister(self, ptr: int) -> None:
+            pinner.unregister(ptr)
+
+    store = HostStore.build(p, _plan(p), pin=True, pinner=_Watching())
+    assert store.pinned
+    assert len(order) == 1 + sum(1 for g in store.packs.values() if g.nbytes)  # the probe page, each pack
+    assert order[0] == 0 and all(n >= 1 for n in order[1:])
+    store.close()
     assert pinner.ranges == {}
 
 

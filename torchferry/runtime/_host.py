@@ -344,9 +344,11 @@ class HostStore:
         loose_values: list[torch.Tensor | None] = []
         total = sum(_span_bytes(name, layouts[name][1], sharding) for name in specs)
         try:
+            memory.probe()
             for name, (_, nbytes) in layouts.items():
                 start, end = _span(name, nbytes, sharding) or (0, nbytes)
-                buffers[name] = memory.alloc(name, end - start)
+                # From the module, each pack is pinned in commit once filled (see [Note: exact pinning]).
+                buffers[name] = memory.alloc(name, end - start, pin=reader is not None)
             if reader is not None:
                 for name, pack in specs.items():
                     pieces, nbytes = layouts[name]
@@ -467,6 +469,10 @@ class Prepared:
             with torch.no_grad():
                 for t, v in zip(ordered, views, strict=True):
                     t.data = v
+            if not self.filled:
+                # The module's own copy of this pack is dropped now: pinning here, not in prepare,
+                # keeps the open near the model plus one pack (a refusal falls back, never raises).
+                self.memory.pin(name)
             packs[name] = Pack(
                 name=name,
                 tensors=tuple(ordered),

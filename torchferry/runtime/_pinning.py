@@ -11,13 +11,17 @@ cost nothing, and unmapping gives them back to the OS) and page-locks exactly it
 every buffer. Registered memory is what ``non_blocking`` copies need to run asynchronously; the
 copy engine reads it directly.
 
-Pinning happens while a session *prepares* (before ranks agree that every rank could open, see
-`Engine`): a buffer the driver refuses to pin (the locked-memory limit, a container's ulimit)
-unpins what was pinned, and the store continues in pageable memory with one `OffloadWarning`.
-Pinning touches every page, so a session opened from a module on CUDA holds the module's own
-tensors and the whole pinned store at once until commit re-points the tensors (about twice the
-model); pageable buffers are filled group by group at commit and peak near the model plus one
-group, and a checkpoint-backed open never holds the model twice.
+When pinning happens: while a session *prepares* (before the ranks agree that every rank could
+open, see `Engine`) one probe page is registered and unregistered, so a driver or container that
+refuses pinning at all is found there, and the store is pageable from the start, with one
+`OffloadWarning`. Buffers filled from a checkpoint are pinned as they are read (in prepare: nothing
+else holds those bytes). Buffers filled from the module are pinned in *commit*, each right after
+its pack is copied in and its tensors re-pointed: pinning touches every page, and pinning them all
+in prepare would hold the module's tensors and the whole store at once (twice the model); this way
+the open peaks near the model plus one pack. A later refusal (the locked-memory limit reached
+part-way) cannot raise in commit, which must not fail: it unpins what was pinned and continues in
+pageable memory with the same one warning. Pinning is rank-local and changes no collective, so a
+rank that falls back still agrees with its peers.
 
 The CUDA calls live in one small final class, `CudaPinner`; its CPU twin `BookPinner` keeps the
 same books without a device, so every line of the logic above runs in CPU tests.
@@ -157,23 +161,46 @@ class HostMemory:
         """Bytes of every buffer held (what tensors see, without page rounding)."""
         return sum(t.numel() for held in self._held.values() for t, _ in held)
 
-    def alloc(self, name: str, nbytes: int) -> torch.Tensor:
-        """A zeroed buffer of ``nbytes`` for group ``name``, page-aligned, pinned if pinning holds.
+    def probe(self) -> None:
+        """Register and unregister one page: a pinner that refuses outright turns pinning off now."""
+        if not self.pinned:
+            return
+        assert self.pinner is not None
+        page = _mapped(PAGE)
+        try:
+            self.pinner.register(page.data_ptr(), PAGE)
+        except Exception as exc:
+            self._give_up(f"{type(exc).__name__}: {exc}", PAGE)
+            return
+        self.pinner.unregister(page.data_ptr())
 
-        A refused pin unpins every buffer and turns pinning off for good, with one `OffloadWarning`.
+    def alloc(self, name: str, nbytes: int, *, pin: bool = True) -> torch.Tensor:
+        """A zeroed buffer of ``nbytes`` for pack ``name``, page-aligned, pinned if pinning holds.
+
+        ``pin=False`` leaves the pin for `pin` (after the buffer is filled). A refused pin unpins
+        every buffer and turns pinning off for good, with one `OffloadWarning`.
         """
         buffer = _mapped(nbytes)
-        pinned = False
-        if self.pinned and nbytes:
+        self._held.setdefault(name, []).append((buffer, False))
+        if pin:
+            self.pin(name)
+        return buffer
+
+    def pin(self, name: str) -> None:
+        """Page-lock pack ``name``'s buffers not yet pinned (nothing once pinning was given up)."""
+        held = self._held.get(name, [])
+        for i, (buffer, pinned) in enumerate(held):
+            if pinned or not buffer.numel() or not self.pinned:
+                continue
             assert self.pinner is not None
+            nbytes = buffer.numel()
             try:
                 self.pinner.register(buffer.data_ptr(), page_bytes(nbytes))
-                pinned = True
-                self.pinned_bytes += page_bytes(nbytes)
             except Exception as exc:
                 self._give_up(f"{type(exc).__name__}: {exc}", nbytes)
-        self._held.setdefault(name, []).append((buffer, pinned))
-        return buffer
+                return
+            held[i] = (buffer, True)
+            self.pinned_bytes += page_bytes(nbytes)
 
     def _give_up(self, why: str, nbytes: int) -> None:
         self.failure = why
