@@ -158,10 +158,45 @@ class Claims:
 CLAIMS = Claims()
 
 
+class _Registrations:
+    """Counts parameters, buffers and submodules registered on any module in this process.
+
+    The count lets `Watch.check` skip its walk over a component's tensors when nothing was added
+    since the last step: that walk costs milliseconds per step on a large model, the count one
+    comparison. Torch's global registration hooks see ``register_parameter``, ``register_buffer``,
+    ``add_module`` and every attribute assignment of a parameter, buffer or module (how adapters are
+    injected); a tensor written straight into ``module._parameters`` bypasses them and is not seen.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._installed = False
+
+    def install(self) -> None:
+        """Install the three hooks (once per process; they only count)."""
+        if self._installed:
+            return
+        self._installed = True
+        from torch.nn.modules import module as nn_module
+
+        nn_module.register_module_parameter_registration_hook(self._bump)
+        nn_module.register_module_buffer_registration_hook(self._bump)
+        nn_module.register_module_module_registration_hook(self._bump)
+
+    def _bump(self, module: torch.nn.Module, name: str, value: object) -> None:
+        self.count += 1
+
+
+_REGISTRATIONS = _Registrations()
+
+
 class Watch:
     """The tensors of each top-level component when the session opened, to notice ones added later."""
 
     def __init__(self, pipeline: Any, topo: Topology, device: torch.device) -> None:
+        _REGISTRATIONS.install()
+        # Why: the registration count when each component was last walked; equal now means nothing added.
+        self._walked: dict[str, int] = {}
         self._device = device
         self._roots: dict[str, torch.nn.Module] = {}
         # Why: ids of each component's tensors at opening (and of those accepted since), held below.
@@ -175,9 +210,11 @@ class Watch:
                 tensors = list(_own(root))
                 self._held.extend(tensors)
                 self._known[component.path] = {id(t) for t in tensors}
+                self._walked[component.path] = _REGISTRATIONS.count
 
     def clear(self) -> None:
         """Forget every component (the session closed): hold no tensor any longer."""
+        self._walked.clear()
         self._roots.clear()
         self._known.clear()
         self._held.clear()
@@ -185,16 +222,18 @@ class Watch:
     def check(self, component: str) -> None:
         """Raise `ExecutionError` if ``component`` gained tensors on another device since opening."""
         root = self._roots.get(component)
-        if root is None:
+        if root is None or self._walked.get(component) == _REGISTRATIONS.count:
             return
         known = self._known[component]
         added = [t for t in _own(root) if id(t) not in known]
         if not added:
+            self._walked[component] = _REGISTRATIONS.count
             return
         elsewhere = {id(t) for t in added if not _on(t, self._device)}
         if not elsewhere:
             self._held.extend(added)  # on the session's device already: they run where they are
             known.update(id(t) for t in added)
+            self._walked[component] = _REGISTRATIONS.count
             return
         names = [
             ".".join(p for p in (component, n) if p)

@@ -173,11 +173,15 @@ class Pack:
         return dst, views
 
     def point(self, views: Sequence[torch.Tensor]) -> None:
-        """Re-point every tensor of the pack at ``views``."""
-        for t, v in zip(self.tensors, views, strict=True):
-            if t.is_meta is v.is_meta:
+        """Re-point every tensor of the pack at ``views`` (all on one device, so it is checked once)."""
+        tensors = self.tensors
+        if len(views) != len(tensors):
+            raise ValueError(f"pack {self.name}: {len(views)} views for {len(tensors)} tensors")
+        if not tensors or tensors[0].is_meta is views[0].is_meta:
+            for t, v in zip(tensors, views):  # noqa: B905 (lengths checked above)
                 t.data = v
-            else:
+        else:
+            for t, v in zip(tensors, views):  # noqa: B905
                 _swap_in(t, v)
 
     def to_host(self) -> None:
