@@ -40,6 +40,7 @@ the managed modules themselves. See docs/contract.md.
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,10 @@ if TYPE_CHECKING:
     from torchferry.runtime._engine import Engine
 
 __all__ = ["SessionGuard"]
+
+_VERSION = operator.attrgetter("_version")
+_DATA_PTR = torch.Tensor.data_ptr
+
 
 #: Instance attributes the guard sets on every managed module (removed at close).
 _REFUSED = ("_apply", "__deepcopy__", "__reduce_ex__")
@@ -153,7 +158,11 @@ class SessionGuard:
         self._by_id = {id(r.tensor): r for r in self._records}
         self._tensors = [r.tensor for r in self._records]
         self._places = [(table, key, r.tensor) for r in self._records for table, key in r.places]
-        self._seen: list[tuple[int, int]] = []
+        # Why: the same places as three parallel lists, so the per-step check runs as C-level maps.
+        self._place_tables = [table for table, _, _ in self._places]
+        self._place_keys = [key for _, key, _ in self._places]
+        self._place_tensors = [t for _, _, t in self._places]
+        self._seen: tuple[list[int], list[int]] = ([], [])
         self._handles: list[RemovableHandle] = []
         # Why: the objects given write-through methods (rule 5) and the names, removed at close.
         self._wrapped: list[tuple[object, str]] = []
@@ -213,19 +222,29 @@ class SessionGuard:
             comm.drain(owed)
 
     # ---------------------------------------------------------------------------- weight edits
+    def _state(self) -> tuple[list[int], list[int]]:
+        """Every managed tensor's version counter and data pointer (maps over C getters: per step)."""
+        return list(map(_VERSION, self._tensors)), list(map(_DATA_PTR, self._tensors))
+
     def snapshot(self) -> None:
         """Remember each managed tensor's version and data pointer as the engine leaves them now."""
-        self._seen = [(t._version, t.data_ptr()) for t in self._tensors]
+        self._seen = self._state()
 
     def _changed(self) -> list[_Record]:
         # Why: one pass over flat lists; this runs at every step start (see the Note for its cost).
-        seen = [(t._version, t.data_ptr()) for t in self._tensors]
-        if seen == self._seen and all(table.get(key) is t for table, key, t in self._places):
+        seen = self._state()
+        if seen == self._seen and all(
+            map(operator.is_, map(dict.get, self._place_tables, self._place_keys), self._place_tensors)
+        ):
             return []
+        versions, pointers = seen
+        then_versions, then_pointers = self._seen
         return [
             r
-            for r, now, then in zip(self._records, seen, self._seen, strict=True)
-            if now != then or any(table.get(key) is not r.tensor for table, key in r.places)
+            for r, v, p, tv, tp in zip(
+                self._records, versions, pointers, then_versions, then_pointers, strict=True
+            )
+            if v != tv or p != tp or any(table.get(key) is not r.tensor for table, key in r.places)
         ]
 
     def adopt(self, *, strict: bool = True) -> None:
