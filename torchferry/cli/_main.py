@@ -14,8 +14,8 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import NoReturn, TypeVar
 
 from torchferry._errors import OffloadError
 from torchferry.cli._units import parse_bytes, parse_rate
@@ -24,6 +24,8 @@ from torchferry.policies import BUILTINS, DEFAULT_DEVICE, DEVICE_CLASSES, Device
 __all__ = ["main"]
 
 EXIT_USAGE = 2
+
+_N = TypeVar("_N", int, float)
 
 
 class UsageError(Exception):
@@ -58,24 +60,23 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
+def _positive(kind: Callable[[str], _N], noun: str, bound: str) -> Callable[[str], _N]:
+    """An argument type that parses with ``kind`` and refuses anything not above zero."""
+
+    def parse(text: str) -> _N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
+_positive_int = _positive(int, "a whole number", "at least 1")
+_positive_float = _positive(float, "a number", "positive")
 
 
 def _device(text: str) -> str:
