@@ -26,6 +26,7 @@ __all__ = ["main"]
 EXIT_USAGE = 2
 
 _N = TypeVar("_N", int, float)
+_T = TypeVar("_T")
 
 
 class UsageError(Exception):
@@ -39,25 +40,30 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+def _parsed(parse: Callable[[str], _T]) -> Callable[[str], _T]:
+    """An argument type that runs ``parse`` and turns its `ValueError` into the parser's one-line error."""
+
+    def run(text: str) -> _T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return run
+
+
 def _size(text: str) -> int:
     if re.fullmatch(r"\s*[0-9.]+\s*", text):
         raise argparse.ArgumentTypeError(
             f"{text.strip()!r} has no unit; write {text.strip()}GiB (binary) or {text.strip()}GB (decimal)"
         )
-    try:
-        value = parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    value = _parsed(parse_bytes)(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
     return value
 
 
-def _rate(text: str) -> float:
-    try:
-        return parse_rate(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+_rate = _parsed(parse_rate)
 
 
 def _positive(kind: Callable[[str], _N], noun: str, bound: str) -> Callable[[str], _N]:
@@ -94,10 +100,7 @@ def _device(text: str) -> str:
 def _resolution(text: str) -> object:
     from torchferry.cli._plan_report import parse_resolution
 
-    try:
-        return parse_resolution(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return _parsed(parse_resolution)(text)
 
 
 def _parser() -> _Parser:
