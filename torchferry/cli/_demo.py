@@ -13,6 +13,7 @@ simulated.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import statistics
 import sys
@@ -551,18 +552,12 @@ def _run(
     ]
     # Why: the measured step of the timeline, by world size: distributed, else layerwise depth 1.
     traces: dict[int, StepTrace] = {}
+    run = functools.partial(
+        _run_strategy, checkpoint=checkpoint, reference=reference, device=target, steps=steps, calls=calls
+    )
     for name, options in runs:
         t0 = time.perf_counter()
-        row, traced = _run_strategy(
-            name,
-            checkpoint=checkpoint,
-            reference=reference,
-            device=target,
-            steps=steps,
-            calls=calls,
-            trace=timeline is not None and name == "layerwise(depth=1)",
-            **options,
-        )
+        row, traced = run(name, trace=timeline is not None and name == "layerwise(depth=1)", **options)
         if traced is not None:
             traces[1] = traced
         rows.append(row)
@@ -596,15 +591,7 @@ def _run(
         )
 
     t0 = time.perf_counter()
-    row, _ = _run_strategy(
-        f"auto (device_memory={_bytes(auto_budget)})",
-        checkpoint=checkpoint,
-        reference=reference,
-        device=target,
-        steps=steps,
-        calls=calls,
-        device_memory=auto_budget,
-    )
+    row, _ = run(f"auto (device_memory={_bytes(auto_budget)})", device_memory=auto_budget)
     rows.append(row)
     progress(
         f"auto: {row.note or 'no note'}; outputs {'identical' if row.identical else 'DIFFER'} "

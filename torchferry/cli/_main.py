@@ -14,8 +14,8 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import NoReturn, TypeVar
 
 from torchferry._errors import OffloadError
 from torchferry.cli._units import parse_bytes, parse_rate
@@ -24,6 +24,9 @@ from torchferry.policies import BUILTINS, DEFAULT_DEVICE, DEVICE_CLASSES, Device
 __all__ = ["main"]
 
 EXIT_USAGE = 2
+
+_N = TypeVar("_N", int, float)
+_T = TypeVar("_T")
 
 
 class UsageError(Exception):
@@ -37,45 +40,49 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+def _parsed(parse: Callable[[str], _T]) -> Callable[[str], _T]:
+    """An argument type that runs ``parse`` and turns its `ValueError` into the parser's one-line error."""
+
+    def run(text: str) -> _T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return run
+
+
 def _size(text: str) -> int:
     if re.fullmatch(r"\s*[0-9.]+\s*", text):
         raise argparse.ArgumentTypeError(
             f"{text.strip()!r} has no unit; write {text.strip()}GiB (binary) or {text.strip()}GB (decimal)"
         )
-    try:
-        value = parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    value = _parsed(parse_bytes)(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
     return value
 
 
-def _rate(text: str) -> float:
-    try:
-        return parse_rate(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+_rate = _parsed(parse_rate)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
+def _positive(kind: Callable[[str], _N], noun: str, bound: str) -> Callable[[str], _N]:
+    """An argument type that parses with ``kind`` and refuses anything not above zero."""
+
+    def parse(text: str) -> _N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
+_positive_int = _positive(int, "a whole number", "at least 1")
+_positive_float = _positive(float, "a number", "positive")
 
 
 def _device(text: str) -> str:
@@ -93,10 +100,7 @@ def _device(text: str) -> str:
 def _resolution(text: str) -> object:
     from torchferry.cli._plan_report import parse_resolution
 
-    try:
-        return parse_resolution(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return _parsed(parse_resolution)(text)
 
 
 def _parser() -> _Parser:

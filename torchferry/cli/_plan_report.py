@@ -678,28 +678,18 @@ def report_document(report: PlanReport, *, show_schedule: bool = False) -> dict[
 
 def list_document() -> list[dict[str, Any]]:
     """Every known model id with its pipeline class and sizes."""
+    names: list[tuple[str, dict[str, Any]]] = [(model_id, {}) for model_id in topology.KNOWN_MODELS]
+    names += [(alias, {"alias_of": base}) for alias, base in topology.KNOWN_ALIASES.items()]
     out = []
-    for model_id in topology.KNOWN_MODELS:
-        topo = topology.known_topology(model_id)
+    for name, extra in names:
+        topo = topology.known_topology(name)
         out.append(
             {
-                "id": model_id,
+                "id": name,
+                **extra,
                 "pipeline_class": topo.pipeline_class,
-                "hf_repo": topology.known_model(model_id).hf_repo,
-                "hub_ids": [repo for repo, m in topology.HUB_IDS.items() if m == model_id],
-                "total_bytes": topo.nbytes,
-                "components": {c.path: c.nbytes for c in topo.components},
-            }
-        )
-    for alias, base in topology.KNOWN_ALIASES.items():
-        topo = topology.known_topology(alias)
-        out.append(
-            {
-                "id": alias,
-                "alias_of": base,
-                "pipeline_class": topo.pipeline_class,
-                "hf_repo": topology.known_model(alias).hf_repo,
-                "hub_ids": [repo for repo, m in topology.HUB_IDS.items() if m == alias],
+                "hf_repo": topology.known_model(name).hf_repo,
+                "hub_ids": [repo for repo, m in topology.HUB_IDS.items() if m == name],
                 "total_bytes": topo.nbytes,
                 "components": {c.path: c.nbytes for c in topo.components},
             }

@@ -52,7 +52,7 @@ from torch import nn
 
 from torchferry._errors import PlanError
 from torchferry.policies import rest_unit
-from torchferry.runtime._layouts import Layouts, aliased
+from torchferry.runtime._layouts import Layouts, aliased, dense
 from torchferry.runtime._pinning import CudaPinner, Footprint, HostMemory, HostPinner
 from torchferry.topology import Component, Plan, TensorSpec, find_attr, packed_nbytes
 from torchferry.topology import pack as pack_specs
@@ -93,14 +93,8 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
 
 def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
     """``t``'s strides if its elements fill a gap-free range of memory, else contiguous strides."""
-    contiguous = _contiguous(t.shape)
-    if t.is_contiguous():
-        return contiguous
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1):
-        if stride != expected:
-            return contiguous
-        expected *= size
+    if t.is_contiguous() or not dense(t):
+        return _contiguous(t.shape)
     return tuple(t.stride())
 
 

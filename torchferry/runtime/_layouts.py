@@ -34,7 +34,7 @@ import torch
 
 from torchferry.topology import TensorSpec, find_attr
 
-__all__ = ["Layouts", "aliased"]
+__all__ = ["Layouts", "aliased", "dense"]
 
 _P = TypeVar("_P")
 
@@ -83,6 +83,11 @@ def _plain(t: torch.Tensor) -> bool:
     """Whether ``t`` alone is its whole storage, dense and at offset 0 (a pack gives that back as is)."""
     if t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         return False
+    return dense(t)
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a gap-free range of memory, its dimensions in any order."""
     expected = 1
     for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n != 1):
         if stride != expected:
