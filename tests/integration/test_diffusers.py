@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny import wan_pipeline as _wan_pipeline
 from torch import nn
 
 import torchferry
@@ -204,37 +205,6 @@ def test_bare_diffusers_transformer_is_bit_identical(
     after = _state(model)
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
-
-
-def _wan_pipeline() -> Any:
-    torch.manual_seed(0)
-    transformer = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=16,
-        out_channels=16,
-        text_dim=32,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=4,
-        rope_max_seq_len=32,
-    ).eval()
-    vae = diffusers.AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    ).eval()
-    encoder = transformers.UMT5EncoderModel(
-        transformers.UMT5Config(
-            vocab_size=32, d_model=32, d_kv=4, d_ff=32, num_layers=3, num_heads=4, decoder_start_token_id=0
-        )
-    ).eval()
-    return diffusers.WanPipeline(
-        tokenizer=None,
-        text_encoder=encoder,
-        vae=vae,
-        transformer=transformer,
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
-    )
 
 
 def _run_wan(pipe: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,39 +11,13 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from tiny import Block, Model
 from torch import nn
 from torch.nn import functional as F
 
 import torchferry
 from torchferry import ExecutionError, PlanError
 from torchferry.topology import Declaration, discover
-
-
-class Block(nn.Module):
-    """A residual linear block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.linear(x)
-
-
-class Model(nn.Module):
-    """An undeclared model: an input projection, four blocks, an output projection."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj_in = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
-        self.proj_out = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj_in(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.proj_out(x)
 
 
 def _weights(model: nn.Module) -> dict[str, torch.Tensor]:

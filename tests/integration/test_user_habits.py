@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import diffusers_zoo as zoo
 import pytest
 import torch
+from tiny import Model
 from torch import nn
 
 import torchferry
@@ -24,33 +25,6 @@ pytestmark = [pytest.mark.filterwarnings("ignore:.* is deprecated and will be re
 
 
 # ------------------------------------------------------------------------------------ fixtures
-class Block(nn.Module):
-    """A residual linear block."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.linear(x)
-
-
-class Model(nn.Module):
-    """An undeclared model: an input projection, four blocks, an output projection."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj_in = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
-        self.proj_out = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj_in(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.proj_out(x)
-
-
 class Pipeline:
     """A pipeline object holding one transformer, declared as its DiT."""
 

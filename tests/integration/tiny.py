@@ -1,0 +1,70 @@
+"""Tiny models and pipelines several integration tests build alike (fixed seeds, CPU-sized)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    """A residual linear block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.linear(x)
+
+
+class Model(nn.Module):
+    """An undeclared model: an input projection, four blocks, an output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj_in = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.proj_out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj_in(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.proj_out(x)
+
+
+def wan_pipeline() -> Any:
+    """A tiny WanPipeline (4-block transformer, UMT5 encoder, Wan VAE) from fixed seeds."""
+    import diffusers
+    import transformers
+
+    torch.manual_seed(0)
+    transformer = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=4,
+        rope_max_seq_len=32,
+    ).eval()
+    vae = diffusers.AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).eval()
+    encoder = transformers.UMT5EncoderModel(
+        transformers.UMT5Config(
+            vocab_size=32, d_model=32, d_kv=4, d_ff=32, num_layers=3, num_heads=4, decoder_start_token_id=0
+        )
+    ).eval()
+    return diffusers.WanPipeline(
+        tokenizer=None,
+        text_encoder=encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
