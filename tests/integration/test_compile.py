@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny import WAN_TRANSFORMER
 
 import torchferry
 
@@ -20,18 +21,7 @@ Backend = Callable[[torch.fx.GraphModule, list[torch.Tensor]], Callable[..., Any
 def _wan() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """A tiny 6-block WanTransformer3DModel and one forward's inputs, both from fixed seeds."""
     torch.manual_seed(0)
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=6,
-        rope_max_seq_len=32,
-    )
+    model = diffusers.WanTransformer3DModel(**WAN_TRANSFORMER)
     g = torch.Generator().manual_seed(1)
     inputs = {
         "hidden_states": torch.randn(1, 4, 2, 8, 8, generator=g),

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny import WAN_TRANSFORMER
 from tiny import wan_pipeline as _wan_pipeline
 from torch import nn
 
@@ -25,18 +26,7 @@ Inputs = Callable[[], dict[str, Any]]
 
 
 def _wan() -> tuple[nn.Module, Inputs]:
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=6,
-        rope_max_seq_len=32,
-    )
+    model = diffusers.WanTransformer3DModel(**WAN_TRANSFORMER)
     return model, lambda: {
         "hidden_states": torch.randn(1, 4, 2, 8, 8),
         "timestep": torch.tensor([500]),

@@ -68,3 +68,18 @@ def wan_pipeline() -> Any:
         transformer=transformer,
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
     )
+
+
+#: A 6-block WanTransformer3DModel small enough for CPU tests (inputs: 1x4x2x8x8 latents, 5x16 text).
+WAN_TRANSFORMER: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 12,
+    "in_channels": 4,
+    "out_channels": 4,
+    "text_dim": 16,
+    "freq_dim": 16,
+    "ffn_dim": 32,
+    "num_layers": 6,
+    "rope_max_seq_len": 32,
+}

@@ -3,6 +3,7 @@ before anything is mutated, and every managed tensor starts on a 256-byte bounda
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -231,7 +232,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs Linux /proc")
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_released_buffers_give_their_memory_back_to_the_os() -> None:
     """A filled 64 MiB buffer raises RSS by its size, and releasing it (as close does) takes it back."""
     from torchferry.runtime._pinning import HostMemory
