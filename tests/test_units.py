@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from torchferry.cli._units import parse_bytes, parse_rate
+from torchferry.topology import parse_bytes, parse_rate
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,7 @@ ACTIVATION_MARGIN = 0.10
 ACTIVATION_MARGIN_MIN = 1 << 30
 #: The budget on a CPU "device" when none is given (bytes): 8 GiB.
 CPU_BUDGET = 8 << 30
-#: A component re-chooses a second time only if its measured step moves by more than this fraction.
+#: A component re-chooses a second time only if its measured block compute moves by more than this fraction.
 REMEASURE_MARGIN = 0.25
 #: Steady steps traced per component; calibration uses the fastest (the least disturbed).
 MAX_TRACES = 8
@@ -110,8 +110,8 @@ def _bandwidth(device: str) -> float:
 
 
 def h2d_bandwidth(device: torch.device) -> tuple[float, str]:
-    """Host-to-device bytes per second, measured once per process and device (the fastest of three
-    timed copies after a warm-up), and how it was measured."""
+    """Host-to-device bytes per second, measured once per process and device (the fastest of four
+    timed copies, the first of which warms up), and how it was measured."""
     cuda = device.type == "cuda"
     what = "pinned host-to-device copy" if cuda else "host memcpy"
     nbytes = _COPY_BYTES["cuda" if cuda else "cpu"]

@@ -344,18 +344,14 @@ class Session:
         self._guard.entering(component)  # another thread's step runs: refused
         if engine.running:
             # A step that never finished (a KeyboardInterrupt skips forward hooks): start clean.
-            self._guard.drain()
-            engine.abort()
-            self._guard.snapshot()
+            self._guard.restart()
         self._guard.adopt()  # weight edits since the last step reach the host copy, or are refused
         chooser = self._chooser
         if chooser is not None:
             switch = chooser.pending()
             if switch is not None:
                 # Between steps only: drop what the old schedule left, the new one stages what it needs.
-                self._guard.drain()
-                engine.abort()
-                self._guard.snapshot()
+                self._guard.restart()
                 self._steps.use(switch, index_free=policies.is_index_free(switch))
                 self.policy = switch
             tracer = chooser.tracer(component)

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn, TypeVar
 
 from torchferry._errors import OffloadError
-from torchferry.cli._units import parse_bytes, parse_rate
 from torchferry.policies import BUILTINS, DEFAULT_DEVICE, DEVICE_CLASSES, DeviceProfile
+from torchferry.topology import parse_bytes, parse_rate
 
 __all__ = ["main"]
 

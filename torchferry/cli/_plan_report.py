@@ -39,7 +39,6 @@ __all__ = [
     "PlanReport",
     "StrategyRow",
     "build_report",
-    "detect_block_attrs",
     "format_list",
     "format_report",
     "list_document",
@@ -76,11 +75,6 @@ def _looks_like_path(model: str) -> bool:
         and topology.hub_snapshot(model) is None
         and topology.hub_model_id(model) is None
     )
-
-
-def detect_block_attrs(names: Sequence[str]) -> tuple[str, ...]:
-    """Block attributes guessed from tensor names (see `topology` ``guess_block_attrs``)."""
-    return topology.guess_block_attrs(names)
 
 
 def _by_component(attrs_: Sequence[str], names: Sequence[str]) -> dict[str, tuple[str, ...]] | None:
@@ -124,7 +118,7 @@ def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[To
     - a hub id (``black-forest-labs/FLUX.1-dev``): its snapshot in the local Hugging Face cache when
       there is one (as a pipeline folder), else the known model it names;
     - a checkpoint file, folder or ``*.index.json``, read through its headers only; its block
-      attributes are ``block_attrs`` or, when not given, guessed with `detect_block_attrs` (a
+      attributes are ``block_attrs`` or, when not given, guessed with `topology` ``guess_block_attrs`` (a
       checkpoint of a whole pipeline, its tensors named ``<component>.…``, becomes one component
       per name prefix);
     - else a known id. Unknown ids and broken checkpoints raise `PlanError`.
@@ -150,7 +144,7 @@ def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[To
         return topology.from_checkpoint(model, block_attrs=tuple(block_attrs)), None
     flat = topology.from_checkpoint(model, block_attrs=())
     names = [t.name for c in flat.components for t in c.all_tensors()]
-    guessed = detect_block_attrs(names)
+    guessed = topology.guess_block_attrs(names)
     if not guessed:
         return flat, None
     mapping = _by_component(guessed, names)

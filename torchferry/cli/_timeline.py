@@ -15,7 +15,7 @@ from xml.sax.saxutils import escape
 
 import attrs
 
-__all__ = ["LANES", "Bar", "Panel", "lanes_of", "render_panels", "render_svg"]
+__all__ = ["LANES", "Bar", "Panel", "lanes_of", "render_panels"]
 
 _COLOURS = {"copy": "#4c78a8", "comm": "#f58518", "compute": "#54a24b", "stall": "#e45756"}
 _LANE_H = 28
@@ -91,11 +91,6 @@ def _ticks(span: float) -> list[float]:
         ticks.append(t)
         t += step
     return ticks
-
-
-def render_svg(lanes: Mapping[str, Sequence[Bar]], *, title: str, subtitle: str = "") -> str:
-    """An SVG document with one lane per entry of ``lanes`` (in order) and a time axis."""
-    return render_panels([Panel(heading="", lanes=lanes)], title=title, subtitle=subtitle)
 
 
 def render_panels(panels: Sequence[Panel], *, title: str, subtitle: str = "") -> str:

@@ -128,7 +128,7 @@ class Claims:
         for name, t in _tensors(pipeline, topo):
             ref = self._held.get(id(t))
             claim = None if ref is None else ref()
-            if claim is not None and any(held is t for held in claim.tensors):
+            if claim is not None:  # a live claim holds its tensors: no other tensor has this id
                 raise ExecutionError(
                     f"tensor {name!r} of this {type(pipeline).__name__} is already served by the open "
                     f"torchferry session on a {claim.owner}: a module can be served by one session at a "

@@ -155,18 +155,18 @@ class SessionGuard:
                 self._records.append(
                     _Record(name, t, pack, i, tuple((table, key) for _, table, key in where))
                 )
-        self._by_id = {id(r.tensor): r for r in self._records}
         self._tensors = [r.tensor for r in self._records]
-        self._places = [(table, key, r.tensor) for r in self._records for table, key in r.places]
-        # Why: the same places as three parallel lists, so the per-step check runs as C-level maps.
-        self._place_tables = [table for table, _, _ in self._places]
-        self._place_keys = [key for _, key, _ in self._places]
-        self._place_tensors = [t for _, _, t in self._places]
+        slots = [(table, key, r.tensor) for r in self._records for table, key in r.places]
+        # Why: every module slot of a managed tensor as three parallel lists, so the per-step check
+        # runs as C-level maps.
+        self._place_tables = [table for table, _, _ in slots]
+        self._place_keys = [key for _, key, _ in slots]
+        self._place_tensors = [t for _, _, t in slots]
         self._seen: tuple[list[int], list[int]] = ([], [])
         self._handles: list[RemovableHandle] = []
         # Why: the objects given write-through methods (rule 5) and the names, removed at close.
         self._wrapped: list[tuple[object, str]] = []
-        self._install()
+        self._install(set(managed))
         objects: list[tuple[str, object]] = [(p, m) for p, m in self._modules]
         if not isinstance(pipeline, nn.Module):
             objects.insert(0, ("", pipeline))
@@ -226,6 +226,13 @@ class SessionGuard:
         """Every managed tensor's version counter and data pointer (maps over C getters: per step)."""
         return list(map(_VERSION, self._tensors)), list(map(_DATA_PTR, self._tensors))
 
+    def restart(self) -> None:
+        """Start clean between steps: pay what the last step owes the ranks, drop device copies, and
+        remember the tensors as the abort leaves them (so the abort is not taken for an edit)."""
+        self.drain()
+        self.engine.abort()
+        self.snapshot()
+
     def snapshot(self) -> None:
         """Remember each managed tensor's version and data pointer as the engine leaves them now."""
         self._seen = self._state()
@@ -256,7 +263,8 @@ class SessionGuard:
         changed = self._changed()
         if not changed:
             return
-        problems = [p for r in changed if (p := self._problem(r)) is not None]
+        checked = [(r, self._problem(r)) for r in changed]
+        problems = [p for _, p in checked if p is not None]
         if problems and strict:
             shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
             self._refusal = (
@@ -267,8 +275,8 @@ class SessionGuard:
             )
             raise ExecutionError(self._refusal)
         with torch.no_grad():
-            for r in changed:
-                if self._problem(r) is not None:
+            for r, problem in checked:
+                if problem is not None:
                     continue
                 host = r.pack.host_views[r.index]
                 if _pointer(r.tensor) != _pointer(host):
@@ -297,7 +305,7 @@ class SessionGuard:
         return None
 
     # ---------------------------------------------------------------------- moves and copies
-    def _install(self) -> None:
+    def _install(self, managed: set[int]) -> None:
         for path, module in self._modules:
             where = f"{path!r}" if path else "the pipeline"
             refusals = {
@@ -319,7 +327,7 @@ class SessionGuard:
                 (key, table)
                 for table in (module._parameters, module._buffers)
                 for key, t in table.items()
-                if t is not None and id(t) in self._by_id
+                if t is not None and id(t) in managed
             ]
             if owned:
                 hook = self._state_dict_hook(owned)

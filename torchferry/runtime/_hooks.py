@@ -251,8 +251,6 @@ class Hooks:
             raise
         if post is not None:
             post(module, (), None)
-        if failed is not None:
-            failed(module, (), None)
 
     def remove(self) -> None:
         """Remove every hook from the pipeline."""
