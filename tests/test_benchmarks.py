@@ -79,8 +79,7 @@ def test_gpu_check_needs_only_torch_and_torchferry(tmp_path: Path) -> None:
     """gpu_check runs with diffusers, transformers and accelerate unimportable, as on a bare GPU box."""
     blocked = "import sys; sys.modules.update(dict.fromkeys(['diffusers', 'transformers', 'accelerate']))"
     run = (
-        f"{blocked}; import runpy; sys.argv = sys.argv[1:]; "
-        "runpy.run_path(sys.argv[0], run_name='__main__')"
+        f"{blocked}; import runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     )
     script = str(BENCHMARKS / "gpu_check.py")
     done = subprocess.run(
@@ -99,17 +98,23 @@ def test_gpu_check_needs_only_torch_and_torchferry(tmp_path: Path) -> None:
 def test_overhead_quick_compares_every_variant(tmp_path: Path) -> None:
     """overhead --quick times every offloader on one Wan model, and each output equals the resident one."""
     target = tmp_path / "overhead.json"
-    out = _run("overhead.py", "--quick", "--out", str(target))
+    out = _run("overhead.py", "--quick", "--profile", "--out", str(target))
     assert "us/block over resident" in out
     result = json.loads(target.read_text())
     rows = result["rows"]
-    assert {"resident", "torchferry layerwise", "torchferry model_level", "diffusers block_level"} <= set(
-        rows
-    )
+    expected = {"torchferry layerwise", "torchferry model_level", "diffusers block_level", "copy floor"}
+    assert expected | {"resident", "resident (2)", "resident (3)"} <= set(rows)
     assert all(row["identical"] for row in rows.values())
-    assert rows["resident"]["overhead_per_block_us"] == 0.0
+    # the baseline is the median resident instance: one of them is 0 exactly, the others on either side
+    residents = sorted(rows[n]["overhead_per_block_us"] for n in ("resident", "resident (2)", "resident (3)"))
+    assert residents[0] <= 0.0 == residents[1] <= residents[2]
+    assert result["verdict"]["resident_spread_us"] == pytest.approx(residents[2] - residents[0])
     assert rows["diffusers block_level"]["over_diffusers_block_level"] == 1.0
     assert result["verdict"]["target"] == 0.1
+    pieces = result["breakdown"]
+    assert pieces["own_code_without_copy_us"] > 0 and pieces["copy_us"] > 0
+    assert pieces["own_code_without_copy_us"] >= pieces["bind_us"]
+    assert pieces["schedules_built_while_profiling"] == 0
 
 
 def test_scaling_quick_fits_every_slope(tmp_path: Path) -> None:

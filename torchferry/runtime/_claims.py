@@ -187,14 +187,14 @@ class _Registrations:
         self.count += 1
 
 
-_REGISTRATIONS = _Registrations()
+REGISTRATIONS = _Registrations()
 
 
 class Watch:
     """The tensors of each top-level component when the session opened, to notice ones added later."""
 
     def __init__(self, pipeline: Any, topo: Topology, device: torch.device) -> None:
-        _REGISTRATIONS.install()
+        REGISTRATIONS.install()
         # Why: the registration count when each component was last walked; equal now means nothing added.
         self._walked: dict[str, int] = {}
         self._device = device
@@ -210,7 +210,7 @@ class Watch:
                 tensors = list(_own(root))
                 self._held.extend(tensors)
                 self._known[component.path] = {id(t) for t in tensors}
-                self._walked[component.path] = _REGISTRATIONS.count
+                self._walked[component.path] = REGISTRATIONS.count
 
     def clear(self) -> None:
         """Forget every component (the session closed): hold no tensor any longer."""
@@ -222,18 +222,18 @@ class Watch:
     def check(self, component: str) -> None:
         """Raise `ExecutionError` if ``component`` gained tensors on another device since opening."""
         root = self._roots.get(component)
-        if root is None or self._walked.get(component) == _REGISTRATIONS.count:
+        if root is None or self._walked.get(component) == REGISTRATIONS.count:
             return
         known = self._known[component]
         added = [t for t in _own(root) if id(t) not in known]
         if not added:
-            self._walked[component] = _REGISTRATIONS.count
+            self._walked[component] = REGISTRATIONS.count
             return
         elsewhere = {id(t) for t in added if not _on(t, self._device)}
         if not elsewhere:
             self._held.extend(added)  # on the session's device already: they run where they are
             known.update(id(t) for t in added)
-            self._walked[component] = _REGISTRATIONS.count
+            self._walked[component] = REGISTRATIONS.count
             return
         names = [
             ".".join(p for p in (component, n) if p)

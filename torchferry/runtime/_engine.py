@@ -74,6 +74,7 @@ __all__ = ["RANGES", "Engine", "execute"]
 RANGES: dict[str, str] = {kind: f"torchferry::{kind}" for kind in OP_KINDS}
 
 _profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
+_grad_enabled = torch.is_grad_enabled
 
 #: Builds each new engine's stream context when set (see `stream_factory`); ``None``: `stream_context`.
 StreamFactory = Callable[["Engine"], StreamContext]
@@ -385,6 +386,11 @@ class Engine:
                 f"{', '.join(map(str, schedule.exit)) or '(nothing)'}\n"
                 + listing(schedule, len(schedule.ops))
             )
+        units = self.store.units
+        for name in self.placed:  # a block left in a slot for the next step is reached through its tensors
+            for pack in units[name].packs:
+                if pack.bound is not None:
+                    pack.settle()
         self._residency = schedule.exit
         self.last = schedule
         tracer = self.tracer
@@ -562,7 +568,10 @@ class Engine:
 
     def _placed_in(self, unit: Unit, name: str, slot: DeviceBuffer, views: tuple[torch.Tensor, ...]) -> None:
         pack = unit.packs[0]
-        pack.point(views)
+        if pack.tables is not None and not _grad_enabled():
+            pack.bind(name, slot.data, views)  # see [Note: binding] in `_host`
+        else:
+            pack.point(views)
         pack.where = PackState.IN_FLIGHT
         self.transfers[unit.name] = slot
         self.occupants[name] = unit

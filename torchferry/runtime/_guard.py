@@ -51,6 +51,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from torchferry._errors import ExecutionError
+from torchferry.runtime._claims import REGISTRATIONS
 from torchferry.runtime._host import Pack, PackState
 from torchferry.topology import Plan, find_attr
 
@@ -156,13 +157,27 @@ class SessionGuard:
                     _Record(name, t, pack, i, tuple((table, key) for _, table, key in where))
                 )
         self._tensors = [r.tensor for r in self._records]
+        # Why: each pack's records are one run of the lists (records are made pack by pack), so a
+        # pack whose tensors moved is re-read alone when a step ends.
+        self._spans: dict[Pack, tuple[int, int]] = {}
+        for i, r in enumerate(self._records):
+            start, _ = self._spans.get(r.pack, (i, i))
+            self._spans[r.pack] = (start, i + 1)
         slots = [(table, key, r.tensor) for r in self._records for table, key in r.places]
         # Why: every module slot of a managed tensor as three parallel lists, so the per-step check
         # runs as C-level maps.
         self._place_tables = [table for table, _, _ in slots]
         self._place_keys = [key for _, key, _ in slots]
         self._place_tensors = [t for _, _, t in slots]
-        self._seen: tuple[list[int], list[int]] = ([], [])
+        # Why: what the last step left: every tensor's version and data pointer, and each pack's moves.
+        self._versions: list[int] = []
+        self._pointers: list[int] = []
+        self._moves: dict[Pack, int] = {}
+        # Why: the registration count when the module slots were last seen in place (see `_changed`).
+        REGISTRATIONS.install()
+        self._registered = -1
+        # Why: per residency (the units on the device between steps), their records' indices and tensors.
+        self._resident: dict[tuple[str, ...], tuple[list[int], list[torch.Tensor]]] = {}
         self._handles: list[RemovableHandle] = []
         # Why: the objects given write-through methods (rule 5) and the names, removed at close.
         self._wrapped: list[tuple[object, str]] = []
@@ -197,7 +212,7 @@ class SessionGuard:
 
     def left(self) -> None:
         """This thread's step is over (finished or aborted): record what it left, free the session."""
-        self.snapshot()
+        self._refresh()
         with self._lock:
             self._owner = None
 
@@ -222,10 +237,6 @@ class SessionGuard:
             comm.drain(owed)
 
     # ---------------------------------------------------------------------------- weight edits
-    def _state(self) -> tuple[list[int], list[int]]:
-        """Every managed tensor's version counter and data pointer (maps over C getters: per step)."""
-        return list(map(_VERSION, self._tensors)), list(map(_DATA_PTR, self._tensors))
-
     def restart(self) -> None:
         """Start clean between steps: pay what the last step owes the ranks, drop device copies, and
         remember the tensors as the abort leaves them (so the abort is not taken for an edit)."""
@@ -235,22 +246,58 @@ class SessionGuard:
 
     def snapshot(self) -> None:
         """Remember each managed tensor's version and data pointer as the engine leaves them now."""
-        self._seen = self._state()
+        self._versions = list(map(_VERSION, self._tensors))
+        self._pointers = list(map(_DATA_PTR, self._tensors))
+        self._moves = {pack: pack.moves for pack in self._spans}
+
+    def _in_place(self) -> bool:
+        """Whether every managed tensor is still the object in each module slot it had."""
+        found = map(dict.get, self._place_tables, self._place_keys)
+        return all(map(operator.is_, found, self._place_tensors))
+
+    def _refresh(self) -> None:
+        """`snapshot`, for the packs whose tensors the engine moved since (a step's end: usually few)."""
+        tensors, moves = self._tensors, self._moves
+        for pack, (start, end) in self._spans.items():
+            if pack.moves != moves[pack]:
+                moves[pack] = pack.moves
+                self._versions[start:end] = map(_VERSION, tensors[start:end])
+                self._pointers[start:end] = map(_DATA_PTR, tensors[start:end])
+
+    def _on_device(self) -> tuple[list[int], list[torch.Tensor]]:
+        """The records (indices, tensors) of the units the device holds between steps."""
+        key = tuple(self.engine.placed)
+        found = self._resident.get(key)
+        if found is None:
+            units = self.engine.store.units
+            packs = {pack for name in key for pack in units[name].packs}
+            indices = [i for pack in packs for i in range(*self._spans.get(pack, (0, 0)))]
+            found = (indices, [self._tensors[i] for i in indices])
+            if len(self._resident) >= 64:
+                self._resident.clear()
+            self._resident[key] = found
+        return found
 
     def _changed(self) -> list[_Record]:
-        # Why: one pass over flat lists; this runs at every step start (see the Note for its cost).
-        seen = self._state()
-        if seen == self._seen and all(
-            map(operator.is_, map(dict.get, self._place_tables, self._place_keys), self._place_tensors)
+        # Why: one pass over flat lists; this runs at every step start (see the Note for its cost). A
+        # version bump matters only where a device copy would go stale (a tensor at host memory was
+        # written in place: the next load copies the new bytes), so only those records' versions are
+        # read when nothing else changed.
+        pointers = list(map(_DATA_PTR, self._tensors))
+        indices, tensors = self._on_device()
+        then = self._versions
+        registered = REGISTRATIONS.count
+        if (
+            pointers == self._pointers
+            and list(map(_VERSION, tensors)) == [then[i] for i in indices]
+            and (registered == self._registered or self._in_place())
         ):
+            self._registered = registered
             return []
-        versions, pointers = seen
-        then_versions, then_pointers = self._seen
+        versions = list(map(_VERSION, self._tensors))
         return [
             r
-            for r, v, p, tv, tp in zip(
-                self._records, versions, pointers, then_versions, then_pointers, strict=True
-            )
+            for r, v, p, tv, tp in zip(self._records, versions, pointers, then, self._pointers, strict=True)
             if v != tv or p != tp or any(table.get(key) is not r.tensor for table, key in r.places)
         ]
 
