@@ -165,3 +165,21 @@ def test_edits_between_steps_reach_bound_blocks(mode: str) -> None:
     with torch.no_grad():
         assert torch.equal(got, ref.transformer(*args))
         assert torch.equal(p.transformer.blocks[6].fc1.weight, ref.transformer.blocks[6].fc1.weight)
+
+
+def test_an_object_written_straight_into_a_module_table_is_refused_at_close() -> None:
+    """A weight written into ``_parameters`` directly fires no registration hook: the next step does
+    not see it, but ``close()`` looks at every module slot and leaves the new object in place, as it
+    does for every replacement it cannot adopt; the step after a registration refuses it."""
+    p = toy.build(0)
+    args = inputs()
+    session = torchferry.offload(p, strategy="layerwise", device="cpu")
+    with torch.no_grad():
+        p.transformer(*args)
+    replacement = nn.Parameter(torch.zeros_like(p.transformer.blocks[5].fc1.weight))
+    p.transformer.blocks[5].fc1._parameters["weight"] = replacement
+    p.transformer.blocks[5].register_buffer("extra", torch.zeros(1))  # any registration
+    with pytest.raises(torchferry.ExecutionError, match="another tensor object"), torch.no_grad():
+        p.transformer(*args)
+    session.close()
+    assert p.transformer.blocks[5].fc1.weight is replacement
