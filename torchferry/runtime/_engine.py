@@ -75,6 +75,7 @@ RANGES: dict[str, str] = {kind: f"torchferry::{kind}" for kind in OP_KINDS}
 
 _profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 _grad_enabled = torch.is_grad_enabled
+_READY, _IN_FLIGHT = PackState.READY, PackState.IN_FLIGHT
 
 #: Builds each new engine's stream context when set (see `stream_factory`); ``None``: `stream_context`.
 StreamFactory = Callable[["Engine"], StreamContext]
@@ -545,18 +546,21 @@ class Engine:
         if op.src is not None:
             self._load_shard(unit, op)
             return
-        assert op.slot is not None
-        slot = self.slots.get(op.slot)
-        self._claim(unit, op)
+        name = op.slot
+        assert name is not None
+        slot = self.slots.get(name)
+        held = self.occupants.get(name)
+        if held is not None and held is not unit:
+            self._claim(unit, op)  # raises
         pack = unit.packs[0]
         if pack.shard is not None:
             raise ExecutionError(
                 f"load of {unit.name}: this rank holds only its shard of the block; the schedule must "
                 "load the shard and all-gather it (the distributed_layerwise policy does)"
             )
-        dst, views = pack.views(op.slot, slot.data)
+        dst, views = pack.views(name, slot.data)
         self.streams.copy_in(slot, dst, pack.host)
-        self._placed_in(unit, op.slot, slot, views)
+        self._placed_in(unit, name, slot, views)
 
     def _claim(self, unit: Unit, op: Op) -> None:
         assert op.slot is not None
@@ -572,7 +576,7 @@ class Engine:
             pack.bind(name, slot.data, views)  # see [Note: binding] in `_host`
         else:
             pack.point(views)
-        pack.where = PackState.IN_FLIGHT
+        pack.where = _IN_FLIGHT
         self.transfers[unit.name] = slot
         self.occupants[name] = unit
         self.placed[unit.name] = name
@@ -654,25 +658,25 @@ class Engine:
             raise ExecutionError(f"wait for {unit.name}, which no load brought to the device")
         self.streams.wait(transfer)
         for pack in unit.packs:
-            pack.where = PackState.READY
+            pack.where = _READY
 
     def _evict(self, unit: Unit, op: Op) -> None:
         if self.guard.graded:
             self.guard.leaving(unit)
-        transfer = self.transfers.pop(unit.name, None)
+        name = unit.name
+        transfer = self.transfers.pop(name, None)
         if transfer is not None:
-            if unit.packs[0].where is PackState.IN_FLIGHT:
+            if unit.packs[0].where is _IN_FLIGHT:
                 # A prefetch compute never waited for (a stale one, which `check` allows): the slot's
                 # next writer waits only on ``free``, so compute must first be ordered after this
                 # unit's load or gather, which may still be writing the slot on another stream.
                 self.streams.wait(transfer)
             self.streams.release(transfer)
-        where = self.placed.get(unit.name)
+        where = self.placed.pop(name, None)
         if where is not None and self.occupants.get(where) is unit:
             del self.occupants[where]
         for pack in unit.packs:
             pack.to_host()
-        self.placed.pop(unit.name, None)
 
     def _stage(self, unit: Unit, op: Op) -> None:
         sharded = [g.name for g in unit.packs if g.shard is not None]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-import attrs
-
 from torchferry._errors import PlanError, ScheduleError
 from torchferry.policies import Placement, Policy, Schedule, Step, check
 from torchferry.topology import Plan
@@ -65,6 +63,8 @@ class Steps:
         self._last: tuple[str, int] | None = None
         # Why: what followed each step last time, so a policy can prefetch across a switch.
         self._follows: dict[tuple[str, int], str | None] = {}
+        # Why: the Step objects made lately, by (component, index, next, entry identity).
+        self._known: dict[tuple[str, int, str | None, int], Step] = {}
 
     def next(self, component: str, entry: tuple[Placement, ...]) -> Step:
         """The step a forward of ``component`` starting from ``entry`` is."""
@@ -74,10 +74,15 @@ class Steps:
             bounded_put(self._follows, last, None if last[0] == component else component)
         key = (component, index)
         self._last = key
-        step = Step(component=component, index=index, entry=entry, next=self._follows.get(key))
-        if self.index_free:
-            # One schedule serves every forward that starts from the same residency (`index_free`).
-            step = attrs.evolve(step, index=0)
+        follows = self._follows.get(key)
+        # One schedule serves every forward that starts from the same residency (`index_free`).
+        named = 0 if self.index_free else index
+        memo = (component, named, follows, id(entry))
+        known = self._known.get(memo)
+        if known is not None and known.entry is entry:
+            return known  # a steady step: the same Step object, so its schedule is found by identity
+        step = Step(component=component, index=named, entry=entry, next=follows)
+        bounded_put(self._known, memo, step)
         return step
 
     def schedule(self, step: Step) -> Schedule:
@@ -100,6 +105,7 @@ class Steps:
         self.policy = policy
         self.index_free = index_free
         self.schedules.clear()
+        self._known.clear()
 
     def interrupted(self) -> None:
         """The running step failed: the next forward starts a new run (its index is 0)."""
