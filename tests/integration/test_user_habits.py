@@ -265,7 +265,9 @@ def test_group_offloading_on_a_component_is_refused() -> None:
     from diffusers.hooks import apply_group_offloading
 
     pipe = _pixart_sigma()
-    apply_group_offloading(pipe.transformer, onload_device=torch.device("cpu"), offload_type="leaf_level")
+    apply_group_offloading(
+        pipe.transformer, onload_device=torch.device("cpu"), offload_type="leaf_level"
+    )
     with pytest.raises(PlanError) as caught:
         torchferry.offload(pipe, strategy="layerwise", device="cpu")
     assert str(caught.value).startswith(

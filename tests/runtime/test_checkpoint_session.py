@@ -27,6 +27,8 @@ def _snapshot(p: torch.nn.Module) -> Snapshot:
     return {n: (id(t), f"{t.device}:{0 if t.is_meta else t.data_ptr()}", tuple(t.shape)) for n, t in named}
 
 
+
+
 def _save(tmp_path: Path, form: str, two_experts: bool = False) -> Path:
     """The toy (seed 0) as one file, a folder of two shards, or two shards with an index."""
     path = tmp_path / "toy.safetensors"

@@ -189,6 +189,7 @@ def _dies(rank: int, world: int) -> tuple[str, str, float]:
     return "ok", "", time.monotonic() - start
 
 
+
 def _out_of_step(rank: int, world: int) -> dict[str, list[tuple[str, Any]]]:
     """Ranks fall out of step: one retries after its own error mid-step, then they run different step
     counts."""

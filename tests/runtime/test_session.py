@@ -25,6 +25,8 @@ STRATEGIES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+
+
 @pytest.mark.parametrize("two_experts", [False, True])
 @pytest.mark.parametrize(("strategy", "options"), STRATEGIES)
 def test_outputs_bit_identical(strategy: str, options: dict[str, Any], two_experts: bool) -> None:

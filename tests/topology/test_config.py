@@ -569,7 +569,6 @@ def test_device_memory_text_that_does_not_parse_is_refused() -> None:
         "as 24GiB, 80GB or 512MiB"
     )
 
-
 @pytest.mark.parametrize(
     ("depth", "shown"),
     [

@@ -70,14 +70,10 @@ def parse_resolution(text: str) -> Resolution:
 
 
 def _looks_like_path(model: str) -> bool:
-    return (
-        os.path.exists(model)
-        or model.endswith((".safetensors", ".json"))
-        or (
-            ("/" in model or os.sep in model)
-            and topology.hub_snapshot(model) is None
-            and topology.hub_model_id(model) is None
-        )
+    return os.path.exists(model) or model.endswith((".safetensors", ".json")) or (
+        ("/" in model or os.sep in model)
+        and topology.hub_snapshot(model) is None
+        and topology.hub_model_id(model) is None
     )
 
 
@@ -705,5 +701,7 @@ def format_list() -> str:
         rows.append([name, entry["pipeline_class"], _b(entry["total_bytes"]), _b(dits), str(len(comps))])
     lines = _table(["id", "pipeline", "total", "DiT(s)", "components"], rows, {2, 3, 4})
     lines += ["", "hub ids (a snapshot in the local Hugging Face cache is planned from its files):"]
-    lines += _table(["hub id", "id"], [[repo, model] for repo, model in topology.HUB_IDS.items()], set())[1:]
+    lines += _table(
+        ["hub id", "id"], [[repo, model] for repo, model in topology.HUB_IDS.items()], set()
+    )[1:]
     return "\n".join(lines) + "\n"

@@ -201,7 +201,9 @@ def _components_converter(value: Iterable[str] | None) -> frozenset[str] | None:
     items = tuple(value)
     for item in items:
         if not isinstance(item, str):
-            raise TypeError(f"OffloadConfig.components entries must be str, got {_type_name(item)} {item!r}")
+            raise TypeError(
+                f"OffloadConfig.components entries must be str, got {_type_name(item)} {item!r}"
+            )
     return frozenset(items)
 
 
@@ -489,7 +491,8 @@ class OffloadConfig:
             )
         if mode == "module" and options:
             raise PlanError(
-                "offload config 'layer_options' only applies to mode 'layer'; remove it or use mode 'layer'"
+                "offload config 'layer_options' only applies to mode 'layer'; remove it or use "
+                "mode 'layer'"
             )
         transfers: dict[str, Transfer] = {}
         resident = 0

@@ -138,7 +138,8 @@ def _declared_list(pipeline: object, list_name: str) -> list[tuple[str, nn.Modul
     for entry in entries:
         if not isinstance(entry, str):
             warnings.warn(
-                f"{pipeline_class}.{list_name} entry {entry!r} is not a dotted attribute path; it is ignored",
+                f"{pipeline_class}.{list_name} entry {entry!r} is not a dotted attribute path; "
+                "it is ignored",
                 OffloadWarning,
                 stacklevel=3,
             )

@@ -530,7 +530,9 @@ def order_mismatch(component: Component, ran: list[str]) -> str | None:
         order += [a for a in stack.attrs if a not in order]
         grouped = [p for a in order for p in ring if attr_of[p] == a]
         entered = [attr_of[p] for p in seen]
-        together = all(order.index(x) <= order.index(y) for x, y in itertools.pairwise(entered))
+        together = all(
+            order.index(x) <= order.index(y) for x, y in itertools.pairwise(entered)
+        )
         if together and seen == grouped[: len(seen)]:
             attrs_ = tuple(order)
         else:
