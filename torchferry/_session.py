@@ -377,7 +377,7 @@ class Session:
                 return
             self.engine.finish()
             if self._step is not None:
-                self._steps.finished(self._step, self.engine.step_peak)
+                self._steps.finished(self._step, self.engine.ledger.step_peak)
         finally:
             self._guard.left()
         if measuring is not None and measuring.done and self._chooser is not None:
@@ -471,16 +471,16 @@ class Session:
     @property
     def device_bytes(self) -> int:
         """Device bytes the runtime holds now (slots, staged units, acquired components)."""
-        return self.engine.device_bytes
+        return self.engine.ledger.held
 
     @property
     def peak_device_bytes(self) -> int:
-        return self.engine.peak_device_bytes
+        return self.engine.ledger.peak
 
     @property
     def host_bytes(self) -> int:
         """Bytes of the host buffers that back every managed weight."""
-        return self.engine.host_bytes
+        return self.engine.store.nbytes
 
     @property
     def hook_count(self) -> int:

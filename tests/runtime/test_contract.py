@@ -359,10 +359,10 @@ def test_a_device_allocation_that_fails_is_never_counted(hand_ring: Callable[...
             torch.no_grad(),
         ):
             p.transformer(torch.zeros(1, 16, 16), torch.tensor([0.5]), torch.zeros(1, 8, 32))
-        assert engine.device_bytes == 0
+        assert engine.ledger.held == 0
         with runtime.execute(good, p, plan, device="cpu", engine=engine), torch.no_grad():
             p.transformer(torch.zeros(1, 16, 16), torch.tensor([0.5]), torch.zeros(1, 8, 32))
-        assert engine.device_bytes == sum(s.nbytes for s in good.slots)  # the ring's slots stay allocated
+        assert engine.ledger.held == sum(s.nbytes for s in good.slots)  # the ring's slots stay allocated
     finally:
         engine.close()
 

@@ -103,7 +103,7 @@ def test_without_grad_nothing_changes(mode: Callable[[], contextlib.AbstractCont
             warnings.simplefilter("always")
             got = [p.transformer(*args) for _ in range(3)]
         assert [t._version for t in p.parameters()] == versions
-        assert not session.engine.graded
+        assert not session.engine.guard.graded
     assert [str(w.message) for w in caught] == []
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 

@@ -11,7 +11,7 @@ from torchferry.testing import toy
 
 def _store(p: toy.ToyPipeline, strategy: str = "layerwise") -> tuple[HostStore, topology.Plan]:
     plan = topology.resolve(topology.discover(p), topology.OffloadConfig(strategy=strategy))  # type: ignore[arg-type]
-    return HostStore.build(p, plan, pin=False), plan
+    return HostStore.prepare(p, plan, pin=False).commit(), plan
 
 
 def test_block_buffers_match_topology_and_are_aligned() -> None:

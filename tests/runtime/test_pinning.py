@@ -64,7 +64,7 @@ def test_store_pins_exactly_its_pages_and_close_unpins_them() -> None:
     p = toy.build(0)
     plan = _plan(p)
     pinner = BookPinner()
-    store = HostStore.build(p, plan, pin=True, pinner=pinner)
+    store = HostStore.prepare(p, plan, pin=True, pinner=pinner).commit()
     assert store.pinned
     assert store.pinned_bytes == footprint(plan).pinned_bytes == sum(pinner.ranges.values())
     assert store.nbytes == footprint(plan).store_bytes
@@ -148,7 +148,7 @@ def test_packs_from_the_module_are_pinned_one_by_one_as_commit_fills_them() -> N
         def unregister(self, ptr: int) -> None:
             pinner.unregister(ptr)
 
-    store = HostStore.build(p, _plan(p), pin=True, pinner=_Watching())
+    store = HostStore.prepare(p, _plan(p), pin=True, pinner=_Watching()).commit()
     assert store.pinned
     assert len(order) == 1 + sum(1 for g in store.packs.values() if g.nbytes)  # the probe page, each pack
     assert order[0] == 0 and all(n >= 1 for n in order[1:])

@@ -220,13 +220,8 @@ def _run_strategy(
             traced = _traced_call(session, pipeline, device)
     identical = all(torch.equal(a, b) for a, b in zip(outputs, reference, strict=True))
     row = DemoRow(
-        strategy=label,
-        peak_device_bytes=peak,
-        step_s=step_s,
-        median_s=median_s,
-        calls=calls,
-        identical=identical,
-        note=note,
+        strategy=label, peak_device_bytes=peak, step_s=step_s, median_s=median_s, calls=calls,
+        identical=identical, note=note,
     )
     return row, traced
 

@@ -288,19 +288,10 @@ def _plan(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     topo, known = report.load_model(args.model, attrs_)
     options = report.Options(
-        budget_bytes=args.device_memory,
-        h2d_bytes_per_s=args.h2d,
-        collective_bytes_per_s=args.allgather,
-        device=_device_figures(args),
-        forwards_per_step=args.forwards_per_step,
-        text_tokens=args.text_tokens,
-        host_op_s=(args.host_op_us or 0.0) / 1e6,
-        world_size=args.world_size,
-        depth=args.depth,
-        strategy=args.strategy,
-        resolution=args.resolution,
-        tflops=args.tflops,
-        block_ms=args.block_ms,
+        budget_bytes=args.device_memory, h2d_bytes_per_s=args.h2d, collective_bytes_per_s=args.allgather,
+        device=_device_figures(args), forwards_per_step=args.forwards_per_step, text_tokens=args.text_tokens,
+        host_op_s=(args.host_op_us or 0.0) / 1e6, world_size=args.world_size, depth=args.depth,
+        strategy=args.strategy, resolution=args.resolution, tflops=args.tflops, block_ms=args.block_ms,
     )
     if known is None and (args.resolution is not None or args.tflops is not None):
         raise UsageError(

@@ -125,15 +125,8 @@ class _Builder:
         """Append one op, on the stream its kind runs on."""
         self.ops.append(
             Op(
-                when=when,
-                anchor=anchor,
-                stream=OP_STREAM[kind],
-                kind=kind,
-                unit=unit,
-                slot=slot,
-                src=src,
-                nbytes=nbytes,
-                chunks=chunks,
+                when=when, anchor=anchor, stream=OP_STREAM[kind], kind=kind, unit=unit, slot=slot, src=src,
+                nbytes=nbytes, chunks=chunks,
             )
         )
 

@@ -24,10 +24,10 @@ files too.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import BinaryIO, NoReturn, TypeAlias
 
 import attrs
@@ -106,7 +106,7 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-class CheckpointReader:
+class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
     """Reads a safetensors checkpoint (one file, a folder of shards, or an ``*.index.json``).
 
     A diffusers pipeline folder (``model_index.json``, one subfolder per component) is read as one
@@ -447,12 +447,7 @@ class CheckpointReader:
         for handle in handles.values():
             handle.close()
 
-    def __enter__(self) -> CheckpointReader:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -183,47 +183,37 @@ class Engine:
     ) -> HostStore:
         """Check, read and take over; with several ranks, only once every rank could do the first two."""
         with _ordinary():
-            return self._take_over(pipeline, plan, pin, sharding, prefix_map)
-
-    def _take_over(
-        self,
-        pipeline: Any,
-        plan: Plan,
-        pin: bool,
-        sharding: Sharding | None,
-        prefix_map: Mapping[str, str] | None,
-    ) -> HostStore:
-        failure: BaseException | None = None
-        prepared = None
-        path = plan.config.checkpoint
-        what = "copying weights to pinned host memory" if pin else "copying weights to host memory"
-        progress = Progress(what if path is None else f"reading weights from {path}")
-        try:
-            if path is None:
-                prepared = HostStore.prepare(pipeline, plan, pin=pin, sharding=sharding, progress=progress)
-            else:
-                with CheckpointReader(path, prefix_map=prefix_map) as reader:
+            failure: BaseException | None = None
+            prepared = None
+            path = plan.config.checkpoint
+            what = "copying weights to pinned host memory" if pin else "copying weights to host memory"
+            progress = Progress(what if path is None else f"reading weights from {path}")
+            try:
+                source: contextlib.AbstractContextManager[CheckpointReader | None] = contextlib.nullcontext()
+                if path is not None:
+                    source = CheckpointReader(path, prefix_map=prefix_map)
+                with source as reader:
                     prepared = HostStore.prepare(
                         pipeline, plan, pin=pin, reader=reader, sharding=sharding, progress=progress
                     )
-        except Exception as exc:
-            failure = exc
-        try:
-            if self.comm is not None:
-                try:
-                    self.comm.agree("open the session", "ready", ok=failure is None)
-                except ExecutionError:
-                    if prepared is not None:
-                        prepared.discard()
-                    if failure is not None:
-                        raise failure from None
-                    raise
-            if failure is not None:
-                raise failure
-            assert prepared is not None
-            return prepared.commit()
-        finally:
-            progress.close()
+            except Exception as exc:
+                failure = exc
+            try:
+                if self.comm is not None:
+                    try:
+                        self.comm.agree("open the session", "ready", ok=failure is None)
+                    except ExecutionError:
+                        if prepared is not None:
+                            prepared.discard()
+                        if failure is not None:
+                            raise failure from None
+                        raise
+                if failure is not None:
+                    raise failure
+                assert prepared is not None
+                return prepared.commit()
+            finally:
+                progress.close()
 
     # ------------------------------------------------------------------------------- the seam
     @property
@@ -245,31 +235,6 @@ class Engine:
     def residency(self) -> tuple[Placement, ...]:
         """What the last finished step left on the device (``()`` after an abort)."""
         return self._residency
-
-    @property
-    def step_peak(self) -> int:
-        """The most device bytes held since the running (or last) step began."""
-        return self.ledger.step_peak
-
-    @property
-    def device_bytes(self) -> int:
-        """Device bytes held now (slots, staged units, acquired components)."""
-        return self.ledger.held
-
-    @property
-    def peak_device_bytes(self) -> int:
-        """The most device bytes ever held at once."""
-        return self.ledger.peak
-
-    @property
-    def host_bytes(self) -> int:
-        """Bytes of the host buffers that back every managed weight."""
-        return self.store.nbytes
-
-    @property
-    def graded(self) -> set[Unit]:
-        """Units a forward with grad ran in a shared slot (see [Note: gradients])."""
-        return self.guard.graded
 
     @property
     def tracing(self) -> Tracer | None:

@@ -338,8 +338,7 @@ class Hooks:
             program = engine.program
             if program is not None:
                 hooks._close_block()
-                stop = program.stops.get(after, 0)
-                if stop > program.pc:
+                if (stop := program.stops.get(after, 0)) > program.pc:
                     engine.advance(program, stop)
             if driver is not None:
                 if _inference():

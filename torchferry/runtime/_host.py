@@ -355,20 +355,6 @@ class HostStore:
         return tuple(g for g in self.packs.values() if g.shard is not None)
 
     @classmethod
-    def build(
-        cls,
-        pipeline: Any,
-        plan: Plan,
-        *,
-        pin: bool,
-        reader: CheckpointReader | None = None,
-        sharding: Sharding | None = None,
-        pinner: HostPinner | None = None,
-    ) -> HostStore:
-        """Lay out, check and fill the host buffers for ``plan``; raises `PlanError` before mutating."""
-        return cls.prepare(pipeline, plan, pin=pin, reader=reader, sharding=sharding, pinner=pinner).commit()
-
-    @classmethod
     def prepare(
         cls,
         pipeline: Any,
@@ -460,15 +446,8 @@ class HostStore:
             memory.close()
             raise
         return Prepared(
-            pipeline=pipeline,
-            plan=plan,
-            sharding=sharding,
-            specs=specs,
-            live=resolved,
-            layouts=layouts,
-            buffers=buffers,
-            filled=reader is not None,
-            memory=memory,
+            pipeline=pipeline, plan=plan, sharding=sharding, specs=specs, live=resolved, layouts=layouts,
+            buffers=buffers, filled=reader is not None, memory=memory,
             loose=list(zip(loose_live, loose_values, strict=True)) if reader is not None else [],
             progress=None if reader is not None or progress is None else (progress, total),
         )

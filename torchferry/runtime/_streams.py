@@ -167,34 +167,32 @@ class CudaStreams:
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         return DeviceBuffer(data=data, ready=ready, free=None)
 
-    def copy_in(self, dst: DeviceBuffer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
+    def _writes(self, stream: Any, dst: DeviceBuffer) -> None:
+        """Order ``stream`` after compute's last read of ``dst`` (its ``free`` event), or after all of
+        compute when ``dst`` is fresh memory that no event covers yet."""
         if dst.free is None:
-            self.copy.wait_stream(self.compute)
+            stream.wait_stream(self.compute)
         else:
-            self.copy.wait_event(dst.free)
+            stream.wait_event(dst.free)
+
+    def copy_in(self, dst: DeviceBuffer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
+        self._writes(self.copy, dst)
         tracer = self.tracer
         with torch.cuda.stream(self.copy):
-            if tracer is None:
-                dst_bytes.copy_(src, non_blocking=True)
-            else:
-                begin = tracer.mark(self.copy)
-                dst_bytes.copy_(src, non_blocking=True)
+            begin = None if tracer is None else tracer.mark(self.copy)
+            dst_bytes.copy_(src, non_blocking=True)
+            if tracer is not None:
                 tracer.span("copy", begin, tracer.mark(self.copy), dst_bytes.nbytes)
         dst.ready.record(self.copy)
 
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         self.comm.wait_event(src.ready)
-        if dst.free is None:
-            self.comm.wait_stream(self.compute)
-        else:
-            self.comm.wait_event(dst.free)
+        self._writes(self.comm, dst)
         tracer = self.tracer
         with torch.cuda.stream(self.comm):
-            if tracer is None:
-                run()
-            else:
-                begin = tracer.mark(self.comm)
-                run()
+            begin = None if tracer is None else tracer.mark(self.comm)
+            run()
+            if tracer is not None:
                 tracer.span("comm", begin, tracer.mark(self.comm))
         dst.ready.record(self.comm)
         if src.free is None:

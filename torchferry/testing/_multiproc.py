@@ -43,7 +43,10 @@ SANITIZE_ENV = "TORCHFERRY_STREAM_SANITIZER"
 
 @attrs.frozen(kw_only=True)
 class RankFailure:
-    """How one rank failed: the exception's type name and message (or how it exited), and its traceback."""
+    """How one rank failed: the exception's type name and message (or how it exited), and its traceback.
+
+    ``traceback`` is empty when the rank ended without raising (it exited early or timed out).
+    """
 
     rank: int
     kind: str

@@ -108,6 +108,19 @@ _VAE_HINTS = ("vae",)
 
 
 @attrs.frozen(kw_only=True)
+class Sources:
+    """What a checkpoint path names: the shard files to read and, for an index, its weight map.
+
+    ``files`` are path strings in the order they are read (sorted); ``weight_map`` maps each tensor
+    the index lists to one of them (``None`` for a file or a folder). Files are not opened here.
+    """
+
+    path: str
+    files: tuple[str, ...]
+    weight_map: FrozenMap[str, str] | None = None
+
+
+@attrs.frozen(kw_only=True)
 class HeaderEntry:
     """One tensor of a safetensors header, as planning and loading both see it.
 
@@ -125,20 +138,8 @@ class HeaderEntry:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensor's data in its file (``end - begin``)."""
         return self.end - self.begin
-
-
-@attrs.frozen(kw_only=True)
-class Sources:
-    """What a checkpoint path names: the shard files to read and, for an index, its weight map.
-
-    ``files`` are path strings in the order they are read (sorted); ``weight_map`` maps each tensor
-    the index lists to one of them (``None`` for a file or a folder). Files are not opened here.
-    """
-
-    path: str
-    files: tuple[str, ...]
-    weight_map: FrozenMap[str, str] | None = None
 
 
 def show(value: object) -> str:

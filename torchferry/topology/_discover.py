@@ -721,13 +721,8 @@ def _occurrences(skeletons: list[_Skeleton], component_ids: frozenset[int]) -> l
             _check_plain(name, tensor)
             occurrences.append(
                 _Occurrence(
-                    rank=(index, category, seq),
-                    owner=owner,
-                    component=index,
-                    name=name,
-                    tensor=tensor,
-                    buffer=buffer,
-                    persistent=persistent,
+                    rank=(index, category, seq), owner=owner, component=index, name=name, tensor=tensor,
+                    buffer=buffer, persistent=persistent,
                 )
             )
             seq += 1

@@ -96,35 +96,30 @@ _WAN = PipelineEntry(
     vaes=(("vae", "AutoencoderKLWan"),),
 )
 _WAN_V2V = PipelineEntry(dits=_WAN.dits[:1], encoders=_WAN.encoders, vaes=_WAN.vaes)
-_FLUX = PipelineEntry(
-    dits=(("transformer", "FluxTransformer2DModel"),),
-    encoders=(("text_encoder", "CLIPTextModel"), ("text_encoder_2", "T5EncoderModel")),
-    vaes=(("vae", "AutoencoderKL"),),
+
+
+def _single(dit: str, vae: str, *encoders: str) -> PipelineEntry:
+    """A pipeline of one DiT at ``transformer``, one VAE at ``vae``, and its text encoders at
+    ``text_encoder``, ``text_encoder_2``, ... in that order (diffusers' naming)."""
+    paths = ["text_encoder", *(f"text_encoder_{i}" for i in range(2, len(encoders) + 1))]
+    return PipelineEntry(
+        dits=(("transformer", dit),), encoders=tuple(zip(paths, encoders, strict=True)), vaes=(("vae", vae),)
+    )
+
+
+_FLUX = _single("FluxTransformer2DModel", "AutoencoderKL", "CLIPTextModel", "T5EncoderModel")
+_QWEN = _single("QwenImageTransformer2DModel", "AutoencoderKLQwenImage", "Qwen2_5_VLForConditionalGeneration")
+_HUNYUAN = _single(
+    "HunyuanVideoTransformer3DModel", "AutoencoderKLHunyuanVideo", "LlamaModel", "CLIPTextModel"
 )
-_QWEN = PipelineEntry(
-    dits=(("transformer", "QwenImageTransformer2DModel"),),
-    encoders=(("text_encoder", "Qwen2_5_VLForConditionalGeneration"),),
-    vaes=(("vae", "AutoencoderKLQwenImage"),),
+_SD3 = _single(
+    "SD3Transformer2DModel",
+    "AutoencoderKL",
+    "CLIPTextModelWithProjection",
+    "CLIPTextModelWithProjection",
+    "T5EncoderModel",
 )
-_HUNYUAN = PipelineEntry(
-    dits=(("transformer", "HunyuanVideoTransformer3DModel"),),
-    encoders=(("text_encoder", "LlamaModel"), ("text_encoder_2", "CLIPTextModel")),
-    vaes=(("vae", "AutoencoderKLHunyuanVideo"),),
-)
-_SD3 = PipelineEntry(
-    dits=(("transformer", "SD3Transformer2DModel"),),
-    encoders=(
-        ("text_encoder", "CLIPTextModelWithProjection"),
-        ("text_encoder_2", "CLIPTextModelWithProjection"),
-        ("text_encoder_3", "T5EncoderModel"),
-    ),
-    vaes=(("vae", "AutoencoderKL"),),
-)
-_LTX = PipelineEntry(
-    dits=(("transformer", "LTXVideoTransformer3DModel"),),
-    encoders=(("text_encoder", "T5EncoderModel"),),
-    vaes=(("vae", "AutoencoderKLLTXVideo"),),
-)
+_LTX = _single("LTXVideoTransformer3DModel", "AutoencoderKLLTXVideo", "T5EncoderModel")
 
 #: diffusers pipeline class -> the components it holds (checked against diffusers 0.42.1 ``__init__``s).
 PIPELINES: FrozenMap[str, PipelineEntry] = FrozenMap(
