@@ -29,7 +29,6 @@ import functools
 import itertools
 import logging
 import math
-import time
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -38,7 +37,7 @@ import torch
 from torchferry import policies
 from torchferry._errors import PlanError, ScheduleError
 from torchferry.policies import Choice, CostModel, DeviceProfile, Policy, Schedule
-from torchferry.runtime import StepTrace, Tracer, load_profile
+from torchferry.runtime import StepTrace, Tracer, copy_bytes_per_s, load_profile
 from torchferry.topology import Plan
 
 __all__ = [
@@ -92,26 +91,15 @@ def default_budget(device: torch.device) -> tuple[int, str]:
 @functools.cache
 def _bandwidth(device: str) -> float:
     target = torch.device(device)
-    cuda = target.type == "cuda"
-    nbytes = _COPY_BYTES["cuda" if cuda else "cpu"]
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-    dest = torch.empty(nbytes, dtype=torch.uint8, device=target)
-    best = math.inf
-    for _ in range(4):
-        start = time.perf_counter()
-        dest.copy_(host, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize(target)
-        best = min(best, time.perf_counter() - start)
-    del host, dest
-    if cuda:
+    rate = copy_bytes_per_s(target, _COPY_BYTES["cuda" if target.type == "cuda" else "cpu"], 3)
+    if target.type == "cuda":
         torch.cuda.empty_cache()
-    return nbytes / best
+    return rate
 
 
 def h2d_bandwidth(device: torch.device) -> tuple[float, str]:
-    """Host-to-device bytes per second, measured once per process and device (the fastest of four
-    timed copies, the first of which warms up), and how it was measured."""
+    """Host-to-device bytes per second, measured once per process and device (the fastest of three
+    timed copies after a warm-up), and how it was measured."""
     cuda = device.type == "cuda"
     what = "pinned host-to-device copy" if cuda else "host memcpy"
     nbytes = _COPY_BYTES["cuda" if cuda else "cpu"]
@@ -119,11 +107,12 @@ def h2d_bandwidth(device: torch.device) -> tuple[float, str]:
 
 
 def base_profile(device: torch.device) -> DeviceProfile:
-    """The device's saved profile (`runtime.load_profile`) when it is of this kind of device, else
-    its device class, else `policies.DEFAULT_DEVICE`."""
+    """The device's saved profile (`runtime.load_profile`) when it was measured on a device of this
+    name (``"cpu"``, or the CUDA device name: a profile of another GPU model is not used), else its
+    device class, else `policies.DEFAULT_DEVICE`."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     saved = load_profile()
-    if saved is not None and (saved.name == "cpu") == (device.type == "cpu"):
+    if saved is not None and saved.name == name:
         return saved
     return policies.match_device_class(name) or policies.DEFAULT_DEVICE
 

@@ -6,6 +6,7 @@ import logging
 import re
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from module_checks import hook_count, same_weights
@@ -176,3 +177,29 @@ def test_report_of_a_named_policy_says_nothing_was_chosen() -> None:
         report = session.report()
     assert isinstance(report, SessionReport)
     assert report.policy == "none()" and not report.calibrated and report.predicted_step_s == {}
+
+
+def test_a_saved_profile_is_used_only_on_a_device_of_its_name(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session's starting figures come from a saved profile only when it was measured on a
+    device of the same name: a profile saved on a GPU says nothing about the CPU, and back."""
+    from torchferry._auto import base_profile
+    from torchferry.runtime import save_profile
+
+    monkeypatch.setenv("TORCHFERRY_PROFILE", str(tmp_path / "profile.json"))
+    other = policies.DeviceProfile(
+        name="NVIDIA H200", h2d_bytes_per_s=5e10, flops_per_s=9e14, collective_bytes_per_s=4e11,
+        dtype="bfloat16", source="test",
+    )
+    save_profile(other)
+    assert base_profile(torch.device("cpu")) != other
+    mine = attrs.evolve(other, name="cpu", h2d_bytes_per_s=1.5e10)
+    save_profile(mine)
+    assert base_profile(torch.device("cpu")) == mine
+    # Another GPU model than the one measured (no CUDA here: the device's name is all that is read).
+    save_profile(other)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert base_profile(torch.device("cuda")) == policies.match_device_class("NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert base_profile(torch.device("cuda")) == other

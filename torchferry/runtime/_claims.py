@@ -263,10 +263,8 @@ def _on(t: torch.Tensor, device: torch.device) -> bool:
 
 def called_outside(plan: Plan, path: str, where: str) -> ExecutionError:
     """The error for block ``path`` run while no step runs and its weights are ``where``."""
-    top = next(
-        (t.path for t in plan.components for c in t.walk() if any(b.path == path for b in c.blocks)), path
-    )
-    name = top or "the model"
+    owner = plan.block_owner(path)
+    name = (path if owner is None else owner[0].path) or "the model"
     return ExecutionError(
         f"block {path} ran outside the forward of its component {name!r} while its weights were {where}: "
         f"torchferry loads the blocks of {name!r} only while its forward runs, and this block was called "

@@ -489,11 +489,8 @@ class Engine:
 
     def not_resident(self, path: str, pack: Pack, program: Program) -> None:
         """Raise: block ``path`` was reached while ``pack`` was not ready on the device."""
-        owner = next(
-            (c for top in self.plan.components for c in top.walk() if any(b.path == path for b in c.blocks)),
-            None,
-        )
-        order = None if owner is None else order_mismatch(owner, self.ran)
+        owner = self.plan.block_owner(path)
+        order = None if owner is None else order_mismatch(owner[1], self.ran)
         if order is not None:
             raise ExecutionError(
                 f"block {path} was reached out of its ring's order in step "

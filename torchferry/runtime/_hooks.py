@@ -133,6 +133,17 @@ class GradGuard:
             self.leaving(unit)
 
 
+def _ordinary_call(fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` with inference mode off (and grad off with it) when the caller runs under it:
+    the driver starts and ends steps, which make and re-point tensors ([Note: inference mode] in
+    `_engine`)."""
+    if _inference():
+        with torch.inference_mode(False), torch.no_grad():
+            fn(*args)
+    else:
+        fn(*args)
+
+
 def _opaque(body: _Hook) -> _Hook:
     """``body`` as a hook Dynamo does not trace, at no cost to an eager call.
 
@@ -317,11 +328,7 @@ class Hooks:
                 done[path] = False
                 hooks.open_block = None
             if driver is not None:
-                if _inference():
-                    with torch.inference_mode(False), torch.no_grad():
-                        driver.enter(path)
-                else:
-                    driver.enter(path)
+                _ordinary_call(driver.enter, path)
             program = engine.program
             if program is not None:
                 stop = program.stops.get(before, 0)
@@ -341,11 +348,7 @@ class Hooks:
                 if (stop := program.stops.get(after, 0)) > program.pc:
                     engine.advance(program, stop)
             if driver is not None:
-                if _inference():
-                    with torch.inference_mode(False), torch.no_grad():
-                        driver.leave(path, False)
-                else:
-                    driver.leave(path, False)
+                _ordinary_call(driver.leave, path, False)
 
         return pre, post
 

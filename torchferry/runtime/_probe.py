@@ -53,6 +53,16 @@ def _best_seconds(device: torch.device, run: object, repeats: int) -> float:
     return best
 
 
+def copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes per second of one host-to-device copy of ``nbytes`` from pinned memory (a host memcpy
+    on the CPU): the fastest of ``repeats`` timed copies after one warm-up."""
+    cuda = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    seconds = _best_seconds(device, lambda: dest.copy_(host, non_blocking=cuda), repeats)
+    return nbytes / seconds
+
+
 def probe(
     device: torch.device | str | None = None, *, copy_bytes: int | None = None, matmul_size: int | None = None
 ) -> DeviceProfile:
@@ -69,9 +79,7 @@ def probe(
         raise PlanError(f"probe(device={str(target)!r}): torchferry measures cpu or cuda devices only")
     cuda = target.type == "cuda"
     nbytes = copy_bytes if copy_bytes is not None else (256 << 20 if cuda else 64 << 20)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-    dest = torch.empty(nbytes, dtype=torch.uint8, device=target)
-    copy_s = _best_seconds(target, lambda: dest.copy_(host, non_blocking=cuda), 5)
+    h2d = copy_bytes_per_s(target, nbytes, 5)
     n = matmul_size if matmul_size is not None else (4096 if cuda else 512)
     dtype = torch.bfloat16 if cuda else torch.float32
     a = torch.randn(n, n, device=target, dtype=dtype)
@@ -83,7 +91,7 @@ def probe(
     collective = known.collective_bytes_per_s if known is not None else 100e9
     return DeviceProfile(
         name=name,
-        h2d_bytes_per_s=nbytes / copy_s,
+        h2d_bytes_per_s=h2d,
         flops_per_s=2 * n**3 / matmul_s,
         collective_bytes_per_s=collective,
         dtype=str(dtype).removeprefix("torch."),

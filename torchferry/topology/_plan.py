@@ -41,6 +41,15 @@ class Plan:
         """The resolved component at ``path`` (children included)."""
         return find_component(self.components, path, "plan")
 
+    def block_owner(self, block: str) -> tuple[Component, Component] | None:
+        """The top-level component and the (sub)component whose block list holds block path
+        ``block``, or ``None`` when no component of the plan lists it."""
+        for top in self.components:
+            for c in top.walk():
+                if any(b.path == block for b in c.blocks):
+                    return top, c
+        return None
+
     def of_kind(self, kind: ComponentKind) -> tuple[Component, ...]:
         return tuple(c for c in self.components if c.kind == kind)
 
