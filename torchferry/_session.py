@@ -51,14 +51,15 @@ def default_policy(config: OffloadConfig) -> Policy:
     return policies.builtin(config.strategy, depth=config.prefetch_depth, chunk_bytes=config.chunk_bytes)
 
 
+#: The request's knobs that configure a built-in policy, with their defaults.
+_POLICY_KNOBS = {
+    f.name: f.default for f in attrs.fields(OffloadConfig) if f.name in ("prefetch_depth", "chunk_bytes")
+}
+
+
 def _policy_knobs(request: OffloadConfig) -> list[str]:
     """The policy knobs ``request`` sets away from their defaults (they configure a built-in policy)."""
-    knobs = []
-    if request.prefetch_depth != 1:
-        knobs.append(f"prefetch_depth={request.prefetch_depth}")
-    if request.chunk_bytes is not None:
-        knobs.append(f"chunk_bytes={request.chunk_bytes}")
-    return knobs
+    return [f"{k}={getattr(request, k)}" for k, dflt in _POLICY_KNOBS.items() if getattr(request, k) != dflt]
 
 
 def _default_device() -> torch.device:

@@ -160,8 +160,6 @@ class Engine:
         self._load_takes_device: dict[str, bool] = {}
         # Why: shard slot -> the unit whose shard it holds, so a gather reads the shard it names.
         self.shards: dict[str, Unit] = {}
-        # Why: (shard slot, bytes) -> (slot buffer, its first bytes), so a steady shard load builds nothing.
-        self._shard_views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Why: chunked gathers on NCCL land in one staging buffer, sized at open (see `_size_staging`).
         self._staging: DeviceBuffer | None = None
         self._size_staging(self._plan_staging())
@@ -169,7 +167,7 @@ class Engine:
         self._tracing: Tracer | None = None
         # Why: the tracer of the step running now; checked once per op and per block hook.
         self.tracer: Tracer | None = None
-        self.guard = GradGuard()
+        self.guard = GradGuard(self.placed, self.store.units)
         # Why: the blocks the running step's forward reached, in order, to report a ring it does not follow.
         self.ran: list[str] = []
 
@@ -548,12 +546,7 @@ class Engine:
         assert op.slot is not None
         pack = unit.packs[0]
         slot = self.slots.get(op.slot)
-        size = pack.host.numel()
-        cached = self._shard_views.get((op.slot, size))
-        if cached is None or cached[0] is not slot.data:
-            cached = (slot.data, slot.data.narrow(0, 0, size))
-            self._shard_views[op.slot, size] = cached
-        self.streams.copy_in(slot, cached[1], pack.host)
+        self.streams.copy_in(slot, pack.shard_bytes(op.slot, slot.data), pack.host)
         self.shards[op.slot] = unit
 
     def _gather(self, unit: Unit, op: Op) -> None:
@@ -569,9 +562,7 @@ class Engine:
         pack = unit.packs[0]
         src = self.slots.get(op.src)
         slot = self.slots.get(op.slot)
-        size = pack.host.numel()
-        cached = self._shard_views.get((op.src, size))
-        shard = cached[1] if cached is not None and cached[0] is src.data else src.data.narrow(0, 0, size)
+        shard = pack.shard_bytes(op.src, src.data)
         staging = None if self._staging is None else self._staging.data
         comm = self.comm
 

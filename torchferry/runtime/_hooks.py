@@ -86,13 +86,16 @@ class GradGuard:
     See [Note: gradients].
     """
 
-    def __init__(self) -> None:
+    def __init__(self, placed: Mapping[str, str], units: Mapping[str, Unit]) -> None:
+        # Why: the engine's own tables (unit -> where it is on the device; unit name -> unit), read live.
+        self._placed, self._units = placed, units
         # Why: units that sat in a slot while a forward with grad ran them; bumped when they leave it.
         self.graded: set[Unit] = set()
         self._warned = False
 
-    def ran(self, path: str, block: bool, placed: Mapping[str, str], units: Mapping[str, Unit]) -> None:
+    def ran(self, path: str, block: bool) -> None:
         """A forward with grad runs at ``path``: remember its units in slots."""
+        placed, units = self._placed, self._units
         names = (path,) if block else (path, rest_unit(path))
         for name in names:
             where = placed.get(name)
@@ -209,8 +212,6 @@ class Hooks:
         self._blocks = frozenset(
             b.path for top in engine.plan.components for c in top.walk() for b in c.blocks
         )
-        # Why: the block whose forward the tracer has open (a block has no post hook to close it).
-        self.open_block: str | None = None
         # Why: per top-level path, whether its latest forward returned (its post hook ran), so the
         # always-called hook knows a failure from the forward itself.
         self._done: dict[str, bool] = {}
@@ -282,7 +283,6 @@ class Hooks:
         key = f"before {path}"
         engine = self.engine
         guard = engine.guard
-        hooks = self
 
         def pre(module: torch.nn.Module, args: Any) -> None:
             program = engine.program
@@ -293,40 +293,30 @@ class Hooks:
                 engine.ran.append(path)
                 tracer = engine.tracer
                 if tracer is not None:
-                    hooks._close_block()
+                    tracer.block_end()
                 stop = program.stops.get(key, 0)
                 if stop > program.pc:
                     engine.advance(program, stop)
                 if pack is not None and pack.where is not _READY:
                     engine.not_resident(path, pack, program)
                 if tracer is not None:
-                    hooks.open_block = path
                     tracer.block_begin(path)
             if _grad_enabled():
-                guard.ran(path, True, engine.placed, engine.store.units)
+                guard.ran(path, True)
 
         return pre
-
-    def _close_block(self) -> None:
-        """End the tracer's open block span (a component's forward ends, or the step does)."""
-        tracer = self.engine.tracer
-        if self.open_block is not None and tracer is not None:
-            tracer.block_end(self.open_block)
-        self.open_block = None
 
     def _component_hooks(self, path: str, top: bool) -> tuple[Callable[..., None], Callable[..., None]]:
         before, after = f"before {path}", f"after {path}"
         driver = self.driver if top else None
         engine = self.engine
         guard = engine.guard
-        hooks = self
         done = self._done
         done[path] = True
 
         def pre(module: torch.nn.Module, args: Any) -> None:
             if top:
                 done[path] = False
-                hooks.open_block = None
             if driver is not None:
                 _ordinary_call(driver.enter, path)
             program = engine.program
@@ -335,16 +325,18 @@ class Hooks:
                 if stop > program.pc:
                     engine.advance(program, stop)
             if _grad_enabled():
-                guard.ran(path, False, engine.placed, engine.store.units)
+                guard.ran(path, False)
 
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
             if top:
                 done[path] = True
             if _grad_enabled():
-                guard.ran(path, False, engine.placed, engine.store.units)
+                guard.ran(path, False)
             program = engine.program
             if program is not None:
-                hooks._close_block()
+                tracer = engine.tracer
+                if tracer is not None:
+                    tracer.block_end()
                 if (stop := program.stops.get(after, 0)) > program.pc:
                     engine.advance(program, stop)
             if driver is not None:
@@ -356,13 +348,11 @@ class Hooks:
         """The always-called hook of a top-level component: abandons the step when the forward raised."""
         done = self._done
         driver = self.driver
-        hooks = self
 
         def failed(module: torch.nn.Module, args: Any, output: Any) -> None:
             if done[path]:
                 return
             done[path] = True
-            hooks.open_block = None
             if driver is not None:
                 with torch.inference_mode(False), torch.no_grad():
                     driver.leave(path, True)

@@ -192,8 +192,19 @@ class Pack:
     #: The device views the modules read now through swapped tables (``None``: not bound).
     bound: tuple[torch.Tensor, ...] | None = None
     moves: int = 0
+    # Why: per shard slot name, (the slot's buffer, this rank's shard bytes of it).
+    shard_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
     # Why: per slot name, (the slot's buffer, the tables that hold views into it), built once per slot.
     device_tables: dict[str, tuple[torch.Tensor, tuple[Table, ...]]] = attrs.field(factory=dict)
+
+    def shard_bytes(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        """The first bytes of ``flat`` (shard slot ``key``'s buffer) that hold this rank's shard of
+        the pack, cached per slot while ``flat`` stays (a sharded pack's ``host`` is its shard)."""
+        cached = self.shard_views.get(key)
+        if cached is None or cached[0] is not flat:
+            cached = (flat, flat.narrow(0, 0, self.host.numel()))
+            self.shard_views[key] = cached
+        return cached[1]
 
     def views(self, key: str, flat: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The group's bytes of ``flat`` and its tensors' views, cached per ``key`` while ``flat`` stays."""
@@ -264,6 +275,7 @@ class Pack:
     def forget_device(self) -> None:
         """Drop every cached view of device memory (the slots may be freed)."""
         self.device_views.clear()
+        self.shard_views.clear()
         self.device_tables.clear()
 
     def unshard(self, full: torch.Tensor) -> None:

@@ -94,7 +94,7 @@ class Tracer:
         self._start: Any = None
         # Why: the op running now, so a copy or collective the stream context times is labelled.
         self._op: tuple[int, Op] | None = None
-        self._open: list[tuple[str, Any]] = []
+        self._open: tuple[str, Any] | None = None
         self._raw: list[tuple[StreamName, str, str, int | None, int, Any, Any]] = []
 
     # ------------------------------------------------------------------------------ the engine
@@ -144,13 +144,18 @@ class Tracer:
         self._raw.append((stream, kind or op.kind, op.unit, index, nbytes, begin, end))
 
     def block_begin(self, path: str) -> None:
-        """Block ``path``'s forward starts (its ``before`` ops have run)."""
-        self._open.append((path, self.compute_mark()))
+        """Block ``path``'s forward starts (its ``before`` ops have run); the block before it ended."""
+        self.block_end()
+        self._open = (path, self.compute_mark())
 
-    def block_end(self, path: str) -> None:
-        """Block ``path``'s forward ended (its ``after`` ops have not run yet)."""
-        if self._open and self._open[-1][0] == path:
-            _, begin = self._open.pop()
+    def block_end(self) -> None:
+        """The open block's forward ended (its ``after`` ops have not run yet); nothing if none is open.
+
+        A block has no post hook: the next block's hook, its component's post hook or the step's end
+        says when it ended."""
+        if self._open is not None:
+            path, begin = self._open
+            self._open = None
             self._raw.append(("compute", "compute", path, None, 0, begin, self.compute_mark()))
 
     def stop(self) -> StepTrace:
@@ -194,7 +199,7 @@ class Tracer:
 
     def _reset(self) -> None:
         self._raw = []
-        self._open = []
+        self._open = None
         self._op = None
         self._compute = None
         self._start = None

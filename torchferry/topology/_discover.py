@@ -288,11 +288,11 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module
 
 
-def _module_bytes(module: nn.Module) -> int:
-    """Bytes of every distinct parameter and buffer under ``module``."""
+def _module_bytes(module: nn.Module, *, buffers: bool = True) -> int:
+    """Bytes of every distinct parameter (and buffer, unless ``buffers`` is false) under ``module``."""
     seen: set[int] = set()
     total = 0
-    for tensor in (*module.parameters(), *module.buffers()):
+    for tensor in (*module.parameters(), *(module.buffers() if buffers else ())):
         if id(tensor) not in seen:
             seen.add(id(tensor))
             total += tensor.numel() * tensor.element_size()
@@ -597,10 +597,6 @@ def _has_lifecycle(module: nn.Module) -> bool:
     return all(callable(getattr(module, name, None)) for name in ("load_to_device", "offload_to_cpu"))
 
 
-def _param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
 def _ring(
     path: str, attr_blocks: list[tuple[str, list[tuple[str, nn.Module]]]], canonical: dict[int, str]
 ) -> tuple[tuple[str, ...], list[tuple[str, nn.Module]]]:
@@ -651,7 +647,7 @@ def _dit_skeleton(
         if name in block_roots or id(child) in component_ids:
             continue
         declared = submodules.get(name)
-        if declared is None and _param_bytes(child) <= NESTED_OFFLOAD_THRESHOLD_BYTES:
+        if declared is None and _module_bytes(child, buffers=False) <= NESTED_OFFLOAD_THRESHOLD_BYTES:
             continue
         skeleton.children.append(_child_skeleton(join_path(path, name), child, declared, canonical))
     return skeleton
