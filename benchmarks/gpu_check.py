@@ -96,9 +96,9 @@ GPU_FULL = Size(
 GPU_QUICK = Size(
     hidden=1024, heads=8, blocks=8, tokens=2048, batch=1, warmup=2, steps=3, bandwidth_bytes=1 << 28
 )
-#: The block the ``cuda path`` row looks inside: streamed in every step (not the ring's first, which
-#: a steady step finds in its slot already, reached through its tensors).
-BOUND_BLOCK = "transformer.blocks.2"
+#: The block the ``cuda path`` row looks inside: one a step loads (not the ring's first, which a
+#: steady step finds in its slot already).
+LOOKED_AT = "transformer.blocks.2"
 
 CPU_SIZE = Size(hidden=64, heads=4, blocks=6, tokens=32, batch=1, warmup=2, steps=5, bandwidth_bytes=0)
 CPU_QUICK = Size(hidden=64, heads=4, blocks=4, tokens=16, batch=1, warmup=2, steps=2, bandwidth_bytes=0)
@@ -585,16 +585,12 @@ class Check:
                 return
             engine = session.engine
             slots = {t.data.untyped_storage().data_ptr() for _, t in engine.slots.slots.values()}
-            params = list(module.parameters())  # what the block's modules read (bound: slot views)
+            params = list(module.parameters())
             seen["block_params_on_cuda"] = all(p.is_cuda for p in params)
             seen["block_params_in_a_slot"] = all(p.untyped_storage().data_ptr() in slots for p in params)
             seen["block_params_256_aligned"] = all(p.data_ptr() % PACK_ALIGN == 0 for p in params)
-            # Bound, not re-pointed ([Note: binding]): the weight objects stay at pinned host memory.
-            pack = engine.store.packs[BOUND_BLOCK]
-            seen["block_bound"] = pack.bound is not None
-            seen["block_weights_stay_on_host"] = all(not t.is_cuda for t in pack.tensors)
 
-        handle = find_attr(self.model, BOUND_BLOCK).register_forward_pre_hook(inside)
+        handle = find_attr(self.model, LOOKED_AT).register_forward_pre_hook(inside)
         try:
             with (
                 torch.no_grad(),

@@ -74,7 +74,6 @@ __all__ = ["RANGES", "Engine", "execute"]
 RANGES: dict[str, str] = {kind: f"torchferry::{kind}" for kind in OP_KINDS}
 
 _profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
-_grad_enabled = torch.is_grad_enabled
 _READY, _IN_FLIGHT = PackState.READY, PackState.IN_FLIGHT
 
 #: Builds each new engine's stream context when set (see `stream_factory`); ``None``: `stream_context`.
@@ -350,11 +349,6 @@ class Engine:
                 f"{', '.join(map(str, schedule.exit)) or '(nothing)'}\n"
                 + listing(schedule, len(schedule.ops))
             )
-        units = self.store.units
-        for name in self.placed:  # a block left in a slot for the next step is reached through its tensors
-            for pack in units[name].packs:
-                if pack.bound is not None:
-                    pack.settle()
         self._residency = schedule.exit
         self.last = schedule
         tracer = self.tracer
@@ -532,10 +526,9 @@ class Engine:
 
     def _placed_in(self, unit: Unit, name: str, slot: DeviceBuffer, views: tuple[torch.Tensor, ...]) -> None:
         pack = unit.packs[0]
-        if pack.tables is not None and not _grad_enabled():
-            pack.bind(name, slot.data, views)  # see [Note: binding] in `_host`
-        else:
-            pack.point(views)
+        pack.point(views)
+        if pack.buffers:
+            pack.arrived()
         pack.where = _IN_FLIGHT
         self.transfers[unit.name] = slot
         self.occupants[name] = unit
@@ -629,6 +622,8 @@ class Engine:
         if where is not None and self.occupants.get(where) is unit:
             del self.occupants[where]
         for pack in unit.packs:
+            if pack.buffers and pack.where is _READY:
+                pack.keep_written()
             pack.to_host()
 
     def _stage(self, unit: Unit, op: Op) -> None:
@@ -648,6 +643,8 @@ class Engine:
             self.streams.copy_in(transfer, transfer.data, pack.host)
             self.streams.wait(transfer)
             pack.point(tuple(p.view(transfer.data) for p in pack.pieces))
+            if pack.buffers:
+                pack.arrived()
             pack.where = PackState.READY
             held.append((transfer, pack.nbytes))
         self.staged[unit.name] = tuple(held)
@@ -658,6 +655,8 @@ class Engine:
             self.guard.leaving(unit)
         self._drop_staged(unit.name)
         for pack in unit.packs:
+            if pack.buffers and pack.where is _READY:
+                pack.keep_written()
             pack.to_host()
         self.placed.pop(unit.name, None)
 

@@ -181,6 +181,9 @@ class SessionGuard:
         self._versions: list[int] = []
         self._pointers: list[int] = []
         self._moves: dict[Pack, int] = {}
+        self._bumps: dict[Pack, int] = {}
+        # Why: per pack, (its host buffer, its tensors' data pointers when they point at it).
+        self._at_host: dict[Pack, tuple[torch.Tensor, list[int]]] = {}
         # Why: the registration count when the module slots were last seen in place (see `_changed`).
         REGISTRATIONS.install()
         self._registered = -1
@@ -246,17 +249,40 @@ class SessionGuard:
 
     # ---------------------------------------------------------------------------- weight edits
     def restart(self) -> None:
-        """Start clean between steps: pay what the last step owes the ranks, drop device copies, and
-        remember the tensors as the abort leaves them (so the abort is not taken for an edit)."""
+        """Start clean between steps: pay what the last step owes the ranks, keep what was written in
+        place into a device copy since the last step (a step that never ended, a KeyboardInterrupt
+        say, left tensors pointing into slots), drop device copies, and remember the tensors as the
+        abort leaves them (so the abort is not taken for an edit)."""
         self.drain()
+        self._keep_device_writes()
         self.engine.abort()
         self.snapshot()
+
+    def _keep_device_writes(self) -> None:
+        engine = self.engine
+        if engine.broken:
+            return  # a failed collective may still write the slots: nothing in them is trusted
+        versions = map(_VERSION, self._tensors)
+        changed = [
+            r
+            for r, version, then in zip(self._records, versions, self._versions, strict=True)
+            if version != then and r.pack.shard is None
+        ]
+        if not changed:
+            return
+        engine.streams.synchronize()
+        with torch.no_grad():
+            for r in changed:
+                host = r.pack.host_views[r.index]
+                if _pointer(r.tensor) != _pointer(host) and self._problem(r) is None:
+                    host.copy_(r.tensor.detach())
 
     def snapshot(self) -> None:
         """Remember each managed tensor's version and data pointer as the engine leaves them now."""
         self._versions = list(map(_VERSION, self._tensors))
         self._pointers = list(map(_DATA_PTR, self._tensors))
         self._moves = {pack: pack.moves for pack in self._spans}
+        self._bumps = {pack: pack.bumps for pack in self._spans}
 
     def _in_place(self) -> bool:
         """Whether every managed tensor is still the object in each module slot it had."""
@@ -264,13 +290,33 @@ class SessionGuard:
         return all(map(operator.is_, found, self._place_tensors))
 
     def _refresh(self) -> None:
-        """`snapshot`, for the packs whose tensors the engine moved since (a step's end: usually few)."""
-        tensors, moves = self._tensors, self._moves
+        """`snapshot`, for what the engine changed since: the pointers of packs it re-pointed (a pack
+        back at host memory points at its host views, known without reading a tensor), the versions
+        of packs whose counters it bumped."""
+        tensors, moves, bumps = self._tensors, self._moves, self._bumps
         for pack, (start, end) in self._spans.items():
             if pack.moves != moves[pack]:
                 moves[pack] = pack.moves
+                if pack.where is PackState.HOST:
+                    self._pointers[start:end] = self._host_pointers(pack)
+                else:
+                    self._pointers[start:end] = map(_DATA_PTR, tensors[start:end])
+            if pack.bumps != bumps[pack]:
+                bumps[pack] = pack.bumps
                 self._versions[start:end] = map(_VERSION, tensors[start:end])
-                self._pointers[start:end] = map(_DATA_PTR, tensors[start:end])
+
+    def _host_pointers(self, pack: Pack) -> list[int]:
+        """The data pointers of ``pack``'s tensors when they point at its host views (cached per buffer)."""
+        cached = self._at_host.get(pack)
+        if cached is None or cached[0] is not pack.host:
+            cached = (pack.host, [_pointer(v) for v in self._host_views(pack)])
+            self._at_host[pack] = cached
+        return cached[1]
+
+    def _host_views(self, pack: Pack) -> list[torch.Tensor]:
+        """``pack.host_views`` in record order (a record per tensor, in the pack's order)."""
+        start, end = self._spans[pack]
+        return [pack.host_views[r.index] for r in self._records[start:end]]
 
     def _on_device(self) -> tuple[list[int], list[torch.Tensor]]:
         """The records (indices, tensors) of the units the device holds between steps."""

@@ -99,12 +99,7 @@ class GradGuard:
         names = (path,) if block else (path, rest_unit(path))
         for name in names:
             where = placed.get(name)
-            if where is None or where == DEVICE:
-                continue
-            for pack in units[name].packs:
-                if pack.bound is not None:
-                    pack.settle()  # bound under no grad, run with it: autograd must see the tensors
-            if units[name] in self.graded:
+            if where is None or where == DEVICE or units[name] in self.graded:
                 continue
             self.graded.add(units[name])
             if not self._warned:
@@ -124,9 +119,9 @@ class GradGuard:
         if unit not in self.graded:
             return
         self.graded.discard(unit)
-        tensors = [t for pack in unit.packs for t in pack.reading if not t.is_inference()]
+        tensors = [t for pack in unit.packs for t in pack.tensors if not t.is_inference()]
         for pack in unit.packs:
-            pack.moves += 1  # the versions moved: the session guard must look at this pack again
+            pack.bumps += 1  # the versions moved: the session guard must look at this pack again
         if tensors:
             torch.autograd.graph.increment_version(tensors)
 

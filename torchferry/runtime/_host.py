@@ -30,26 +30,21 @@ module, which must have computed them on the CPU. Build the pipeline under `meta
 (parameters on meta, buffers as the module makes them); a non-persistent buffer left on the meta
 device (``with torch.device("meta")`` puts everything there) cannot be recomputed and is rejected.
 
-[Note: binding]
+[Note: why tensors are re-pointed]
 A block reaches its slot once per step, so how its modules are made to read the slot is the hot
-path. Re-pointing each tensor (``tensor.data = view``, twice per tensor per step: in at the load,
-back at the evict) cost about 0.3-0.45 us per tensor inside a live forward, 27 tensors per block of
-a Wan transformer. A pack is *bound* instead: each module table that holds its tensors (the
-``_parameters`` and ``_buffers`` dicts; `nn.Module.__getattr__` reads them from the instance dict)
-is swapped for a table of the same keys whose values are views into the slot (a parameter stays a
-`Parameter`, same ``requires_grad``), built once per (pack, slot) and cached; the evict swaps the
-module's own tables back. About 16 dict assignments per block instead of 54 re-pointings, and the
-tensor objects never move: a reference to a weight held anywhere reads its host copy, during a step
-as between steps, so between-steps reads, edits and the session guard's pointer checks are the same
-as for a pack at host memory.
-
-Bound only where it is exact: ring loads (``load``, ``gather``) under no grad (a forward with grad
-re-points, so autograd accumulates into the user's own parameters, see [Note: gradients] in
-`_hooks`); packs whose every tensor sits in a table of their own (a table mixing two packs' tensors,
-a weight tied across blocks, and tensor subclasses are re-pointed). A pack still bound when its step
-ends (a block prefetched for the next step) is re-pointed then (`Pack.settle`), so between steps
-every device copy is reached through its tensors, as before; so is a bound pack whose block runs
-with grad enabled.
+path: each tensor is re-pointed (``tensor.data = view``) at the load and back at the evict, 2 x 27
+assignments per step for a block of a Wan transformer, about 0.13 us each in a tight loop and 0.3 us
+in a live forward. Swapping each module's ``_parameters``/``_buffers`` dict for a cached one holding
+parameters over slot views ("binding", 16 dict assignments each way) was built and measured: it cut
+torchferry's own code per block from 43 to 20 us on benchmarks/overhead.py, and was taken out again,
+because it gives every weight a second identity during a step. A reference taken during a forward
+(a hook or a module keeping ``self.weight``) then pointed into a slot: it read another block's
+bytes after the evict, and crashed the process once the slot was freed; a tensor a forward assigns
+(``self.count = self.count + 1``) or registers landed in the cached dict and was lost; table edits
+between steps (``bias = None``, ``register_parameter``, ``functional_call``) were ignored; a
+weight's own attributes and ``requires_grad_`` changes were not seen, and a backward inside a no-grad
+forward gave its gradient to the stand-in. Each can be checked for, at about the cost binding saved.
+tests/runtime/test_binding_hostile.py keeps those cases, all exact with re-pointing.
 
 [Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
@@ -155,11 +150,6 @@ class Sharding:
     names: frozenset[str]
 
 
-#: One module table a pack's tensors sit in: (the module's ``__dict__``, ``"_parameters"`` or
-#: ``"_buffers"``, the table the module had when the session opened).
-Table = tuple[dict[str, Any], str, dict[str, Any]]
-
-
 @attrs.define(slots=True, eq=False)
 class Pack:
     """Tensors that move together, their host buffer, and where they point now.
@@ -168,12 +158,8 @@ class Pack:
     and tensor views into the slot's buffer last used, so a repeated load into a slot builds nothing.
     ``shard`` is the byte range ``[start, end)`` of the pack this rank holds when it holds
     only a shard (then ``host`` is those bytes and ``host_views`` are placeholders); else ``None``.
-
-    A pack reaches a device copy in one of two ways (see [Note: binding]): *bound* (``bound`` holds
-    the views; the modules' tables are swapped for ones that hold them, the tensors themselves stay at
-    host memory) when ``tables`` lists every module table its tensors sit in, or *pointed* (each
-    tensor re-pointed, ``tensor.data = view``). ``moves`` counts re-pointings, so the session guard
-    refreshes what it remembers of a pack only when the pack's tensors moved.
+    ``moves`` counts re-pointings and ``bumps`` version bumps the engine made (see `GradGuard`), so
+    the session guard refreshes what it remembers of a pack only when they change.
     """
 
     name: str
@@ -187,15 +173,14 @@ class Pack:
         factory=dict
     )
     shard: tuple[int, int] | None = None
-    #: Every module table holding this pack's tensors, or ``None`` when the pack cannot be bound.
-    tables: tuple[Table, ...] | None = None
-    #: The device views the modules read now through swapped tables (``None``: not bound).
-    bound: tuple[torch.Tensor, ...] | None = None
     moves: int = 0
+    bumps: int = 0
+    #: The indices of the pack's buffers (not parameters): a forward may write them in place.
+    buffers: tuple[int, ...] = ()
+    # Why: the buffers' version counters when the pack reached the device (see `arrived`, `keep_written`).
+    _arrival: tuple[int, ...] = ()
     # Why: per shard slot name, (the slot's buffer, this rank's shard bytes of it).
     shard_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
-    # Why: per slot name, (the slot's buffer, the tables that hold views into it), built once per slot.
-    device_tables: dict[str, tuple[torch.Tensor, tuple[Table, ...]]] = attrs.field(factory=dict)
 
     def shard_bytes(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         """The first bytes of ``flat`` (shard slot ``key``'s buffer) that hold this rank's shard of
@@ -216,40 +201,6 @@ class Pack:
         self.device_views[key] = (flat, dst, views)
         return dst, views
 
-    @property
-    def reading(self) -> tuple[torch.Tensor, ...]:
-        """The tensors the pack's modules read now: the bound views, else the tensors themselves."""
-        return self.bound if self.bound is not None else self.tensors
-
-    def bind(self, key: str, flat: torch.Tensor, views: tuple[torch.Tensor, ...]) -> None:
-        """Let the modules read ``views`` (into slot ``key``'s buffer ``flat``) without re-pointing a
-        tensor: swap in tables that hold them (built once per slot). Needs ``tables``."""
-        tables = self.tables
-        assert tables is not None
-        cached = self.device_tables.get(key)
-        if cached is None or cached[0] is not flat:
-            cached = (flat, _swapped(tables, self.tensors, views))
-            self.device_tables[key] = cached
-        for namespace, attr, table in cached[1]:
-            namespace[attr] = table
-        self.bound = views
-
-    def unbind(self) -> None:
-        """Give the modules their own tables back (they read the tensors, at host memory, again)."""
-        if self.bound is None or self.tables is None:
-            return
-        for namespace, attr, table in self.tables:
-            namespace[attr] = table
-        self.bound = None
-
-    def settle(self) -> None:
-        """Turn a bound pack into a pointed one: its tensors point at the views the modules read."""
-        views = self.bound
-        if views is None:
-            return
-        self.unbind()
-        self.point(views)
-
     def point(self, views: Sequence[torch.Tensor]) -> None:
         """Re-point every tensor of the pack at ``views`` (all on one device, so it is checked once)."""
         tensors = self.tensors
@@ -262,21 +213,36 @@ class Pack:
         else:
             for t, v in zip(tensors, views):  # noqa: B905
                 _swap_in(t, v)
+            self.bumps += 1  # swapping tensors swaps their version counters too
 
     def to_host(self) -> None:
         """Point the pack back at its host buffer (nothing is copied: host bytes are the truth)."""
         if self.where is not PackState.HOST:
-            if self.bound is not None:
-                self.unbind()
-            else:
-                self.point(self.host_views)
+            self.point(self.host_views)
             self.where = PackState.HOST
+
+    def arrived(self) -> None:
+        """The pack's tensors point at a device copy now: remember its buffers' version counters."""
+        tensors = self.tensors
+        self._arrival = tuple(tensors[i]._version for i in self.buffers)
+
+    def keep_written(self) -> None:
+        """Before the pack leaves the device: copy into the host buffer each buffer a forward wrote in
+        place meanwhile (a running statistic, a counter), as the plain run keeps it. A pack this rank
+        holds only a shard of has no host copy of the whole buffer to take it."""
+        if self.shard is not None:
+            return
+        for i, then in zip(self.buffers, self._arrival, strict=True):
+            t = self.tensors[i]
+            if t._version != then:
+                with torch.no_grad():
+                    self.host_views[i].copy_(t.detach())
+                self.bumps += 1
 
     def forget_device(self) -> None:
         """Drop every cached view of device memory (the slots may be freed)."""
         self.device_views.clear()
         self.shard_views.clear()
-        self.device_tables.clear()
 
     def unshard(self, full: torch.Tensor) -> None:
         """Adopt ``full`` (the whole pack, at least ``nbytes`` bytes) as the host buffer."""
@@ -285,24 +251,6 @@ class Pack:
         self.shard = None
         self.point(self.host_views)
         self.where = PackState.HOST
-
-
-def _swapped(
-    tables: Sequence[Table], tensors: Sequence[torch.Tensor], views: Sequence[torch.Tensor]
-) -> tuple[Table, ...]:
-    """``tables`` with each of ``tensors`` replaced by its view (a parameter by a parameter over it)."""
-    index = {id(t): i for i, t in enumerate(tensors)}
-    stand_ins: list[torch.Tensor] = []
-    for t, v in zip(tensors, views, strict=True):
-        stand_ins.append(nn.Parameter(v, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else v)
-    out: list[Table] = []
-    for namespace, attr, table in tables:
-        fresh = {
-            key: value if value is None or id(value) not in index else stand_ins[index[id(value)]]
-            for key, value in table.items()
-        }
-        out.append((namespace, attr, fresh))
-    return tuple(out)
 
 
 def _swap_in(t: torch.Tensor, v: torch.Tensor) -> None:
@@ -493,7 +441,6 @@ class HostStore:
         """Give ``pack``'s tensors storage of their own and drop the pack (it must hold full bytes)."""
         pack.to_host()
         pack.forget_device()
-        pack.tables = None
         fresh = []
         for piece, view in zip(pack.pieces, pack.host_views, strict=True):
             t = torch.empty_strided(piece.shape, piece.stride, dtype=piece.dtype)
@@ -571,6 +518,7 @@ class Prepared:
                 host=host,
                 host_views=views,
                 shard=span,
+                buffers=tuple(i for i, t in enumerate(ordered) if not isinstance(t, nn.Parameter)),
             )
         for live, value in self.loose:
             if live is None or value is None:
@@ -580,7 +528,6 @@ class Prepared:
             with torch.no_grad():
                 live.data = value
         self.buffers = {}
-        _find_tables(self.pipeline, self.plan, packs)
         units = _units(self.plan, packs, self.pipeline)
         store = HostStore(packs, units, self.memory)
         store.layouts = layouts
@@ -800,42 +747,6 @@ def _group_specs(plan: Plan) -> dict[str, list[TensorSpec]]:
         topo = plan.topology.component(top.path)
         add(f"{top.path}:extra", topo.all_tensors())
     return specs
-
-
-def _find_tables(pipeline: Any, plan: Plan, packs: Mapping[str, Pack]) -> None:
-    """Give each pack that can be bound (see [Note: binding]) the module tables its tensors sit in.
-
-    A pack can be bound when every tensor of it is a plain tensor or parameter that sits in some
-    module table of the served components, and no such table also holds a tensor of another pack (a
-    weight tied across blocks): swapping that table would move the other pack's tensor too.
-    """
-    owner: dict[int, Pack] = {id(t): pack for pack in packs.values() for t in pack.tensors}
-    found: dict[str, list[Table]] = {name: [] for name in packs}
-    placed: set[int] = set()
-    mixed: set[str] = set()
-    roots = [find_attr(pipeline, top.path) for top in plan.components if not top.on_demand]
-    seen: set[int] = set()
-    for root in roots:
-        if not isinstance(root, nn.Module):
-            continue
-        for module in root.modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            namespace = module.__dict__
-            for attr in ("_parameters", "_buffers"):
-                table = namespace.get(attr)
-                if not isinstance(table, dict):
-                    continue
-                holders = {owner[id(t)].name for t in table.values() if t is not None and id(t) in owner}
-                if len(holders) > 1:
-                    mixed.update(holders)
-                elif holders:
-                    found[holders.pop()].append((namespace, attr, table))
-                    placed.update(id(t) for t in table.values() if t is not None)
-    for name, pack in packs.items():
-        plain = all(type(t) in (torch.Tensor, nn.Parameter) and id(t) in placed for t in pack.tensors)
-        pack.tables = tuple(found[name]) if plain and name not in mixed and found[name] else None
 
 
 def _units(plan: Plan, packs: dict[str, Pack], pipeline: Any) -> dict[str, Unit]:

@@ -263,7 +263,7 @@ class StreamSanitizer:
             return
         buffers = self._buffers()
         for pack in self.engine.store.units[unit].packs:
-            tensor = next((t for t in pack.reading if t.numel() and t.device == self.device), None)
+            tensor = next((t for t in pack.tensors if t.numel() and t.device == self.device), None)
             if tensor is None:
                 continue
             buffer = buffers.get(tensor.untyped_storage().data_ptr())
