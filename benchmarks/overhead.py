@@ -19,7 +19,7 @@ separate CPU tensors and every load is a real copy; the others move nothing betw
 and the CPU. Every variant's output is checked against the resident one (``torch.equal``).
 
 ``--profile`` adds where torchferry's own time goes, timed inside live forwards (every hook it
-installed, the step start and end, the op runs, the copies, binding the modules to the slot; each
+installed, the step start and end, the op runs, the copies, re-pointing tensors at the slot; each
 less the cost of the timers nested in it), and a cProfile listing of torchferry's functions.
 Targets: layerwise at most 0.1 x diffusers block_level per block; torchferry's own code, the copy
 left out, at most 5 us per block. Prints a table and writes ``benchmarks/results/overhead.json``.
@@ -169,14 +169,14 @@ def breakdown(
 
     Timers wrap every hook torchferry installed (so the sum is all of torchferry's code a forward
     runs, step start and end included), the session's step start and end (`Session.enter`/``leave``),
-    the op runs (``Engine.run``), the copies (``copy_in``), and making the modules read a slot and
-    back (``Pack.bind``/``unbind``/``settle``/``point``). Each figure is the least over ``repeats``
-    forwards, per block. Torch's own hook dispatch is outside every timer.
+    the op runs (``Engine.run``), the copies (``copy_in``), and re-pointing tensors at a slot and
+    back (``Pack.point``). Each figure is the least over ``repeats`` forwards, per block, less the
+    timers nested in it. Torch's own hook dispatch is outside every timer.
     """
     from torchferry.runtime import _host
 
     engine = session.engine
-    names = ("hooks", "step", "ops", "copy", "bind")
+    names = ("hooks", "step", "ops", "copy", "repoint")
     spent = dict.fromkeys(names, 0.0)
     calls = dict.fromkeys(names, 0)
     now = common.CLOCKS[clock]
@@ -215,15 +215,13 @@ def breakdown(
                 if getattr(hook, "_torchdynamo_disable", False):  # the engine's hooks (see `_opaque`)
                     saved_hooks.append((table, key, hook))
                     table[key] = timed("hooks", hook)
-    pack_methods = {
-        m: getattr(_host.Pack, m) for m in ("bind", "unbind", "settle", "point") if hasattr(_host.Pack, m)
-    }
+    pack_methods = {"point": _host.Pack.point}
     engine.run = timed("ops", engine.run)
     engine.streams.copy_in = timed("copy", engine.streams.copy_in)
     enter, leave = session.enter, session.leave
     session.enter, session.leave = timed("step", enter), timed("step", leave)
     for m, fn in pack_methods.items():
-        setattr(_host.Pack, m, timed("bind", fn))
+        setattr(_host.Pack, m, timed("repoint", fn))
     per_forward: list[dict[str, float]] = []
     schedules = len(session.schedules)
     try:
@@ -232,15 +230,15 @@ def breakdown(
             for key in spent:
                 spent[key], calls[key] = 0.0, 0
             forward()
-            # Each figure less the timers nested inside it: copy and bind inside ops (and step), those
+            # Each figure less the timers nested inside it: copy and re-point inside ops (and step), those
             # and ops and step inside the hooks.
-            inner = timer_s * (calls["copy"] + calls["bind"])
+            inner = timer_s * (calls["copy"] + calls["repoint"])
             per_forward.append(
                 {
                     "own": spent["hooks"] - spent["copy"] - inner - timer_s * (calls["ops"] + calls["step"]),
                     "copy": spent["copy"],
-                    "bind": spent["bind"],
-                    "ops": spent["ops"] - spent["copy"] - spent["bind"] - inner,
+                    "repoint": spent["repoint"],
+                    "ops": spent["ops"] - spent["copy"] - spent["repoint"] - inner,
                     "step": spent["step"],
                     "hooks": spent["hooks"]
                     - spent["ops"]
@@ -258,7 +256,7 @@ def breakdown(
     return {
         "own_code_without_copy_us": least["own"],
         "copy_us": least["copy"],
-        "bind_us": least["bind"],
+        "repoint_us": least["repoint"],
         "ops_us": least["ops"],
         "step_us": least["step"],
         "hooks_rest_us": least["hooks"],
@@ -435,7 +433,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "all of it but the copy (every hook torchferry installed)",
                         round(b["own_code_without_copy_us"], 2),
                     ],
-                    ["  the modules read the slot and back (bind, unbind, re-point)", round(b["bind_us"], 2)],
+                    ["  the modules read the slot and back (re-pointing)", round(b["repoint_us"], 2)],
                     ["  the ops' other work (load, wait, evict)", round(b["ops_us"], 2)],
                     ["  step start and end (guard check, schedule pick), per block", round(b["step_us"], 2)],
                     ["  the hooks themselves", round(b["hooks_rest_us"], 2)],
