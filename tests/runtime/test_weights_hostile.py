@@ -49,6 +49,20 @@ def pair(change: Callable[[toy.ToyPipeline], None] | None = None) -> tuple[toy.T
     return out
 
 
+def exact_steps(
+    change: Callable[[toy.ToyPipeline], None] | None, steps: int
+) -> tuple[toy.ToyPipeline, toy.ToyPipeline]:
+    """Serve a pipeline changed by ``change`` for ``steps`` forwards, asserting each equals the plain
+    run's; returns (served, plain) once the session closed."""
+    p, ref = pair(change)
+    args = inputs()
+    expected = [run(ref, args) for _ in range(steps)]
+    with session(p):
+        got = [run(p, args) for _ in range(steps)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    return p, ref
+
+
 def session(p: toy.ToyPipeline) -> torchferry.Session:
     """A layerwise session on the CPU (the configuration every test here uses)."""
     return torchferry.offload(p, strategy="layerwise", device="cpu")
@@ -214,12 +228,7 @@ def test_a_forward_reading_a_sibling_blocks_weight_is_exact(peer: int) -> None:
         replace_fc1(PeerLinear)(p)
         block(p).fc1.__dict__["peer"] = block(p, peer).fc1
 
-    p, ref = pair(change)
-    args = inputs()
-    expected = [run(ref, args) for _ in range(3)]
-    with session(p):
-        got = [run(p, args) for _ in range(3)]
-    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    exact_steps(change, 3)
 
 
 def test_named_parameters_and_state_dict_inside_a_step_read_the_weights() -> None:
@@ -735,12 +744,7 @@ def test_legacy_weight_norm_pre_hook_inside_a_block_is_exact() -> None:
             warnings.simplefilter("ignore", FutureWarning)
             torch.nn.utils.weight_norm(block(p).fc1)
 
-    p, ref = pair(change)
-    args = inputs()
-    expected = [run(ref, args) for _ in range(3)]
-    with session(p):
-        got = [run(p, args) for _ in range(3)]
-    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    p, ref = exact_steps(change, 3)
     assert same_state(p, ref)
 
 
@@ -948,12 +952,7 @@ def test_an_exception_caught_inside_the_forward_keeps_the_step_exact() -> None:
             except ValueError:
                 return super().forward(x)
 
-    p, ref = pair(replace_fc1(Fallback))
-    args = inputs()
-    expected = [run(ref, args) for _ in range(2)]
-    with session(p):
-        got = [run(p, args) for _ in range(2)]
-    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    exact_steps(replace_fc1(Fallback), 2)
 
 
 def test_two_sessions_one_after_the_other_are_exact() -> None:

@@ -305,6 +305,11 @@ def _ran(module: torch.nn.Module, args: Any, output: Any) -> None:
         sanitizer.ran(module)
 
 
+# Dynamo must not trace the hook: a compiled module calls global hooks inside its graph, and guards
+# on the weak set's contents fail to build once the garbage collector has shrunk it.
+_ran = torch.compiler.disable(_ran, recursive=True)  # type: ignore[no-untyped-call]
+
+
 def _factory(engine: Engine) -> StreamSanitizer:
     sanitizer = StreamSanitizer(engine)
     _LIVE.add(sanitizer)
