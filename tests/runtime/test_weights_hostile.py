@@ -267,28 +267,26 @@ def test_state_dict_keep_vars_between_steps_gives_the_live_objects() -> None:
 
 
 # ------------------------------------------------------------- tensors a forward writes or assigns
-class AssigningCounter(nn.Linear):
-    """A linear layer that counts its calls in a buffer it re-assigns (``self.count = self.count + 1``)."""
+class Counter(nn.Linear):
+    """A linear layer with a ``count`` buffer (zero) that its subclasses' forwards add to their output."""
 
     count: torch.Tensor
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.register_buffer("count", torch.zeros(1))
+
+
+class AssigningCounter(Counter):
+    """Counts its calls in a buffer it re-assigns (``self.count = self.count + 1``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.count = self.count + 1
         return super().forward(x) + self.count
 
 
-class InPlaceCounter(nn.Linear):
-    """A linear layer that counts its calls in a buffer it updates in place (``count.add_(1)``)."""
-
-    count: torch.Tensor
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.register_buffer("count", torch.zeros(1))
+class InPlaceCounter(Counter):
+    """Counts its calls in a buffer it updates in place (``count.add_(1)``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.count.add_(1)
