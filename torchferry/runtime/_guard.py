@@ -21,7 +21,8 @@ the managed modules themselves. See docs/contract.md.
    when any module registered a parameter, buffer or submodule since the last check (torch's global
    registration hooks count them), each tensor's module slots (another object there): one pass per
    step, about 0.1-0.15 us per tensor (1,097 tensors of a 40-block Wan transformer: 0.13-0.2 ms per
-   step on a 2-core CPU box). A step only re-reads the packs whose tensors moved (`Pack.moves`).
+   step on a 2-core CPU box). At a step's end nothing is read again but the tensors still on the
+   device: a pack the engine re-pointed back to host memory points at its known host views.
    Anything else (a tensor of another shape, dtype or device, or another object in the module)
    raises `ExecutionError` at the next step start, naming the tensor. A tensor written straight
    into a module's ``_parameters`` or ``_buffers`` dict (no ``setattr``, no ``register_*``, so no

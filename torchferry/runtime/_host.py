@@ -44,7 +44,7 @@ bytes after the evict, and crashed the process once the slot was freed; a tensor
 between steps (``bias = None``, ``register_parameter``, ``functional_call``) were ignored; a
 weight's own attributes and ``requires_grad_`` changes were not seen, and a backward inside a no-grad
 forward gave its gradient to the stand-in. Each can be checked for, at about the cost binding saved.
-tests/runtime/test_binding_hostile.py keeps those cases, all exact with re-pointing.
+tests/runtime/test_weights_hostile.py keeps those cases, all exact with re-pointing.
 
 [Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
