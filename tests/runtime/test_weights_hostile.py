@@ -327,15 +327,21 @@ def test_an_edit_after_a_forward_reassigned_a_buffer_reaches_the_next_step() -> 
         assert torch.equal(got, run(ref, args))
 
 
-def test_a_buffer_a_forward_updates_in_place_is_kept() -> None:
-    """A buffer a forward updates in place counts the calls as in the plain run."""
+@pytest.mark.parametrize("strategy", ["layerwise", "model_level", "none"])
+def test_a_buffer_a_forward_updates_in_place_is_kept(strategy: str) -> None:
+    """A buffer a forward updates in place counts the calls as in the plain run, between steps and
+    after close, whether its block streams through a slot or its component is staged whole."""
     p, ref = pair(replace_fc1(InPlaceCounter))
     args = inputs()
     expected = [run(ref, args) for _ in range(3)]
-    with session(p):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadWarning)  # model_level without an encoder says so
+        opened = torchferry.offload(p, strategy=strategy, device="cpu")
+    with opened:
         got = [run(p, args) for _ in range(3)]
         assert torch.equal(block(p).fc1.count, block(ref).fc1.count)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert torch.equal(block(p).fc1.count, block(ref).fc1.count)
 
 
 class LazyBuffer(nn.Linear):
