@@ -607,6 +607,9 @@ class Engine:
             pack.where = _READY
 
     def _evict(self, unit: Unit, op: Op) -> None:
+        for pack in unit.packs:
+            if pack.buffers and pack.where is _READY:
+                pack.keep_written()  # before the grad guard bumps versions of its own
         if self.guard.graded:
             self.guard.leaving(unit)
         name = unit.name
@@ -622,8 +625,6 @@ class Engine:
         if where is not None and self.occupants.get(where) is unit:
             del self.occupants[where]
         for pack in unit.packs:
-            if pack.buffers and pack.where is _READY:
-                pack.keep_written()
             pack.to_host()
 
     def _stage(self, unit: Unit, op: Op) -> None:
@@ -651,12 +652,13 @@ class Engine:
         self.placed[unit.name] = DEVICE
 
     def _unstage(self, unit: Unit, op: Op) -> None:
+        for pack in unit.packs:
+            if pack.buffers and pack.where is _READY:
+                pack.keep_written()  # before the grad guard bumps versions of its own
         if self.guard.graded:
             self.guard.leaving(unit)
         self._drop_staged(unit.name)
         for pack in unit.packs:
-            if pack.buffers and pack.where is _READY:
-                pack.keep_written()
             pack.to_host()
         self.placed.pop(unit.name, None)
 
