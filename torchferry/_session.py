@@ -371,6 +371,7 @@ class Session:
         try:
             self._guard.drain()  # a step that failed or ended early still owes the other ranks its gathers
             if failing:
+                self._guard.keep_device_writes()  # what the failed step wrote in place is kept
                 self.engine.abort()
                 self._steps.interrupted()
                 if self._chooser is not None:

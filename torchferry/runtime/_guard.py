@@ -255,11 +255,13 @@ class SessionGuard:
         say, left tensors pointing into slots), drop device copies, and remember the tensors as the
         abort leaves them (so the abort is not taken for an edit)."""
         self.drain()
-        self._keep_device_writes()
+        self.keep_device_writes()
         self.engine.abort()
         self.snapshot()
 
-    def _keep_device_writes(self) -> None:
+    def keep_device_writes(self) -> None:
+        """Copy into the host copy every tensor that points at device memory and was written in
+        place since the last step (a step ends abnormally: its device copies are about to go)."""
         engine = self.engine
         if engine.broken:
             return  # a failed collective may still write the slots: nothing in them is trusted
@@ -305,6 +307,27 @@ class SessionGuard:
             if pack.bumps != bumps[pack]:
                 bumps[pack] = pack.bumps
                 self._versions[start:end] = map(_VERSION, tensors[start:end])
+        self._keep_resident_writes()
+
+    def _keep_resident_writes(self) -> None:
+        """A step ended: what its forwards wrote in place into the device copies of the units the
+        device keeps (a counter buffer of a staged component, say) goes to the host copy now, and is
+        remembered, so the next step start does not take it for an edit (and restart everything)."""
+        if self.engine.broken:
+            return
+        indices, tensors = self._on_device()
+        then = self._versions
+        written = [(i, v) for i, v in zip(indices, map(_VERSION, tensors), strict=True) if v != then[i]]
+        if not written:
+            return
+        records = self._records
+        with torch.no_grad():
+            for i, version in written:
+                r = records[i]
+                host = r.pack.host_views[r.index]
+                if r.pack.shard is None and _pointer(r.tensor) != _pointer(host) and self._problem(r) is None:
+                    host.copy_(r.tensor.detach())
+                    then[i] = version
 
     def _host_pointers(self, pack: Pack) -> list[int]:
         """The data pointers of ``pack``'s tensors when they point at its host views (cached per buffer)."""
@@ -320,12 +343,16 @@ class SessionGuard:
         return [pack.host_views[r.index] for r in self._records[start:end]]
 
     def _on_device(self) -> tuple[list[int], list[torch.Tensor]]:
-        """The records (indices, tensors) of the units the device holds between steps."""
+        """The records (indices, tensors) whose version counters the per-step check reads: those of
+        the units the device holds between steps, and those of packs this rank holds only a shard of
+        (their tensors are placeholders between steps, so an in-place edit changes nothing but the
+        counter, and must be refused)."""
         key = tuple(self.engine.placed)
         found = self._resident.get(key)
         if found is None:
             units = self.engine.store.units
             packs = {pack for name in key for pack in units[name].packs}
+            packs.update(pack for pack in self._spans if pack.shard is not None)
             indices = [i for pack in packs for i in range(*self._spans.get(pack, (0, 0)))]
             found = (indices, [self._tensors[i] for i in indices])
             if len(self._resident) >= 64:
