@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from toy_runs import inputs, run, same_state
 
 import torchferry
 from torchferry import OffloadWarning
 from torchferry.testing import run_ranks, toy
 
-Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Options = dict[str, Any]
 
 #: Session options by name: each keeps other units on the device between steps.
@@ -35,10 +35,6 @@ CONFIGS: dict[str, Options] = {
 }
 
 
-def inputs() -> Inputs:
-    """Latents, a timestep and a context for one forward of the toy transformer."""
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(1, 16, 16, generator=g), torch.tensor([0.5]), torch.randn(1, 8, 32, generator=g)
 
 
 #: A change made to each of the two pipelines a test compares (its result is ignored).
@@ -61,17 +57,6 @@ def session(p: nn.Module, config: str) -> torchferry.Session:
         return torchferry.offload(p, device="cpu", **CONFIGS[config])
 
 
-def run(p: toy.ToyPipeline, args: Inputs, mode: str = "no_grad") -> torch.Tensor:
-    """One transformer forward in ``mode`` (``no_grad``, ``inference_mode`` or ``grad``)."""
-    if mode == "grad":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", OffloadWarning)
-            out: torch.Tensor = p.transformer(*args).detach()
-            return out
-    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
-    with context:
-        out = p.transformer(*args).clone()
-    return out
 
 
 def block(p: toy.ToyPipeline, i: int) -> Any:
@@ -79,10 +64,6 @@ def block(p: toy.ToyPipeline, i: int) -> Any:
     return p.transformer.blocks[i]
 
 
-def same_state(a: nn.Module, b: nn.Module) -> bool:
-    """Whether two modules hold equal state dicts (same keys, bit-equal tensors)."""
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 class Counter(nn.Linear):
@@ -374,6 +355,7 @@ def _fail_mid_step(config: str, counter: str, failing: str, error: BaseException
     assert same_state(p, ref)
 
 
+@pytest.mark.parametrize("failure", ["Exception", "BaseException"])
 @pytest.mark.parametrize("mode", ["no_grad", "grad"])
 @pytest.mark.parametrize(
     ("config", "counter", "failing"),
@@ -384,12 +366,14 @@ def _fail_mid_step(config: str, counter: str, failing: str, error: BaseException
         ("none", "blocks.0.fc1", "blocks.5.fc2"),
     ],
 )
-def test_a_base_exception_mid_step_keeps_buffer_writes_on_the_device(
-    config: str, counter: str, failing: str, mode: str
+def test_a_failure_mid_step_keeps_buffer_writes_on_the_device(
+    config: str, counter: str, failing: str, mode: str, failure: str
 ) -> None:
-    """A BaseException after a forward wrote a buffer in place on the device keeps the write (the
-    next step's restart), as the plain run does."""
-    _fail_mid_step(config, counter, failing, Interrupt(), mode)
+    """An Exception or a BaseException (KeyboardInterrupt-like) after a forward wrote a buffer in
+    place on the device keeps the write (before the abort, or at the next step's restart), as the
+    plain run does."""
+    error = RuntimeError("boom") if failure == "Exception" else Interrupt()
+    _fail_mid_step(config, counter, failing, error, mode)
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "grad"])
@@ -397,23 +381,6 @@ def test_a_base_exception_mid_step_keeps_buffer_writes_on_the_device(
 def test_an_exception_after_the_writing_block_left_keeps_its_buffer_write(config: str, mode: str) -> None:
     """An Exception in a later block, after the ring block that wrote a buffer left, keeps the write."""
     _fail_mid_step(config, "blocks.3.fc1", "blocks.5.fc2", RuntimeError("boom"), mode)
-
-
-@pytest.mark.parametrize("mode", ["no_grad", "grad"])
-@pytest.mark.parametrize(
-    ("config", "counter", "failing"),
-    [
-        ("layerwise", "blocks.3.fc1", "blocks.3.fc2"),
-        ("resident2", "blocks.0.fc1", "blocks.5.fc2"),
-        ("model_level", "blocks.3.fc1", "blocks.5.fc2"),
-        ("none", "blocks.0.fc1", "blocks.5.fc2"),
-    ],
-)
-def test_an_exception_mid_step_keeps_buffer_writes_on_the_device(
-    config: str, counter: str, failing: str, mode: str
-) -> None:
-    """An Exception after a forward wrote a buffer in place on the device keeps the write, as plain does."""
-    _fail_mid_step(config, counter, failing, RuntimeError("boom"), mode)
 
 
 class Drift(nn.Linear):

@@ -23,21 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
+from toy_runs import inputs, run, same_state
 
 import torchferry
 from torchferry import OffloadWarning
 from torchferry.testing import toy
 
-Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
 #: The block the custom modules go into (an odd block: it streams through slot s1 every step).
 BLOCK = 3
 
 
-def inputs() -> Inputs:
-    """Latents, a timestep and a context for one forward of the toy transformer."""
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(1, 16, 16, generator=g), torch.tensor([0.5]), torch.randn(1, 8, 32, generator=g)
 
 
 def pair(change: Callable[[toy.ToyPipeline], None] | None = None) -> tuple[toy.ToyPipeline, toy.ToyPipeline]:
@@ -87,17 +82,6 @@ def replace_fc1(cls: type[nn.Linear]) -> Callable[[toy.ToyPipeline], None]:
     return change
 
 
-def run(p: toy.ToyPipeline, args: Inputs, mode: str = "no_grad") -> torch.Tensor:
-    """One transformer forward in ``mode`` (``no_grad``, ``inference_mode`` or ``grad``)."""
-    if mode == "grad":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", OffloadWarning)
-            out: torch.Tensor = p.transformer(*args).detach()
-            return out
-    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
-    with context:
-        out = p.transformer(*args).clone()
-    return out
 
 
 def tables(module: nn.Module) -> dict[str, tuple[int, int]]:
@@ -113,9 +97,6 @@ def child(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def same_state(a: nn.Module, b: nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 # ------------------------------------------------------------------ weights read inside a forward
