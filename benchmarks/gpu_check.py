@@ -63,6 +63,7 @@ from torch import nn
 
 import torchferry
 from torchferry import policies
+from torchferry.testing import toy
 from torchferry.topology import PACK_ALIGN, Declaration, find_attr
 
 STEP_TARGET = 0.05
@@ -873,45 +874,11 @@ class Check:
     def wan_pipeline(self) -> dict[str, Any]:
         self.needs_cuda()
         try:
-            diffusers = importlib.import_module("diffusers")
-            transformers = importlib.import_module("transformers")
+            importlib.import_module("diffusers")
+            importlib.import_module("transformers")
         except ImportError as exc:
             raise Skip(f"{exc}; bring them with {BRING_DIFFUSERS}") from None
-        torch.manual_seed(0)
-        pipe = diffusers.WanPipeline(
-            tokenizer=None,
-            text_encoder=transformers.UMT5EncoderModel(
-                transformers.UMT5Config(
-                    vocab_size=32,
-                    d_model=32,
-                    d_kv=4,
-                    d_ff=32,
-                    num_layers=3,
-                    num_heads=4,
-                    decoder_start_token_id=0,
-                )
-            ).eval(),
-            vae=diffusers.AutoencoderKLWan(
-                base_dim=3,
-                z_dim=16,
-                dim_mult=[1, 1, 1, 1],
-                num_res_blocks=1,
-                temperal_downsample=[False, True, True],
-            ).eval(),
-            transformer=diffusers.WanTransformer3DModel(
-                patch_size=(1, 2, 2),
-                num_attention_heads=2,
-                attention_head_dim=12,
-                in_channels=16,
-                out_channels=16,
-                text_dim=32,
-                freq_dim=16,
-                ffn_dim=32,
-                num_layers=4,
-                rope_max_seq_len=32,
-            ).eval(),
-            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
-        )
+        pipe = toy.wan_pipeline()
         pipe.set_progress_bar_config(disable=True)
         ids = torch.tensor([[3, 7, 1, 9, 2, 5, 0, 0]])
         call = {"height": 16, "width": 16, "num_frames": 5, "num_inference_steps": 3, "output_type": "pt"}

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 from tiny import WAN_TRANSFORMER
-from tiny import wan_pipeline as _wan_pipeline
 from torch import nn
 
 import torchferry
 from torchferry import OffloadWarning, topology
+from torchferry.testing import toy
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -216,7 +216,7 @@ def _run_wan(pipe: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_wan_pipeline_object_is_discovered_from_the_registry() -> None:
     """An undeclared WanPipeline (not an nn.Module) yields its DiT, encoder and VAE with their rings."""
-    topo = topology.discover(_wan_pipeline())
+    topo = topology.discover(toy.wan_pipeline())
     assert [(c.path, c.kind, len(c.blocks)) for c in topo.components] == [
         ("transformer", "dit", 4),
         ("text_encoder", "encoder", 3),
@@ -236,7 +236,7 @@ def test_wan_pipeline_object_is_discovered_from_the_registry() -> None:
 )
 def test_wan_pipeline_runs_bit_identical(strategy: str, options: dict[str, Any]) -> None:
     """A whole WanPipeline call (encoder, guided steps, VAE decode) matches the plain run bit for bit."""
-    pipe = _wan_pipeline()
+    pipe = toy.wan_pipeline()
     pipe.set_progress_bar_config(disable=True)
     reference = _run_wan(pipe)
     with torchferry.offload(pipe, strategy=strategy, device="cpu", **options):
@@ -357,7 +357,7 @@ def _probed_meta_call(pipe: Any, off: list[str], calls: dict[str, int]) -> tuple
     return out, device
 
 
-@pytest.mark.parametrize("build", [_wan_pipeline, _flux_pipeline], ids=["wan", "flux"])
+@pytest.mark.parametrize("build", [toy.wan_pipeline, _flux_pipeline], ids=["wan", "flux"])
 def test_a_pipeline_call_feeds_every_managed_module_on_the_session_device(build: Callable[[], Any]) -> None:
     """Under a session on a device that is not the CPU, every tensor reaching a component or block is
     on that device, and the pipeline reports it as its execution device (issue 10, defect 1)."""
@@ -386,8 +386,8 @@ def test_without_the_input_hooks_the_probe_sees_host_tensors(monkeypatch: pytest
     monkeypatch.setattr(torchferry._session, "Inputs", Nothing)
     off: list[str] = []
     with pytest.raises(RuntimeError):  # some op then meets a meta weight with a CPU input and refuses
-        _probed_meta_call(_wan_pipeline(), off, {})
+        _probed_meta_call(toy.wan_pipeline(), off, {})
     assert "transformer: cpu" in off  # the latents, timestep and embeddings the pipeline made
-    pipe = _wan_pipeline()
+    pipe = toy.wan_pipeline()
     with torchferry.offload(pipe, strategy="layerwise", device="meta"):
         assert pipe._execution_device == torch.device("cpu")  # where diffusers would build its inputs

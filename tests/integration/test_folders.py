@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import wan_pipeline as _wan_pipeline
 
 import torchferry
 from torchferry import PlanError, topology
 from torchferry.cli import main
+from torchferry.testing import toy
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -130,7 +130,7 @@ def _specs(topo: topology.Topology) -> dict[str, set[tuple[str, tuple[int, ...],
 @pytest.mark.parametrize("sharded", [False, True])
 def test_folder_topology_matches_the_pipeline(tmp_path: Path, sharded: bool) -> None:
     """A saved Wan pipeline's folder plans as the pipeline: components, kinds, classes, blocks, tensors."""
-    pipe = _wan_pipeline()
+    pipe = toy.wan_pipeline()
     folder = _save(pipe, tmp_path / "wan", sharded)
     if sharded:
         assert (folder / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
@@ -157,7 +157,7 @@ def test_folder_topology_matches_the_pipeline(tmp_path: Path, sharded: bool) -> 
 
 def test_plan_command_reads_a_pipeline_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``torchferry plan FOLDER`` lists each component with the class its config.json names."""
-    folder = _save(_wan_pipeline(), tmp_path / "wan", True)
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", True)
     assert main(["plan", str(folder), "--device-memory", "100KiB"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{folder} (WanPipeline)\nsafetensors headers of the pipeline folder {folder}\n")
@@ -176,11 +176,11 @@ def test_plan_command_reads_a_pipeline_folder(tmp_path: Path, capsys: pytest.Cap
 @pytest.mark.parametrize("sharded", [False, True])
 def test_offload_from_a_folder_over_a_meta_pipeline_is_bit_exact(tmp_path: Path, sharded: bool) -> None:
     """A Wan pipeline built on meta and opened with checkpoint=FOLDER runs exactly as the saved one."""
-    ref = _wan_pipeline()
+    ref = toy.wan_pipeline()
     folder = _save(ref, tmp_path / "wan", sharded)
     expected = _run_wan(ref)
     with torchferry.meta_parameters():
-        pipe = _wan_pipeline()
+        pipe = toy.wan_pipeline()
     assert pipe.transformer.blocks[0].attn1.to_q.weight.is_meta
     with torchferry.offload(pipe, strategy="layerwise", device="cpu", checkpoint=folder):
         got = _run_wan(pipe)
@@ -190,10 +190,10 @@ def test_offload_from_a_folder_over_a_meta_pipeline_is_bit_exact(tmp_path: Path,
 
 def test_offload_from_a_folder_skips_components_the_pipeline_lacks(tmp_path: Path) -> None:
     """A pipeline loaded without one of the folder's components opens from it; that subfolder is unused."""
-    ref = _wan_pipeline()
+    ref = toy.wan_pipeline()
     folder = _save(ref, tmp_path / "wan", False)
     with torchferry.meta_parameters():
-        pipe = _wan_pipeline()
+        pipe = toy.wan_pipeline()
     pipe.vae = None
     with torchferry.offload(pipe, strategy="layerwise", device="cpu", checkpoint=folder) as session:
         assert [c.path for c in session.plan.components] == ["transformer", "text_encoder"]
@@ -205,8 +205,8 @@ def test_offload_from_a_folder_skips_components_the_pipeline_lacks(tmp_path: Pat
 
 def test_offload_from_a_folder_rejects_a_mismatched_pipeline(tmp_path: Path) -> None:
     """A folder whose DiT has another shape is refused, naming the component's tensor, before any change."""
-    folder = _save(_wan_pipeline(), tmp_path / "wan", False)
-    pipe = _wan_pipeline()
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
+    pipe = toy.wan_pipeline()
     pipe.transformer.blocks[0].attn1.to_q.weight.data = torch.zeros(24, 25)
     with pytest.raises(PlanError) as info:
         torchferry.offload(pipe, strategy="layerwise", device="cpu", checkpoint=folder)
@@ -222,7 +222,7 @@ def test_offload_from_a_folder_rejects_a_mismatched_pipeline(tmp_path: Path) -> 
 @pytest.mark.parametrize("sharded", [False, True])
 def test_from_pretrained_equals_diffusers_from_pretrained(tmp_path: Path, sharded: bool) -> None:
     """torchferry.from_pretrained of a saved Wan pipeline runs exactly as WanPipeline.from_pretrained."""
-    folder = _save(_wan_pipeline(), tmp_path / "wan", sharded)
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", sharded)
     plain = diffusers.WanPipeline.from_pretrained(str(folder), tokenizer=None, transformer_2=None)
     expected = _run_wan(plain)
     with torchferry.from_pretrained(
@@ -268,14 +268,14 @@ def test_from_pretrained_builds_every_model_on_meta(tmp_path: Path) -> None:
 
 def test_from_pretrained_refuses_a_dtype_it_would_have_to_convert(tmp_path: Path) -> None:
     """torch_dtype=bf16 over a float32 folder is refused with the fix, before anything is read."""
-    folder = _save(_wan_pipeline(), tmp_path / "wan", False)
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
     with pytest.raises(PlanError, match=re.escape("torchferry copies the stored bytes and never converts")):
         torchferry.from_pretrained(diffusers.WanPipeline, folder, torch_dtype=torch.bfloat16, device="cpu")
 
 
 def test_from_pretrained_refuses_a_component_it_cannot_build_on_meta(tmp_path: Path) -> None:
     """A model component that is neither a diffusers nor a transformers model is refused, naming it."""
-    folder = _save(_wan_pipeline(), tmp_path / "wan", False)
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
     index = json.loads((folder / "model_index.json").read_text())
     index["transformer"] = ["torch.nn", "Linear"]
     (folder / "model_index.json").write_text(json.dumps(index))
@@ -291,10 +291,10 @@ def test_from_pretrained_refuses_a_component_it_cannot_build_on_meta(tmp_path: P
 
 def test_from_pretrained_takes_components_as_diffusers_does(tmp_path: Path) -> None:
     """A component passed by keyword replaces the folder's, as in diffusers' from_pretrained."""
-    ref = _wan_pipeline()
+    ref = toy.wan_pipeline()
     folder = _save(ref, tmp_path / "wan", False)
     expected = _run_wan(ref)
-    mine = _wan_pipeline().vae
+    mine = toy.wan_pipeline().vae
     with torchferry.from_pretrained(diffusers.WanPipeline, folder, vae=mine, device="cpu") as session:
         assert session.pipeline.vae is mine
         got = _run_wan(session.pipeline)
@@ -305,7 +305,7 @@ def test_from_pretrained_finds_a_hub_id_in_the_local_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A hub id cached in $HF_HUB_CACHE loads from its snapshot; an absent one says how to fetch it."""
-    ref = _wan_pipeline()
+    ref = toy.wan_pipeline()
     repo = tmp_path / "hub" / "models--tiny-org--tiny-wan"
     snapshot = _save(ref, repo / "snapshots" / "0123abc", True)
     (repo / "blobs").mkdir()

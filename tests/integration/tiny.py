@@ -18,7 +18,6 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.linear(x)
 
-
 class Model(nn.Module):
     """An undeclared model: an input projection, four blocks, an output projection."""
 
@@ -33,42 +32,6 @@ class Model(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.proj_out(x)
-
-
-def wan_pipeline() -> Any:
-    """A tiny WanPipeline (4-block transformer, UMT5 encoder, Wan VAE) from fixed seeds."""
-    import diffusers
-    import transformers
-
-    torch.manual_seed(0)
-    transformer = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=16,
-        out_channels=16,
-        text_dim=32,
-        freq_dim=16,
-        ffn_dim=32,
-        num_layers=4,
-        rope_max_seq_len=32,
-    ).eval()
-    vae = diffusers.AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    ).eval()
-    encoder = transformers.UMT5EncoderModel(
-        transformers.UMT5Config(
-            vocab_size=32, d_model=32, d_kv=4, d_ff=32, num_layers=3, num_heads=4, decoder_start_token_id=0
-        )
-    ).eval()
-    return diffusers.WanPipeline(
-        tokenizer=None,
-        text_encoder=encoder,
-        vae=vae,
-        transformer=transformer,
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
-    )
-
 
 #: A 6-block WanTransformer3DModel small enough for CPU tests (inputs: 1x4x2x8x8 latents, 5x16 text).
 WAN_TRANSFORMER: dict[str, Any] = {

@@ -120,6 +120,17 @@ def _pointer(t: torch.Tensor) -> int:
     return int(t.data_ptr())  # 0 on the meta device
 
 
+def _write_back(r: _Record) -> bool:
+    """Copy ``r``'s tensor into its host copy when it points elsewhere (a device copy, or the object
+    a ``.data =`` gave it); whether it copied."""
+    host = r.pack.host_views[r.index]
+    if _pointer(r.tensor) == _pointer(host):
+        return False
+    with torch.no_grad():
+        host.copy_(r.tensor.detach())
+    return True
+
+
 class SessionGuard:
     """Enforces the session contract (see [Note: the session contract]) for one engine."""
 
@@ -274,11 +285,9 @@ class SessionGuard:
         if not changed:
             return
         engine.streams.synchronize()
-        with torch.no_grad():
-            for r in changed:
-                host = r.pack.host_views[r.index]
-                if _pointer(r.tensor) != _pointer(host) and self._problem(r) is None:
-                    host.copy_(r.tensor.detach())
+        for r in changed:
+            if self._problem(r) is None:
+                _write_back(r)
 
     def snapshot(self) -> None:
         """Remember each managed tensor's version and data pointer as the engine leaves them now."""
@@ -321,13 +330,10 @@ class SessionGuard:
         if not written:
             return
         records = self._records
-        with torch.no_grad():
-            for i, version in written:
-                r = records[i]
-                host = r.pack.host_views[r.index]
-                if r.pack.shard is None and _pointer(r.tensor) != _pointer(host) and self._problem(r) is None:
-                    host.copy_(r.tensor.detach())
-                    then[i] = version
+        for i, version in written:
+            r = records[i]
+            if r.pack.shard is None and self._problem(r) is None and _write_back(r):
+                then[i] = version
 
     def _host_pointers(self, pack: Pack) -> list[int]:
         """The data pointers of ``pack``'s tensors when they point at its host views (cached per buffer)."""
@@ -406,13 +412,8 @@ class SessionGuard:
             raise ExecutionError(self._refusal)
         with torch.no_grad():
             for r, problem in checked:
-                if problem is not None:
-                    continue
-                host = r.pack.host_views[r.index]
-                if _pointer(r.tensor) != _pointer(host):
-                    host.copy_(r.tensor.detach())
-                    if r.pack.where is PackState.HOST:
-                        r.tensor.data = host
+                if problem is None and _write_back(r) and r.pack.where is PackState.HOST:
+                    r.tensor.data = r.pack.host_views[r.index]
         self.engine.abort()
         self.snapshot()
 

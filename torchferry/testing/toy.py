@@ -7,14 +7,18 @@ VAE-like decoder. It declares its topology the way real pipelines do (component 
 offloading must get right: tied weights, a transposed (non-contiguous) weight, a half-precision
 tensor next to single-precision ones, a non-persistent buffer, and blocks the model skips on some
 steps. Weights are a deterministic function of a seed.
+
+`wan_pipeline` builds a real (tiny) diffusers ``WanPipeline`` instead, for tests and checks that
+need diffusers' own classes; it imports diffusers and transformers when called.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from safetensors.torch import save_file
@@ -298,3 +302,38 @@ def load_checkpoint(pipeline: nn.Module, path: str | Path) -> nn.Module:
             if name in reader.entries:
                 t.copy_(reader.read_tensor(name))
     return pipeline
+
+
+def wan_pipeline() -> Any:
+    """A tiny diffusers ``WanPipeline`` (4-block transformer, UMT5 encoder, Wan VAE) from fixed seeds,
+    on the CPU; needs diffusers and transformers."""
+    diffusers: Any = importlib.import_module("diffusers")
+    transformers: Any = importlib.import_module("transformers")
+    torch.manual_seed(0)
+    transformer = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=4,
+        rope_max_seq_len=32,
+    ).eval()
+    vae = diffusers.AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).eval()
+    encoder = transformers.UMT5EncoderModel(
+        transformers.UMT5Config(
+            vocab_size=32, d_model=32, d_kv=4, d_ff=32, num_layers=3, num_heads=4, decoder_start_token_id=0
+        )
+    ).eval()
+    return diffusers.WanPipeline(
+        tokenizer=None,
+        text_encoder=encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
