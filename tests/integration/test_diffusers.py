@@ -197,22 +197,6 @@ def test_bare_diffusers_transformer_is_bit_identical(
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def _run_wan(pipe: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.tensor([[3, 7, 1, 9, 2, 5, 0, 0]])
-    with torch.no_grad():
-        embeds = pipe.text_encoder(ids).last_hidden_state
-        frames = pipe(
-            prompt_embeds=embeds,
-            negative_prompt_embeds=embeds.flip(1),
-            height=16,
-            width=16,
-            num_frames=5,
-            num_inference_steps=3,
-            generator=torch.Generator().manual_seed(0),
-            output_type="pt",
-        ).frames
-    return embeds, frames
-
 
 def test_wan_pipeline_object_is_discovered_from_the_registry() -> None:
     """An undeclared WanPipeline (not an nn.Module) yields its DiT, encoder and VAE with their rings."""
@@ -238,12 +222,12 @@ def test_wan_pipeline_runs_bit_identical(strategy: str, options: dict[str, Any])
     """A whole WanPipeline call (encoder, guided steps, VAE decode) matches the plain run bit for bit."""
     pipe = toy.wan_pipeline()
     pipe.set_progress_bar_config(disable=True)
-    reference = _run_wan(pipe)
+    reference = toy.run_wan(pipe, steps=3)
     with torchferry.offload(pipe, strategy=strategy, device="cpu", **options):
-        streamed = _run_wan(pipe)
+        streamed = toy.run_wan(pipe, steps=3)
     assert torch.equal(streamed[0], reference[0])
     assert torch.equal(streamed[1], reference[1])
-    assert torch.equal(_run_wan(pipe)[1], reference[1])
+    assert torch.equal(toy.run_wan(pipe, steps=3)[1], reference[1])
 
 
 # ------------------------------------------------- defect 1: a pipeline's inputs on the session device

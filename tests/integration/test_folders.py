@@ -78,23 +78,6 @@ def _flux_pipeline() -> Any:
     )
 
 
-def _run_wan(pipe: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    pipe.set_progress_bar_config(disable=True)
-    ids = torch.tensor([[3, 7, 1, 9, 2, 5, 0, 0]])
-    with torch.no_grad():
-        embeds = pipe.text_encoder(ids).last_hidden_state
-        frames = pipe(
-            prompt_embeds=embeds,
-            negative_prompt_embeds=embeds.flip(1),
-            height=16,
-            width=16,
-            num_frames=5,
-            num_inference_steps=2,
-            generator=torch.Generator().manual_seed(0),
-            output_type="pt",
-        ).frames
-    return embeds, frames
-
 
 def _run_flux(pipe: Any) -> tuple[torch.Tensor, torch.Tensor]:
     pipe.set_progress_bar_config(disable=True)
@@ -178,12 +161,12 @@ def test_offload_from_a_folder_over_a_meta_pipeline_is_bit_exact(tmp_path: Path,
     """A Wan pipeline built on meta and opened with checkpoint=FOLDER runs exactly as the saved one."""
     ref = toy.wan_pipeline()
     folder = _save(ref, tmp_path / "wan", sharded)
-    expected = _run_wan(ref)
+    expected = toy.run_wan(ref)
     with torchferry.meta_parameters():
         pipe = toy.wan_pipeline()
     assert pipe.transformer.blocks[0].attn1.to_q.weight.is_meta
     with torchferry.offload(pipe, strategy="layerwise", device="cpu", checkpoint=folder):
-        got = _run_wan(pipe)
+        got = toy.run_wan(pipe)
     assert torch.equal(got[0], expected[0])
     assert torch.equal(got[1], expected[1])
 
@@ -224,12 +207,12 @@ def test_from_pretrained_equals_diffusers_from_pretrained(tmp_path: Path, sharde
     """torchferry.from_pretrained of a saved Wan pipeline runs exactly as WanPipeline.from_pretrained."""
     folder = _save(toy.wan_pipeline(), tmp_path / "wan", sharded)
     plain = diffusers.WanPipeline.from_pretrained(str(folder), tokenizer=None, transformer_2=None)
-    expected = _run_wan(plain)
+    expected = toy.run_wan(plain)
     with torchferry.from_pretrained(
         diffusers.WanPipeline, folder, strategy="layerwise", device="cpu", prefetch_depth=2
     ) as session:
         assert session.host_bytes >= topology.from_checkpoint(folder).nbytes
-        got = _run_wan(session.pipeline)
+        got = toy.run_wan(session.pipeline)
         ours = session.pipeline.transformer.state_dict()
         assert all(torch.equal(v, ours[k]) for k, v in plain.transformer.state_dict().items())
     assert torch.equal(got[0], expected[0])
@@ -293,11 +276,11 @@ def test_from_pretrained_takes_components_as_diffusers_does(tmp_path: Path) -> N
     """A component passed by keyword replaces the folder's, as in diffusers' from_pretrained."""
     ref = toy.wan_pipeline()
     folder = _save(ref, tmp_path / "wan", False)
-    expected = _run_wan(ref)
+    expected = toy.run_wan(ref)
     mine = toy.wan_pipeline().vae
     with torchferry.from_pretrained(diffusers.WanPipeline, folder, vae=mine, device="cpu") as session:
         assert session.pipeline.vae is mine
-        got = _run_wan(session.pipeline)
+        got = toy.run_wan(session.pipeline)
     assert torch.equal(got[1], expected[1])
 
 
@@ -316,10 +299,10 @@ def test_from_pretrained_finds_a_hub_id_in_the_local_cache(
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("0123abc")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    expected = _run_wan(ref)
+    expected = toy.run_wan(ref)
     with torchferry.from_pretrained(diffusers.WanPipeline, "tiny-org/tiny-wan", device="cpu") as session:
         assert session.plan.config.checkpoint == str(repo / "snapshots" / "0123abc")
-        assert torch.equal(_run_wan(session.pipeline)[1], expected[1])
+        assert torch.equal(toy.run_wan(session.pipeline)[1], expected[1])
     with pytest.raises(PlanError) as info:
         torchferry.from_pretrained(diffusers.WanPipeline, "tiny-org/other", device="cpu")
     assert str(info.value) == (

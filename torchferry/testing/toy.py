@@ -337,3 +337,23 @@ def wan_pipeline() -> Any:
         transformer=transformer,
         scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
     )
+
+
+def run_wan(pipe: Any, *, steps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call of a `wan_pipeline` (16 x 16, 5 frames, ``steps`` steps, a fixed generator; the
+    prompt embeddings from fixed token ids, the negative ones flipped): the embeddings and frames."""
+    pipe.set_progress_bar_config(disable=True)
+    ids = torch.tensor([[3, 7, 1, 9, 2, 5, 0, 0]])
+    with torch.no_grad():
+        embeds: torch.Tensor = pipe.text_encoder(ids).last_hidden_state
+        frames: torch.Tensor = pipe(
+            prompt_embeds=embeds,
+            negative_prompt_embeds=embeds.flip(1),
+            height=16,
+            width=16,
+            num_frames=5,
+            num_inference_steps=steps,
+            generator=torch.Generator().manual_seed(0),
+            output_type="pt",
+        ).frames
+    return embeds, frames
