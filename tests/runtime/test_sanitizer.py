@@ -25,8 +25,11 @@ from torchferry.testing._sanitizer import op_line
 
 
 def _unwaited(engine: Engine, unit: Unit, op: Op) -> None:
-    """A broken wait: the block counts as ready, but compute is never ordered after its load."""
+    """A broken wait: the block's tensors take its slot, but compute is never ordered after its load."""
     for pack in unit.packs:
+        if pack.arriving is not None:
+            pack.point(pack.arriving)
+            pack.arriving = None
         pack.where = PackState.READY
 
 
@@ -75,6 +78,51 @@ def test_a_block_read_not_ordered_after_its_load_is_reported_at_the_op() -> None
         "ordered after that write (read after write); a missing event wait\n"
         + policies.format_marked(schedule, [pc])
     )
+
+
+def _early_load(engine: Engine, unit: Unit, op: Op) -> None:
+    """The load before tensors waited for their copy: they take the slot as soon as it is issued."""
+    _engine.Engine._load(engine, unit, op)
+    for pack in unit.packs:
+        if pack.arriving is not None:
+            pack.point(pack.arriving)
+
+
+def test_tensors_pointing_at_a_copy_in_flight_are_reported() -> None:
+    """With tensors re-pointed at their slot when the load is issued (the old load), the sanitizer
+    fails at the first forward after it: a hook or a tied weight reading them would race the copy."""
+    p = toy.build(0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(_engine._HANDLERS, "load", _early_load)
+        with (
+            sanitize(),
+            torchferry.offload(p, strategy="layerwise", device="cpu"),
+            pytest.raises(StreamOrderError) as caught,
+        ):
+            p("a cat", steps=1)
+    message = str(caught.value)
+    assert "the tensors of text_encoder.blocks." in message
+    assert "writes on the copy stream, and compute is not ordered after that write" in message
+
+
+def test_a_copy_in_flight_between_steps_leaves_its_tensors_at_host_memory() -> None:
+    """A layerwise step ends with the next step's first block loading: until its wait, its tensors
+    read the host copy (on a GPU, a read between calls would otherwise race the copy stream)."""
+    p = toy.build(0)
+    with sanitize(), torchferry.offload(p, strategy="layerwise", device="cpu") as session:
+        p("a cat", steps=2)
+        engine = session.engine
+        flying = [
+            pack
+            for name in engine.transfers
+            for pack in engine.store.units[name].packs
+            if pack.where is PackState.IN_FLIGHT
+        ]
+        assert flying, "the layerwise exit leaves a block's copy in flight"
+        for pack in flying:
+            host = pack.host.untyped_storage().data_ptr()
+            assert all(t.untyped_storage().data_ptr() == host for t in pack.tensors)
+        assert torch.equal(p("a cat", steps=2), toy.build(0)("a cat", steps=2))
 
 
 # ------------------------------------------------------------------------ defect 5, two ranks

@@ -825,12 +825,15 @@ def test_a_session_opened_from_a_checkpoint_is_exact(tmp_path: Path) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="documented outside the contract (rule 5) and the same before binding: weight.data.mul_ "
-    "between steps of block 0, which the step left in slot s0, bumps no version, so it reaches the "
-    "next step only (from the slot) and is gone from the step after and from the host copy (plain: kept)",
+    reason="documented outside the contract (rule 5): weight.data.mul_ between steps of block 0, whose "
+    "copy for the next step the step left in flight, bumps no version; it writes the host copy (its "
+    "tensors point there until the wait), so the next step runs block 0 from the copy made before the "
+    "edit (the steps after it and the host copy have it; plain: every step). Before the tensors moved "
+    "at the wait it wrote the slot alone and was lost from the step after and from the host copy",
 )
 def test_data_edit_of_a_block_left_in_its_slot_is_kept() -> None:
-    """``weight.data.mul_`` between steps of the block a step leaves in its slot is in every later step."""
+    """``weight.data.mul_`` between steps of the block whose copy a step leaves in flight is in every
+    later step."""
     p, ref = pair()
     args = inputs()
     with session(p):

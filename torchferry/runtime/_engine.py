@@ -349,6 +349,12 @@ class Engine:
                 f"{', '.join(map(str, schedule.exit)) or '(nothing)'}\n"
                 + listing(schedule, len(schedule.ops))
             )
+        for name in self.transfers:
+            for pack in self.store.units[name].packs:
+                if pack.where is _IN_FLIGHT:
+                    # Between steps any tensor may be edited (and a hook at the next step's start
+                    # may edit it after the step start's checks): the wait copies again if one was.
+                    pack.carry(range(len(pack.tensors)))
         self._residency = schedule.exit
         self.last = schedule
         tracer = self.tracer
@@ -525,10 +531,15 @@ class Engine:
             )
 
     def _placed_in(self, unit: Unit, name: str, slot: DeviceBuffer, views: tuple[torch.Tensor, ...]) -> None:
+        # The tensors move to ``views`` at the wait, once compute is ordered after the copy: until
+        # then anything that reads them (a hook, a tied weight, the caller between steps) reads the
+        # host copy, not bytes still being written on another stream.
+        # A buffer a forward writes in place while the copy is in flight (a hook of the block before)
+        # writes the host copy: the wait finds it and copies again.
         pack = unit.packs[0]
-        pack.point(views)
+        pack.arriving = views
         if pack.buffers:
-            pack.arrived()
+            pack.carry(pack.buffers)
         pack.where = _IN_FLIGHT
         self.transfers[unit.name] = slot
         self.occupants[name] = unit
@@ -602,9 +613,26 @@ class Engine:
             if unit.name in self.staged:
                 return
             raise ExecutionError(f"wait for {unit.name}, which no load brought to the device")
+        pack = unit.packs[0]  # a unit with a transfer streams through a slot: one pack
+        if pack.watched and pack.stale():
+            self._reload(unit, transfer)
         self.streams.wait(transfer)
-        for pack in unit.packs:
-            pack.where = _READY
+        views = pack.arriving
+        if views is not None:
+            pack.arriving = None
+            pack.point(views)
+            if pack.buffers:
+                pack.arrived()
+        pack.where = _READY
+
+    def _reload(self, unit: Unit, slot: DeviceBuffer) -> None:
+        """Copy ``unit``'s host bytes into its slot again: some of its tensors were written in place
+        while the copy was in flight (see `Pack.carry`)."""
+        pack = unit.packs[0]
+        if pack.shard is not None:
+            return  # an all-gathered block: its placeholders' versions say nothing of its bytes
+        dst, _ = pack.views(self.placed[unit.name], slot.data)
+        self.streams.copy_in(slot, dst, pack.host)
 
     def _evict(self, unit: Unit, op: Op) -> None:
         for pack in unit.packs:

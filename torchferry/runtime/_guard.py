@@ -309,7 +309,7 @@ class SessionGuard:
         for pack, (start, end) in self._spans.items():
             if pack.moves != moves[pack]:
                 moves[pack] = pack.moves
-                if pack.where is PackState.HOST:
+                if pack.where is not PackState.READY:  # at host memory (a copy in flight, or none)
                     self._pointers[start:end] = self._host_pointers(pack)
                 else:
                     self._pointers[start:end] = map(_DATA_PTR, tensors[start:end])
@@ -412,7 +412,7 @@ class SessionGuard:
             raise ExecutionError(self._refusal)
         with torch.no_grad():
             for r, problem in checked:
-                if problem is None and _write_back(r) and r.pack.where is PackState.HOST:
+                if problem is None and _write_back(r) and r.pack.where is not PackState.READY:
                     r.tensor.data = r.pack.host_views[r.index]
         self.engine.abort()
         self.snapshot()

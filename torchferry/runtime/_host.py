@@ -32,7 +32,7 @@ device (``with torch.device("meta")`` puts everything there) cannot be recompute
 
 [Note: why tensors are re-pointed]
 A block reaches its slot once per step, so how its modules are made to read the slot is the hot
-path: each tensor is re-pointed (``tensor.data = view``) at the load and back at the evict, 2 x 27
+path: each tensor is re-pointed (``tensor.data = view``) at the wait and back at the evict, 2 x 27
 assignments per step for a block of a Wan transformer, about 0.13 us each in a tight loop and 0.3 us
 in a live forward. Swapping each module's ``_parameters``/``_buffers`` dict for a cached one holding
 parameters over slot views ("binding", 16 dict assignments each way) was built and measured: it cut
@@ -44,7 +44,11 @@ bytes after the evict, and crashed the process once the slot was freed; a tensor
 between steps (``bias = None``, ``register_parameter``, ``functional_call``) were ignored; a
 weight's own attributes and ``requires_grad_`` changes were not seen, and a backward inside a no-grad
 forward gave its gradient to the stand-in. Each can be checked for, at about the cost binding saved.
-tests/runtime/test_weights_hostile.py keeps those cases, all exact with re-pointing.
+tests/runtime/test_weights_hostile.py keeps those cases, all exact with re-pointing. The tensors
+move at the wait, not at the load: until compute is ordered after the copy they read the host copy,
+so nothing that reads them then (a hook, a tied weight, the caller between steps) races the copy
+stream on a GPU; an in-place write to them meanwhile is caught at the wait, which copies again
+(`Pack.carry`: a pack's buffers from its load on, all its tensors once a step ends with it in flight).
 
 [Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
@@ -88,11 +92,13 @@ __all__ = [
 
 
 class PackState(enum.Enum):
-    """Where a pack's tensors point: host memory, a device copy still in flight, or a ready copy."""
+    """Where a pack's bytes are: host memory only, also a device copy still in flight, or a ready
+    device copy. Its tensors point at the device copy only when it is ready (see `Pack.point`)."""
 
     #: At its host buffer (between steps, and after an evict or unstage).
     HOST = "in host memory"
-    #: At device bytes a load or gather has issued but no wait has ordered compute after.
+    #: A load or gather has issued the device copy but no wait has ordered compute after it yet: the
+    #: tensors still point at the host buffer (a read of them on any stream does not race the copy).
     IN_FLIGHT = "still in flight (loaded but never waited for)"
     #: At device bytes compute may read (waited for, or staged).
     READY = "ready"
@@ -155,7 +161,8 @@ class Pack:
     """Tensors that move together, their host buffer, and where they point now.
 
     ``where`` is a `PackState`; ``device_views`` caches, per slot name, the byte range
-    and tensor views into the slot's buffer last used, so a repeated load into a slot builds nothing.
+    and tensor views into the slot's buffer last used, so a repeated load into a slot builds nothing;
+    ``arriving`` holds the views a load or gather issued, which the tensors take at the wait.
     ``shard`` is the byte range ``[start, end)`` of the pack this rank holds when it holds
     only a shard (then ``host`` is those bytes and ``host_views`` are placeholders); else ``None``.
     ``moves`` counts re-pointings and ``bumps`` version bumps the engine made (see `GradGuard`), so
@@ -181,6 +188,11 @@ class Pack:
     _arrival: tuple[int, ...] = ()
     # Why: per shard slot name, (the slot's buffer, this rank's shard bytes of it).
     shard_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
+    arriving: tuple[torch.Tensor, ...] | None = None
+    # Why: while the pack's copy is in flight, the tensors it watches for in-place writes (its buffers
+    # from the load on, all of them once a step ends) and their version counters then (see `carry`).
+    watched: tuple[int, ...] = ()
+    _carried: tuple[int, ...] = ()
 
     def shard_bytes(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         """The first bytes of ``flat`` (shard slot ``key``'s buffer) that hold this rank's shard of
@@ -216,10 +228,33 @@ class Pack:
             self.bumps += 1  # swapping tensors swaps their version counters too
 
     def to_host(self) -> None:
-        """Point the pack back at its host buffer (nothing is copied: host bytes are the truth)."""
-        if self.where is not PackState.HOST:
+        """Point the pack back at its host buffer (nothing is copied: host bytes are the truth); a
+        pack whose copy is still in flight points there already."""
+        where = self.where
+        if where is PackState.READY:  # the wait took `arriving` and the watch (`stale`)
             self.point(self.host_views)
-            self.where = PackState.HOST
+        elif where is PackState.IN_FLIGHT:
+            self.arriving = None
+            self.watched = self._carried = ()
+        self.where = PackState.HOST
+
+    def carry(self, indices: Sequence[int]) -> None:
+        """The pack's copy is in flight: remember the version counters of tensors ``indices``, so its
+        wait finds an in-place write made to their host bytes meanwhile (`stale`). Tensors already
+        watched keep the counter seen first."""
+        seen = dict(zip(self.watched, self._carried, strict=True))
+        tensors = self.tensors
+        self.watched = tuple(indices)
+        self._carried = tuple(seen.get(i, tensors[i]._version) for i in self.watched)
+
+    def stale(self) -> bool:
+        """Whether a watched tensor was written in place since `carry` (the copy holds old bytes)."""
+        watched, carried = self.watched, self._carried
+        if not watched:
+            return False
+        self.watched = self._carried = ()
+        tensors = self.tensors
+        return any(tensors[i]._version != v for i, v in zip(watched, carried, strict=True))
 
     def arrived(self) -> None:
         """The pack's tensors point at a device copy now: remember its buffers' version counters."""

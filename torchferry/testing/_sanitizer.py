@@ -35,7 +35,7 @@ import attrs
 import torch
 
 from torchferry.policies import Op, format_marked, rest_unit
-from torchferry.runtime import DeviceBuffer, stream_factory
+from torchferry.runtime import DeviceBuffer, PackState, stream_factory
 from torchferry.topology import find_attr
 
 if TYPE_CHECKING:
@@ -191,8 +191,32 @@ class StreamSanitizer:
     def _fail(self, message: str) -> None:
         raise StreamOrderError(f"stream sanitizer: {message}; a missing event wait{self._listing()}")
 
+    def _exposed(self, when: str) -> None:
+        """Fail if the tensors of a unit not yet waited for point at its slot while compute is not
+        ordered after the slot's last write: on a GPU anything reading them on the compute stream (a
+        hook, a tied weight, the caller between steps) would race that write. (A unit the engine took
+        as waited for is checked where its block reads it, in `ran`.)"""
+        engine = self.engine
+        clock = self._clocks["compute"]
+        for name, buffer in engine.transfers.items():
+            history = self._history.get(buffer)
+            if history is None or history.write is None or _ordered(clock, history.write):
+                continue
+            base = buffer.data.untyped_storage().data_ptr()
+            for pack in engine.store.units[name].packs:
+                if pack.where is PackState.READY:
+                    continue
+                tensor = next((t for t in pack.tensors if t.numel() and t.device == self.device), None)
+                if tensor is not None and tensor.untyped_storage().data_ptr() == base:
+                    self._fail(
+                        f"{when}, the tensors of {pack.name} point at a slot that {history.write.what} "
+                        f"writes on the {history.write.stream} stream, and compute is not ordered after "
+                        "that write (a read of them races it)"
+                    )
+
     # ------------------------------------------------------------------------ StreamContext
-    def begin(self) -> None: ...
+    def begin(self) -> None:
+        self._exposed("as the last step left them")
 
     def transfer(self, nbytes: int) -> DeviceBuffer:
         return DeviceBuffer(data=torch.empty(nbytes, dtype=torch.uint8, device=self.device), ready=_Event())
@@ -255,6 +279,7 @@ class StreamSanitizer:
         remainder), it read its unit's device buffers."""
         if getattr(self.engine, "program", None) is None:  # between steps, or an engine that never opened
             return
+        self._exposed(f"after the forward of {type(module).__name__} (before {self._where()})")
         readers = self._readers
         if readers is None:
             readers = self._readers = self._find_readers()
