@@ -536,9 +536,14 @@ class Engine:
         # host copy, not bytes still being written on another stream.
         # A buffer a forward writes in place while the copy is in flight (a hook of the block before)
         # writes the host copy: the wait finds it and copies again.
+        # A pack whose versions the engine bumped since its last load (`Pack.rewatch`) has every
+        # tensor watched: the session guard takes the versions it finds at the step's end as its own.
         pack = unit.packs[0]
         pack.arriving = views
-        if pack.buffers:
+        if pack.rewatch:
+            pack.rewatch = False
+            pack.carry(range(len(pack.tensors)))
+        elif pack.buffers:
             pack.carry(pack.buffers)
         pack.where = _IN_FLIGHT
         self.transfers[unit.name] = slot
@@ -627,10 +632,16 @@ class Engine:
 
     def _reload(self, unit: Unit, slot: DeviceBuffer) -> None:
         """Copy ``unit``'s host bytes into its slot again: some of its tensors were written in place
-        while the copy was in flight (see `Pack.carry`)."""
+        while the copy was in flight (see `Pack.carry`); for an all-gathered block, raise."""
         pack = unit.packs[0]
         if pack.shard is not None:
-            return  # an all-gathered block: its placeholders' versions say nothing of its bytes
+            # Its tensors point at empty placeholders until the wait: the write reached no copy of it.
+            raise ExecutionError(
+                f"{unit.name} was written in place while its all-gather was in flight (by a hook, or a "
+                "forward of the blocks before): this rank holds only its shard of the block, so the write "
+                "cannot reach the gathered copy; edit an all-gathered block's weights only between "
+                "sessions (close(gather=True), edit, open again)"
+            )
         dst, _ = pack.views(self.placed[unit.name], slot.data)
         self.streams.copy_in(slot, dst, pack.host)
 

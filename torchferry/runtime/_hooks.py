@@ -122,6 +122,7 @@ class GradGuard:
         tensors = [t for pack in unit.packs for t in pack.tensors if not t.is_inference()]
         for pack in unit.packs:
             pack.bumps += 1  # the versions moved: the session guard must look at this pack again
+            pack.rewatch = True  # and its next load watches every tensor (see `Pack.rewatch`)
         if tensors:
             torch.autograd.graph.increment_version(tensors)
 

@@ -193,6 +193,10 @@ class Pack:
     # from the load on, all of them once a step ends) and their version counters then (see `carry`).
     watched: tuple[int, ...] = ()
     _carried: tuple[int, ...] = ()
+    # Why: the engine bumped the pack's version counters since its last load (`keep_written`, the grad
+    # guard), so the session guard re-reads them at the step's end and cannot tell an in-place edit
+    # made after the next load from its own bump: that load watches every tensor (see `carry`).
+    rewatch: bool = False
 
     def shard_bytes(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         """The first bytes of ``flat`` (shard slot ``key``'s buffer) that hold this rank's shard of
@@ -273,6 +277,7 @@ class Pack:
                 with torch.no_grad():
                     self.host_views[i].copy_(t.detach())
                 self.bumps += 1
+                self.rewatch = True
 
     def forget_device(self) -> None:
         """Drop every cached view of device memory (the slots may be freed)."""
