@@ -738,3 +738,23 @@ def test_two_ranks_a_write_to_a_gathered_block_at_host_memory_during_a_step_is_r
     """Under distributed_layerwise a transformer pre hook writing block 0's buffer (a shard at host
     memory) raises `ExecutionError` in the call that made the write."""
     assert run_ranks(_two_ranks, 2, "pre_hook", 0, timeout=120)[0].startswith("ExecutionError: ")
+
+
+# ------------------------------------------------------------------------------ steady steps
+@pytest.mark.parametrize("what", ["buffer", "parameter"])
+@pytest.mark.parametrize(("config", "target"), [("layerwise", 0), ("depth2", 1), ("depth3", 2)])
+def test_a_hook_editing_the_next_steps_first_blocks_does_not_restart_steady_steps(
+    config: str, target: int, what: str
+) -> None:
+    """Block 7's hook editing a block whose copy for the next step is in flight, at every step: each
+    step is the plain run's, and steady steps allocate nothing (the wait copies that block again;
+    since ef3114e the next step start took the edit for one made between steps and restarted)."""
+    p, ref = pair(lambda q: _neighbour_hook(q, "blocks.7", "post", target, what))
+    args = inputs()
+    with session(p, config) as s:
+        allocations = []
+        for _ in range(4):
+            assert torch.equal(run(p, args), run(ref, args))
+            allocations.append(s.engine.ledger.allocations)
+    assert allocations == allocations[:1] * 4
+    assert same_state(p, ref)

@@ -321,7 +321,9 @@ class SessionGuard:
     def _keep_resident_writes(self) -> None:
         """A step ended: what its forwards wrote in place into the device copies of the units the
         device keeps (a counter buffer of a staged component, say) goes to the host copy now, and is
-        remembered, so the next step start does not take it for an edit (and restart everything)."""
+        remembered, so the next step start does not take it for an edit (and restart everything); a
+        write to a unit whose copy is in flight (a hook of the last block editing the next step's
+        first) makes that unit's wait copy it again."""
         if self.engine.broken:
             return
         indices, tensors = self._on_device()
@@ -332,7 +334,14 @@ class SessionGuard:
         records = self._records
         for i, version in written:
             r = records[i]
-            if r.pack.shard is None and self._problem(r) is None and _write_back(r):
+            if r.pack.shard is not None or self._problem(r) is not None:
+                continue
+            # A unit whose copy is in flight points at its host copy, which holds the write already:
+            # its wait copies it again, rather than the next step start restarting everything.
+            flying = r.pack.where is PackState.IN_FLIGHT
+            if _write_back(r) or flying:
+                if flying:
+                    r.pack.recopy(r.index)
                 then[i] = version
 
     def _host_pointers(self, pack: Pack) -> list[int]:

@@ -251,6 +251,14 @@ class Pack:
         self.watched = tuple(indices)
         self._carried = tuple(seen.get(i, tensors[i]._version) for i in self.watched)
 
+    def recopy(self, index: int) -> None:
+        """The pack's copy is in flight and tensor ``index`` was written in place since some time in
+        the step that issued it (its host bytes hold the write; the copy may not): make its wait copy
+        the pack again (`stale`)."""
+        seen = dict(zip(self.watched, self._carried, strict=True))
+        seen[index] = -1  # no version counter reads -1
+        self.watched, self._carried = tuple(seen), tuple(seen.values())
+
     def stale(self) -> bool:
         """Whether a watched tensor was written in place since `carry` (the copy holds old bytes)."""
         watched, carried = self.watched, self._carried
