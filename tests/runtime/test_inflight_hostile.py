@@ -623,20 +623,52 @@ def test_a_post_hook_editing_block_0_with_grad_enabled_is_exact(config: str) -> 
 
 
 # ----------------------------------------------------------------- two experts, stale copies
-@pytest.mark.parametrize("what", ["buffer", "parameter"])
-def test_an_edit_of_the_next_experts_block_in_flight_from_a_hook_is_exact(what: str) -> None:
-    """A forward hook of the first expert's last block editing the second expert's block 0 (its copy
-    issued across the expert switch) is in every call and after close."""
+@pytest.mark.parametrize(
+    ("hooked", "target", "what"),
+    [
+        ("transformer_2", "transformer.blocks.0", "parameter"),  # the first expert's, at the switch
+        ("transformer_2", "transformer.blocks.0", "buffer"),
+        ("vae", "transformer_2.blocks.0", "parameter"),  # the second expert's, left across calls
+        ("vae", "transformer_2.blocks.0", "buffer"),
+    ],
+)
+def test_an_edit_of_a_stale_prefetch_from_the_next_components_hook_is_exact(
+    hooked: str, target: str, what: str
+) -> None:
+    """A pre hook (registered after opening) of the component after a step editing the block that
+    step left in flight for a step that never comes (the next component evicts it unwaited): every
+    call of a two-expert pipeline and the state after close are the plain run's."""
+    _two_experts_hooked(hooked, target, what)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="outside the contract (a parameter written in place during a step is lost at its block's "
+    "evict when the block is on the device) and same before ef3114e: the text encoder's step leaves its "
+    "block 0 waited for, in slot s0, and the next component's step evicts it; a transformer pre hook "
+    "scaling that block's fc1.weight writes the slot copy only, so the edit is lost from the next "
+    "call and from the state after close",
+)
+def test_an_edit_of_the_encoders_block_left_in_its_slot_from_a_transformer_pre_hook_is_exact() -> None:
+    """A transformer pre hook editing the text encoder's block 0 (left on the device by the encoder's
+    step) gives the plain run's calls and state."""
+    _two_experts_hooked("transformer", "text_encoder.blocks.0", "parameter")
+
+
+def _two_experts_hooked(hooked: str, target: str, what: str) -> None:
+    """Two calls of a two-expert pipeline whose component ``hooked`` has a pre hook editing module
+    ``target`` (its ``scale`` buffer or its ``fc1.weight``): each equals the plain run's, and so does
+    the state after close."""
     p, ref = toy.build(0, two_experts=True), toy.build(0, two_experts=True)
-    for pipe in (p, ref):
-
-        def hook(m: nn.Module, a: Any, o: Any, pipe: Any = pipe) -> None:
-            b = pipe.transformer_2.blocks[0]
-            with torch.no_grad():
-                b.scale.add_(0.125) if what == "buffer" else b.fc1.weight.mul_(1.125)
-
-        pipe.transformer.blocks[7].register_forward_hook(hook)
     with session(p, "layerwise"):
+        for pipe in (p, ref):
+
+            def hook(m: nn.Module, a: Any, pipe: Any = pipe) -> None:
+                b = pipe.get_submodule(target)
+                with torch.no_grad():
+                    b.scale.add_(0.125) if what == "buffer" else b.fc1.weight.mul_(1.125)
+
+            pipe.get_submodule(hooked).register_forward_pre_hook(hook)
         calls(p, ref, steps=4)
     assert same_state(p, ref)
 
