@@ -48,7 +48,10 @@ tests/runtime/test_weights_hostile.py keeps those cases, all exact with re-point
 move at the wait, not at the load: until compute is ordered after the copy they read the host copy,
 so nothing that reads them then (a hook, a tied weight, the caller between steps) races the copy
 stream on a GPU; an in-place write to them meanwhile is caught at the wait, which copies again
-(`Pack.carry`: a pack's buffers from its load on, all its tensors once a step ends with it in flight).
+(`Pack.carry`: a pack's buffers from its load on, all its tensors from its load on once the engine
+bumped their versions, which hides a write from the session guard, and all of them once a step ends
+with it in flight; `Pack.recopy`: a write the guard finds at the step's end). An all-gathered
+block in flight points at its empty placeholders: a write then raises at the wait.
 
 [Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
