@@ -219,8 +219,8 @@ def _post_hook_editing(p: toy.ToyPipeline, i: int) -> None:
 @pytest.mark.parametrize("config", ["layerwise", "depth2"])
 def test_a_transformer_post_hook_editing_the_next_steps_first_block_is_exact(config: str, mode: str) -> None:
     """A transformer forward hook registered before opening (it runs inside the step, after the step
-    issued the next step's copy of block 0) scaling block 0's weight: the next step start finds the
-    edit (block 0 is on its way to the device) and every step is the plain run's."""
+    issued the next step's copy of block 0) scaling block 0's weight: the step's end finds the edit
+    (block 0 is on its way to the device), its wait copies it again, and every step is the plain run's."""
     p, ref = pair(lambda q: _post_hook_editing(q, 0))
     args = inputs()
     with session(p, config):
