@@ -22,8 +22,9 @@ goes on), ``DIR/gpu_check.json`` is rewritten after every row, and one table is 
 - ``host syncs``: steady steps under ``torch.cuda.set_sync_debug_mode("error")``, and host enqueue
   time per step versus GPU time;
 - ``ordering stress``: bit identity with ``torch.cuda._sleep`` on the copy stream before each copy
-  and on compute before each evict, depth 1 and 2; ``cuda sanitizer``: one pass in a subprocess
-  under ``TORCH_CUDA_SANITIZER=1``;
+  and on compute before each evict, depth 1 and 2, and the weights of the blocks whose copies a
+  call leaves in flight read right after each call (their own bytes); ``cuda sanitizer``: one pass
+  in a subprocess under ``TORCH_CUDA_SANITIZER=1``;
 - ``open close``: open time, RSS and pinned bytes after ``close()``;
 - other paths: ``demo`` (``python -m torchferry demo`` on cuda), ``wan pipeline`` (a tiny
   diffusers WanPipeline called as a user calls it), ``inference mode``, ``pageable``
@@ -783,7 +784,20 @@ class Check:
     def ordering_stress(self) -> dict[str, Any]:
         self.needs_cuda()
         result: dict[str, Any] = {}
+        # The blocks whose copies for the next call a call leaves in flight (delayed here): a read of
+        # their weights right after the call must see their own bytes, not a slot still being written.
+        first = list(self.model.transformer.blocks[:2])
+        weights = [{n: p.detach().cpu().clone() for n, p in b.named_parameters()} for b in first]
+
+        def own_bytes() -> bool:
+            return all(
+                torch.equal(p.detach().cpu(), w[n])
+                for b, w in zip(first, weights, strict=True)
+                for n, p in b.named_parameters()
+            )
+
         for depth in (1, 2):
+            outs, reads = [], []
             with (
                 torch.no_grad(),
                 torchferry.offload(
@@ -791,9 +805,12 @@ class Check:
                 ) as session,
                 delayed(session.engine.streams),
             ):
-                outs = [self.fn()().cpu() for _ in range(3)]
+                for _ in range(3):
+                    outs.append(self.fn()().cpu())
+                    reads.append(own_bytes())
             same = [bool(torch.equal(o, self.reference)) for o in outs]
             result[f"d{depth}_identical"] = all(same)
+            result[f"d{depth}_reads_between_calls_exact"] = all(reads)
         if not all(result.values()):
             raise AssertionError(f"outputs changed when copies and evicts were delayed: {result}")
         return result
