@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from toy_runs import inputs, run, same_state
+from toy_runs import Counter, Failing, Interrupt, block, inputs, pair, run, same_state
 
 import torchferry
 from torchferry import OffloadWarning
@@ -37,19 +37,6 @@ CONFIGS: dict[str, Options] = {
 
 
 
-#: A change made to each of the two pipelines a test compares (its result is ignored).
-Change = Callable[[toy.ToyPipeline], object]
-
-
-def pair(change: Change | None = None) -> tuple[toy.ToyPipeline, toy.ToyPipeline]:
-    """Two identical toy pipelines (seed 0), each changed by ``change``: one to serve, one plain."""
-    out = toy.build(0), toy.build(0)
-    if change is not None:
-        for p in out:
-            change(p)
-    return out
-
-
 def session(p: nn.Module, config: str) -> torchferry.Session:
     """A session of ``CONFIGS[config]`` on the CPU (model_level without an encoder warns: ignored)."""
     with warnings.catch_warnings():
@@ -57,38 +44,6 @@ def session(p: nn.Module, config: str) -> torchferry.Session:
         return torchferry.offload(p, device="cpu", **CONFIGS[config])
 
 
-
-
-def block(p: toy.ToyPipeline, i: int) -> Any:
-    """Block ``i`` of the DiT (typed loosely: tests reach into custom submodules)."""
-    return p.transformer.blocks[i]
-
-
-
-
-class Counter(nn.Linear):
-    """A linear layer that counts its calls in a buffer updated in place and adds the count."""
-
-    count: torch.Tensor
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.register_buffer("count", torch.zeros(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.count.add_(1)
-        return super().forward(x) + self.count
-
-
-class Failing(nn.Linear):
-    """A linear layer that raises ``fail`` while it is set."""
-
-    fail: BaseException | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fail is not None:
-            raise self.fail
-        return super().forward(x)
 
 
 def swap(p: toy.ToyPipeline, where: str, cls: type[nn.Linear]) -> None:
@@ -122,10 +77,6 @@ def _del_then_register(module: nn.Module, name: str, value: torch.Tensor) -> Non
 def counting(where: str) -> Callable[[toy.ToyPipeline], None]:
     """A change that puts a `Counter` at ``where`` (a linear layer's path in the DiT)."""
     return lambda p: swap(p, where, Counter)
-
-
-class Interrupt(BaseException):
-    """A BaseException that is not an Exception (as KeyboardInterrupt is)."""
 
 
 # --------------------------------------------------------------- edits between steps, each unit

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from toy_runs import inputs, run, same_state
+from toy_runs import Counter, Failing, Interrupt, block, inputs, pair, run, same_state
 
 import torchferry
 from torchferry import OffloadWarning
@@ -49,51 +49,6 @@ def session(p: nn.Module, config: str) -> torchferry.Session:
 def flying(config: str) -> tuple[int, ...]:
     """The DiT blocks whose copy ``config`` leaves in flight between steps."""
     return CONFIGS[config][1]
-
-
-def pair(
-    change: Callable[[toy.ToyPipeline], object] | None = None,
-) -> tuple[toy.ToyPipeline, toy.ToyPipeline]:
-    """Two identical toy pipelines (seed 0), each changed by ``change``: one to serve, one plain."""
-    out = toy.build(0), toy.build(0)
-    if change is not None:
-        for p in out:
-            change(p)
-    return out
-
-
-def block(p: toy.ToyPipeline, i: int) -> Any:
-    """Block ``i`` of the DiT (typed loosely: tests reach into its submodules)."""
-    return p.transformer.blocks[i]
-
-
-class Counter(nn.Linear):
-    """A linear layer that counts its calls in a buffer updated in place and adds the count."""
-
-    count: torch.Tensor
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.register_buffer("count", torch.zeros(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.count.add_(1)
-        return super().forward(x) + self.count
-
-
-class Failing(nn.Linear):
-    """A linear layer that raises ``fail`` while it is set."""
-
-    fail: BaseException | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fail is not None:
-            raise self.fail
-        return super().forward(x)
-
-
-class Interrupt(BaseException):
-    """A BaseException that is not an Exception (as KeyboardInterrupt is)."""
 
 
 def swap(p: toy.ToyPipeline, where: str, cls: type[nn.Linear]) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
-from toy_runs import inputs, run, same_state
+from toy_runs import Interrupt, inputs, pair, run, same_state
 
 import torchferry
 from torchferry import OffloadWarning
@@ -33,15 +33,6 @@ from torchferry.testing import toy
 BLOCK = 3
 
 
-
-
-def pair(change: Callable[[toy.ToyPipeline], None] | None = None) -> tuple[toy.ToyPipeline, toy.ToyPipeline]:
-    """Two identical toy pipelines (seed 0), each changed by ``change``: one to serve, one plain."""
-    out = toy.build(0), toy.build(0)
-    if change is not None:
-        for p in out:
-            change(p)
-    return out
 
 
 def exact_steps(
@@ -843,10 +834,6 @@ def test_data_edit_of_a_block_left_in_its_slot_is_kept() -> None:
         assert torch.equal(run(p, args), run(ref, args))
         assert torch.equal(run(p, args), run(ref, args))
     assert same_state(p, ref)
-
-
-class Interrupt(BaseException):
-    """A BaseException that is not an Exception (as KeyboardInterrupt is)."""
 
 
 def test_an_edit_after_a_base_exception_mid_step_is_kept() -> None:

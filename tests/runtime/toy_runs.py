@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,6 +13,8 @@ from torchferry import OffloadWarning
 from torchferry.testing import toy
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+#: A change made to each of the two pipelines a test compares (its result is ignored).
+Change = Callable[[toy.ToyPipeline], object]
 
 
 def inputs() -> Inputs:
@@ -36,3 +40,46 @@ def same_state(a: nn.Module, b: nn.Module) -> bool:
     """Whether two modules hold equal state dicts (same keys, bit-equal tensors)."""
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def pair(change: Change | None = None) -> tuple[toy.ToyPipeline, toy.ToyPipeline]:
+    """Two identical toy pipelines (seed 0), each changed by ``change``: one to serve, one plain."""
+    out = toy.build(0), toy.build(0)
+    if change is not None:
+        for p in out:
+            change(p)
+    return out
+
+
+def block(p: toy.ToyPipeline, i: int) -> Any:
+    """Block ``i`` of the DiT (typed loosely: tests reach into its submodules)."""
+    return p.transformer.blocks[i]
+
+
+class Counter(nn.Linear):
+    """A linear layer that counts its calls in a buffer updated in place and adds the count."""
+
+    count: torch.Tensor
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        return super().forward(x) + self.count
+
+
+class Failing(nn.Linear):
+    """A linear layer that raises ``fail`` while it is set."""
+
+    fail: BaseException | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail is not None:
+            raise self.fail
+        return super().forward(x)
+
+
+class Interrupt(BaseException):
+    """A BaseException that is not an Exception (as KeyboardInterrupt is)."""
