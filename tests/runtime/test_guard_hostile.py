@@ -17,7 +17,17 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from toy_runs import Counter, Failing, Interrupt, block, inputs, pair, run, same_state
+from toy_runs import (
+    Counter,
+    Failing,
+    Interrupt,
+    block,
+    inputs,
+    layerwise_peak,
+    pair,
+    run,
+    same_state,
+)
 
 import torchferry
 from torchferry import OffloadWarning
@@ -35,15 +45,11 @@ CONFIGS: dict[str, Options] = {
 }
 
 
-
-
 def session(p: nn.Module, config: str) -> torchferry.Session:
     """A session of ``CONFIGS[config]`` on the CPU (model_level without an encoder warns: ignored)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", OffloadWarning)
         return torchferry.offload(p, device="cpu", **CONFIGS[config])
-
-
 
 
 def swap(p: toy.ToyPipeline, where: str, cls: type[nn.Linear]) -> None:
@@ -551,20 +557,11 @@ def test_a_tensor_assigned_through_data_stays_the_weights_storage(config: str, i
 
 
 # ---------------------------------------------------------------- chooser and sessions in a row
-def _layerwise_peak() -> int:
-    """The device peak of two calls of a fresh hidden-64 toy under layerwise depth 1 (DiT only)."""
-    p = toy.build(0, hidden=64)
-    with torchferry.offload(p, strategy="layerwise", device="cpu", components={"dit"}) as s:
-        p("a cat", steps=3)
-        p("a cat", steps=3)
-        return s.peak_device_bytes
-
-
 @pytest.mark.parametrize("edit", ["first_block", "ring_block_and_remainder", "counter"])
 def test_edits_around_the_choosers_switch_are_exact(edit: str) -> None:
     """Under a tight budget (auto re-chooses between steps), edits between calls and a counter a
     forward writes in place stay exact across the switch and after close."""
-    budget = _layerwise_peak() + 3 * 60_000
+    budget = layerwise_peak() + 3 * 60_000
     p, ref = toy.build(0, hidden=64), toy.build(0, hidden=64)
     if edit == "counter":
         for pipe in (p, ref):

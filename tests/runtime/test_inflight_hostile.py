@@ -21,7 +21,17 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from toy_runs import Counter, Failing, Interrupt, block, inputs, pair, run, same_state
+from toy_runs import (
+    Counter,
+    Failing,
+    Interrupt,
+    block,
+    inputs,
+    layerwise_peak,
+    pair,
+    run,
+    same_state,
+)
 
 import torchferry
 from torchferry import OffloadWarning
@@ -514,21 +524,12 @@ def test_a_step_reaching_no_block_with_blocks_in_flight_is_exact() -> None:
 
 
 # ------------------------------------------------------------------------- the chooser's switch
-def _layerwise_peak() -> int:
-    """The device peak of two calls of a fresh hidden-64 toy under layerwise depth 1 (DiT only)."""
-    p = toy.build(0, hidden=64)
-    with torchferry.offload(p, strategy="layerwise", device="cpu", components={"dit"}) as s:
-        p("a cat", steps=3)
-        p("a cat", steps=3)
-        return s.peak_device_bytes
-
-
 @pytest.mark.parametrize("what", ["pre_hook", "neighbour_buffer"])
 def test_hook_edits_of_blocks_in_flight_across_the_choosers_switch_are_exact(what: str) -> None:
     """Under a tight budget (auto re-chooses between steps, dropping the blocks in flight), a
     transformer pre hook editing block 0 or block 7's hook writing block 0's buffer stays exact across
     the switch and after close."""
-    budget = _layerwise_peak() + 3 * 60_000
+    budget = layerwise_peak() + 3 * 60_000
     p, ref = toy.build(0, hidden=64), toy.build(0, hidden=64)
     if what == "neighbour_buffer":
         for pipe in (p, ref):

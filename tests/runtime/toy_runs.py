@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import torchferry
 from torchferry import OffloadWarning
 from torchferry.testing import toy
 
@@ -83,3 +84,12 @@ class Failing(nn.Linear):
 
 class Interrupt(BaseException):
     """A BaseException that is not an Exception (as KeyboardInterrupt is)."""
+
+
+def layerwise_peak() -> int:
+    """The device peak of two calls of a fresh hidden-64 toy under layerwise depth 1 (DiT only)."""
+    p = toy.build(0, hidden=64)
+    with torchferry.offload(p, strategy="layerwise", device="cpu", components={"dit"}) as s:
+        p("a cat", steps=3)
+        p("a cat", steps=3)
+        return s.peak_device_bytes
