@@ -533,11 +533,10 @@ class Engine:
     def _placed_in(self, unit: Unit, name: str, slot: DeviceBuffer, views: tuple[torch.Tensor, ...]) -> None:
         # The tensors move to ``views`` at the wait, once compute is ordered after the copy: until
         # then anything that reads them (a hook, a tied weight, the caller between steps) reads the
-        # host copy, not bytes still being written on another stream.
-        # A buffer a forward writes in place while the copy is in flight (a hook of the block before)
-        # writes the host copy: the wait finds it and copies again.
-        # A pack whose versions the engine bumped since its last load (`Pack.rewatch`) has every
-        # tensor watched: the session guard takes the versions it finds at the step's end as its own.
+        # host copy, not bytes still being written on another stream. What is written in place
+        # meanwhile is found at the wait, which copies again: the buffers (a hook of the block before
+        # may write one), or every tensor when the engine bumped the pack's versions since its last
+        # load (`Pack.rewatch`: the session guard then cannot tell an edit from that bump).
         pack = unit.packs[0]
         pack.arriving = views
         if pack.rewatch:
