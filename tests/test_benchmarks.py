@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -174,3 +177,57 @@ def test_auto_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     for r in rows:
         assert r["auto"]["min_s"] > 0 and r["predicted_s"] > 0 and r["best_stats"]["min_s"] > 0
         assert r["auto_vs_best"] == pytest.approx(r["auto"]["min_s"] / r["best_stats"]["min_s"] - 1)
+
+
+def _cpu_check(tmp_path: Path) -> Any:
+    """gpu_check's `Check` at its quick CPU size, with its resident reference run."""
+    gpu_check = _module("gpu_check")
+    options = dict(
+        out=tmp_path, quick=True, cpu=True, tokens=None, blocks=None, only=None, sanitizer_child=False
+    )
+    check = gpu_check.Check(argparse.Namespace(**options))
+    check.row("resident", check.resident)
+    return check
+
+
+def test_gpu_check_ordering_stress_logic_holds_on_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA-only ordering-stress row, run on the CPU without its injected sleeps, finds every output
+    identical and every weight of the blocks a call leaves in flight read as its own bytes after each call."""
+    gpu_check = _module("gpu_check")
+    monkeypatch.setattr(gpu_check, "delayed", lambda streams: contextlib.nullcontext())
+    check = _cpu_check(tmp_path)
+    monkeypatch.setattr(check, "needs_cuda", lambda: None)
+    assert check.ordering_stress() == {
+        "d1_identical": True,
+        "d1_reads_between_calls_exact": True,
+        "d2_identical": True,
+        "d2_reads_between_calls_exact": True,
+    }
+
+
+def test_gpu_check_ordering_stress_fails_on_weights_read_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ordering-stress row fails, naming the read check, when a block in flight reads other bytes
+    after a call than it held before the session."""
+    gpu_check = _module("gpu_check")
+    monkeypatch.setattr(gpu_check, "delayed", lambda streams: contextlib.nullcontext())
+    check = _cpu_check(tmp_path)
+    monkeypatch.setattr(check, "needs_cuda", lambda: None)
+    weight = next(check.model.transformer.blocks[0].parameters())
+    call = check.fn
+
+    def spoiled() -> Any:
+        def run() -> Any:
+            out = call()()
+            with torch.no_grad():
+                weight.add_(1)  # what a read racing the slot's copy would see: other bytes
+            return out
+
+        return run
+
+    monkeypatch.setattr(check, "fn", spoiled)
+    with pytest.raises(AssertionError, match="d1_reads_between_calls_exact': False"):
+        check.ordering_stress()
