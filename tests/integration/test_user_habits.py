@@ -18,6 +18,7 @@ from torch import nn
 
 import torchferry
 from torchferry import ExecutionError, OffloadError, PlanError, topology
+from torchferry.testing import toy
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -473,3 +474,23 @@ def test_lora_added_after_opening_on_cuda_is_refused() -> None:
         model.add_adapter(_lora())
         with pytest.raises(ExecutionError, match=re.escape("were added after the torchferry session opened")):
             run()
+
+
+def test_a_pipeline_made_from_a_served_one_shares_its_session() -> None:
+    """``WanPipeline.from_pipe`` and a pipeline built from ``pipe.components`` during a session run
+    bit-identical on the served components (``from_pipe``'s float32 ``.to()`` changes nothing here); a
+    ``from_pipe`` that would convert them (``torch_dtype=float16``) is refused, nothing converted."""
+    plain = toy.wan_pipeline()
+    expected = toy.run_wan(plain)
+    pipe = toy.wan_pipeline()
+    with torchferry.offload(pipe, strategy="layerwise", device="cpu"):
+        toy.run_wan(pipe)
+        for other in (diffusers.WanPipeline.from_pipe(pipe), diffusers.WanPipeline(**pipe.components)):
+            got = toy.run_wan(other)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        with pytest.raises(ExecutionError, match=re.escape("(a conversion through nn.Module._apply)")):
+            diffusers.WanPipeline.from_pipe(pipe, torch_dtype=torch.float16)
+        assert all(torch.equal(a, b) for a, b in zip(toy.run_wan(pipe), expected, strict=True))
+    assert {t.dtype for t in pipe.transformer.parameters()} == {torch.float32}
+    state, reference = pipe.transformer.state_dict(), plain.transformer.state_dict()
+    assert all(torch.equal(state[k], reference[k]) for k in reference)

@@ -251,7 +251,7 @@ MOVES: dict[str, Callable[[Any], Any]] = {
     "half": lambda m: m.half(),
     "to(float64)": lambda m: m.to(torch.float64),
     "to('meta')": lambda m: m.to("meta"),
-    "cpu": lambda m: m.cpu(),
+    "double": lambda m: m.double(),
     "to_empty": lambda m: m.to_empty(device="cpu"),
 }
 
@@ -276,6 +276,78 @@ def test_a_move_during_a_session_is_refused_before_anything_moves(move: str, tar
     assert same_weights(p, ref)
     p.half()  # after close, moves work again
     assert {t.dtype for t in p.parameters()} == {torch.float16}
+
+
+#: Conversions that change no tensor of the float32 parts of the toy (its blocks' gates are float16).
+NO_OPS: dict[str, Callable[[Any], Any]] = {
+    "to(float32)": lambda m: m.to(torch.float32),
+    "to(cpu, float32)": lambda m: m.to(torch.device("cpu"), torch.float32, non_blocking=True),
+    "float": lambda m: m.float(),
+}
+#: Conversions that change no tensor of any part of the toy (all of it is on the CPU).
+DEVICE_NO_OPS: dict[str, Callable[[Any], Any]] = {
+    "to('cpu')": lambda m: m.to("cpu"),
+    "to()": lambda m: m.to(),
+    "to(channels_last)": lambda m: m.to(memory_format=torch.channels_last),  # no 4-d tensor
+    "cpu": lambda m: m.cpu(),
+}
+_NO_OP_CASES = [(c, t) for c in NO_OPS for t in ("transformer.blocks.2.q", "text_encoder")] + [
+    (c, t) for c in DEVICE_NO_OPS for t in ("", "transformer", "transformer.blocks.2.q")
+]
+
+
+@pytest.mark.parametrize(("conversion", "target"), _NO_OP_CASES)
+def test_a_conversion_that_changes_no_tensor_is_a_no_op(conversion: str, target: str) -> None:
+    """A conversion that would change no tensor (a float32 part to float32, a CPU pipeline to the CPU)
+    returns the module itself, as in plain torch; later steps and the weights after close stay exact."""
+    p, ref = toy.build(0), toy.build(0)
+    with torchferry.offload(p, **LAYERWISE):
+        p("a cat")
+        module = topology.find_attr(p, target)
+        assert {**NO_OPS, **DEVICE_NO_OPS}[conversion](module) is module
+        assert torch.equal(p("a cat"), ref("a cat"))
+    assert same_weights(p, ref)
+    assert not {"to", "cpu", "float"} & set(vars(module))  # the session's methods are gone after close
+
+
+@pytest.mark.parametrize("conversion", list(NO_OPS))
+def test_a_conversion_that_changes_one_tensor_is_refused(conversion: str) -> None:
+    """The same conversions of the whole transformer, whose blocks hold a float16 gate, are refused
+    before anything is converted."""
+    p, ref = toy.build(0), toy.build(0)
+    with torchferry.offload(p, **LAYERWISE):
+        p("a cat")
+        with pytest.raises(ExecutionError, match=re.escape("of 'transformer' (a conversion through")):
+            NO_OPS[conversion](p.transformer)
+        assert torch.equal(p("a cat"), ref("a cat"))
+    assert same_weights(p, ref)
+    assert {t.dtype for t in p.parameters()} == {torch.float32, torch.float16}
+
+
+def test_a_move_to_the_host_on_a_device_session_is_refused_though_the_weights_are_there() -> None:
+    """On a session whose device is not the CPU (meta here, as CUDA on a GPU), ``.cpu()`` and
+    ``.to("cpu")`` of a block whose tensors sit at host memory between steps are refused: the session
+    would go on serving it on its device. A dtype no-op is still one."""
+    p, ref = toy.build(0), toy.build(0)
+    session = torchferry.offload(p, strategy="layerwise", device="meta")
+    q = p.transformer.blocks[3].q
+    assert {t.device.type for t in q.parameters()} == {"cpu"}
+    for move in (lambda m: m.cpu(), lambda m: m.to("cpu"), lambda m: m.to("cpu", torch.float32)):
+        with pytest.raises(ExecutionError, match=re.escape("(a conversion through nn.Module._apply)")):
+            move(q)
+    assert q.to(torch.float32) is q
+    session.close()
+    assert same_weights(p, ref)
+
+
+def test_a_conversion_a_module_rejects_keeps_its_own_error() -> None:
+    """Arguments ``nn.Module.to`` rejects raise its own error during a session, and nothing changes."""
+    p, ref = toy.build(0), toy.build(0)
+    with torchferry.offload(p, **LAYERWISE):
+        with pytest.raises(RuntimeError, match="Invalid device string: 'not a device'"):
+            p.transformer.to("not a device")
+        assert torch.equal(p("a cat"), ref("a cat"))
+    assert same_weights(p, ref)
 
 
 # ---------------------------------------------------------------------------- saving, copying

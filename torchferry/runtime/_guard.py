@@ -30,7 +30,9 @@ the managed modules themselves. See docs/contract.md.
    weights through ``setattr`` or ``load_state_dict`` during a session.
 3. Moves and conversions. ``module.to(...)``, ``.half()``, ``.cuda()``, ``.to("meta")`` and every
    other conversion through ``nn.Module._apply`` on the pipeline or a managed module raise
-   `ExecutionError` before anything is converted; close the session first.
+   `ExecutionError` before anything is converted; close the session first. A ``.to()``, ``.cpu()``,
+   ``.float()``, ``.double()``, ``.half()`` or ``.bfloat16()`` that would change no tensor returns
+   the module, as in plain torch (diffusers' ``from_pipe`` calls ``.to(dtype)``).
 4. Saving and copying. ``state_dict()`` of a managed module returns standalone CPU tensors (own
    storage, contiguous, ties kept) that every saver accepts; ``keep_vars=True`` still returns the
    live objects. Pickling a managed module (``torch.save(pipe)``), ``copy.copy`` and ``copy.deepcopy``
@@ -73,7 +75,8 @@ _VERSION = operator.attrgetter("_version")
 _DATA_PTR = torch.Tensor.data_ptr
 
 
-#: Instance attributes the guard sets on every managed module (removed at close).
+#: Instance attributes the guard sets on every managed module as refusals (removed at close, with the
+#: conversions of `_CONVERSIONS`).
 _REFUSED = ("_apply", "__deepcopy__", "__reduce_ex__")
 
 #: Methods that write weights in place through ``.data`` (rule 5), wrapped on any object that has them;
@@ -114,6 +117,78 @@ class _Refusal:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise ExecutionError(self.message)
+
+
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    """Whether ``Tensor.to(want)`` keeps a tensor on ``have`` (an index-less CUDA device: the current)."""
+    index: int | None = want.index
+    if have.type != want.type:
+        return False
+    if index is None:
+        return have.type != "cuda" or have.index == torch.cuda.current_device()
+    return have.index == index
+
+
+def _to_changes(t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``nn.Module.to(*args, **kwargs)`` would give ``t`` another tensor (its own rule)."""
+    device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if device is not None and not _same_device(t.device, device):
+        return True
+    if dtype is not None and (t.is_floating_point() or t.is_complex()) and t.dtype != dtype:
+        return True
+    if memory_format is None or t.dim() not in (4, 5):
+        return False
+    return not t.is_contiguous(memory_format=memory_format)
+
+
+#: The conversions a served module answers itself when they change no tensor: each one's rule for
+#: one tensor (as ``nn.Module``'s method applies it), so a no-op stays a no-op as in plain torch.
+_CONVERSIONS: dict[str, Callable[[torch.Tensor, tuple[Any, ...], dict[str, Any]], bool]] = {
+    "to": _to_changes,
+    "cpu": lambda t, args, kwargs: t.device.type != "cpu",
+    "float": lambda t, args, kwargs: t.is_floating_point() and t.dtype != torch.float32,
+    "double": lambda t, args, kwargs: t.is_floating_point() and t.dtype != torch.float64,
+    "half": lambda t, args, kwargs: t.is_floating_point() and t.dtype != torch.float16,
+    "bfloat16": lambda t, args, kwargs: t.is_floating_point() and t.dtype != torch.bfloat16,
+}
+
+
+def _names_another_device(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+) -> bool:
+    """Whether conversion ``name`` moves to a device of another type than the session's: never a no-op
+    (between steps a streamed block is at host memory, so ``.to("cpu")`` of it changes nothing only
+    in appearance: the session keeps serving it on its device)."""
+    if name == "cpu":
+        return device.type != "cpu"
+    if name != "to":
+        return False
+    target = torch._C._nn._parse_to(*args, **kwargs)[0]
+    return target is not None and target.type != device.type
+
+
+class _Conversion:
+    """A conversion method of a served module (`_CONVERSIONS`): one that changes no tensor returns the
+    module, as plain torch does; any other goes on to the module's own method, which reaches the
+    refused ``_apply`` before anything is converted (rule 3)."""
+
+    def __init__(self, module: nn.Module, name: str, device: torch.device) -> None:
+        self.module = module
+        self.name = name
+        self.device = device
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, name, changes = self.module, self.name, _CONVERSIONS[self.name]
+        try:
+            tensors = [*module.parameters(), *module.buffers()]
+            keeps = not _names_another_device(name, args, kwargs, self.device) and not any(
+                changes(t, args, kwargs) for t in tensors
+            )
+        except (TypeError, ValueError, RuntimeError):
+            keeps = False  # arguments the method itself rejects: let it say so
+        if keeps:
+            return module
+        return getattr(type(module), name)(module, *args, **kwargs)
 
 
 def _pointer(t: torch.Tensor) -> int:
@@ -463,6 +538,8 @@ class SessionGuard:
             }
             for attr, message in refusals.items():
                 object.__setattr__(module, attr, _Refusal(message))
+            for name in _CONVERSIONS:
+                object.__setattr__(module, name, _Conversion(module, name, self.engine.device))
             owned = [
                 (key, table)
                 for table in (module._parameters, module._buffers)
@@ -541,7 +618,7 @@ class SessionGuard:
                 vars(obj).pop(name, None)
             self._wrapped.clear()
             for _, module in self._modules:
-                for attr in _REFUSED:
+                for attr in (*_REFUSED, *_CONVERSIONS):
                     module.__dict__.pop(attr, None)
             for handle in self._handles:
                 handle.remove()
