@@ -340,6 +340,53 @@ def test_a_move_to_the_host_on_a_device_session_is_refused_though_the_weights_ar
     assert same_weights(p, ref)
 
 
+class _CachingLinear(torch.nn.Linear):
+    """A linear layer whose ``_apply`` also converts a cached float64 table it keeps outside its buffers."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache = torch.ones(3, dtype=torch.float64)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        self.cache = fn(self.cache)
+        return super()._apply(fn, recurse)
+
+
+class _OwnTo(torch.nn.Linear):
+    """A linear layer with a ``to`` of its own (it could move more than its tensors)."""
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        return super().to(*args, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [_CachingLinear, _OwnTo])
+def test_a_conversion_of_a_module_converting_its_own_way_is_refused(cls: type[torch.nn.Linear]) -> None:
+    """A no-op conversion is not answered for a module that converts more than its tensors: its own
+    ``to``, or a class ``_apply`` under it (which a parent's ``.to()`` reaches in plain torch, and
+    which could change what it keeps); it goes on to the refusal, and nothing changes. A parent whose
+    children only have their own ``to`` (which a parent's ``.to()`` never calls) still answers."""
+    p = toy.build(0)
+    old = p.transformer.blocks[2].q
+    new = cls(old.in_features, old.out_features)
+    new.load_state_dict(old.state_dict())
+    p.transformer.blocks[2].q = new
+    ref = copy.deepcopy(p)
+    refused = re.escape("(a conversion through nn.Module._apply)")
+    with torchferry.offload(p, **LAYERWISE):
+        p("a cat")
+        with pytest.raises(ExecutionError, match=refused):
+            new.to(torch.float32)
+        parent = p.transformer.blocks[2]
+        if cls is _CachingLinear:
+            with pytest.raises(ExecutionError, match=refused):
+                parent.to("cpu")
+        else:
+            assert parent.to("cpu") is parent
+        assert p.transformer.blocks[3].q.to(torch.float32) is p.transformer.blocks[3].q
+        assert torch.equal(p("a cat"), ref("a cat"))
+    assert same_weights(p, ref)
+
+
 def test_a_conversion_a_module_rejects_keeps_its_own_error() -> None:
     """Arguments ``nn.Module.to`` rejects raise its own error during a session, and nothing changes."""
     p, ref = toy.build(0), toy.build(0)

@@ -167,10 +167,30 @@ def _names_another_device(
     return target is not None and target.type != device.type
 
 
+#: Where a conversion method may be defined for `_Conversion` to answer a no-op itself: torch's own,
+#: and diffusers' and transformers' model bases, which check quantization and call torch's.
+_PLAIN_OWNERS = frozenset(
+    {
+        "torch.nn.modules.module.Module",
+        "diffusers.models.modeling_utils.ModelMixin",
+        "transformers.modeling_utils.PreTrainedModel",
+    }
+)
+
+
+def _plain(module: nn.Module, name: str) -> bool:
+    """Whether ``module.name`` is one of the plain conversions (`_PLAIN_OWNERS`) and no module under
+    it converts its tensors its own way (a class ``_apply``): then a no-op is a no-op."""
+    owner = next(c for c in type(module).__mro__ if name in vars(c))
+    if f"{owner.__module__}.{owner.__qualname__}" not in _PLAIN_OWNERS:
+        return False
+    return all(type(m)._apply is nn.Module._apply for m in module.modules())
+
+
 class _Conversion:
-    """A conversion method of a served module (`_CONVERSIONS`): one that changes no tensor returns the
-    module, as plain torch does; any other goes on to the module's own method, which reaches the
-    refused ``_apply`` before anything is converted (rule 3)."""
+    """A conversion method of a served module (`_CONVERSIONS`): a plain one (`_plain`) that changes no
+    tensor returns the module, as plain torch does; any other goes on to the module's own method, which
+    reaches the refused ``_apply`` before anything is converted (rule 3)."""
 
     def __init__(self, module: nn.Module, name: str, device: torch.device) -> None:
         self.module = module
@@ -181,8 +201,10 @@ class _Conversion:
         module, name, changes = self.module, self.name, _CONVERSIONS[self.name]
         try:
             tensors = [*module.parameters(), *module.buffers()]
-            keeps = not _names_another_device(name, args, kwargs, self.device) and not any(
-                changes(t, args, kwargs) for t in tensors
+            keeps = (
+                _plain(module, name)
+                and not _names_another_device(name, args, kwargs, self.device)
+                and not any(changes(t, args, kwargs) for t in tensors)
             )
         except (TypeError, ValueError, RuntimeError):
             keeps = False  # arguments the method itself rejects: let it say so
