@@ -122,6 +122,10 @@ NO_OPS: dict[str, tuple[str, Call]] = {
     "q.float()": ("blocks.3.q", lambda m: m.float()),
     "q.cpu()": ("blocks.3.q", lambda m: m.cpu()),
     "q.to(preserve_format)": ("blocks.3.q", lambda m: m.to(memory_format=torch.preserve_format)),
+    "q.to(float32, non_blocking, channels_last)": (
+        "blocks.3.q",
+        lambda m: m.to(torch.float32, non_blocking=True, memory_format=torch.channels_last),
+    ),
     "block.to(channels_last)": ("blocks.3", lambda m: m.to(memory_format=torch.channels_last)),
     "block.to(cpu)": ("blocks.3", lambda m: m.to("cpu")),
     "conv3.to(contiguous_format)": ("extras.conv3", lambda m: m.to(memory_format=torch.contiguous_format)),
@@ -182,6 +186,7 @@ CHANGES: dict[str, tuple[str, Call]] = {
     "q.bfloat16()": ("transformer.blocks.0.q", lambda m: m.bfloat16()),
     "q.to(f16 tensor)": ("transformer.blocks.3.q", lambda m: m.to(torch.zeros(1, dtype=torch.float16))),
     "q.to(meta)": ("transformer.blocks.3.q", lambda m: m.to("meta")),
+    "q.to('cpu:0') (Tensor.to copies)": ("transformer.blocks.3.q", lambda m: m.to("cpu:0")),
     "q.to(device=meta, dtype=float32)": (
         "transformer.blocks.3.q",
         lambda m: m.to(device="meta", dtype=torch.float32),
@@ -229,6 +234,7 @@ ERRORS: dict[str, tuple[str, Call]] = {
     "q.float(keyword)": ("blocks.3.q", lambda m: m.float(dtype=torch.float32)),
     "q.to(bad device)": ("blocks.3.q", lambda m: m.to("not a device")),
     "q.to(two dtypes)": ("blocks.3.q", lambda m: m.to(torch.float32, torch.float32)),
+    "q.to(copy=True)": ("blocks.3.q", lambda m: m.to(torch.float32, copy=True)),
 }
 
 
