@@ -32,7 +32,8 @@ the managed modules themselves. See docs/contract.md.
    other conversion through ``nn.Module._apply`` on the pipeline or a managed module raise
    `ExecutionError` before anything is converted; close the session first. A ``.to()``, ``.cpu()``,
    ``.float()``, ``.double()``, ``.half()`` or ``.bfloat16()`` that would change no tensor returns
-   the module, as in plain torch (diffusers' ``from_pipe`` calls ``.to(dtype)``).
+   the module, as in plain torch (diffusers' ``from_pipe`` calls ``.to(dtype)``); arguments torch
+   rejects (``.to(torch.int64)``, ``.half(x)``) raise its own error.
 4. Saving and copying. ``state_dict()`` of a managed module returns standalone CPU tensors (own
    storage, contiguous, ties kept) that every saver accepts; ``keep_vars=True`` still returns the
    live objects. Pickling a managed module (``torch.save(pipe)``), ``copy.copy`` and ``copy.deepcopy``
@@ -51,6 +52,7 @@ the managed modules themselves. See docs/contract.md.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import threading
 from collections.abc import Callable
@@ -138,7 +140,11 @@ def _to_changes(t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         return True
     if memory_format is None or t.dim() not in (4, 5):
         return False
-    return not t.is_contiguous(memory_format=memory_format)
+    # Why: ``Tensor.to`` keeps a tensor when its suggested layout is the one asked for, which its
+    # ``is_contiguous(memory_format)`` does not say (a contiguous 1x1 conv weight is both, and is still
+    # copied to channels_last): a meta tensor of its strides answers by the same rule, for free.
+    twin = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return twin.to(memory_format=memory_format) is not twin
 
 
 #: The conversions a served module answers itself when they change no tensor: each one's rule for
@@ -187,6 +193,15 @@ def _plain(module: nn.Module, name: str) -> bool:
     return all(type(m)._apply is nn.Module._apply for m in module.modules())
 
 
+def _valid(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``nn.Module``'s conversion ``name`` takes these arguments without an error of its own (a
+    ``.half(x)``, a ``.to(torch.int64)``): any other call goes on to the method, which raises it."""
+    if name != "to":
+        return not args and not kwargs
+    dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
+    return dtype is None or dtype.is_floating_point or dtype.is_complex
+
+
 class _Conversion:
     """A conversion method of a served module (`_CONVERSIONS`): a plain one (`_plain`) that changes no
     tensor returns the module, as plain torch does; any other goes on to the module's own method, which
@@ -196,13 +211,25 @@ class _Conversion:
         self.module = module
         self.name = name
         self.device = device
+        self.__name__ = name
+
+    @property
+    def __self__(self) -> nn.Module:
+        """The module, as a bound method's (tools that read it, ``inspect``)."""
+        return self.module
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The signature of the module's own method (``.half()`` takes no argument)."""
+        return inspect.signature(getattr(type(self.module), self.name).__get__(self.module))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, name, changes = self.module, self.name, _CONVERSIONS[self.name]
         try:
             tensors = [*module.parameters(), *module.buffers()]
             keeps = (
-                _plain(module, name)
+                _valid(name, args, kwargs)
+                and _plain(module, name)
                 and not _names_another_device(name, args, kwargs, self.device)
                 and not any(changes(t, args, kwargs) for t in tensors)
             )
