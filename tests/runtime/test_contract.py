@@ -387,6 +387,20 @@ def test_a_conversion_of_a_module_converting_its_own_way_is_refused(cls: type[to
     assert same_weights(p, ref)
 
 
+def test_a_no_op_conversion_of_a_quantized_model_keeps_its_own_checks() -> None:
+    """A model marked quantized (diffusers' and transformers' ``is_quantized``) gets no no-op answer:
+    the call goes on to its own method (here torch's, so to the refusal); nothing changes."""
+    p, ref = toy.build(0), toy.build(0)
+    q = p.transformer.blocks[3].q
+    object.__setattr__(q, "is_quantized", True)
+    with torchferry.offload(p, **LAYERWISE):
+        with pytest.raises(ExecutionError, match=re.escape("(a conversion through nn.Module._apply)")):
+            q.to(torch.float32)
+        assert p.transformer.blocks[2].q.to(torch.float32) is p.transformer.blocks[2].q
+        assert torch.equal(p("a cat"), ref("a cat"))
+    assert same_weights(p, ref)
+
+
 def test_a_conversion_a_module_rejects_keeps_its_own_error() -> None:
     """Arguments ``nn.Module.to`` rejects raise its own error during a session, and nothing changes."""
     p, ref = toy.build(0), toy.build(0)

@@ -190,6 +190,8 @@ def _plain(module: nn.Module, name: str) -> bool:
     owner = next(c for c in type(module).__mro__ if name in vars(c))
     if f"{owner.__module__}.{owner.__qualname__}" not in _PLAIN_OWNERS:
         return False
+    if getattr(module, "is_quantized", False):
+        return False  # diffusers' and transformers' own checks refuse casts of quantized models
     return all(type(m)._apply is nn.Module._apply for m in module.modules())
 
 
