@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+import attrs
 import pytest
 import torch
 
 from torchferry import ExecutionError, policies, runtime, topology
-from torchferry.policies import Schedule
+from torchferry.policies import Op, Schedule
 from torchferry.testing import toy
 
 
@@ -79,6 +80,34 @@ def test_block_not_resident_raises(hand_ring: Callable[..., Schedule]) -> None:
     ):
         p.transformer(*_inputs())
     assert torch.equal(p("a cat"), ref("a cat"))
+
+
+@torch.no_grad()
+def test_a_block_loaded_again_while_ready_points_at_host_memory_after_an_unwaited_evict(
+    hand_ring: Callable[..., Schedule],
+) -> None:
+    """A block loaded into its slot again after its forward and evicted before any wait points at its
+    host copy from then on, not at the slot the next block's copy overwrites."""
+    p, ref = toy.build(0), toy.build(0)
+    plan = _plan(p)
+    schedule = hand_ring(plan)
+    first = "transformer.blocks.0"
+    ops = list(schedule.ops)
+    evict = next(i for i, op in enumerate(ops) if op.kind == "evict" and op.unit == first)
+    size = schedule.slots[0].nbytes
+    again = Op(when="after", anchor=first, stream="copy", kind="load", unit=first, slot="s0", nbytes=size)
+    ops.insert(evict, again)
+    seen: list[torch.Tensor] = []
+    p.transformer.blocks[3].register_forward_pre_hook(
+        lambda m, a: seen.append(p.transformer.blocks[0].q.weight.detach().clone())
+    )
+    with runtime.execute(attrs.evolve(schedule, ops=ops), p, plan, device="cpu") as engine:
+        out = p.transformer(*_inputs())
+        pack = engine.store.units[first].packs[0]
+        host = pack.host.untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == host for t in pack.tensors)
+    assert torch.equal(out, ref.transformer(*_inputs()))
+    assert len(seen) == 1 and torch.equal(seen[0], ref.transformer.blocks[0].q.weight)
 
 
 def test_unrun_ops_are_reported(hand_ring: Callable[..., Schedule]) -> None:

@@ -538,6 +538,10 @@ class Engine:
         # may write one), or every tensor when the engine bumped the pack's versions since its last
         # load (`Pack.rewatch`: the session guard then cannot tell an edit from that bump).
         pack = unit.packs[0]
+        if pack.where is _READY:
+            # Loaded again while on the device (`check` allows it): back at its host copy until the
+            # wait, as any pack in flight, so an evict before that wait leaves nothing in the slot.
+            pack.point(pack.host_views)
         pack.arriving = views
         if pack.rewatch:
             pack.rewatch = False
