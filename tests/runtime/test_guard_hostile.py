@@ -464,11 +464,11 @@ def test_an_in_place_edit_from_a_hook_during_a_step_then_one_between_steps_is_ke
 
 @pytest.mark.xfail(
     strict=True,
-    reason="w.data = w * 2 from a hook during a step is not adopted: a load later in the step re-points "
-    "w at the slot over it (layerwise, block 6: every step differs), or the step's end reads the moved "
-    "pack's pointers as the engine's own, so w keeps the stray tensor until close() re-points it at the "
-    "stale host copy (model_level: steps exact, weight after close half the plain one; rule 5 may put "
-    "this outside the contract; same at d2f5962)",
+    reason="w.data = w * 2 from a hook during a step is not adopted: block 6's wait later in the step "
+    "re-points w at the slot over it (layerwise: every step differs; its load did before ef3114e), or the "
+    "step's end reads the moved pack's pointers as the engine's own, so w keeps the stray tensor until "
+    "close() re-points it at the stale host copy (model_level: steps exact, weight after close half the "
+    "plain one; rule 5 may put this outside the contract; same at d2f5962)",
 )
 @pytest.mark.parametrize(("config", "target"), [("layerwise", 6), ("model_level", 6), ("resident2", 0)])
 def test_a_data_assignment_from_a_hook_during_a_step_is_kept(config: str, target: int) -> None:

@@ -12,12 +12,12 @@ With a `Comm` (the distributed strategy, all-gathered blocks, more than one rank
 only its shard of each all-gathered block (see `HostStore`). A ``load ... from shard`` copies that
 shard into a shard slot on the copy stream; the ``gather`` that follows all-gathers the ranks' shards
 into the block's slot on the comm stream, in the schedule's chunks, and the block's tensors point
-into the slot as after any load. Collectives could hang if ranks disagreed, so the ranks agree
-first: when the engine opens, on the plan (then on whether every rank could open: a rank whose
-checkpoint is bad fails alone, the others fail with it, and nothing is changed anywhere), and
-before every step that issues collectives, on its schedule's text. A disagreement raises
-`ExecutionError` on every rank at once. Teardown needs no collective: `close` leaves sharded tensors
-as placeholders unless asked to gather them (`close(gather=True)`, a collective).
+into the slot from its wait on, as after any load. Collectives could hang if ranks disagreed, so
+the ranks agree first: when the engine opens, on the plan (then on whether every rank could open: a
+rank whose checkpoint is bad fails alone, the others fail with it, and nothing is changed
+anywhere), and before every step that issues collectives, on its schedule's text. A disagreement
+raises `ExecutionError` on every rank at once. Teardown needs no collective: `close` leaves sharded
+tensors as placeholders unless asked to gather them (`close(gather=True)`, a collective).
 
 [Note: inference mode]
 The engine's own tensors (host buffers, device slots, staged copies, the views parameters point at,
@@ -352,8 +352,9 @@ class Engine:
         for name in self.transfers:
             for pack in self.store.units[name].packs:
                 if pack.where is _IN_FLIGHT:
-                    # Between steps any tensor may be edited (and a hook at the next step's start
-                    # may edit it after the step start's checks): the wait copies again if one was.
+                    # Between steps any tensor may be edited (a session adopts such an edit at the
+                    # next step start, but a hook there may edit after that check, and `execute`
+                    # checks nothing): the wait copies again if one was.
                     pack.carry(range(len(pack.tensors)))
         self._residency = schedule.exit
         self.last = schedule
