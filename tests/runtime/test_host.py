@@ -52,3 +52,30 @@ def test_close_gives_every_tensor_its_own_storage() -> None:
     assert all(
         torch.equal(a, b) for a, b in zip(p.state_dict().values(), ref.state_dict().values(), strict=True)
     )
+
+
+def test_a_pack_in_flight_finds_writes_to_the_tensors_it_watches() -> None:
+    """`Pack.carry` watches tensors for in-place writes from now on, keeping the counter it saw first
+    for one watched already; `Pack.stale` reports a write to a watched tensor once and forgets the
+    watch; `Pack.recopy` marks one tensor written."""
+    p = toy.build(0)
+    store, _ = _store(p)
+    pack = store.packs["transformer.blocks.0"]
+    first, second = pack.tensors[0], pack.tensors[1]
+    pack.carry([0])
+    with torch.no_grad():
+        first.mul_(1)
+    pack.carry([0, 1])  # tensor 0 keeps the counter from before the write
+    assert pack.stale()
+    assert not pack.stale() and pack.watched == ()
+    pack.carry([0, 1])
+    with torch.no_grad():
+        pack.tensors[2].mul_(1)  # not watched
+    assert not pack.stale()
+    pack.carry([1])
+    with torch.no_grad():
+        second.mul_(1)
+    assert pack.stale()
+    pack.carry([0])
+    pack.recopy(1)
+    assert pack.watched == (0, 1) and pack.stale()

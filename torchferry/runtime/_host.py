@@ -249,10 +249,14 @@ class Pack:
         """The pack's copy is in flight: remember the version counters of tensors ``indices``, so its
         wait finds an in-place write made to their host bytes meanwhile (`stale`). Tensors already
         watched keep the counter seen first."""
-        seen = dict(zip(self.watched, self._carried, strict=True))
         tensors = self.tensors
-        self.watched = tuple(indices)
-        self._carried = tuple(seen.get(i, tensors[i]._version) for i in self.watched)
+        watched = tuple(indices)
+        if self.watched:
+            seen = dict(zip(self.watched, self._carried, strict=True))
+            self._carried = tuple(seen.get(i, tensors[i]._version) for i in watched)
+        else:  # every load of a pack with buffers comes here: no table to build
+            self._carried = tuple(tensors[i]._version for i in watched)
+        self.watched = watched
 
     def recopy(self, index: int) -> None:
         """The pack's copy is in flight and tensor ``index`` was written in place since some time in
