@@ -193,7 +193,8 @@ class Pack:
     shard_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
     arriving: tuple[torch.Tensor, ...] | None = None
     # Why: while the pack's copy is in flight, the tensors it watches for in-place writes (its buffers
-    # from the load on, all of them once a step ends) and their version counters then (see `carry`).
+    # from the load on, all of them from the load on after `rewatch` and once a step ends) and their
+    # version counters then (see `carry`; `recopy` marks one written).
     watched: tuple[int, ...] = ()
     _carried: tuple[int, ...] = ()
     # Why: the engine bumped the pack's version counters since its last load (`keep_written`, the grad
