@@ -67,7 +67,7 @@ def test_a_pack_in_flight_finds_writes_to_the_tensors_it_watches() -> None:
         first.mul_(1)
     pack.carry([0, 1])  # tensor 0 keeps the counter from before the write
     assert pack.stale()
-    assert not pack.stale() and pack.watched == ()
+    assert not pack.stale() and pack.watched == {}
     pack.carry([0, 1])
     with torch.no_grad():
         pack.tensors[2].mul_(1)  # not watched
@@ -78,4 +78,4 @@ def test_a_pack_in_flight_finds_writes_to_the_tensors_it_watches() -> None:
     assert pack.stale()
     pack.carry([0])
     pack.recopy(1)
-    assert pack.watched == (0, 1) and pack.stale()
+    assert list(pack.watched) == [0, 1] and pack.stale()

@@ -131,46 +131,54 @@ def _same_device(have: torch.device, want: torch.device) -> bool:
     return have.index == index
 
 
-def _to_changes(t: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``nn.Module.to(*args, **kwargs)`` would give ``t`` another tensor (its own rule)."""
-    device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-    if device is not None and not _same_device(t.device, device):
-        return True
-    if dtype is not None and (t.is_floating_point() or t.is_complex()) and t.dtype != dtype:
-        return True
-    if memory_format is None or t.dim() not in (4, 5):
-        return False
-    # Why: ``Tensor.to`` keeps a tensor when its suggested layout is the one asked for, which its
-    # ``is_contiguous(memory_format)`` does not say (a contiguous 1x1 conv weight is both, and is still
-    # copied to channels_last): a meta tensor of its strides answers by the same rule, for free.
-    twin = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    return twin.to(memory_format=memory_format) is not twin
+@attrs.frozen
+class _Target:
+    """What a conversion asks of each tensor, as ``nn.Module``'s method applies it."""
+
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
+    memory_format: torch.memory_format | None = None
+    #: ``.to(dtype)`` converts complex tensors too; ``.float()`` and its kin floating ones only.
+    complex_too: bool = True
+
+    def changes(self, t: torch.Tensor) -> bool:
+        """Whether the conversion would give ``t`` another tensor (torch's own rule)."""
+        if self.device is not None and not _same_device(t.device, self.device):
+            return True
+        converts = t.is_floating_point() or (self.complex_too and t.is_complex())
+        if self.dtype is not None and t.dtype != self.dtype and converts:
+            return True
+        if self.memory_format is None or t.dim() not in (4, 5):
+            return False
+        # Why: ``Tensor.to`` keeps a tensor when its suggested layout is the one asked for, which its
+        # ``is_contiguous(memory_format)`` does not say (a contiguous 1x1 conv weight is both, and is
+        # still copied to channels_last): a meta tensor of its strides answers by the same rule, free.
+        twin = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        return twin.to(memory_format=self.memory_format) is not twin
 
 
-#: The conversions a served module answers itself when they change no tensor: each one's rule for
-#: one tensor (as ``nn.Module``'s method applies it), so a no-op stays a no-op as in plain torch.
-_CONVERSIONS: dict[str, Callable[[torch.Tensor, tuple[Any, ...], dict[str, Any]], bool]] = {
-    "to": _to_changes,
-    "cpu": lambda t, args, kwargs: t.device.type != "cpu",
-    "float": lambda t, args, kwargs: t.is_floating_point() and t.dtype != torch.float32,
-    "double": lambda t, args, kwargs: t.is_floating_point() and t.dtype != torch.float64,
-    "half": lambda t, args, kwargs: t.is_floating_point() and t.dtype != torch.float16,
-    "bfloat16": lambda t, args, kwargs: t.is_floating_point() and t.dtype != torch.bfloat16,
+#: The shorthand conversions a served module answers itself when they change no tensor.
+_SHORTHANDS = {
+    "cpu": _Target(device=torch.device("cpu")),
+    "float": _Target(dtype=torch.float32, complex_too=False),
+    "double": _Target(dtype=torch.float64, complex_too=False),
+    "half": _Target(dtype=torch.float16, complex_too=False),
+    "bfloat16": _Target(dtype=torch.bfloat16, complex_too=False),
 }
+#: Every conversion method a served module answers itself when it would be a no-op (`_Conversion`).
+_CONVERSIONS = ("to", *_SHORTHANDS)
 
 
-def _names_another_device(
-    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
-) -> bool:
-    """Whether conversion ``name`` moves to a device of another type than the session's: never a no-op
-    (between steps a streamed block is at host memory, so ``.to("cpu")`` of it changes nothing only
-    in appearance: the session keeps serving it on its device)."""
-    if name == "cpu":
-        return device.type != "cpu"
+def _target(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Target | None:
+    """What conversion ``name`` called with these arguments asks, or ``None`` where ``nn.Module``'s
+    method rejects them without converting (a ``.half(x)``, a ``.to(torch.int64)``): the method then
+    says so itself. Arguments ``Tensor.to`` cannot parse raise here."""
     if name != "to":
-        return False
-    target = torch._C._nn._parse_to(*args, **kwargs)[0]
-    return target is not None and target.type != device.type
+        return None if args or kwargs else _SHORTHANDS[name]
+    device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        return None
+    return _Target(device=device, dtype=dtype, memory_format=memory_format)
 
 
 #: Where a conversion method may be defined for `_Conversion` to answer a no-op itself: torch's own,
@@ -195,15 +203,6 @@ def _plain(module: nn.Module, name: str) -> bool:
     return all(type(m)._apply is nn.Module._apply for m in module.modules())
 
 
-def _valid(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``nn.Module``'s conversion ``name`` takes these arguments without an error of its own (a
-    ``.half(x)``, a ``.to(torch.int64)``): any other call goes on to the method, which raises it."""
-    if name != "to":
-        return not args and not kwargs
-    dtype = torch._C._nn._parse_to(*args, **kwargs)[1]
-    return dtype is None or dtype.is_floating_point or dtype.is_complex
-
-
 class _Conversion:
     """A conversion method of a served module (`_CONVERSIONS`): a plain one (`_plain`) that changes no
     tensor returns the module, as plain torch does; any other goes on to the module's own method, which
@@ -226,14 +225,16 @@ class _Conversion:
         return inspect.signature(getattr(type(self.module), self.name).__get__(self.module))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module, name, changes = self.module, self.name, _CONVERSIONS[self.name]
+        module, name = self.module, self.name
+        # A move to a device of another type than the session's is never a no-op: between steps a
+        # streamed block is at host memory, yet the session goes on serving it on its device.
         try:
-            tensors = [*module.parameters(), *module.buffers()]
+            target = _target(name, args, kwargs)
             keeps = (
-                _valid(name, args, kwargs)
+                target is not None
+                and (target.device is None or target.device.type == self.device.type)
                 and _plain(module, name)
-                and not _names_another_device(name, args, kwargs, self.device)
-                and not any(changes(t, args, kwargs) for t in tensors)
+                and not any(target.changes(t) for t in (*module.parameters(), *module.buffers()))
             )
         except (TypeError, ValueError, RuntimeError):
             keeps = False  # arguments the method itself rejects: let it say so

@@ -192,11 +192,10 @@ class Pack:
     # Why: per shard slot name, (the slot's buffer, this rank's shard bytes of it).
     shard_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
     arriving: tuple[torch.Tensor, ...] | None = None
-    # Why: while the pack's copy is in flight, the tensors it watches for in-place writes (its buffers
-    # from the load on, all of them from the load on after `rewatch` and once a step ends) and their
-    # version counters then (see `carry`; `recopy` marks one written).
-    watched: tuple[int, ...] = ()
-    _carried: tuple[int, ...] = ()
+    #: While the pack's copy is in flight, the tensors watched for in-place writes (its buffers from
+    #: the load on, all of them from the load on after `rewatch` and once a step ends): index ->
+    #: version counter when the watch began, -1 for one known written (see `carry`, `recopy`).
+    watched: dict[int, int] = attrs.field(factory=dict)
     # Why: the engine bumped the pack's version counters since its last load (`keep_written`, the grad
     # guard), so the session guard re-reads them at the step's end and cannot tell an in-place edit
     # made after the next load from its own bump: that load watches every tensor (see `carry`).
@@ -243,38 +242,31 @@ class Pack:
             self.point(self.host_views)
         elif where is PackState.IN_FLIGHT:
             self.arriving = None
-            self.watched = self._carried = ()
+            self.watched.clear()
         self.where = PackState.HOST
 
-    def carry(self, indices: Sequence[int]) -> None:
-        """The pack's copy is in flight: remember the version counters of tensors ``indices``, so its
-        wait finds an in-place write made to their host bytes meanwhile (`stale`). Tensors already
-        watched keep the counter seen first."""
-        tensors = self.tensors
-        watched = tuple(indices)
-        if self.watched:
-            seen = dict(zip(self.watched, self._carried, strict=True))
-            self._carried = tuple(seen.get(i, tensors[i]._version) for i in watched)
-        else:  # every load of a pack with buffers comes here: no table to build
-            self._carried = tuple(tensors[i]._version for i in watched)
-        self.watched = watched
+    def carry(self, indices: Iterable[int]) -> None:
+        """The pack's copy is in flight: watch tensors ``indices`` from now on, so its wait finds an
+        in-place write made to their host bytes meanwhile (`stale`). Tensors already watched keep the
+        counter seen first."""
+        watched, tensors = self.watched, self.tensors
+        for i in indices:
+            if i not in watched:
+                watched[i] = tensors[i]._version
 
     def recopy(self, index: int) -> None:
         """The pack's copy is in flight and tensor ``index`` was written in place since some time in
         the step that issued it (its host bytes hold the write; the copy may not): make its wait copy
         the pack again (`stale`)."""
-        seen = dict(zip(self.watched, self._carried, strict=True))
-        seen[index] = -1  # no version counter reads -1
-        self.watched, self._carried = tuple(seen), tuple(seen.values())
+        self.watched[index] = -1  # no version counter reads -1
 
     def stale(self) -> bool:
-        """Whether a watched tensor was written in place since `carry` (the copy holds old bytes)."""
-        watched, carried = self.watched, self._carried
-        if not watched:
-            return False
-        self.watched = self._carried = ()
-        tensors = self.tensors
-        return any(tensors[i]._version != v for i, v in zip(watched, carried, strict=True))
+        """Whether a watched tensor was written in place since `carry` (the copy holds old bytes);
+        the watch ends."""
+        watched, tensors = self.watched, self.tensors
+        written = any(tensors[i]._version != v for i, v in watched.items())
+        watched.clear()
+        return written
 
     def arrived(self) -> None:
         """The pack's tensors point at a device copy now: remember its buffers' version counters."""
