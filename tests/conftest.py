@@ -1,9 +1,14 @@
-"""Shared pytest configuration: the ``--update-golden`` flag, CUDA-only skips, no saved profile."""
+"""Shared pytest configuration: the ``--update-golden`` flag, CUDA-only skips, no saved profile.
+
+With ``TORCHFERRY_REQUIRE_EXTRAS=1`` (set by .ci/run) a test skipped because an optional package
+is missing fails instead: CI installs every extra, so such a skip there is a broken install.
+"""
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +39,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="run the runtime tests on the plain CPU stream context instead of the stream sanitizer",
     )
+
+
+def _missing_extra_fails(report: pytest.TestReport | pytest.CollectReport) -> None:
+    if report.skipped and os.environ.get("TORCHFERRY_REQUIRE_EXTRAS") == "1":
+        reason = str(report.longrepr)
+        if "could not import" in reason:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{reason}\nTORCHFERRY_REQUIRE_EXTRAS=1: an optional package the test needs is missing; "
+                "install every extra: pip install -c constraints.txt -e '.[dev,diffusers,quant]'"
+            )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    _missing_extra_fails(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+    report = yield
+    _missing_extra_fails(report)
+    return report
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
@@ -21,3 +23,39 @@ def test_writing_a_policy_example_runs() -> None:
     exec(compile(blocks[0] + "\n" + blocks[1], "writing-a-policy.md", "exec"), namespace)
     session = namespace["session"]
     assert getattr(session, "closed", False) is True
+
+
+ROOT = DOCS.parent
+
+
+def _ci_commands() -> list[str]:
+    """The commands .ci/run runs, one a line, without its quiet flags and CI-only options."""
+    commands: list[str] = []
+    for line in (ROOT / ".ci" / "run").read_text().splitlines():
+        if line.startswith(("pip ", "ruff ", "mypy", "python ")):
+            commands += [c.strip() for c in line.split("&&")]
+    return [c.replace(" -q", "").replace(" -p no:cacheprovider", "") for c in commands]
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    """README's second command is exactly the install, lint, type-check and test that .ci/run does."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    comment = next(i for i, line in enumerate(lines) if line.startswith("# install the pinned test releases"))
+    readme = [c.strip() for c in lines[comment + 1].split("&&")]
+    assert readme == [c.replace("python -m pytest", "python -m pytest -q") for c in _ci_commands()]
+    assert all("-c constraints.txt" in c for c in readme if c.startswith("pip install"))
+
+
+def test_constraints_pin_every_package_the_extras_name() -> None:
+    """constraints.txt pins an exact release of torch and of every package an extra names."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and newer
+    pins = {
+        line.split("==")[0].lower().replace("_", "-")
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    }
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"].values()
+    named = [*project["dependencies"], *(d for deps in extras for d in deps)]
+    wanted = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower().replace("_", "-") for d in named}
+    assert wanted - pins == set()
