@@ -127,7 +127,6 @@ LONG_FOR_NOW = {
     "topology/_discover.py",
 }
 CYCLES_FOR_NOW = [
-    ["torchferry.policies._ir", "torchferry.policies._sim", "torchferry.policies._text"],
     ["torchferry.runtime._engine", "torchferry.runtime._hooks", "torchferry.runtime._program"],
     ["torchferry.runtime._streams", "torchferry.runtime._trace"],
     ["torchferry.topology._checkpoint", "torchferry.topology._folder"],

@@ -46,8 +46,10 @@ from torchferry.policies._ir import (
 )
 from torchferry.policies._layout import layout as layout
 from torchferry.policies._layout import shard_nbytes
+from torchferry.policies._listing import format_schedule
 from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, Span, simulate, steady_schedule
-from torchferry.policies._text import Mark, format_bytes, format_marked, format_schedule, parse_schedule
+from torchferry.policies._text import Mark, format_marked, parse_schedule
+from torchferry.policies._tokens import format_bytes
 
 __all__ = [
     "BUILTINS",

@@ -28,7 +28,7 @@ from torchferry.policies._builtin import builtin, compress_paths, distributed_la
 from torchferry.policies._ir import Declared, Policy, Schedule, Step, declare
 from torchferry.policies._layout import layout, swaps
 from torchferry.policies._sim import DEFAULT_COST, CostModel, simulate, steady_schedule
-from torchferry.policies._text import format_bytes
+from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Plan, Strategy, memory_bytes
 
 __all__ = ["Choice", "auto", "choose", "footprint", "steady_step_s"]

@@ -43,7 +43,7 @@ from torchferry.policies._ir import (
     declare,
 )
 from torchferry.policies._layout import PlanFacts, forward_blocks, layout, shard_nbytes, swaps
-from torchferry.policies._text import format_bytes
+from torchferry.policies._tokens import format_bytes
 from torchferry.topology import MAX_PREFETCH_DEPTH, STRATEGIES, Component, Plan, Strategy
 
 __all__ = [

@@ -10,7 +10,8 @@ import attrs
 from torchferry._errors import ScheduleError
 from torchferry.policies._ir import DEVICE, OP_STREAM, Op, Schedule, rest_unit
 from torchferry.policies._layout import PlanFacts, forward_blocks, has_blocks, layout, shard_nbytes
-from torchferry.policies._text import format_bytes, format_marked
+from torchferry.policies._text import format_marked
+from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Component, Plan
 
 __all__ = ["INVARIANTS", "check"]

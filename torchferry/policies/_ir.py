@@ -31,6 +31,7 @@ from typing import Literal, Protocol
 
 import attrs
 
+from torchferry.policies._tokens import format_bytes, format_name
 from torchferry.topology import Plan
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "declare",
     "index_free",
     "is_index_free",
+    "op_columns",
     "rest_unit",
 ]
 
@@ -151,9 +153,17 @@ class Op:
 
     def __repr__(self) -> str:
         """The op's canonical text line (unaligned)."""
-        from torchferry.policies._text import format_op
+        return f"Op<{' '.join(c for c in op_columns(self) if c)}>"
 
-        return f"Op<{format_op(self)}>"
+
+def op_columns(op: Op) -> list[str]:
+    """An op's columns in text order, its line in a schedule's text; a field at its default is empty."""
+    slot = f"-> {format_name(op.slot)}" if op.slot is not None else ""
+    src = f"from {format_name(op.src)}" if op.src is not None else ""
+    chunks = f"chunks {op.chunks}" if op.chunks != 1 else ""
+    size = format_bytes(op.nbytes) if op.nbytes else ""
+    anchor, unit = format_name(op.anchor), format_name(op.unit)
+    return [op.when, anchor, op.stream, op.kind, unit, slot, src, chunks, size]
 
 
 def _ops(value: Iterable[Op]) -> tuple[Op, ...]:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 import attrs
 
 from torchferry.policies._ir import DEVICE, Op, Placement, Policy, Schedule, Step, StreamName
-from torchferry.policies._text import format_bytes
+from torchferry.policies._tokens import format_bytes
 from torchferry.topology import FrozenMap, Plan
 
 __all__ = ["DEFAULT_COST", "CostModel", "SimReport", "Span", "simulate", "steady_schedule"]

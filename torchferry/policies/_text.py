@@ -1,4 +1,4 @@
-"""The canonical text form of a schedule: `format_schedule` and its exact inverse `parse_schedule`.
+"""The canonical text form of a schedule: `format_text` and its exact inverse `parse_schedule`.
 
 Layout (one line each, columns aligned; blank lines ignored by the parser)::
 
@@ -12,12 +12,13 @@ Layout (one line each, columns aligned; blank lines ignored by the parser)::
     before  transformer.blocks.0  compute  wait  transformer.blocks.0
     before  transformer.blocks.0  copy     load  transformer.blocks.1  -> s1  670.2 MiB (702788608)
     exit    transformer.blocks.0@s0  670.2 MiB (702788608)
-    # sim: peak ... (derived; the parser ignores it)
+    # sim: peak ... (derived: `format_schedule` adds it; the parser ignores it)
 
 Byte counts print in binary units with the exact count in brackets, so the text parses back to
 the same schedule. Tokens that are empty, hold whitespace or quotes, or could read as a keyword
 (a bare model's component path is ``""``) print as JSON strings. ``step-entry`` rows, before the
-slots, appear only when the step's entry differs from the schedule's.
+slots, appear only when the step's entry differs from the schedule's. Op lines align the columns of
+`_ir.op_columns`, which an op's ``repr`` joins unaligned.
 """
 
 from __future__ import annotations
@@ -25,55 +26,24 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Collection
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from torchferry._errors import ScheduleError
-from torchferry.policies._ir import OP_KINDS, Op, Placement, Schedule, Slot, SlotKind, Step, StreamName, When
+from torchferry.policies._ir import OP_KINDS, Op, Placement, Schedule, Slot, Step, op_columns
+from torchferry.policies._tokens import NUMBER, UNIT_NAMES, format_bytes, format_name
 
-__all__ = [
-    "HEADER",
-    "Mark",
-    "format_bytes",
-    "format_marked",
-    "format_op",
-    "format_schedule",
-    "parse_schedule",
-]
+if TYPE_CHECKING:
+    from torchferry.policies._ir import SlotKind, StreamName, When
+
+__all__ = ["HEADER", "Mark", "format_marked", "format_text", "parse_schedule"]
 
 HEADER = "# torchferry schedule v1"
 
-_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
-_UNIT_NAMES = {"B", "KiB", "MiB", "GiB", "TiB"}
-_KEYWORDS = {"->", "from", "chunks", "(none)", "before", "after", "entry", "exit", "slot", "step-entry"}
 _TOKEN = re.compile(r'(?:"(?:[^"\\]|\\.)*"|[^\s"]+)+')
 _EXACT = re.compile(r"\((\d+)\)")
-_NUMBER = re.compile(r"\d+(\.\d+)?")
 _WHEN: tuple[When, ...] = ("before", "after")
 _STREAMS: tuple[StreamName, ...] = ("copy", "comm", "compute")
 _SLOT_KINDS: tuple[SlotKind, ...] = ("block", "shard")
-
-
-def format_bytes(nbytes: int, *, exact: bool = True) -> str:
-    """``670.2 MiB (702788608)``: a binary-unit figure, then the exact count unless it reads in bytes."""
-    for name, size in _UNITS:
-        if abs(nbytes) >= size:
-            human = f"{nbytes / size:.1f} {name}"
-            return f"{human} ({nbytes})" if exact else human
-    return f"{nbytes} B"
-
-
-def _token(text: str) -> str:
-    if (
-        not text
-        or text in _KEYWORDS
-        or text.startswith("#")
-        or '"' in text
-        or _NUMBER.fullmatch(text)
-        or not text.isprintable()
-        or " " in text
-    ):
-        return json.dumps(text)
-    return text
 
 
 def _free(text: str) -> str:
@@ -83,7 +53,7 @@ def _free(text: str) -> str:
 
 
 def _placement(p: Placement) -> str:
-    unit, where = _token(p.unit), _token(p.where)
+    unit, where = format_name(p.unit), format_name(p.where)
     if unit != p.unit or where != p.where or "@" in p.where:
         return f"{json.dumps(p.unit)}@{json.dumps(p.where)}"
     return f"{unit}@{where}"
@@ -105,19 +75,6 @@ def _parse_placement(line: _Line, token: str) -> Placement:
     return Placement(unit=unit, where=where)
 
 
-def _op_columns(op: Op) -> list[str]:
-    slot = f"-> {_token(op.slot)}" if op.slot is not None else ""
-    src = f"from {_token(op.src)}" if op.src is not None else ""
-    chunks = f"chunks {op.chunks}" if op.chunks != 1 else ""
-    size = format_bytes(op.nbytes) if op.nbytes else ""
-    return [op.when, _token(op.anchor), op.stream, op.kind, _token(op.unit), slot, src, chunks, size]
-
-
-def format_op(op: Op) -> str:
-    """One op as a single unaligned text line (its ``repr``)."""
-    return " ".join(c for c in _op_columns(op) if c)
-
-
 def _align(rows: list[list[str]]) -> list[str]:
     if not rows:
         return []
@@ -136,30 +93,23 @@ def _residency_rows(tag: str, placements: tuple[Placement, ...]) -> list[list[st
     return [[tag, _placement(p), format_bytes(p.nbytes) if p.nbytes else ""] for p in placements]
 
 
-def format_schedule(schedule: Schedule, *, sim: bool = True) -> str:
-    """The canonical text of ``schedule``; ``sim`` appends the derived ``# sim:`` summary line.
-
-    The summary is `simulate` under `DEFAULT_COST` (documented there); `parse_schedule` ignores it.
-    """
+def format_text(schedule: Schedule) -> str:
+    """The canonical text of ``schedule``, which `parse_schedule` reads back to an equal schedule."""
     s = schedule
     step = s.step
-    step_line = f"# step: {_token(step.component)} #{step.index}"
+    step_line = f"# step: {format_name(step.component)} #{step.index}"
     if step.next is not None:
-        step_line += f" -> {_token(step.next)}"
+        step_line += f" -> {format_name(step.next)}"
     lines = [HEADER, f"# policy: {_free(s.policy)}", f"# plan: {_free(s.plan)}", step_line]
     lines += [f"# note: {_free(n)}" for n in s.notes]
     table: list[list[str]] = []
     if step.entry != s.entry:
         table += _residency_rows("step-entry", step.entry)
-    table += [["slot", _token(sl.name), f"{sl.kind}  {format_bytes(sl.nbytes)}"] for sl in s.slots]
+    table += [["slot", format_name(sl.name), f"{sl.kind}  {format_bytes(sl.nbytes)}"] for sl in s.slots]
     table += _residency_rows("entry", s.entry)
     lines += _align(table)
-    lines += _align([_op_columns(op) for op in s.ops])
+    lines += _align([op_columns(op) for op in s.ops])
     lines += _align(_residency_rows("exit", s.exit))
-    if sim:
-        from torchferry.policies._sim import DEFAULT_COST, simulate
-
-        lines.append(simulate(s, DEFAULT_COST).summary())
     return "\n".join(lines) + "\n"
 
 
@@ -183,7 +133,7 @@ def format_marked(
     with its number, as `check`'s report shows the listing. One renderer serves `check` and the
     runtime's `ExecutionError`.
     """
-    rows = format_schedule(schedule, sim=False).splitlines()
+    rows = format_text(schedule).splitlines()
     first_op = len(rows) - max(len(schedule.exit), 1) - len(schedule.ops)
     marked = {n - 1 for n in lines}
     marked.update(first_op + m for m in marks if m != "exit")
@@ -232,7 +182,7 @@ def _unfree(line: _Line, text: str) -> str:
 
 def _bytes(line: _Line, tokens: list[str], i: int) -> tuple[int, int]:
     """Parse ``<number> <unit> [(<exact>)]`` at ``tokens[i]``; returns (bytes, next index)."""
-    if i + 1 >= len(tokens) or not _NUMBER.fullmatch(tokens[i]) or tokens[i + 1] not in _UNIT_NAMES:
+    if i + 1 >= len(tokens) or not NUMBER.fullmatch(tokens[i]) or tokens[i + 1] not in UNIT_NAMES:
         raise line.error(f"expected a byte count such as '670.2 MiB (702788608)' at {tokens[i]!r}")
     if tokens[i + 1] == "B":
         if "." in tokens[i]:
