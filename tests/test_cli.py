@@ -20,7 +20,7 @@ import torch
 import torchferry
 from torchferry import policies, topology
 from torchferry.cli import main
-from torchferry.cli._demo import ensure_checkpoint
+from torchferry.cli._demo_runs import ensure_checkpoint
 from torchferry.testing import toy
 from torchferry.topology import KNOWN_ALIASES, KNOWN_MODELS, known_topology
 

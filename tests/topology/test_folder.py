@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from torchferry import PlanError, topology
-from torchferry.cli._plan_report import load_model
+from torchferry.cli._plan_input import load_model
 from torchferry.topology._checkpoint import SAFETENSORS_DTYPES
 
 _CODES = {name: code for code, name in SAFETENSORS_DTYPES.items()}

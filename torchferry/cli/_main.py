@@ -98,7 +98,7 @@ def _device(text: str) -> str:
 
 
 def _resolution(text: str) -> object:
-    from torchferry.cli._plan_report import parse_resolution
+    from torchferry.cli._plan_input import parse_resolution
 
     return _parsed(parse_resolution)(text)
 
@@ -260,17 +260,14 @@ def _parser() -> _Parser:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from torchferry.cli import _plan_report as report
+    from torchferry.cli import _plan_input, _plan_output, _plan_report
 
     if args.list:
         if args.format == "json":
-            print(
-                json.dumps(
-                    {"torchferry_models": report.JSON_VERSION, "models": report.list_document()}, indent=2
-                )
-            )
+            doc = {"torchferry_models": _plan_output.JSON_VERSION, "models": _plan_output.list_document()}
+            print(json.dumps(doc, indent=2))
         else:
-            sys.stdout.write(report.format_list())
+            sys.stdout.write(_plan_output.format_list())
         return 0
     if args.model is None:
         raise UsageError("plan needs MODEL (a known id, or a checkpoint path), or --list")
@@ -286,8 +283,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.device_class is not None and args.profile is not None:
         raise UsageError("--device-class and --profile are two sources of device figures; pass one of them")
     start = time.perf_counter()
-    topo, known = report.load_model(args.model, attrs_)
-    options = report.Options(
+    topo, known = _plan_input.load_model(args.model, attrs_)
+    options = _plan_report.Options(
         budget_bytes=args.device_memory, h2d_bytes_per_s=args.h2d, collective_bytes_per_s=args.allgather,
         device=_device_figures(args), forwards_per_step=args.forwards_per_step, text_tokens=args.text_tokens,
         host_op_s=(args.host_op_us or 0.0) / 1e6, world_size=args.world_size, depth=args.depth,
@@ -298,14 +295,14 @@ def _plan(args: argparse.Namespace) -> int:
             "--resolution and --tflops need a known model id, whose block FLOPs are known; "
             "for a checkpoint pass --block-ms"
         )
-    result = report.build_report(args.model, topo, known, options)
+    result = _plan_report.build_report(args.model, topo, known, options)
     elapsed = time.perf_counter() - start
     if args.format == "json":
-        doc = report.report_document(result, show_schedule=args.show_schedule)
+        doc = _plan_output.report_document(result, show_schedule=args.show_schedule)
         doc["planning_s"] = round(elapsed, 4)
         print(json.dumps(doc, indent=2))
     else:
-        sys.stdout.write(report.format_report(result, show_schedule=args.show_schedule))
+        sys.stdout.write(_plan_output.format_report(result, show_schedule=args.show_schedule))
     return 0
 
 

@@ -1,0 +1,115 @@
+"""What `torchferry plan` reads: the model its argument names, and a resolution written as text.
+
+A model is a known id, a hub id (its snapshot in the local cache), a diffusers pipeline folder or a
+checkpoint, always read through headers and shipped specs, never its data.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+
+from torchferry import topology
+from torchferry._errors import PlanError
+from torchferry.topology import KnownModel, Resolution, Topology
+
+__all__ = ["load_model", "parse_resolution"]
+
+_RESOLUTION = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?:x\s*(\d+)\s*f?)?\s*$", re.IGNORECASE)
+
+
+def parse_resolution(text: str) -> Resolution:
+    """``"1280x720x81"`` -> width 1280, height 720, 81 frames; ``"1024x1024"`` -> one frame."""
+    match = _RESOLUTION.match(text)
+    if match is None or any(int(g) < 1 for g in match.groups() if g is not None):
+        raise ValueError(
+            f"cannot read {text!r} as a resolution; write WIDTHxHEIGHT or WIDTHxHEIGHTxFRAMES, "
+            "such as 1024x1024 or 1280x720x81"
+        )
+    width, height, frames = match.groups()
+    return Resolution(height=int(height), width=int(width), frames=int(frames or 1))
+
+
+def _looks_like_path(model: str) -> bool:
+    return os.path.exists(model) or model.endswith((".safetensors", ".json")) or (
+        ("/" in model or os.sep in model)
+        and topology.hub_snapshot(model) is None
+        and topology.hub_model_id(model) is None
+    )
+
+
+def _by_component(attrs_: Sequence[str], names: Sequence[str]) -> dict[str, tuple[str, ...]] | None:
+    """A prefix mapping for a checkpoint of a whole pipeline, or ``None`` for a single model.
+
+    A pipeline checkpoint names tensors ``<component>.<attr>.<i>…``: every guessed block attribute
+    is dotted and they start with at least two different components (``transformer.blocks``,
+    ``text_encoder.blocks``). Every first name part becomes a component, with the block attributes
+    under it (none for, say, a VAE).
+    """
+    if not attrs_ or not all("." in a for a in attrs_):
+        return None
+    if len({a.split(".", 1)[0] for a in attrs_}) < 2 or not all("." in n for n in names):
+        return None
+    mapping: dict[str, list[str]] = {n.split(".", 1)[0]: [] for n in names}
+    for a in attrs_:
+        head, rest = a.split(".", 1)
+        mapping[head].append(rest)
+    return {k: tuple(v) for k, v in mapping.items()}
+
+
+def _known_candidates() -> dict[str, Topology]:
+    return {m: topology.known_topology(m) for m in (*topology.KNOWN_MODELS, *topology.KNOWN_ALIASES)}
+
+
+def _pipeline_folder(path: str, hub_id: str | None) -> tuple[Topology, KnownModel | None]:
+    """A pipeline folder's topology, and the known model whose DiT shapes it has (or its hub id names)."""
+    topo = topology.from_pipeline_folder(path)
+    match = topology.known_match(topo, _known_candidates())
+    if match is None and hub_id is not None:
+        match = topology.hub_model_id(hub_id)
+    return topo, None if match is None else topology.known_model(match)
+
+
+def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[Topology, KnownModel | None]:
+    """The topology ``model`` names (a known id, a hub id, a pipeline folder or a checkpoint).
+
+    - a diffusers pipeline folder (``model_index.json`` and a subfolder per component): its
+      components from its headers (`topology.from_checkpoint`), with the known model whose DiT
+      tensor names and shapes it has, for the compute estimate;
+    - a hub id (``black-forest-labs/FLUX.1-dev``): its snapshot in the local Hugging Face cache when
+      there is one (as a pipeline folder), else the known model it names;
+    - a checkpoint file, folder or ``*.index.json``, read through its headers only; its block
+      attributes are ``block_attrs`` or, when not given, guessed with `topology` ``guess_block_attrs`` (a
+      checkpoint of a whole pipeline, its tensors named ``<component>.…``, becomes one component
+      per name prefix);
+    - else a known id. Unknown ids and broken checkpoints raise `PlanError`.
+    """
+    snapshot = None if os.path.exists(model) else topology.hub_snapshot(model)
+    folder = model if os.path.isdir(model) else (str(snapshot) if snapshot is not None else None)
+    if folder is not None and topology.is_pipeline_folder(folder):
+        if block_attrs is not None:
+            raise PlanError(
+                f"{folder}: --block-attrs is for a checkpoint of one model; a pipeline folder's block "
+                "attributes come from each component's class (its config.json)"
+            )
+        return _pipeline_folder(folder, model if snapshot is not None else None)
+    if not os.path.exists(model) and topology.is_hub_id(model) and topology.hub_model_id(model) is None:
+        raise PlanError(
+            f"{model}: no such checkpoint file or folder, nor a snapshot of that hub repository in "
+            f"{topology.hub_cache_dir()}; torchferry downloads nothing, so fetch it first (huggingface-cli "
+            f"download {model}) or pass a known id (torchferry plan --list)"
+        )
+    if not _looks_like_path(model):
+        return topology.known_topology(model), topology.known_model(model)
+    if block_attrs is not None:
+        return topology.from_checkpoint(model, block_attrs=tuple(block_attrs)), None
+    flat = topology.from_checkpoint(model, block_attrs=())
+    names = [t.name for c in flat.components for t in c.all_tensors()]
+    guessed = topology.guess_block_attrs(names)
+    if not guessed:
+        return flat, None
+    mapping = _by_component(guessed, names)
+    if mapping is not None:
+        return topology.from_checkpoint(model, block_attrs=mapping), None
+    return topology.from_checkpoint(model, block_attrs=guessed), None
