@@ -120,8 +120,6 @@ LONG_FOR_NOW = {
     "cli/_demo.py",
     "cli/_plan_report.py",
     "runtime/_engine.py",
-    "runtime/_guard.py",
-    "runtime/_host.py",
     "topology/_checkpoint.py",
     "topology/_config.py",
     "topology/_discover.py",
