@@ -173,7 +173,7 @@ def breakdown(
     back (``Pack.point``). Each figure is the least over ``repeats`` forwards, per block, less the
     timers nested in it. Torch's own hook dispatch is outside every timer.
     """
-    from torchferry.runtime import _host
+    from torchferry.runtime import _pack
 
     engine = session.engine
     names = ("hooks", "step", "ops", "copy", "repoint")
@@ -215,13 +215,13 @@ def breakdown(
                 if getattr(hook, "_torchdynamo_disable", False):  # the engine's hooks (see `_opaque`)
                     saved_hooks.append((table, key, hook))
                     table[key] = timed("hooks", hook)
-    pack_methods = {"point": _host.Pack.point}
+    pack_methods = {"point": _pack.Pack.point}
     engine.run = timed("ops", engine.run)
     engine.streams.copy_in = timed("copy", engine.streams.copy_in)
     enter, leave = session.enter, session.leave
     session.enter, session.leave = timed("step", enter), timed("step", leave)
     for m, fn in pack_methods.items():
-        setattr(_host.Pack, m, timed("repoint", fn))
+        setattr(_pack.Pack, m, timed("repoint", fn))
     per_forward: list[dict[str, float]] = []
     schedules = len(session.schedules)
     try:
@@ -251,7 +251,7 @@ def breakdown(
             table[key] = hook
         del engine.run, engine.streams.copy_in, session.enter, session.leave
         for m, fn in pack_methods.items():
-            setattr(_host.Pack, m, fn)
+            setattr(_pack.Pack, m, fn)
     least = {key: min(f[key] for f in per_forward) / blocks * 1e6 for key in per_forward[0]}
     return {
         "own_code_without_copy_us": least["own"],

@@ -11,7 +11,8 @@ import torch
 
 import torchferry
 from torchferry import OffloadWarning, topology
-from torchferry.runtime._host import HostStore, footprint
+from torchferry.runtime._fill import footprint
+from torchferry.runtime._host import HostStore
 from torchferry.runtime._pinning import PAGE, BookPinner, HostPinner, page_bytes
 from torchferry.testing import toy
 from torchferry.topology import KNOWN_MODELS, PACK_ALIGN, known_topology
@@ -54,9 +55,9 @@ def test_pinned_bytes_of_every_known_model_are_within_one_percent(model_id: str)
 
 
 def _sizes(plan: topology.Plan) -> list[int]:
-    from torchferry.runtime._host import _group_specs
+    from torchferry.runtime._fill import group_specs
 
-    return [topology.packed_nbytes(topology.pack(g)) for g in _group_specs(plan).values()]
+    return [topology.packed_nbytes(topology.pack(g)) for g in group_specs(plan).values()]
 
 
 def test_store_pins_exactly_its_pages_and_close_unpins_them() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torchferry import topology
-from torchferry.runtime._host import _group_specs
+from torchferry.runtime._fill import group_specs
 from torchferry.topology import KNOWN_MODELS, PACK_ALIGN, TensorSpec, known_topology, pack, packed_nbytes
 
 
@@ -27,7 +27,7 @@ def test_every_known_model_buffer_is_256_byte_aligned(model_id: str) -> None:
     """Every tensor of every host buffer (and so device slot) a layerwise plan of a known model builds
     starts at a multiple of 256 bytes, and each buffer is exactly its unit's byte count."""
     plan = topology.resolve(known_topology(model_id), topology.OffloadConfig(strategy="layerwise"))
-    groups = _group_specs(plan)
+    groups = group_specs(plan)
     offsets = [off for specs in groups.values() for _, off in pack(specs)]
     assert len(offsets) == sum(1 for c in plan.components for _ in c.all_tensors())
     assert [off for off in offsets if off % PACK_ALIGN] == []

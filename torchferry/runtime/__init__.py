@@ -18,9 +18,9 @@ from torchferry.runtime._comm import Comm as Comm
 from torchferry.runtime._engine import Engine, execute
 from torchferry.runtime._engine import stream_factory as stream_factory
 from torchferry.runtime._guard import SessionGuard as SessionGuard
-from torchferry.runtime._host import PackState as PackState
 from torchferry.runtime._inputs import Inputs as Inputs
 from torchferry.runtime._meta import meta_parameters
+from torchferry.runtime._pack import PackState as PackState
 from torchferry.runtime._probe import copy_bytes_per_s as copy_bytes_per_s
 from torchferry.runtime._probe import load_profile, probe, profile_path, save_profile
 from torchferry.runtime._program import listing

@@ -50,7 +50,8 @@ from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger, SlotPool
 from torchferry.runtime._hooks import Driver, GradGuard, Hooks
-from torchferry.runtime._host import HostStore, Pack, PackState, Sharding, Unit
+from torchferry.runtime._host import HostStore
+from torchferry.runtime._pack import Pack, PackState, Sharding, Unit
 from torchferry.runtime._pinning import warn_pageable
 from torchferry.runtime._program import (
     MAX_PROGRAMS,

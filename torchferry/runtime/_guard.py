@@ -2,8 +2,9 @@
 
 A session owns the pipeline's weights from open to close: its host buffers are the truth and its
 hooks re-point tensors at device slots. What a user may do to the pipeline meanwhile is checked
-here, at the step boundaries the session already has (`SessionGuard.entering`, `leaving`), and on
-the managed modules themselves. See docs/contract.md.
+here, at the step boundaries the session already has (`SessionGuard.entering`, `left`), and on
+the managed modules themselves, by the methods `torchferry.runtime._overrides` sets on them. See
+docs/contract.md.
 
 [Note: the session contract]
 1. Threads. A session serves one step at a time. A top-level component's forward that starts on
@@ -52,7 +53,6 @@ the managed modules themselves. See docs/contract.md.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import operator
 import threading
 from collections.abc import Callable
@@ -61,11 +61,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from torchferry._errors import ExecutionError
 from torchferry.runtime._claims import REGISTRATIONS
-from torchferry.runtime._host import Pack, PackState
+from torchferry.runtime._overrides import Overrides
+from torchferry.runtime._pack import Pack, PackState
 from torchferry.topology import Plan, find_attr
 
 if TYPE_CHECKING:
@@ -75,16 +75,6 @@ __all__ = ["SessionGuard"]
 
 _VERSION = operator.attrgetter("_version")
 _DATA_PTR = torch.Tensor.data_ptr
-
-
-#: Instance attributes the guard sets on every managed module as refusals (removed at close, with the
-#: conversions of `_CONVERSIONS`).
-_REFUSED = ("_apply", "__deepcopy__", "__reduce_ex__")
-
-#: Methods that write weights in place through ``.data`` (rule 5), wrapped on any object that has them;
-#: ``merge``/``unmerge`` only on peft's layers, where they are a LoRA merge.
-_WRITE_THROUGH = ("fuse_lora", "unfuse_lora", "merge_adapter", "unmerge_adapter")
-_PEFT_WRITE_THROUGH = ("merge", "unmerge")
 
 
 @attrs.define(slots=True, eq=False)
@@ -97,150 +87,6 @@ class _Record:
     index: int
     #: (a module's ``_parameters`` or ``_buffers`` table, key) for each name the tensor has.
     places: tuple[tuple[dict[str, Any], str], ...]
-
-
-class _WriteThrough:
-    """A weight-editing method of a served object, run with every weight at its host copy (rule 5)."""
-
-    def __init__(self, method: Callable[..., Any], guard: SessionGuard, what: str) -> None:
-        self.method = method
-        self.guard = guard
-        self.what = what
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.guard.write_through(self.method, self.what, *args, **kwargs)
-
-
-class _Refusal:
-    """A callable that raises `ExecutionError` with a fixed message (set on a module instance)."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise ExecutionError(self.message)
-
-
-def _same_device(have: torch.device, want: torch.device) -> bool:
-    """Whether ``Tensor.to(want)`` keeps a tensor on ``have`` (an index-less CUDA device: the current)."""
-    index: int | None = want.index
-    if have.type != want.type:
-        return False
-    if index is None:
-        return have.type != "cuda" or have.index == torch.cuda.current_device()
-    return have.index == index
-
-
-@attrs.frozen
-class _Target:
-    """What a conversion asks of each tensor, as ``nn.Module``'s method applies it."""
-
-    device: torch.device | None = None
-    dtype: torch.dtype | None = None
-    memory_format: torch.memory_format | None = None
-    #: ``.to(dtype)`` converts complex tensors too; ``.float()`` and its kin floating ones only.
-    complex_too: bool = True
-
-    def changes(self, t: torch.Tensor) -> bool:
-        """Whether the conversion would give ``t`` another tensor (torch's own rule)."""
-        if self.device is not None and not _same_device(t.device, self.device):
-            return True
-        converts = t.is_floating_point() or (self.complex_too and t.is_complex())
-        if self.dtype is not None and t.dtype != self.dtype and converts:
-            return True
-        if self.memory_format is None or t.dim() not in (4, 5):
-            return False
-        # Why: ``Tensor.to`` keeps a tensor when its suggested layout is the one asked for, which its
-        # ``is_contiguous(memory_format)`` does not say (a contiguous 1x1 conv weight is both, and is
-        # still copied to channels_last): a meta tensor of its strides answers by the same rule, free.
-        twin = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        return twin.to(memory_format=self.memory_format) is not twin
-
-
-#: The shorthand conversions a served module answers itself when they change no tensor.
-_SHORTHANDS = {
-    "cpu": _Target(device=torch.device("cpu")),
-    "float": _Target(dtype=torch.float32, complex_too=False),
-    "double": _Target(dtype=torch.float64, complex_too=False),
-    "half": _Target(dtype=torch.float16, complex_too=False),
-    "bfloat16": _Target(dtype=torch.bfloat16, complex_too=False),
-}
-#: Every conversion method a served module answers itself when it would be a no-op (`_Conversion`).
-_CONVERSIONS = ("to", *_SHORTHANDS)
-
-
-def _target(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Target | None:
-    """What conversion ``name`` called with these arguments asks, or ``None`` where ``nn.Module``'s
-    method rejects them without converting (a ``.half(x)``, a ``.to(torch.int64)``): the method then
-    says so itself. Arguments ``Tensor.to`` cannot parse raise here."""
-    if name != "to":
-        return None if args or kwargs else _SHORTHANDS[name]
-    device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
-        return None
-    return _Target(device=device, dtype=dtype, memory_format=memory_format)
-
-
-#: Where a conversion method may be defined for `_Conversion` to answer a no-op itself: torch's own,
-#: and diffusers' and transformers' model bases, which check quantization and call torch's.
-_PLAIN_OWNERS = frozenset(
-    {
-        "torch.nn.modules.module.Module",
-        "diffusers.models.modeling_utils.ModelMixin",
-        "transformers.modeling_utils.PreTrainedModel",
-    }
-)
-
-
-def _plain(module: nn.Module, name: str) -> bool:
-    """Whether ``module.name`` is one of the plain conversions (`_PLAIN_OWNERS`) and no module under
-    it converts its tensors its own way (a class ``_apply``): then a no-op is a no-op."""
-    owner = next(c for c in type(module).__mro__ if name in vars(c))
-    if f"{owner.__module__}.{owner.__qualname__}" not in _PLAIN_OWNERS:
-        return False
-    if getattr(module, "is_quantized", False):
-        return False  # diffusers' and transformers' own checks refuse casts of quantized models
-    return all(type(m)._apply is nn.Module._apply for m in module.modules())
-
-
-class _Conversion:
-    """A conversion method of a served module (`_CONVERSIONS`): a plain one (`_plain`) that changes no
-    tensor returns the module, as plain torch does; any other goes on to the module's own method, which
-    reaches the refused ``_apply`` before anything is converted (rule 3)."""
-
-    def __init__(self, module: nn.Module, name: str, device: torch.device) -> None:
-        self.module = module
-        self.name = name
-        self.device = device
-        self.__name__ = name
-
-    @property
-    def __self__(self) -> nn.Module:
-        """The module, as a bound method's (tools that read it, ``inspect``)."""
-        return self.module
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        """The signature of the module's own method (``.half()`` takes no argument)."""
-        return inspect.signature(getattr(type(self.module), self.name).__get__(self.module))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module, name = self.module, self.name
-        # A move to a device of another type than the session's is never a no-op: between steps a
-        # streamed block is at host memory, yet the session goes on serving it on its device.
-        try:
-            target = _target(name, args, kwargs)
-            keeps = (
-                target is not None
-                and (target.device is None or target.device.type == self.device.type)
-                and _plain(module, name)
-                and not any(target.changes(t) for t in (*module.parameters(), *module.buffers()))
-            )
-        except (TypeError, ValueError, RuntimeError):
-            keeps = False  # arguments the method itself rejects: let it say so
-        if keeps:
-            return module
-        return getattr(type(module), name)(module, *args, **kwargs)
 
 
 def _pointer(t: torch.Tensor) -> int:
@@ -274,8 +120,8 @@ class SessionGuard:
             for i, t in enumerate(pack.tensors):
                 managed[id(t)] = (pack, i)
         places: dict[int, list[tuple[str, dict[str, Any], str]]] = {}
-        # Why: every module whose conversions, copies and pickling are refused, with its path.
-        self._modules: list[tuple[str, nn.Module]] = []
+        # Every module whose conversions, copies and pickling are refused, with its path.
+        modules: list[tuple[str, nn.Module]] = []
         seen: set[int] = set()
         roots: list[tuple[str, nn.Module]] = []
         on_demand = [c.path for c in plan.components if c.on_demand]
@@ -290,7 +136,7 @@ class SessionGuard:
                 if id(module) in seen or any(path == o or path.startswith(o + ".") for o in on_demand):
                     continue  # an on-demand component moves itself (load_to_device, offload_to_cpu)
                 seen.add(id(module))
-                self._modules.append((path, module))
+                modules.append((path, module))
                 for table in (module._parameters, module._buffers):
                     for key, t in table.items():
                         if t is not None and id(t) in managed:
@@ -328,14 +174,13 @@ class SessionGuard:
         self._registered = -1
         # Why: per residency (the units on the device between steps), their records' indices and tensors.
         self._resident: dict[tuple[str, ...], tuple[list[int], list[torch.Tensor]]] = {}
-        self._handles: list[RemovableHandle] = []
-        # Why: the objects given write-through methods (rule 5) and the names, removed at close.
-        self._wrapped: list[tuple[object, str]] = []
-        self._install(set(managed))
-        objects: list[tuple[str, object]] = [(p, m) for p, m in self._modules]
+        # Why: what the session set on the objects it serves (rules 3-5), taken off at close.
+        self._overrides = Overrides(engine.device, self.write_through)
+        self._overrides.install(modules, set(managed))
+        objects: list[tuple[str, object]] = [(p, m) for p, m in modules]
         if not isinstance(pipeline, nn.Module):
             objects.insert(0, ("", pipeline))
-        self._wrap(objects)
+        self._overrides.wrap(objects)
         self.snapshot()
 
     # ------------------------------------------------------------------------------ threads
@@ -571,81 +416,7 @@ class SessionGuard:
             )
         return None
 
-    # ---------------------------------------------------------------------- moves and copies
-    def _install(self, managed: set[int]) -> None:
-        for path, module in self._modules:
-            where = f"{path!r}" if path else "the pipeline"
-            refusals = {
-                "_apply": (
-                    f".to()/.half()/.float()/.cuda()/.to('meta') of {where} (a conversion through "
-                    "nn.Module._apply) while a torchferry session serves it would replace weights the "
-                    "session holds; close() the session first, then move or convert the pipeline"
-                ),
-                "__deepcopy__": self._copy_message(where, "copy.deepcopy"),
-                "__reduce_ex__": (
-                    f"pickling or copying {where} (torch.save, copy.copy) while a torchferry session serves "
-                    "it: its hooks and weight buffers belong to the session; save its state_dict() instead "
-                    "(it returns standalone tensors during a session), or close() the session first"
-                ),
-            }
-            for attr, message in refusals.items():
-                object.__setattr__(module, attr, _Refusal(message))
-            for name in _CONVERSIONS:
-                object.__setattr__(module, name, _Conversion(module, name, self.engine.device))
-            owned = [
-                (key, table)
-                for table in (module._parameters, module._buffers)
-                for key, t in table.items()
-                if t is not None and id(t) in managed
-            ]
-            if owned:
-                hook = self._state_dict_hook(owned)
-                self._handles.append(module.register_state_dict_post_hook(hook))  # type: ignore[no-untyped-call]
-
-    @staticmethod
-    def _copy_message(where: str, what: str) -> str:
-        return (
-            f"{what} of {where} while a torchferry session serves it: the copy would share the session's "
-            "hooks and weight buffers and fail once it closes; copy after close(), or build the copy "
-            "from state_dict() (standalone tensors during a session)"
-        )
-
-    def _state_dict_hook(self, owned: list[tuple[str, dict[str, Any]]]) -> Callable[..., None]:
-        def hook(module: nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
-            copies: dict[int, torch.Tensor] = getattr(state, "_torchferry_copies", None) or {}
-            for key, table in owned:
-                name = prefix + key
-                t = table.get(key)
-                value = state.get(name)
-                if t is None or value is None or value is t:
-                    continue  # keep_vars=True: the caller asked for the live objects
-                copy = copies.get(id(t))
-                if copy is None:
-                    copy = torch.empty(tuple(t.shape), dtype=t.dtype)
-                    copy.copy_(t.detach())
-                    copies[id(t)] = copy
-                state[name] = copy
-            # A plain dict passed as the destination takes no attribute: ties are then copied twice.
-            with contextlib.suppress(AttributeError):
-                state._torchferry_copies = copies  # type: ignore[attr-defined]
-
-        return hook
-
-    def _wrap(self, objects: list[tuple[str, object]]) -> None:
-        for path, obj in objects:
-            names: tuple[str, ...] = _WRITE_THROUGH
-            if type(obj).__module__.split(".")[0] == "peft":
-                names = names + _PEFT_WRITE_THROUGH
-            for name in names:
-                method = getattr(obj, name, None)
-                if not callable(method) or isinstance(method, _WriteThrough):
-                    continue
-                try:
-                    object.__setattr__(obj, name, _WriteThrough(method, self, f"{path or 'pipeline'}.{name}"))
-                except (AttributeError, TypeError):
-                    continue  # an object without an instance dict keeps its method (none such in diffusers)
-                self._wrapped.append((obj, name))
-
+    # ------------------------------------------------------------------------------ write-through
     def write_through(self, method: Callable[..., Any], what: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` (a weight edit through ``.data``) with every weight at its host copy (rule 5)."""
         if self.engine.running:
@@ -666,12 +437,4 @@ class SessionGuard:
         try:
             self.adopt(strict=False)
         finally:
-            for obj, name in self._wrapped:
-                vars(obj).pop(name, None)
-            self._wrapped.clear()
-            for _, module in self._modules:
-                for attr in (*_REFUSED, *_CONVERSIONS):
-                    module.__dict__.pop(attr, None)
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
+            self._overrides.remove()

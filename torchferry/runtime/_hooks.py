@@ -54,7 +54,7 @@ from torch.utils.hooks import RemovableHandle
 from torchferry._errors import ExecutionError, OffloadWarning
 from torchferry.policies import DEVICE, rest_unit
 from torchferry.runtime._claims import called_outside
-from torchferry.runtime._host import Pack, PackState, Unit
+from torchferry.runtime._pack import Pack, PackState, Unit
 from torchferry.topology import find_attr
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import attrs
 
 from torchferry._errors import ExecutionError
 from torchferry.policies import Op, Schedule, format_marked, format_schedule
-from torchferry.runtime._host import Unit
+from torchferry.runtime._pack import Unit
 from torchferry.runtime._steps import step_name
 from torchferry.topology import Plan
 

@@ -1,0 +1,172 @@
+"""Filling the host buffers: which tensors a plan packs together, each pack's layout and size, and
+its bytes, from the module's own tensors or from a checkpoint (see [Note: filling from a checkpoint]
+in `torchferry.runtime._host` for when each happens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from torchferry.policies import rest_unit
+from torchferry.runtime._pack import Piece, Sharding, contiguous_strides, dense_strides, shard_span
+from torchferry.runtime._pinning import Footprint
+from torchferry.topology import Plan, TensorSpec, packed_nbytes
+from torchferry.topology import pack as pack_specs
+
+if TYPE_CHECKING:
+    from torchferry.runtime._checkpoint import CheckpointReader
+
+__all__ = [
+    "fill_from_module",
+    "footprint",
+    "group_specs",
+    "in_pack_order",
+    "materialise",
+    "pack_layout",
+    "read_loose",
+    "read_pack",
+]
+
+
+def group_specs(plan: Plan) -> dict[str, list[TensorSpec]]:
+    """Pack name -> tensors: each plan block, each plan component's remainder, then leftovers.
+
+    Tensors of on-demand components are left to the component's own lifecycle and get no pack.
+    """
+    specs: dict[str, list[TensorSpec]] = {}
+    covered: set[str] = set()
+
+    def add(name: str, tensors: Iterable[TensorSpec]) -> None:
+        fresh = [t for t in tensors if t.name not in covered]
+        covered.update(t.name for t in fresh)
+        if fresh:
+            specs[name] = fresh
+
+    for top in plan.components:
+        if top.on_demand:
+            continue
+        for c in top.walk():
+            add(rest_unit(c.path), c.tensors)
+            for block in c.blocks:
+                add(block.path, block.tensors)
+        topo = plan.topology.component(top.path)
+        add(f"{top.path}:extra", topo.all_tensors())
+    return specs
+
+
+def footprint(plan: Plan, sharding: Sharding | None = None) -> Footprint:
+    """The host memory a store for ``plan`` holds and pins: a pure function of the plan (and this
+    rank's sharding), the same sizes `HostStore.prepare` allocates."""
+    sizes = []
+    for name, specs in group_specs(plan).items():
+        nbytes = packed_nbytes(pack_specs(specs))
+        start, end = shard_span(name, nbytes, sharding) or (0, nbytes)
+        sizes.append(end - start)
+    return Footprint.of(sizes)
+
+
+def in_pack_order(
+    specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor | None]
+) -> Iterator[torch.Tensor]:
+    """The live tensors of a pack (``tensors``, in ``specs`` order) in `pack` order."""
+    live = {s.name: t for s, t in zip(specs, tensors, strict=True)}
+    for spec, _ in pack_specs(specs):
+        t = live[spec.name]
+        assert t is not None
+        yield t
+
+
+def pack_layout(
+    specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor | None]
+) -> tuple[tuple[Piece, ...], int]:
+    """The pieces of a pack in `pack` order (strides from the live tensors) and its byte count."""
+    live = {s.name: t for s, t in zip(specs, tensors, strict=True)}
+    pieces: list[Piece] = []
+    for spec, offset in pack_specs(specs):
+        t = live[spec.name]
+        assert t is not None
+        pieces.append(Piece(offset, spec.nbytes, t.dtype, tuple(t.shape), dense_strides(t)))
+    return tuple(pieces), packed_nbytes(pack_specs(specs))
+
+
+def fill_from_module(
+    tensors: Sequence[torch.Tensor],
+    pieces: Sequence[Piece],
+    nbytes: int,
+    span: tuple[int, int] | None,
+    host: torch.Tensor,
+) -> None:
+    """Fill the pack's zeroed host buffer from the module's own tensors (only the span when sharded)."""
+    start, end = span if span is not None else (0, nbytes)
+    packed = host if span is None else torch.zeros(nbytes, dtype=torch.uint8)
+    with torch.no_grad():
+        for t, p in zip(tensors, pieces, strict=True):
+            p.view(packed).copy_(t.data)
+    if span is not None:
+        stop = max(start, min(end, nbytes))
+        host[: stop - start].copy_(packed[start:stop])
+        host[stop - start :].zero_()
+
+
+def read_pack(
+    reader: CheckpointReader,
+    specs: Sequence[TensorSpec],
+    pieces: Sequence[Piece],
+    tensors: Sequence[torch.Tensor | None],
+    span: tuple[int, int] | None,
+    *,
+    host: torch.Tensor,
+) -> None:
+    """Fill the pack's host buffer (or this rank's span of it) from the checkpoint.
+
+    Checkpoint bytes are row-major; pieces stored with other strides are rearranged, and the bytes of
+    non-persistent buffers come from the module (see [Note: filling from a checkpoint] in
+    `torchferry.runtime._host`).
+    """
+    layout = pack_specs(specs)
+    nbytes = packed_nbytes(layout)
+    start, end = span if span is not None else (0, nbytes)
+    reader.read_into(layout, host, start, end)
+    live = {s.name: t for s, t in zip(specs, tensors, strict=True)}
+    for (spec, offset), piece in zip(layout, pieces, strict=True):
+        lo, hi = max(offset, start), min(offset + spec.nbytes, end)
+        if lo >= hi:
+            continue
+        source: torch.Tensor
+        if spec.buffer and not spec.persistent:
+            t = live[spec.name]
+            assert t is not None
+            source = t.detach()
+        elif piece.row_major:
+            continue
+        elif (lo, hi) == (offset, offset + spec.nbytes):
+            source = host[lo - start : hi - start].clone().view(piece.dtype).view(piece.shape)
+        else:
+            source = reader.read_tensor(spec.name)
+        arranged = piece.arranged(source)
+        host[lo - start : hi - start].copy_(arranged[lo - offset : hi - offset])
+
+
+def read_loose(reader: CheckpointReader, spec: TensorSpec, live: torch.Tensor | None) -> torch.Tensor | None:
+    """A fresh CPU tensor for an on-demand component's tensor, from the checkpoint, in its strides."""
+    if live is None or (spec.buffer and not spec.persistent):
+        return None
+    value = reader.read_tensor(spec.name)
+    strides = dense_strides(live)
+    if strides == contiguous_strides(value.shape):
+        return value
+    out = torch.empty_strided(tuple(live.shape), strides, dtype=value.dtype)
+    out.copy_(value)
+    return out
+
+
+def materialise(t: torch.Tensor) -> None:
+    """Turn meta tensor ``t`` into an empty CPU tensor in place (same object, so ties survive)."""
+    fresh = torch.empty(0, dtype=t.dtype)
+    if isinstance(t, nn.Parameter):
+        fresh = nn.Parameter(fresh, requires_grad=t.requires_grad)
+    torch.utils.swap_tensors(t, fresh)  # type: ignore[no-untyped-call]
