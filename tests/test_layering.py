@@ -124,7 +124,6 @@ LONG_FOR_NOW = {
 }
 CYCLES_FOR_NOW = [
     ["torchferry.runtime._engine", "torchferry.runtime._hooks", "torchferry.runtime._program"],
-    ["torchferry.runtime._streams", "torchferry.runtime._trace"],
     ["torchferry.topology._checkpoint", "torchferry.topology._folder"],
 ]
 

@@ -31,15 +31,14 @@ one code path.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, final
+from typing import Any, Protocol, final
 
 import attrs
 import torch
 
-if TYPE_CHECKING:
-    from torchferry.runtime._trace import Tracer
+from torchferry.policies import StreamName
 
-__all__ = ["CpuStreams", "CudaStreams", "DeviceBuffer", "StreamContext", "stream_context"]
+__all__ = ["CpuStreams", "CudaStreams", "DeviceBuffer", "StreamContext", "Timer", "stream_context"]
 
 
 @attrs.define(slots=True, eq=False)
@@ -54,6 +53,22 @@ class DeviceBuffer:
     free: Any = None
 
 
+class Timer(Protocol):
+    """What a stream context tells the tracer of a traced step (`Tracer`): marks and the spans between.
+
+    Defined with the streams, so that they need nothing of the tracer ([Note: tracing a step] in
+    `_trace`).
+    """
+
+    def mark(self, stream: Any = None) -> Any:
+        """A timestamp on ``stream``, to hand back to `span` (the tracer knows what it holds)."""
+        ...
+
+    def span(self, stream: StreamName, begin: Any, end: Any, nbytes: int = 0, *, kind: str = "") -> None:
+        """``stream`` was busy with the running op between marks ``begin`` and ``end``."""
+        ...
+
+
 class StreamContext(Protocol):
     """Issues copies, collectives and stream waits; `CpuStreams` and `CudaStreams` are the two kinds.
 
@@ -62,8 +77,8 @@ class StreamContext(Protocol):
     """
 
     device: torch.device
-    #: The tracer of the step being traced (see `Tracer`), else ``None``: one check per copy.
-    tracer: Tracer | None
+    #: The tracer of the step being traced (see `Timer`), else ``None``: one check per copy.
+    tracer: Timer | None
 
     def begin(self) -> None:
         """Called when a step starts: adopt the current stream as the compute stream."""
@@ -112,7 +127,7 @@ class CpuStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.tracer: Tracer | None = None
+        self.tracer: Timer | None = None
 
     def begin(self) -> None: ...
 
@@ -151,7 +166,7 @@ class CudaStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.tracer: Tracer | None = None
+        self.tracer: Timer | None = None
         # Why: copies must not queue behind the model's kernels, nor collectives behind copies.
         self.copy = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self.comm = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]

@@ -39,7 +39,7 @@ from torchferry.runtime import DeviceBuffer, PackState, stream_factory
 from torchferry.topology import find_attr
 
 if TYPE_CHECKING:
-    from torchferry.runtime import Engine, Tracer
+    from torchferry.runtime import Engine, Timer
 
 __all__ = ["StreamOrderError", "StreamSanitizer", "sanitize"]
 
@@ -114,7 +114,7 @@ class StreamSanitizer:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.device: torch.device = engine.device
-        self.tracer: Tracer | None = None
+        self.tracer: Timer | None = None
         self._clocks: dict[Stream, _Clock] = {s: _Clock() for s in _STREAMS}
         # Why: each buffer's writes and reads, keyed by identity (a buffer outlives storage resizes).
         self._history: weakref.WeakKeyDictionary[DeviceBuffer, _History] = weakref.WeakKeyDictionary()
