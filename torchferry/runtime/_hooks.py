@@ -55,12 +55,14 @@ from torchferry._errors import ExecutionError, OffloadWarning
 from torchferry.policies import DEVICE, rest_unit
 from torchferry.runtime._claims import called_outside
 from torchferry.runtime._pack import Pack, PackState, Unit
-from torchferry.topology import find_attr
+from torchferry.runtime._program import Program, listing
+from torchferry.runtime._steps import step_name
+from torchferry.topology import Plan, find_attr, order_mismatch
 
 if TYPE_CHECKING:
-    from torchferry.runtime._engine import Engine
+    from torchferry.runtime._trace import Tracer
 
-__all__ = ["Driver", "GradGuard", "Hooks"]
+__all__ = ["Driver", "GradGuard", "Hooks", "Runner"]
 
 _READY = PackState.READY
 _grad_enabled = torch.is_grad_enabled
@@ -78,6 +80,24 @@ class Driver(Protocol):
 
     def leave(self, component: str, failing: bool) -> None:
         """A top-level component's forward ended (``failing``: it raised)."""
+
+
+class Runner(Protocol):
+    """What the hooks need of the engine that installs them: the step running now, and its ops run.
+
+    `Engine` is the one runner; the hooks read nothing else of it, so they sit below it.
+    """
+
+    @property
+    def program(self) -> Program | None:
+        """The program of the step running now (``None`` between steps)."""
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The tracer of the step running now, when it is traced."""
+
+    def advance(self, program: Program, stop: int) -> None:
+        """Run ``program``'s ops up to op ``stop``."""
 
 
 class GradGuard:
@@ -196,21 +216,36 @@ def _skip_in_dynamo() -> None:
 
 
 class Hooks:
-    """The forward hooks one engine installs on its pipeline, built once per anchored path."""
+    """The forward hooks one engine installs on its pipeline, built once per anchored path.
 
-    def __init__(self, engine: Engine, driver: Driver | None) -> None:
+    ``engine`` runs the ops the hooks reach; ``pipeline``, ``plan``, ``units`` (the host store's) and
+    ``guard`` are the engine's, fixed for its life.
+    """
+
+    def __init__(
+        self,
+        engine: Runner,
+        driver: Driver | None,
+        *,
+        pipeline: Any,
+        plan: Plan,
+        units: Mapping[str, Unit],
+        guard: GradGuard,
+    ) -> None:
         self.engine = engine
         self.driver = driver
+        self._pipeline, self._plan, self._units, self._guard = pipeline, plan, units, guard
         self._handles: dict[str, tuple[RemovableHandle, ...]] = {}
         # Why: each anchor's module and hook bodies (pre, post, failed), so `forward` can fire them.
         self._calls: dict[str, tuple[torch.nn.Module, _Hook, _Hook | None, _Hook | None]] = {}
-        self._tops = frozenset(c.path for c in engine.plan.components)
-        self._blocks = frozenset(
-            b.path for top in engine.plan.components for c in top.walk() for b in c.blocks
-        )
+        self._tops = frozenset(c.path for c in plan.components)
+        self._blocks = frozenset(b.path for top in plan.components for c in top.walk() for b in c.blocks)
         # Why: per top-level path, whether its latest forward returned (its post hook ran), so the
         # always-called hook knows a failure from the forward itself.
         self._done: dict[str, bool] = {}
+        # Why: the blocks the running step's forward reached, in order, to report a ring it does not
+        # follow; the engine clears it when a step begins.
+        self.ran: list[str] = []
 
     @property
     def count(self) -> int:
@@ -219,12 +254,11 @@ class Hooks:
 
     def anchor(self, paths: Iterable[str]) -> None:
         """Install the hooks of each block or component path (once per path)."""
-        engine = self.engine
         for path in paths:
             if path in self._handles:
                 continue
             try:
-                module = find_attr(engine.pipeline, path)
+                module = find_attr(self._pipeline, path)
             except AttributeError:
                 raise ExecutionError(
                     f"schedule anchor {path!r} is not a module of this pipeline; the plan and the pipeline "
@@ -235,7 +269,7 @@ class Hooks:
                     f"schedule anchor {path!r} is a {type(module).__name__}, not a torch module"
                 )
             top = path in self._tops
-            unit = engine.store.units.get(path)
+            unit = self._units.get(path)
             pack = unit.packs[0] if unit is not None and len(unit.packs) == 1 and not top else None
             handles: list[RemovableHandle] = []
             post: Callable[..., None] | None = None
@@ -277,16 +311,15 @@ class Hooks:
 
     def _block_hook(self, path: str, pack: Pack | None) -> Callable[..., None]:
         key = f"before {path}"
-        engine = self.engine
-        guard = engine.guard
+        engine, plan, guard, ran = self.engine, self._plan, self._guard, self.ran
 
         def pre(module: torch.nn.Module, args: Any) -> None:
             program = engine.program
             if program is None:
                 if pack is not None and pack.where is not _READY:
-                    raise called_outside(engine.plan, path, pack.where.value)
+                    raise called_outside(plan, path, pack.where.value)
             else:
-                engine.ran.append(path)
+                ran.append(path)
                 tracer = engine.tracer
                 if tracer is not None:
                     tracer.block_end()
@@ -294,7 +327,7 @@ class Hooks:
                 if stop > program.pc:
                     engine.advance(program, stop)
                 if pack is not None and pack.where is not _READY:
-                    engine.not_resident(path, pack, program)
+                    self._not_resident(path, pack, program)
                 if tracer is not None:
                     tracer.block_begin(path)
             if _grad_enabled():
@@ -302,11 +335,26 @@ class Hooks:
 
         return pre
 
+    def _not_resident(self, path: str, pack: Pack, program: Program) -> None:
+        """Raise: block ``path`` was reached while ``pack`` was not ready on the device."""
+        owner = self._plan.block_owner(path)
+        order = None if owner is None else order_mismatch(owner[1], self.ran)
+        if order is not None:
+            raise ExecutionError(
+                f"block {path} was reached out of its ring's order in step "
+                f"{step_name(program.schedule.step)}: {order}"
+            )
+        raise ExecutionError(
+            f"block {path} was reached while its weights were {pack.where.value}: step "
+            f"{step_name(program.schedule.step)} had not made it resident by then (the mark is the next op "
+            "to run); the schedule must load and wait for a block before it runs\n"
+            + listing(program.schedule, program.pc)
+        )
+
     def _component_hooks(self, path: str, top: bool) -> tuple[Callable[..., None], Callable[..., None]]:
         before, after = f"before {path}", f"after {path}"
         driver = self.driver if top else None
-        engine = self.engine
-        guard = engine.guard
+        engine, guard = self.engine, self._guard
         done = self._done
         done[path] = True
 

@@ -20,11 +20,12 @@ from torchferry.topology import Plan
 
 if TYPE_CHECKING:
     from torchferry.runtime._comm import Comm
-    from torchferry.runtime._engine import Engine
 
 __all__ = ["MAX_PROGRAMS", "Handler", "Program", "compile_program", "listing", "schedule_text"]
 
-Handler = Callable[["Engine", Unit, Op], None]
+#: An op kind's handler, bound to the engine that runs it (see `Mover.handlers`): a program needs
+#: nothing else of the engine.
+Handler = Callable[[Unit, Op], None]
 
 #: Compiled schedules an engine keeps (oldest dropped first).
 MAX_PROGRAMS = 512
