@@ -5,18 +5,16 @@ from __future__ import annotations
 # Imports written ``name as name`` are for the layers above, which enter only through this file
 # (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.topology._checkpoint import from_checkpoint
-from torchferry.topology._config import (
+from torchferry.topology._config import RUNTIME_OPTIONS, OffloadConfig
+from torchferry.topology._discover import discover
+from torchferry.topology._fields import (
     COMPONENT_NAMES,
     MAX_PREFETCH_DEPTH,
-    RUNTIME_OPTIONS,
     STRATEGIES,
-    OffloadConfig,
-    ParallelLayout,
     SelectableComponent,
     Strategy,
     Transfer,
 )
-from torchferry.topology._discover import discover
 from torchferry.topology._folder import (
     FolderComponent,
     PipelineFolder,
@@ -59,6 +57,7 @@ from torchferry.topology._model import (
     packed_nbytes,
 )
 from torchferry.topology._model import find_attr as find_attr
+from torchferry.topology._parallel import ParallelLayout
 from torchferry.topology._plan import Plan, canonical
 from torchferry.topology._protocol import SupportsComponentDiscovery
 from torchferry.topology._resolve import order_mismatch as order_mismatch
