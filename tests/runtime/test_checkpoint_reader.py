@@ -30,7 +30,7 @@ from torchferry.topology import (
     pack,
     packed_nbytes,
 )
-from torchferry.topology._checkpoint import HeaderEntry
+from torchferry.topology._safetensors import HeaderEntry
 
 
 class _Layer(nn.Module):

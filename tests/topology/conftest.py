@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from torchferry.topology._discover import reset_warning_caches
+from torchferry.topology._reading import reset_warning_caches
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from torchferry import PlanError
 from torchferry.topology import Declaration, OffloadConfig, from_checkpoint, resolve
-from torchferry.topology._checkpoint import SAFETENSORS_DTYPES, read_header, show
+from torchferry.topology._safetensors import SAFETENSORS_DTYPES, read_header, show
 
 SIZES = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8}
 GIB = 1024**3

@@ -11,7 +11,7 @@ import pytest
 
 from torchferry import PlanError
 from torchferry.topology import OffloadConfig, ParallelLayout
-from torchferry.topology._config import MAX_PREFETCH_DEPTH
+from torchferry.topology._fields import MAX_PREFETCH_DEPTH
 
 # --- keyword arguments -----------------------------------------------------------------------
 

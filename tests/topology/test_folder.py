@@ -15,7 +15,7 @@ import pytest
 
 from torchferry import PlanError, topology
 from torchferry.cli._plan_input import load_model
-from torchferry.topology._checkpoint import SAFETENSORS_DTYPES
+from torchferry.topology._safetensors import SAFETENSORS_DTYPES
 
 _CODES = {name: code for code, name in SAFETENSORS_DTYPES.items()}
 

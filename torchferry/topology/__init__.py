@@ -4,26 +4,17 @@ from __future__ import annotations
 
 # Imports written ``name as name`` are for the layers above, which enter only through this file
 # (tests/test_layering.py); they are not public and not in ``__all__``.
-from torchferry.topology._checkpoint import SAFETENSORS_DTYPES as SAFETENSORS_DTYPES
-from torchferry.topology._checkpoint import HeaderEntry as HeaderEntry
 from torchferry.topology._checkpoint import from_checkpoint
-from torchferry.topology._checkpoint import locate as locate
-from torchferry.topology._checkpoint import open_regular as open_regular
-from torchferry.topology._checkpoint import parse_header as parse_header
-from torchferry.topology._checkpoint import read_header as read_header
-from torchferry.topology._checkpoint import show as show
-from torchferry.topology._config import (
+from torchferry.topology._config import RUNTIME_OPTIONS, OffloadConfig
+from torchferry.topology._discover import discover
+from torchferry.topology._fields import (
     COMPONENT_NAMES,
     MAX_PREFETCH_DEPTH,
-    RUNTIME_OPTIONS,
     STRATEGIES,
-    OffloadConfig,
-    ParallelLayout,
     SelectableComponent,
     Strategy,
     Transfer,
 )
-from torchferry.topology._discover import discover
 from torchferry.topology._folder import (
     FolderComponent,
     PipelineFolder,
@@ -49,6 +40,7 @@ from torchferry.topology._known import (
     known_model,
     known_topology,
 )
+from torchferry.topology._locate import locate as locate
 from torchferry.topology._model import (
     DTYPE_SIZES,
     PACK_ALIGN,
@@ -65,10 +57,17 @@ from torchferry.topology._model import (
     packed_nbytes,
 )
 from torchferry.topology._model import find_attr as find_attr
+from torchferry.topology._parallel import ParallelLayout
 from torchferry.topology._plan import Plan, canonical
 from torchferry.topology._protocol import SupportsComponentDiscovery
 from torchferry.topology._resolve import order_mismatch as order_mismatch
 from torchferry.topology._resolve import resolve
+from torchferry.topology._safetensors import SAFETENSORS_DTYPES as SAFETENSORS_DTYPES
+from torchferry.topology._safetensors import HeaderEntry as HeaderEntry
+from torchferry.topology._safetensors import open_regular as open_regular
+from torchferry.topology._safetensors import parse_header as parse_header
+from torchferry.topology._safetensors import read_header as read_header
+from torchferry.topology._safetensors import show as show
 from torchferry.topology._units import memory_bytes, parse_bytes, parse_rate
 
 __all__ = [

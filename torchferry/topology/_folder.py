@@ -26,7 +26,8 @@ from pathlib import Path
 import attrs
 
 from torchferry._errors import PlanError
-from torchferry.topology._checkpoint import HeaderEntry, _component, locate, read_header
+from torchferry.topology._grouping import by_kind, component_from_entries
+from torchferry.topology._locate import locate
 from torchferry.topology._model import ComponentKind, Declaration, Topology
 from torchferry.topology._registry import (
     DIT_BLOCK_ATTRS,
@@ -34,6 +35,7 @@ from torchferry.topology._registry import (
     PIPELINES,
     declaration_for_pipeline,
 )
+from torchferry.topology._safetensors import HeaderEntry, read_header
 
 __all__ = [
     "FolderComponent",
@@ -324,16 +326,16 @@ def from_pipeline_folder(
             f"{folder.path}: block_attrs names {', '.join(map(repr, unknown))}, which the folder has no "
             f"weights for; its components are {', '.join(c.name for c in folder.weighted)}"
         )
-    built = []
+    found = []
     for comp in folder.weighted:
         entries = _entries(comp)
         kind = _kind(folder.pipeline_class, comp)
         names = [e.name[len(comp.name) + 1 :] for e in entries]
         given = overrides.get(comp.name)
         attrs_ = tuple(given) if given is not None else _block_attrs(kind, comp, names)
-        built.append(attrs.evolve(_component(comp.name, kind, attrs_, entries), class_name=comp.class_name))
-    order: dict[ComponentKind, int] = {"dit": 0, "encoder": 1, "vae": 2, "resident": 3}
-    built.sort(key=lambda c: order[c.kind])
+        component = component_from_entries(comp.name, kind, attrs_, entries)
+        found.append(attrs.evolve(component, class_name=comp.class_name))
+    built = by_kind(found)
     if declaration is None:
         declaration = declaration_for_pipeline(folder.pipeline_class, {c.path: c.class_name for c in built})
     return Topology(

@@ -8,7 +8,8 @@ from functools import lru_cache
 
 import attrs
 
-from torchferry.topology._config import OffloadConfig, Strategy
+from torchferry.topology._config import OffloadConfig
+from torchferry.topology._fields import Strategy
 from torchferry.topology._frozen import FrozenMap
 from torchferry.topology._model import Component, ComponentKind, TensorSpec, Topology, find_component
 
