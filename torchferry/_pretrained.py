@@ -172,12 +172,12 @@ def from_pretrained(
     local Hugging Face cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub``, ``~/.cache/huggingface/hub``);
     keyword arguments named after components (``text_encoder=model``, ``tokenizer=None``) replace them
     as in diffusers, and every other keyword goes to `torchferry.offload` (``strategy=``,
-    ``device=``, any `OffloadConfig` field). Model components are built on the meta device from their
-    configurations and filled from the files once, so host memory holds about one copy of the model
-    (see the Note at the top of this module). Parameters take the dtypes the files store;
-    ``torch_dtype``, when given, must be that dtype (weights are copied, never converted; a class's
-    ``_keep_in_fp32_modules`` may stay float32). Returns the open `Session`; its ``pipeline`` is the
-    pipeline, called as usual::
+    ``device=``, ``device_memory=``, ``host_memory=``, any `OffloadConfig` field). Model components
+    are built on the meta device from their configurations and filled from the files once, so host
+    memory holds about one copy of the model (see the Note at the top of this module). Parameters
+    take the dtypes the files store; ``torch_dtype``, when given, must be that dtype (weights are
+    copied, never converted; a class's ``_keep_in_fp32_modules`` may stay float32). Returns the open
+    `Session`; its ``pipeline`` is the pipeline, called as usual::
 
         with torchferry.from_pretrained(FluxPipeline, "black-forest-labs/FLUX.1-dev", device="cuda") as s:
             image = s.pipeline("a ferry at dawn").images[0]

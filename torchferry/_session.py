@@ -178,7 +178,9 @@ def offload(
     policy instead. ``config`` (or ``strategy`` and any `OffloadConfig` field as a keyword) says what
     to offload; ``policy`` replaces the strategy's built-in policy (its knobs then go to its factory: passing
     ``prefetch_depth`` or ``chunk_bytes`` with it is a `PlanError`); ``device`` defaults to CUDA when
-    present. ``device_memory=`` is the device budget, in bytes or as ``"24GiB"``/``"80GB"``.
+    present. ``device_memory=`` is the device budget, in bytes or as ``"24GiB"``/``"80GB"``;
+    ``host_memory=`` the host budget alike (`OffloadConfig.host_memory_bytes`: what does not fit
+    stays in the checkpoint, read on demand; see `policies.tiers`).
     Everything that can be rejected is rejected (`PlanError`) before the pipeline is touched. Use the
     returned `Session` as a context manager, or call its ``close()``.
 
@@ -198,14 +200,16 @@ def offload(
         raise ExecutionError(
             "this pipeline is already served by an open torchferry session; close() it before opening another"
         )
-    if "device_memory" in config_options:
-        if "device_memory_bytes" in config_options:
-            raise PlanError(
-                "offload() got both device_memory= and device_memory_bytes=, two names for the device "
-                "budget; pass device_memory= alone"
-            )
-        config_options = dict(config_options)
-        config_options["device_memory_bytes"] = topology.memory_bytes(config_options.pop("device_memory"))
+    for budget_name, what in (("device_memory", "device"), ("host_memory", "host")):
+        if budget_name in config_options:
+            if f"{budget_name}_bytes" in config_options:
+                raise PlanError(
+                    f"offload() got both {budget_name}= and {budget_name}_bytes=, two names for the {what} "
+                    f"budget; pass {budget_name}= alone"
+                )
+            config_options = dict(config_options)
+            value = config_options.pop(budget_name)
+            config_options[f"{budget_name}_bytes"] = topology.memory_bytes(value, f"{budget_name}")
     auto = _is_auto(config, strategy, policy, config_options)
     request = _config(config, "layerwise" if auto else strategy, config_options)
     if policy is not None and _policy_knobs(request):

@@ -289,6 +289,17 @@ def test_device_memory_is_taken_as_text_or_bytes() -> None:
         torchferry.offload(p, device="cpu", device_memory=1, device_memory_bytes=1)
 
 
+def test_host_memory_is_taken_as_text_or_bytes() -> None:
+    """offload(host_memory="1GiB") stores the host budget in bytes; both of its names at once are refused."""
+    p = toy.build(0)
+    with torchferry.offload(p, device="cpu", host_memory="1GiB") as session:
+        assert session.plan.config.host_memory_bytes == 2**30
+    with pytest.raises(PlanError, match=re.escape("two names for the host budget; pass host_memory= alone")):
+        torchferry.offload(p, device="cpu", host_memory=1, host_memory_bytes=1)
+    with pytest.raises(PlanError, match=re.escape("host_memory: cannot read 'lots' as a size")):
+        torchferry.offload(p, device="cpu", host_memory="lots")
+
+
 def test_pipeline_called_inside_an_except_block_runs_normally() -> None:
     """Inside an ``except`` clause a call allocates as outside one and gives the plain outputs (no abort)."""
     p, ref = toy.build(0), toy.build(0)

@@ -75,6 +75,21 @@ KWARG_ERRORS: list[tuple[dict[str, Any], type[Exception], str]] = [
         "OffloadConfig.device_memory_bytes must be an int, got float 1000000000.0",
     ),
     (
+        {"host_memory_bytes": 0},
+        PlanError,
+        "OffloadConfig.host_memory_bytes must be a positive number of bytes or None, got 0",
+    ),
+    (
+        {"host_memory_bytes": True},
+        TypeError,
+        "OffloadConfig.host_memory_bytes must be an int, got bool True",
+    ),
+    (
+        {"host_memory_bytes": "0GiB"},
+        PlanError,
+        "OffloadConfig.host_memory_bytes must be a positive number of bytes, got 0",
+    ),
+    (
         {"chunk_bytes": -5},
         PlanError,
         "OffloadConfig.chunk_bytes must be a positive number of bytes or None, got -5",
@@ -548,9 +563,11 @@ def test_runtime_options_take_no_part_in_the_plan_digest() -> None:
         "device_memory_bytes",
         "checkpoint",
         "chunk_bytes",
+        "host_memory_bytes",
     )
     assert runtime.request == OffloadConfig()
     assert digest(runtime) == base
+    assert digest(OffloadConfig(host_memory_bytes=2**35)) == base
     assert digest(OffloadConfig(strategy="model_level")) != base
 
 
@@ -558,6 +575,34 @@ def test_runtime_options_take_no_part_in_the_plan_digest() -> None:
 def test_device_memory_accepts_sizes_as_text(value: object, expected: int) -> None:
     """The budget is bytes or a size such as '24GiB' (decimal and binary units)."""
     assert OffloadConfig(device_memory_bytes=value).device_memory_bytes == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("value", "expected"), [("32GiB", 32 * 2**30), ("64GB", 64 * 10**9), (4096, 4096)])
+def test_host_memory_accepts_sizes_as_text(value: object, expected: int) -> None:
+    """The host budget reads like the device budget: bytes, or a size such as '32GiB'."""
+    assert OffloadConfig(host_memory_bytes=value).host_memory_bytes == expected  # type: ignore[arg-type]
+    assert OffloadConfig().host_memory_bytes is None
+
+
+def test_host_memory_text_that_does_not_parse_names_its_field() -> None:
+    """A host budget that is not a size names its own field, not the device budget's."""
+    with pytest.raises(PlanError) as caught:
+        OffloadConfig(host_memory_bytes="plenty")  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        "OffloadConfig.host_memory_bytes: cannot read 'plenty' as a size; write a number with a unit such "
+        "as 24GiB, 80GB or 512MiB"
+    )
+
+
+def test_a_field_added_later_leaves_older_digests_alone() -> None:
+    """A config that leaves host_memory_bytes unset renders (and hashes) as before the field existed."""
+    from torchferry.topology import Plan, Topology, canonical
+
+    plan = Plan(topology=Topology(pipeline_class="P", components=()), config=OffloadConfig(), components=())
+    rendered = repr(canonical(plan.config))
+    assert "host_memory_bytes" not in rendered
+    assert "device_memory_bytes" in rendered
+    assert "host_memory_bytes" in repr(canonical(OffloadConfig(host_memory_bytes=1)))
 
 
 def test_device_memory_text_that_does_not_parse_is_refused() -> None:

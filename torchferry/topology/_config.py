@@ -18,11 +18,13 @@ from torchferry.topology._fields import (
     COMPONENT_NAMES,
     STRATEGIES,
     TRANSFERS,
+    WHEN_SET,
     SelectableComponent,
     Strategy,
     Transfer,
     bool_field,
     choices,
+    memory_or_none,
     non_negative,
     one_of,
     positive_or_none,
@@ -31,13 +33,12 @@ from torchferry.topology._fields import (
 )
 from torchferry.topology._legacy import legacy_fields, mapping_fields
 from torchferry.topology._parallel import ParallelLayout
-from torchferry.topology._units import memory_bytes
 
 __all__ = ["RUNTIME_OPTIONS", "OffloadConfig"]
 
 #: The `OffloadConfig` fields `resolve` never reads: how the plan is carried out, not what it is.
 #: They take no part in `Plan.digest` (the plan is the same plan whatever they say): the prefetch
-#: depth and chunk size are knobs of the policy (`policies.builtin`), the budget is what `check`
+#: depth and chunk size are knobs of the policy (`policies.builtin`), the budgets are what `check`
 #: holds schedules to, pinning and the checkpoint path are the runtime's.
 RUNTIME_OPTIONS: tuple[str, ...] = (
     "pin_memory",
@@ -45,6 +46,7 @@ RUNTIME_OPTIONS: tuple[str, ...] = (
     "device_memory_bytes",
     "checkpoint",
     "chunk_bytes",
+    "host_memory_bytes",
 )
 
 
@@ -93,12 +95,12 @@ def _path_or_none(value: str | os.PathLike[str] | None) -> str | None:
     raise TypeError(f"OffloadConfig.checkpoint must be a path or None, got {type_name(value)} {value!r}")
 
 
-def _memory_or_none(value: int | str | None) -> int | None:
-    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-        return value
-    if isinstance(value, str):
-        return memory_bytes(value, "OffloadConfig.device_memory_bytes")
-    return value  # the validator names the wrong type
+def _device_memory(value: int | str | None) -> int | None:
+    return memory_or_none(value, "OffloadConfig.device_memory_bytes")
+
+
+def _host_memory(value: int | str | None) -> int | None:
+    return memory_or_none(value, "OffloadConfig.host_memory_bytes")
 
 
 def _layout(_: object, __: attrs.Attribute[ParallelLayout], value: object) -> None:
@@ -121,6 +123,10 @@ class OffloadConfig:
     - ``prefetch_depth``: blocks in flight ahead of the one computing (1 to `MAX_PREFETCH_DEPTH`).
     - ``device_memory_bytes``: the device budget schedules must fit, if any: bytes, or a size such
       as ``"24GiB"`` (`offload` and `torchferry plan` call it ``device_memory``).
+    - ``host_memory_bytes``: the host budget, the most bytes torchferry's own host buffers (pinned
+      store, staging slots, read buffers) may hold at once: bytes or a size such as ``"32GiB"``
+      (``host_memory`` to `offload`). Packs that do not fit stay in the checkpoint, the *file tier*
+      (`policies.tiers`); ``None``: no limit.
     - ``checkpoint``: a safetensors file, shard folder or ``*.index.json`` to fill host buffers from.
     - ``chunk_bytes``: split each distributed transfer into chunks of at most this size (None: whole).
     - ``parallel``: the parallel layout, from which the shard group size derives.
@@ -142,7 +148,15 @@ class OffloadConfig:
     pin_memory: bool = attrs.field(default=True, validator=bool_field)
     prefetch_depth: int = attrs.field(default=1, validator=ring_depth)
     device_memory_bytes: int | None = attrs.field(
-        default=None, converter=_memory_or_none, validator=positive_or_none
+        default=None,
+        converter=_device_memory,
+        validator=positive_or_none,
+    )
+    host_memory_bytes: int | None = attrs.field(
+        default=None,
+        converter=_host_memory,
+        validator=positive_or_none,
+        metadata=WHEN_SET,
     )
     checkpoint: str | None = attrs.field(default=None, converter=_path_or_none)
     chunk_bytes: int | None = attrs.field(default=None, validator=positive_or_none)

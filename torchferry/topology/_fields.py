@@ -8,24 +8,28 @@ their values with them, so one bad value reads the same whichever way it came in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Literal, TypeVar, cast
 
 import attrs
 
 from torchferry._errors import PlanError
+from torchferry.topology._units import memory_bytes
 
 __all__ = [
     "COMPONENT_NAMES",
     "MAX_PREFETCH_DEPTH",
     "STRATEGIES",
     "TRANSFERS",
+    "WHEN_SET",
     "SelectableComponent",
     "Strategy",
     "Transfer",
     "bool_field",
     "choices",
     "int_field",
+    "memory_or_none",
     "non_negative",
     "one_of",
     "positive",
@@ -48,6 +52,11 @@ COMPONENT_NAMES: tuple[SelectableComponent, ...] = ("dit", "text_encoder", "vae"
 #: count only adds slots no block fills; the longest stack of a known model has 60 blocks. The bound
 #: keeps every schedule small (an unbounded depth built 2**62 slots and never finished).
 MAX_PREFETCH_DEPTH = 256
+
+#: Field metadata for a field added after plan digests were published: `canonical` renders it only
+#: when it differs from its default, so every plan that leaves it alone keeps the digest it had
+#: (and every golden schedule its ``# plan:`` line).
+WHEN_SET: Mapping[str, str] = MappingProxyType({"digest": "when set"})
 
 _T = TypeVar("_T")
 _S = TypeVar("_S", bound=str)
@@ -129,6 +138,14 @@ def positive_or_none(instance: object, attribute: attrs.Attribute[int | None], v
     where = _where(instance, attribute)
     if require_int(where, value) <= 0:
         raise PlanError(f"{where} must be a positive number of bytes or None, got {value}")
+
+
+def memory_or_none(value: int | str | None, where: str) -> int | None:
+    """A memory budget field's value: bytes, or a size as text (``"32GiB"``) read with `memory_bytes`,
+    whose error names ``where``; any other type passes on for `positive_or_none` to name."""
+    if isinstance(value, str):
+        return memory_bytes(value, where)
+    return value
 
 
 def bool_field(instance: object, attribute: attrs.Attribute[bool], value: object) -> None:

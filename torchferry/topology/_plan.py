@@ -9,7 +9,7 @@ from functools import lru_cache
 import attrs
 
 from torchferry.topology._config import OffloadConfig
-from torchferry.topology._fields import Strategy
+from torchferry.topology._fields import WHEN_SET, Strategy
 from torchferry.topology._frozen import FrozenMap
 from torchferry.topology._model import Component, ComponentKind, TensorSpec, Topology, find_component
 
@@ -67,13 +67,19 @@ class Plan:
         return _digest(self)
 
 
+def _unset_late_field(field: attrs.Attribute[object], value: object) -> bool:
+    """Whether ``field`` is marked `WHEN_SET` and ``value`` leaves it at its default."""
+    return field.metadata.get("digest") == WHEN_SET["digest"] and getattr(value, field.name) == field.default
+
+
 def canonical(value: object) -> object:
     """A process-independent, ordered rendering of frozen data (sets sorted) for hashing."""
     if isinstance(value, TensorSpec):  # the bulk of any plan: a flat tuple is enough and fast
         return (value.name, value.shape, value.dtype, value.buffer, value.persistent, value.aliases)
     cls = type(value)
     if attrs.has(cls):
-        fields = [f for f in attrs.fields(cls) if f.eq]
+        # A field marked `WHEN_SET` takes part only when set, so older digests stay as they were.
+        fields = [f for f in attrs.fields(cls) if f.eq and not _unset_late_field(f, value)]
         return (cls.__name__, tuple((f.name, canonical(getattr(value, f.name))) for f in fields))
     if isinstance(value, (frozenset, set)):
         return ("set", tuple(sorted(repr(canonical(v)) for v in value)))
