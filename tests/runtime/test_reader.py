@@ -166,7 +166,10 @@ def _block_read(reader: FileReader, pipe: toy.ToyPipeline) -> tuple[PackRead, to
     live = _live(pipe, specs)
     pieces, nbytes = pack_layout(specs, live)
     read = reader.plan(
-        "transformer.blocks.0", layout=pack_specs(specs), pieces=pieces, span=None,
+        "transformer.blocks.0",
+        layout=pack_specs(specs),
+        pieces=pieces,
+        span=None,
         module_bytes=_module_bytes(specs, live, pieces),
     )
     return read, torch.empty(nbytes, dtype=torch.uint8)

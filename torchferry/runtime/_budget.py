@@ -144,7 +144,11 @@ def host_budget(
         f"{tightest.what} {_size(tightest.available)} ({tightest.source}) less a reserve of {_size(reserve)}"
     )
     return HostBudget(
-        bytes=budget, source=source, bounds=tuple(known), reserve=reserve, locked_bytes=locked,
+        bytes=budget,
+        source=source,
+        bounds=tuple(known),
+        reserve=reserve,
+        locked_bytes=locked,
         locked_source=why,
     )
 

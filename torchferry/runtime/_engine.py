@@ -59,6 +59,7 @@ from torchferry.runtime._program import MAX_PROGRAMS, Program, compile_program, 
 from torchferry.runtime._progress import Progress
 from torchferry.runtime._steps import step_name
 from torchferry.runtime._streams import StreamContext, stream_context
+from torchferry.runtime._tiers import TierLayout, tier_request
 from torchferry.runtime._trace import Tracer
 from torchferry.topology import Plan
 
@@ -105,6 +106,7 @@ class Engine(Mover):
         comm: Comm | None = None,
         prefix_map: Mapping[str, str] | None = None,
         driver: Driver | None = None,
+        tier: TierLayout | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.plan = plan
@@ -128,7 +130,7 @@ class Engine(Mover):
         if self.comm is not None:
             self.comm.agree("the plan", plan.digest)
             sharding = Sharding(rank=self.comm.rank, world=world, names=layout(plan).allgather)
-        self.store = self._open(pipeline, plan, pin, sharding, prefix_map)
+        self.store = self._open(pipeline, plan, pin=pin, sharding=sharding, prefix_map=prefix_map, tier=tier)
         super().__init__()  # the device tables, the slot pool, the staging buffer and the grad guard
         self._residency: tuple[Placement, ...] = ()
         # Why: the schedule that finished last, for inspection (what did the last step do?).
@@ -146,9 +148,11 @@ class Engine(Mover):
         self,
         pipeline: Any,
         plan: Plan,
+        *,
         pin: bool,
         sharding: Sharding | None,
         prefix_map: Mapping[str, str] | None,
+        tier: TierLayout | None,
     ) -> HostStore:
         """Check, read and take over; with several ranks, only once every rank could do the first two."""
         with _ordinary():
@@ -157,16 +161,21 @@ class Engine(Mover):
             path = plan.config.checkpoint
             what = "copying weights to pinned host memory" if pin else "copying weights to host memory"
             progress = Progress(what if path is None else f"reading weights from {path}")
+            readers: list[CheckpointReader] = []
             try:
-                source: contextlib.AbstractContextManager[CheckpointReader | None] = contextlib.nullcontext()
-                if path is not None:
-                    source = CheckpointReader(path, prefix_map=prefix_map)
-                with source as reader:
-                    prepared = HostStore.prepare(
-                        pipeline, plan, pin=pin, reader=reader, sharding=sharding, progress=progress
-                    )
+                reader = None if path is None else CheckpointReader(path, prefix_map=prefix_map)
+                if reader is not None:
+                    readers.append(reader)
+                request = tier_request(plan, tier, reader, readers, prefix_map)
+                prepared = HostStore.prepare(
+                    pipeline, plan, pin=pin, reader=reader, sharding=sharding, progress=progress, tier=request
+                )
             except Exception as exc:
                 failure = exc
+            finally:
+                for opened in readers:  # the file tier keeps its source open for the session
+                    if prepared is None or prepared.tier is None or opened is not prepared.tier.source:
+                        opened.close()
             try:
                 if self.comm is not None:
                     try:

@@ -104,6 +104,12 @@ def _write_back(r: _Record) -> bool:
     return True
 
 
+def _shard_of(pack: Pack) -> torch.Tensor:
+    """Bytes of this rank's shard to send for a gather a failed step owes (a file-tier pack has none
+    at hand: zeros of its size, as the results are dropped)."""
+    return torch.zeros(pack.held_bytes, dtype=torch.uint8) if pack.in_file else pack.host
+
+
 class SessionGuard:
     """Enforces the session contract (see [Note: the session contract]) for one engine."""
 
@@ -224,7 +230,7 @@ class SessionGuard:
         if program is None or comm is None or program.pc >= len(program.calls):
             return
         owed = [
-            (unit.name, unit.packs[0].host, op.chunks)
+            (unit.name, _shard_of(unit.packs[0]), op.chunks)
             for _, unit, op in program.calls[program.pc :]
             if op.kind == "gather"
         ]

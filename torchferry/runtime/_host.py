@@ -50,12 +50,13 @@ from torchferry.runtime._fill import (
 )
 from torchferry.runtime._layouts import Layouts, aliased
 from torchferry.runtime._pack import Pack, Piece, Sharding, Unit, shard_span
-from torchferry.runtime._pinning import CudaPinner, HostMemory, HostPinner
+from torchferry.runtime._pinning import CudaPinner, HostMemory, HostPinner, page_bytes
 from torchferry.topology import Plan, TensorSpec, find_attr
 from torchferry.topology import pack as pack_specs
 
 if TYPE_CHECKING:
     from torchferry.runtime._checkpoint import CheckpointReader
+    from torchferry.runtime._tiers import FileTier, TierRequest
 
 __all__ = ["HostStore", "Prepared"]
 
@@ -70,6 +71,8 @@ class HostStore:
         self.memory = memory
         # Why: storage layouts (aliases, shared storage, gapped strides) close restores ([Note: as it was]).
         self.layouts = Layouts()
+        #: The file tier (packs read from the checkpoint on demand, see `_tiers`), or ``None``.
+        self.tier: FileTier | None = None
 
     @property
     def pinned(self) -> bool:
@@ -83,8 +86,16 @@ class HostStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of host memory the store holds (a sharded pack counts its shard only)."""
+        """Bytes of host memory the store's packs hold (a sharded pack counts its shard only, a
+        file-tier pack nothing: see `host_bytes` for the staging slots)."""
         return sum(g.host.numel() for g in self.packs.values())
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the store holds now, whole pages: pack buffers, and the file tier's staging
+        slots, bounce buffers and kept buffers."""
+        tier = 0 if self.tier is None else self.tier.host_bytes
+        return sum(page_bytes(g.host.numel()) for g in self.packs.values()) + tier
 
     @property
     def sharded(self) -> tuple[Pack, ...]:
@@ -102,6 +113,7 @@ class HostStore:
         sharding: Sharding | None = None,
         pinner: HostPinner | None = None,
         progress: Callable[[int, int], None] | None = None,
+        tier: TierRequest | None = None,
     ) -> Prepared:
         """Check everything, allocate (and pin) every buffer and, from a checkpoint, read it, without
         touching the pipeline.
@@ -112,9 +124,11 @@ class HostStore:
         checkpoint] above and [Note: sharded packs] in `torchferry.runtime._pack`. A `Prepared` that
         is not committed must be `Prepared.discard`-ed. ``progress``, when given, is called once per
         pack as its buffer is filled (here from a checkpoint, else in `Prepared.commit`) with the
-        pack's bytes and the bytes of all packs.
+        pack's bytes and the bytes of all packs. ``tier`` lays out a file tier: its packs get no
+        buffer and are read from ``tier.source`` on demand (see [Note: the file tier] in `_tiers`).
         """
         specs = group_specs(plan)
+        filed = frozenset() if tier is None else tier.packs
         lookup = _Lookup(pipeline)
         resolved = {name: [lookup.tensor(s) for s in pack] for name, pack in specs.items()}
         loose = _loose_specs(plan, specs)
@@ -124,7 +138,8 @@ class HostStore:
         on_meta: list[str] = []
         unmanaged: list[str] = []
         for name, pack in specs.items():
-            _check(pack, resolved[name], problems, meta, on_meta)
+            # A file-tier pack's meta tensors are filled from its source, whatever fills the rest.
+            _check(pack, resolved[name], problems, [] if name in filed else meta, on_meta)
         _check(loose, loose_live, problems, meta, on_meta, missing_ok=True)
         _check_unmanaged(pipeline, plan, meta, unmanaged)
         if meta and reader is None:
@@ -164,15 +179,26 @@ class HostStore:
         memory = HostMemory((pinner or CudaPinner()) if pin else None)
         buffers: dict[str, torch.Tensor] = {}
         loose_values: list[torch.Tensor | None] = []
-        total = sum(_span_bytes(name, layouts[name][1], sharding) for name in specs)
+        total = sum(_span_bytes(name, layouts[name][1], sharding) for name in specs if name not in filed)
+        files: FileTier | None = None
         try:
             memory.probe()
+            if tier is not None:
+                from torchferry.runtime._tiers import FileTier
+
+                files = FileTier.prepare(
+                    tier, specs=specs, layouts=layouts, live=resolved, sharding=sharding, memory=memory
+                )
             for name, (_, nbytes) in layouts.items():
+                if name in filed:
+                    continue
                 start, end = shard_span(name, nbytes, sharding) or (0, nbytes)
                 # From the module, each pack is pinned in commit once filled (see [Note: exact pinning]).
                 buffers[name] = memory.alloc(name, end - start, pin=reader is not None)
             if reader is not None:
                 for name, pack in specs.items():
+                    if name in filed:
+                        continue
                     pieces, nbytes = layouts[name]
                     span = shard_span(name, nbytes, sharding)
                     read_pack(reader, pack, pieces, resolved[name], span, host=buffers[name])
@@ -181,11 +207,13 @@ class HostStore:
                 for spec, live in zip(loose, loose_live, strict=True):
                     loose_values.append(read_loose(reader, spec, live))
         except BaseException:
+            if files is not None:
+                files.close()
             memory.close()
             raise
         return Prepared(
             pipeline=pipeline, plan=plan, sharding=sharding, specs=specs, live=resolved, layouts=layouts,
-            buffers=buffers, filled=reader is not None, memory=memory,
+            buffers=buffers, filled=reader is not None, memory=memory, tier=files,
             loose=list(zip(loose_live, loose_values, strict=True)) if reader is not None else [],
             progress=None if reader is not None or progress is None else (progress, total),
         )
@@ -214,11 +242,17 @@ class HostStore:
                 pack.to_host()
                 pack.forget_device()
         self.units.clear()
+        if self.tier is not None:
+            self.tier.close()
 
     def give_back(self, pack: Pack) -> None:
         """Give ``pack``'s tensors storage of their own and drop the pack (it must hold full bytes)."""
         pack.to_host()
         pack.forget_device()
+        if pack.in_file:  # its tensors keep pointing at the file's views (see [Note: the file tier])
+            del self.packs[pack.name]
+            self.layouts.given_back(pack.name)
+            return
         fresh = []
         for piece, view in zip(pack.pieces, pack.host_views, strict=True):
             t = torch.empty_strided(piece.shape, piece.stride, dtype=piece.dtype)
@@ -249,10 +283,14 @@ class Prepared:
     loose: list[tuple[torch.Tensor | None, torch.Tensor | None]]
     #: Told of each group `commit` fills from the module, with the bytes of all groups.
     progress: tuple[Callable[[int, int], None], int] | None = None
+    #: The file tier, laid out (reads planned, views made, staging slots allocated), or ``None``.
+    tier: FileTier | None = None
 
     def discard(self) -> None:
         """Give up this store without taking the pipeline over: unpin and free every buffer."""
         self.buffers = {}
+        if self.tier is not None:
+            self.tier.close()
         self.memory.close()
 
     def commit(self) -> HostStore:
@@ -269,22 +307,26 @@ class Prepared:
             nbytes = self.layouts[name][1]
             ordered, pieces = members[name]
             span = shard_span(name, nbytes, self.sharding)
-            host = self.buffers[name]
-            if not self.filled:
+            filed = self.tier is not None and name in self.tier.reads
+            host = self.buffers.get(name, _EMPTY)
+            if not self.filled and not filed:
                 fill_from_module(ordered, pieces, nbytes, span, host)
                 if self.progress is not None:
                     self.progress[0](host.numel(), self.progress[1])
             for t in ordered:
                 if t.is_meta:
                     materialise(t)
-            if span is None:
+            if span is None and filed:
+                assert self.tier is not None
+                views = self.tier.host_views(name, pieces)
+            elif span is None:
                 views = tuple(p.view(host) for p in pieces)
             else:
                 views = tuple(torch.empty(0, dtype=p.dtype) for p in pieces)
             with torch.no_grad():
                 for t, v in zip(ordered, views, strict=True):
                     t.data = v
-            if not self.filled:
+            if not self.filled and not filed:
                 # The module's own copy of this pack is dropped now: pinning here, not in prepare,
                 # keeps the open near the model plus one pack (a refusal falls back, never raises).
                 self.memory.pin(name)
@@ -297,6 +339,7 @@ class Prepared:
                 host_views=views,
                 shard=span,
                 buffers=tuple(i for i, t in enumerate(ordered) if not isinstance(t, nn.Parameter)),
+                in_file=filed,
             )
         for live, value in self.loose:
             if live is None or value is None:
@@ -309,7 +352,11 @@ class Prepared:
         units = _units(self.plan, packs, self.pipeline)
         store = HostStore(packs, units, self.memory)
         store.layouts = layouts
+        store.tier = self.tier
         return store
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 class _Lookup:

@@ -5,14 +5,16 @@ is a race. `StreamSanitizer` runs every copy and collective synchronously (as `C
 outputs are unchanged) and, beside it, keeps the happens-before order the CUDA stream context would
 give, with one vector clock per stream:
 
-- every copy (copy stream), collective (comm stream) and block forward (compute stream) is an
-  access that advances its stream's own entry;
+- every copy (copy stream), collective (comm stream), block forward (compute stream) and read of
+  the file tier into a staging buffer (io stream: the reader threads) is an access that advances
+  its stream's own entry; a load or stage from a staging buffer reads it on the copy stream;
 - an event records its stream's clock; waiting on it (`wait`, a copy ordered after ``free``, a
   collective after its source's ``ready``) merges that clock into the waiting stream's, as does a
   whole-stream wait (`fence`, `settle`, `synchronize`, a copy into fresh memory).
 
-Each device buffer (a slot, a staged unit's memory) keeps its last write (a load, a gather) and the
-reads since (a gather reading a shard slot, a block running from its slot). An access raises
+Each device buffer (a slot, a staged unit's memory) and staging buffer keeps its last write (a load,
+a gather, a read) and the reads since (a gather reading a shard slot, a block running from its slot,
+a copy from a staging buffer). An access raises
 `StreamOrderError`, naming the schedule op, when a read is not ordered after the write it reads, or a
 write is not ordered after the buffer's previous write and the reads of the data it overwrites.
 Reads by blocks are seen through one global forward hook (it runs before the module's own hooks,
@@ -43,8 +45,8 @@ if TYPE_CHECKING:
 
 __all__ = ["StreamOrderError", "StreamSanitizer", "sanitize"]
 
-Stream = Literal["copy", "comm", "compute"]
-_STREAMS: tuple[Stream, ...] = ("copy", "comm", "compute")
+Stream = Literal["copy", "comm", "compute", "io"]
+_STREAMS: tuple[Stream, ...] = ("copy", "comm", "compute", "io")
 
 
 class StreamOrderError(AssertionError):
@@ -58,14 +60,16 @@ class _Clock:
     copy: int = 0
     comm: int = 0
     compute: int = 0
+    io: int = 0
 
     def merge(self, other: _Clock) -> None:
         self.copy = max(self.copy, other.copy)
         self.comm = max(self.comm, other.comm)
         self.compute = max(self.compute, other.compute)
+        self.io = max(self.io, other.io)
 
     def snapshot(self) -> _Clock:
-        return _Clock(copy=self.copy, comm=self.comm, compute=self.compute)
+        return _Clock(copy=self.copy, comm=self.comm, compute=self.compute, io=self.io)
 
     def seen(self, stream: Stream) -> int:
         return int(getattr(self, stream))
@@ -233,6 +237,22 @@ class StreamSanitizer:
         if tracer is not None:
             tracer.span("copy", begin, tracer.mark(), dst_bytes.nbytes)
         dst.ready = self._record(dst.ready, "copy")
+
+    def before_read(self, staging: DeviceBuffer) -> Callable[[], None] | None:
+        # The reader threads wait for the staging buffer's last drain, then write it on the io stream.
+        self._wait_event("io", staging.free)
+        self._write(staging, "io", self._where())
+        staging.ready = self._record(staging.ready, "io")
+        return None
+
+    def copy_staged(
+        self, dst: DeviceBuffer, dst_bytes: torch.Tensor, staging: DeviceBuffer, src: torch.Tensor
+    ) -> None:
+        # The host waited for the read before issuing the copy: the copy stream is ordered after it.
+        self._wait_event("copy", staging.ready)
+        self._read(staging, "copy", self._where())
+        self.copy_in(dst, dst_bytes, src)
+        staging.free = self._record(staging.free, "copy")
 
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         self._wait_event("comm", src.ready)

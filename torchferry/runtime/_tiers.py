@@ -1,0 +1,337 @@
+"""The file tier of one session: packs with no host buffer, read on demand from the checkpoint into
+staging slots, and pointing at read-only views of the checkpoint between their uses.
+
+[Note: the file tier]
+`policies.tiers` names the units whose packs stay in the checkpoint (`Schedule.file`); the host store
+gives them no buffer. Between uses their tensors point at views of the checkpoint's files
+(`FileViews`: a private mapping, file-backed pages, so reading the weights between calls is right
+and costs no anonymous memory); a non-persistent buffer, which no checkpoint holds, keeps a small
+copy of the module's bytes instead. A ``read`` op submits the pack to the `FileReader` into a
+staging slot (a pinned host buffer allocated once, `Slot(kind="staging")`); the ``load`` or
+``stage`` ``from`` that slot waits for the read on the host (the reader threads stand in for the
+schedule's ``io`` stream), copies the slot to the device on the copy stream and records the slot's
+drain (``free``), which the next read into the slot waits for before it writes a byte. A unit of
+several packs (a whole component staged) is read and staged one pack at a time through its slot.
+
+Nothing a read does touches the host store or the files, so a failed read loses no weight: its
+`ExecutionError` reaches the step, which aborts as any failed step does, and the session closes.
+The in-place edits a host copy would take cannot be kept here (the next read brings the file's
+bytes back): an edit of a file-tier tensor is refused at the next step start by the session guard,
+and ``close()`` leaves the tensors pointing at the file views, bit-identical, row-major.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from torchferry._errors import ExecutionError, PlanError
+from torchferry.policies import rest_unit
+from torchferry.runtime._checkpoint import CheckpointReader
+from torchferry.runtime._pack import Pack, Piece, Sharding, contiguous_strides, shard_span
+from torchferry.runtime._pinning import HostMemory, page_bytes
+from torchferry.runtime._reader import FileReader, PackRead, Ticket
+from torchferry.runtime._streams import DeviceBuffer
+from torchferry.topology import Plan, TensorSpec
+from torchferry.topology import pack as pack_specs
+
+__all__ = [
+    "READ_MODE_ENV",
+    "FileTier",
+    "TierLayout",
+    "TierRequest",
+    "file_packs",
+    "read_direct",
+    "tier_request",
+]
+
+#: Environment variable forcing how file-tier files are read: ``direct``, ``buffered`` or ``auto``.
+READ_MODE_ENV = "TORCHFERRY_READ"
+
+
+def file_packs(plan: Plan, units: Iterable[str]) -> frozenset[str]:
+    """The pack names of file-tier ``units``: a block's or a remainder's own pack, or every pack of a
+    whole component (its remainders, blocks and ``:extra``)."""
+    wanted = set(units)
+    found: set[str] = set()
+    for top in plan.components:
+        for c in top.walk():
+            for name in [rest_unit(c.path), *(b.path for b in c.blocks)]:
+                if name in wanted:
+                    found.add(name)
+            if c.path in wanted:
+                found.update(rest_unit(d.path) for d in c.walk())
+                found.update(b.path for d in c.walk() for b in d.blocks)
+                if c is top:
+                    found.add(f"{top.path}:extra")
+    return frozenset(found)
+
+
+def read_direct(file_bytes: int, cache_bytes: int | None) -> bool:
+    """Whether the file tier reads with ``O_DIRECT``: when its files (``file_bytes``) are larger than
+    the page cache can keep (``cache_bytes``, what the host leaves it; ``None``: unknown, so
+    buffered), unless `READ_MODE_ENV` says otherwise."""
+    forced = os.environ.get(READ_MODE_ENV, "auto").strip().lower()
+    if forced in ("direct", "buffered"):
+        return forced == "direct"
+    if forced != "auto":
+        raise PlanError(f"{READ_MODE_ENV}={forced!r}: say direct, buffered or auto")
+    return cache_bytes is not None and file_bytes > cache_bytes
+
+
+@attrs.frozen(kw_only=True)
+class TierLayout:
+    """What a session asks of the file tier: the units in it (a schedule's ``file`` set), its staging
+    slots (name, bytes), what the page cache can keep (``None``: unknown), and where the file tier is
+    read from (``None``: the plan's checkpoint; else a spill folder written for it)."""
+
+    units: frozenset[str] = frozenset()
+    staging: tuple[tuple[str, int], ...] = ()
+    cache_bytes: int | None = None
+    source: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class TierRequest:
+    """What the host store needs to lay out a file tier: the pack names in it, the staging slots
+    (name, bytes), the checkpoint its bytes are read from (kept open for the session), and what the
+    page cache can keep (``None``: unknown) for choosing direct I/O."""
+
+    packs: frozenset[str]
+    staging: tuple[tuple[str, int], ...]
+    source: CheckpointReader
+    cache_bytes: int | None = None
+    prefix_map: Mapping[str, str] | None = None
+
+
+def tier_request(
+    plan: Plan,
+    layout: TierLayout | None,
+    checkpoint: CheckpointReader | None,
+    opened: list[CheckpointReader],
+    prefix_map: Mapping[str, str] | None,
+) -> TierRequest | None:
+    """The host store's file tier for ``layout`` (``None``: no file tier): read from ``layout.source``
+    when it names a spill (a reader opened for it is appended to ``opened``), else from
+    ``checkpoint``; an in-memory pipeline without a spill cannot have one (`PlanError`)."""
+    if layout is None or not layout.units:
+        return None
+    source = checkpoint
+    if layout.source is not None:
+        source = CheckpointReader(layout.source)
+        opened.append(source)
+        prefix_map = None
+    if source is None:
+        shown = ", ".join(sorted(layout.units)[:3]) + (", ..." if len(layout.units) > 3 else "")
+        raise PlanError(
+            f"the plan keeps {len(layout.units)} unit(s) ({shown}) in the file tier (read on demand from "
+            "the checkpoint), and this pipeline was built in memory with no checkpoint; pass "
+            "checkpoint=<its safetensors> to read them from, spill=<a folder> to write them there once "
+            "and read them back, or raise host_memory="
+        )
+    return TierRequest(
+        packs=file_packs(plan, layout.units),
+        staging=layout.staging,
+        source=source,
+        cache_bytes=layout.cache_bytes,
+        prefix_map=prefix_map,
+    )
+
+
+@attrs.define(eq=False)
+class _Staging:
+    """One staging slot: its pinned buffer (with the events of its last drain), and the read in it."""
+
+    buffer: DeviceBuffer
+    pack: Pack | None = None
+    ticket: Ticket | None = None
+
+
+class FileTier:
+    """The file-tier packs' reads and views, the staging slots and the reader (see [Note: the file tier])."""
+
+    def __init__(
+        self,
+        *,
+        source: CheckpointReader,
+        reader: FileReader,
+        reads: dict[str, PackRead],
+        views: dict[str, dict[int, torch.Tensor]],
+        memory: HostMemory,
+        staging: dict[str, _Staging],
+        kept: int,
+    ) -> None:
+        self.source = source
+        self.reader = reader
+        self.reads = reads
+        #: Pack name -> piece offset -> the tensor its pieces point at between uses.
+        self.views = views
+        self.memory = memory
+        self.staging = staging
+        #: Bytes of the module's non-persistent buffers kept for file-tier packs.
+        self.kept_bytes = kept
+
+    @property
+    def packs(self) -> frozenset[str]:
+        return frozenset(self.reads)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the tier holds: staging slots and bounce buffers (whole pages), kept buffers."""
+        staging = sum(page_bytes(s.buffer.data.numel()) for s in self.staging.values())
+        return staging + self.reader.bounce_bytes + self.kept_bytes
+
+    @classmethod
+    def prepare(
+        cls,
+        request: TierRequest,
+        *,
+        specs: Mapping[str, Sequence[TensorSpec]],
+        layouts: Mapping[str, tuple[tuple[Piece, ...], int]],
+        live: Mapping[str, Sequence[torch.Tensor | None]],
+        sharding: Sharding | None,
+        memory: HostMemory,
+    ) -> FileTier:
+        """Plan every file-tier pack's read, make its views and allocate the staging slots; nothing of
+        the pipeline is touched. A tensor that cannot be viewed in place is a `PlanError`."""
+        source = request.source
+        names = [n for n in specs if n in request.packs]
+        files = {
+            e.file
+            for n in names
+            for s in specs[n]
+            if (e := source.entries.get(source.key(s.name, request.prefix_map))) is not None
+        }
+        file_bytes = sum(os.path.getsize(f) for f in files)
+        direct = source.files if read_direct(file_bytes, request.cache_bytes) else ()
+        reader = FileReader(source, direct=[f for f in direct if f in files])
+        try:
+            reads: dict[str, PackRead] = {}
+            views: dict[str, dict[int, torch.Tensor]] = {}
+            kept = 0
+            for name in names:
+                pieces, nbytes = layouts[name]
+                layout = pack_specs(specs[name])
+                tensors = {s.name: t for s, t in zip(specs[name], live[name], strict=True)}
+                module: dict[str, torch.Tensor] = {}
+                for (spec, _), piece in zip(layout, pieces, strict=True):
+                    if spec.buffer and not spec.persistent:
+                        t = tensors[spec.name]
+                        assert t is not None
+                        module[spec.name] = piece.arranged(t.detach())
+                        kept += page_bytes(piece.nbytes)
+                span = shard_span(name, nbytes, sharding)
+                reads[name] = reader.plan(
+                    name,
+                    layout=layout,
+                    pieces=pieces,
+                    span=span,
+                    module_bytes=module,
+                    prefix_map=request.prefix_map,
+                )
+                views[name] = _views(reader, layout, pieces, module, request.prefix_map)
+            staging: dict[str, _Staging] = {}
+            need = max((r.nbytes for r in reads.values()), default=0)
+            for slot, nbytes in request.staging:
+                if nbytes < need:
+                    raise PlanError(
+                        f"staging slot {slot} holds {nbytes} bytes but the largest file-tier read is {need}; "
+                        "the schedule's staging slots must fit every file-tier pack"
+                    )
+                data = memory.alloc(f"staging {slot}", nbytes)
+                staging[slot] = _Staging(DeviceBuffer(data=data))
+        except BaseException:
+            reader.close()
+            raise
+        return cls(
+            source=source, reader=reader, reads=reads, views=views, memory=memory, staging=staging, kept=kept
+        )
+
+    def host_views(self, name: str, pieces: Sequence[Piece]) -> tuple[torch.Tensor, ...]:
+        """Pack ``name``'s tensors between uses, one per piece (aliases share their owner's)."""
+        views = self.views[name]
+        return tuple(views[p.offset] for p in pieces)
+
+    # -------------------------------------------------------------------------------- reading
+    def slot(self, name: str) -> _Staging:
+        staging = self.staging.get(name)
+        if staging is None:
+            raise ExecutionError(
+                f"staging slot {name} is not one of this session's ({', '.join(self.staging) or 'none'}); "
+                "every schedule of a session must use the staging slots its plan's tiers name"
+            )
+        return staging
+
+    def issue(self, pack: Pack, slot: str, before: Any) -> None:
+        """Start reading ``pack`` into staging slot ``slot``; the reader threads first call ``before``."""
+        read = self.reads.get(pack.name)
+        if read is None:
+            raise ExecutionError(
+                f"read of {pack.name}: it is not in this session's file tier (its bytes are in host memory)"
+            )
+        staging = self.slot(slot)
+        if staging.ticket is not None and staging.pack is not pack:
+            raise ExecutionError(
+                f"read of {pack.name} into staging slot {slot}, which still holds the read of "
+                f"{staging.pack.name if staging.pack is not None else 'another pack'} that no load took"
+            )
+        staging.pack, staging.ticket = pack, self.reader.submit(read, staging.buffer.data, before)
+
+    def take(self, pack: Pack, slot: str) -> tuple[DeviceBuffer, torch.Tensor]:
+        """Wait for ``pack``'s read into ``slot``; its buffer and the bytes read (raises the read's error)."""
+        staging = self.slot(slot)
+        ticket = staging.ticket
+        if ticket is None or staging.pack is not pack:
+            held = "nothing" if staging.pack is None else f"the read of {staging.pack.name}"
+            raise ExecutionError(
+                f"load of {pack.name} from staging slot {slot}, which holds {held}; read it first"
+            )
+        staging.pack = staging.ticket = None
+        ticket.wait()
+        return staging.buffer, staging.buffer.data.narrow(0, 0, ticket.read.nbytes)
+
+    def settle(self) -> None:
+        """Wait for every read in flight and forget it (a step aborted: the slots are free again)."""
+        for staging in self.staging.values():
+            ticket, staging.ticket, staging.pack = staging.ticket, None, None
+            if ticket is not None:
+                # The step that issued it failed or was dropped: nothing reads these bytes.
+                with contextlib.suppress(ExecutionError):
+                    ticket.wait()
+
+    def close(self) -> None:
+        """Wait for reads in flight, stop the reader, free the staging slots and close the source;
+        the views stay (their mappings hold the files)."""
+        self.settle()
+        self.reader.close()
+        for slot in self.staging:
+            self.memory.release(f"staging {slot}")
+        self.staging.clear()
+        self.source.close()
+
+
+def _views(
+    reader: FileReader,
+    layout: Sequence[tuple[TensorSpec, int]],
+    pieces: Sequence[Piece],
+    module: Mapping[str, torch.Tensor],
+    prefix_map: Mapping[str, str] | None,
+) -> dict[int, torch.Tensor]:
+    """Each piece's tensor between uses: a row-major view of the file, or the kept module bytes."""
+    nbytes = max((off + s.nbytes for s, off in layout), default=0)
+    where = {s.name: s for s in reader.checkpoint.spans(layout, 0, nbytes, prefix_map)}
+    out: dict[int, torch.Tensor] = {}
+    for (spec, _), piece in zip(layout, pieces, strict=True):
+        if spec.name in module:
+            out[piece.offset] = piece.view(module[spec.name], 0)
+            continue
+        span = where[spec.name]
+        assert span.file is not None
+        rows = attrs.evolve(piece, stride=contiguous_strides(piece.shape))
+        out[piece.offset] = reader.views.view(span.file, span.src, rows, spec.name)
+    return out
