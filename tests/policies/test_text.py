@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ names = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=1
 plain = st.from_regex(r"[a-z][a-z0-9_.]{0,10}", fullmatch=True)
 unit = st.one_of(plain, names)
 nbytes = st.integers(min_value=0, max_value=1 << 42)
+dotted = st.from_regex(r"[a-z]{1,3}(\.[a-z0-9]{1,3}){0,3}", fullmatch=True)
 
 
 def placement() -> st.SearchStrategy[Placement]:
@@ -31,7 +33,7 @@ ops = st.builds(
     Op,
     when=st.sampled_from(["before", "after"]),
     anchor=unit,
-    stream=st.sampled_from(["copy", "comm", "compute"]),
+    stream=st.sampled_from(["copy", "comm", "compute", "io"]),
     kind=st.sampled_from(OP_KINDS),
     unit=unit,
     slot=st.one_of(st.none(), unit),
@@ -52,12 +54,14 @@ schedules = st.builds(
         next=st.one_of(st.none(), unit),
     ),
     slots=st.lists(
-        st.builds(Slot, name=unit, nbytes=nbytes, kind=st.sampled_from(["block", "shard"])), max_size=3
+        st.builds(Slot, name=unit, nbytes=nbytes, kind=st.sampled_from(["block", "shard", "staging"])),
+        max_size=3,
     ),
     entry=st.lists(placement(), max_size=3),
     ops=st.lists(ops, max_size=8),
     exit=st.lists(placement(), max_size=3),
     notes=st.lists(names, max_size=2),
+    file=st.lists(st.one_of(plain, names, dotted)),
 )
 
 
@@ -108,7 +112,8 @@ def test_op_repr_is_its_line() -> None:
         ("nope\n", "line 1: a schedule starts with '# torchferry schedule v1': 'nope'"),
         (
             "# torchferry schedule v1\n# policy: x\n# plan: y\n# step: t #0\nbefore t copy carry u\n",
-            "line 5: unknown op kind 'carry' (load, gather, wait, evict, stage, unstage, acquire, release): "
+            "line 5: unknown op kind 'carry' (load, gather, wait, evict, stage, unstage, acquire, release, "
+            "read): "
             "'before t copy carry u'",
         ),
         (
@@ -141,3 +146,73 @@ def test_marked_listing_keys_marks_by_op_index_and_exit() -> None:
     assert numbered[0] == f"  {1:>{width}} | {plain[0]}  <-- here"
     assert numbered[ops[0]] == f"  {ops[0] + 1:>{width}} | {plain[ops[0]]}  <-- here"
     assert len(numbered) == len(plain)
+
+
+def test_file_line_groups_names_and_reads_back() -> None:
+    """The `# file:` line writes siblings once as parent.{a,b} and quotes names that could misread."""
+    names = ("t.blocks.10", "t.blocks.2", "t:rest", "a b", "x.{1}", ".lead", "solo")
+    schedule = Schedule(
+        policy="p", plan="d", step=Step(component="t"), slots=[], entry=[], ops=[], exit=[], file=names
+    )
+    assert schedule.file == (".lead", "a b", "solo", "t.blocks.2", "t.blocks.10", "t:rest", "x.{1}")
+    text = policies.format_schedule(schedule, sim=False)
+    line = next(t for t in text.splitlines() if t.startswith("# file:"))
+    assert line == '# file: .lead "a b" solo t.blocks.{2,10} t:rest "x.{1}"'
+    assert policies.parse_schedule(text) == schedule
+
+
+def test_no_file_line_without_a_file_tier() -> None:
+    """A schedule whose packs are all in host memory prints no `# file:` line and parses back with file ()."""
+    schedule = policies.layerwise(1)(ring_plan(3, 1 << 20), Step(component="transformer"))
+    text = policies.format_schedule(schedule)
+    assert schedule.file == ()
+    assert "# file:" not in text
+    assert policies.parse_schedule(text).file == ()
+
+
+def test_read_ops_and_staging_slots_print_as_lines() -> None:
+    """A read is an io line into a staging slot; the load from it names the slot as its source."""
+    read = Op(when="before", anchor="t.blocks.0", stream="io", kind="read", unit="t.blocks.2", slot="t0")
+    read = attrs.evolve(read, nbytes=4096)
+    load = Op(
+        when="before",
+        anchor="t.blocks.1",
+        stream="copy",
+        kind="load",
+        unit="t.blocks.2",
+        slot="s0",
+        src="t0",
+        nbytes=4096,
+    )
+    assert repr(read) == "Op<before t.blocks.0 io read t.blocks.2 -> t0 4.0 KiB (4096)>"
+    assert repr(load) == "Op<before t.blocks.1 copy load t.blocks.2 -> s0 from t0 4.0 KiB (4096)>"
+    schedule = Schedule(
+        policy="p",
+        plan="d",
+        step=Step(component="t"),
+        slots=[Slot(name="s0", nbytes=4096), Slot(name="t0", nbytes=4096, kind="staging")],
+        entry=[],
+        ops=[read, load],
+        exit=[],
+        file=["t.blocks.2"],
+    )
+    text = policies.format_schedule(schedule, sim=False)
+    assert [line.split() for line in text.splitlines() if line.startswith("slot")] == [
+        ["slot", "s0", "block", "4.0", "KiB", "(4096)"],
+        ["slot", "t0", "staging", "4.0", "KiB", "(4096)"],
+    ]
+    assert policies.parse_schedule(text) == schedule
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("# file: a.{b", "line 5: cannot read 'a.{b' as a name or a group parent.{a,b}: '# file: a.{b'"),
+        ("# file: a\n# file: b", "line 6: duplicate '# file:' line: '# file: b'"),
+    ],
+)
+def test_bad_file_lines_are_located(line: str, message: str) -> None:
+    """A `# file:` line that does not read, or a second one, is a ScheduleError naming its line."""
+    text = f"# torchferry schedule v1\n# policy: x\n# plan: y\n# step: t #0\n{line}\n"
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        policies.parse_schedule(text)

@@ -44,11 +44,18 @@ from torchferry.policies._ir import (
     is_index_free,
     rest_unit,
 )
+from torchferry.policies._layout import group_specs as group_specs
 from torchferry.policies._layout import layout as layout
+from torchferry.policies._layout import pack_bytes as pack_bytes
 from torchferry.policies._layout import shard_nbytes
+from torchferry.policies._layout import unit_packs as unit_packs
 from torchferry.policies._listing import format_schedule
 from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, Span, simulate, steady_schedule
 from torchferry.policies._text import Mark, format_marked, parse_schedule
+from torchferry.policies._tiers import READ_BOUNCE_BYTES, STAGING_SLOTS, Tiers, tiers
+from torchferry.policies._tiers import file_packs as file_packs
+from torchferry.policies._tiers import host_bytes as host_bytes
+from torchferry.policies._tiers import read_nbytes as read_nbytes
 from torchferry.policies._tokens import format_bytes
 
 __all__ = [
@@ -61,6 +68,8 @@ __all__ = [
     "OP_KINDS",
     "OP_STREAM",
     "PROFILE_VERSION",
+    "READ_BOUNCE_BYTES",
+    "STAGING_SLOTS",
     "STRATEGIES",
     "Choice",
     "CostModel",
@@ -78,6 +87,7 @@ __all__ = [
     "Span",
     "Step",
     "StreamName",
+    "Tiers",
     "When",
     "auto",
     "builtin",
@@ -101,4 +111,5 @@ __all__ = [
     "shard_nbytes",
     "simulate",
     "steady_schedule",
+    "tiers",
 ]

@@ -43,7 +43,9 @@ from torchferry.policies._ir import (
     declare,
 )
 from torchferry.policies._layout import PlanFacts, forward_blocks, layout, shard_nbytes, swaps
-from torchferry.policies._tokens import format_bytes
+from torchferry.policies._staging import Reads
+from torchferry.policies._tiers import tiers
+from torchferry.policies._tokens import format_bytes, natural_key
 from torchferry.topology import MAX_PREFETCH_DEPTH, STRATEGIES, Component, Plan, Strategy
 
 __all__ = [
@@ -60,16 +62,11 @@ __all__ = [
 ]
 
 
-def _natural(path: str) -> tuple[tuple[int, str], ...]:
-    """Sort key that orders ``blocks.2`` before ``blocks.10``."""
-    return tuple((int(p), "") if p.isdigit() else (-1, p) for p in path.split("."))
-
-
 def compress_paths(paths: Iterable[str]) -> str:
     """``transformer.blocks.{0,3,7}``: paths in natural order, those sharing a parent written once (for
     notes); ``none`` when there are none."""
     groups: dict[str, list[str]] = {}
-    for p in sorted(paths, key=_natural):
+    for p in sorted(paths, key=natural_key):
         parent, _, leaf = p.rpartition(".")
         groups.setdefault(parent, []).append(leaf)
     parts = []
@@ -91,11 +88,14 @@ def _top(plan: Plan, path: str) -> Component:
 
 
 class _Builder:
-    """Accumulates ops while tracking what is where, so the exit is what the ops leave."""
+    """Accumulates ops while tracking what is where, so the exit is what the ops leave; with a file
+    tier, it reads what it stages (`Reads`) and adds the staging slots."""
 
-    def __init__(self, step: Step, slots: tuple[Slot, ...]) -> None:
+    def __init__(self, step: Step, slots: tuple[Slot, ...], plan: Plan) -> None:
         self.step = step
-        self.slots = slots
+        self.tiers = tiers(plan)
+        self.reads = Reads(plan, self.tiers, self.emit) if self.tiers.file else None
+        self.slots = (*slots, *self.tiers.staging) if self.tiers.file else slots
         self.ops: list[Op] = []
         self.where: dict[str, str] = {}
         self.size: dict[str, int] = {}
@@ -143,8 +143,18 @@ class _Builder:
         self.order.remove(unit)
 
     def stage(self, when: When, anchor: str, unit: str, nbytes: int) -> None:
-        self.emit(when, anchor, "stage", unit, nbytes=nbytes)
+        src = self.reads.take(when, anchor, unit) if self.reads is not None else None
+        self.emit(when, anchor, "stage", unit, src=src, nbytes=nbytes)
         self._place(unit, DEVICE, nbytes)
+
+    def from_file(self, when: When, anchor: str, unit: str) -> str | None:
+        """The staging slot a load of ``unit`` copies from (`Reads.take`), or ``None`` from host memory."""
+        return self.reads.take(when, anchor, unit) if self.reads is not None else None
+
+    def read_ahead(self, when: When, anchor: str, queue: Iterable[str]) -> None:
+        """Read the next file-tier units of ``queue`` ahead of their loads (`Reads.ahead`)."""
+        if self.reads is not None:
+            self.reads.ahead(when, anchor, queue, self.where)
 
     def unstage(self, when: When, anchor: str, unit: str) -> None:
         self.emit(when, anchor, "unstage", unit)
@@ -184,7 +194,8 @@ class _Builder:
             entry=self.step.entry,
             ops=self.ops,
             exit=self.exit(),
-            notes=tuple(notes),
+            notes=(*notes, *self.tiers.notes),
+            file=self.tiers.file,
         )
 
 
@@ -194,7 +205,7 @@ class _Builder:
 def _whole(plan: Plan, step: Step, *, swap: bool, policy: str) -> Schedule:
     top = _top(plan, step.component)
     c = top.path
-    b = _Builder(step, ())
+    b = _Builder(step, (), plan)
     swappable = [x for x in plan.components if swap and swaps(x)]
     dits = {x.path for x in swappable if x.kind == "dit"}
     encoders = {x.path for x in swappable if x.kind == "encoder"}
@@ -290,7 +301,7 @@ def _ring(
     lay = layout(plan, resident)
     allgather = lay.allgather if gather else frozenset()
     slots = ring_slots(plan, lay, depth, allgather)
-    b = _Builder(step, slots)
+    b = _Builder(step, slots, plan)
     world = plan.config.dp_size
     kept = set(lay.kept)
     # 1. unstage what the policy no longer keeps; 2. stage what is missing (this component's first).
@@ -333,11 +344,13 @@ def _ring(
                 k = _chunks(shard, chunk_bytes)
                 h = f"h{shard_slot % 2}"
                 shard_slot += 1
-                b.emit(when, anchor, "load", unit, slot=h, src="shard", nbytes=shard, chunks=k)
+                staged = b.from_file(when, anchor, unit)
+                b.emit(when, anchor, "load", unit, slot=h, src=staged or "shard", nbytes=shard, chunks=k)
                 b.emit(when, anchor, "gather", unit, slot=slot, src=h, nbytes=shard * world, chunks=k)
                 size = shard * world
             else:
-                b.emit(when, anchor, "load", unit, slot=slot, nbytes=nbytes[unit])
+                src = b.from_file(when, anchor, unit)
+                b.emit(when, anchor, "load", unit, slot=slot, src=src, nbytes=nbytes[unit])
                 size = nbytes[unit]
             b.occupy(slot, unit, size)
 
@@ -345,6 +358,7 @@ def _ring(
     for blk in forward_blocks(top):
         streamed = j < n and names[j] == blk.path
         ensure("before", blk.path, names[j : j + depth + 1])
+        b.read_ahead("before", blk.path, names[j + depth + 1 :])
         b.emit("before", blk.path, "wait", blk.path)
         if streamed:
             j += 1

@@ -8,6 +8,7 @@ from functools import lru_cache
 import attrs
 
 from torchferry._errors import ScheduleError
+from torchferry.policies._check_file import FileTierCheck
 from torchferry.policies._ir import DEVICE, OP_STREAM, Op, Schedule, rest_unit
 from torchferry.policies._layout import PlanFacts, forward_blocks, has_blocks, layout, shard_nbytes
 from torchferry.policies._text import format_marked
@@ -26,12 +27,17 @@ INVARIANTS: dict[int, str] = {
     6: "collectives match on every rank: only all-gathered blocks of loaded components gather, right "
     "after their shard load",
     7: "the schedule is well formed: its plan, step, anchors in forward order, streams, units and slots",
+    8: "host bytes (packs in host memory, staging slots, read buffers) never exceed config.host_memory_bytes",
+    9: "only file-tier units are read, each into an empty staging slot; a file-tier unit is loaded or "
+    "staged only from the staging slot it was read into, in the same step",
 }
 
 
-# Header lines of the listing: 1 the version, 2 the policy, 3 the plan, 4 the step.
+# Header lines of the listing: 1 the version, 2 the policy, 3 the plan, 4 the step, 5 the file tier
+# (when the schedule has one).
 _PLAN_LINE = 3
 _STEP_LINE = 4
+_FILE_LINE = 5
 
 
 @lru_cache(maxsize=64)
@@ -59,10 +65,13 @@ class _Checker:
         # the slots, the entry rows (at least one), the ops, the exit.
         entry_rows = max(len(schedule.entry), 1)
         step_rows = max(len(schedule.step.entry), 1) if schedule.step.entry != schedule.entry else 0
-        self.entry_line = _STEP_LINE + 1 + len(schedule.notes) + step_rows + len(schedule.slots)
+        header = _STEP_LINE + (1 if schedule.file else 0) + len(schedule.notes)
+        self.entry_line = header + 1 + step_rows + len(schedule.slots)
         self.op_line0 = self.entry_line + entry_rows
         self.exit_line = self.op_line0 + len(schedule.ops)
         self.slots = {s.name: s for s in schedule.slots}
+        self.staging = {s.name for s in schedule.slots if s.kind == "staging"}
+        self.tier = FileTierCheck(schedule, plan, self.add)
         self.world = plan.config.dp_size
         # residency state
         self.where: dict[str, str] = {}
@@ -165,8 +174,17 @@ class _Checker:
                 f"schedule was made for plan {s.plan}, not this plan {self.plan.digest}; rebuild it",
             )
         top, blocks = self.forward()
+        self.tier.host(_FILE_LINE if s.file else _PLAN_LINE)
         for k, p in enumerate(s.entry):
             line = self.entry_line + k
+            if p.where in self.staging:
+                self.add(
+                    line,
+                    9,
+                    f"entry places {p.unit} in staging slot {p.where}; a staging slot is host memory that "
+                    "holds a read within one step, never a unit between steps",
+                )
+                continue
             if p.where == DEVICE:
                 self.held[p.unit] = self.size(p.unit) or p.nbytes
                 self.current += self.held[p.unit]
@@ -282,7 +300,13 @@ class _Checker:
         self.where[op.unit] = slot
         self.ready.discard(op.unit)
 
+    def _read(self, op: Op, line: int, size: int) -> None:
+        self.tier.read(op, line)
+
     def _load(self, op: Op, line: int, size: int) -> None:
+        staged = self.tier.copies(op, line)
+        if staged and op.slot in self.slots and self.slots[op.slot].kind == "shard":
+            op = attrs.evolve(op, src="shard")
         if op.src == "shard":
             expected = shard_nbytes(size, self.world)
             if op.nbytes != expected:
@@ -301,8 +325,8 @@ class _Checker:
                 )
             self.shard[slot] = (op.unit, op)
             return
-        if op.src is not None:
-            self.add(line, 7, f"load source {op.src!r} is not 'shard' (or none for a whole unit)")
+        if op.src is not None and not staged:
+            self.add(line, 7, f"load source {op.src!r} is not 'shard', a staging slot, or none (whole)")
         if op.nbytes != size:
             self.add(line, 3, f"{op.unit} is {format_bytes(size)}, not {format_bytes(op.nbytes)}")
         if self._slot(op, line, "block"):
@@ -350,6 +374,8 @@ class _Checker:
             self._write_block_slot(op, line)
 
     def _stage(self, op: Op, line: int, size: int) -> None:
+        if not self.tier.copies(op, line) and op.src is not None:
+            self.add(line, 7, f"stage source {op.src!r} is not a staging slot (or none: from host memory)")
         if op.nbytes != size:
             self.add(line, 3, f"{op.unit} is {format_bytes(size)}, not {format_bytes(op.nbytes)}")
         if op.unit in self.where:
@@ -424,6 +450,7 @@ class _Checker:
             self.add(self.exit_line, 5, f"exit omits {u}@{w}, which the ops leave on the device")
         for u in sorted(self.acquired):
             self.add(self.exit_line, 5, f"{u} is acquired but never released")
+        self.tier.exit(self.exit_line)
 
     def report(self) -> None:
         if not self.found:
@@ -450,6 +477,7 @@ _CHECKS: dict[str, Callable[[_Checker, Op, int, int], None]] = {
     "unstage": _Checker._unstage,
     "acquire": _Checker._acquire,
     "release": _Checker._release,
+    "read": _Checker._read,
 }
 
 
@@ -473,7 +501,14 @@ def check(schedule: Schedule, plan: Plan) -> None:
        only on the plan and the step, which every rank shares.
     7. The schedule is well formed: made for this plan, its step a top-level component, every op
        anchored at a point of that forward in forward order, on its kind's stream, naming units of
-       the plan and slots of the table.
+       the plan and slots of the table (a read a staging slot), its file tier packs of the plan.
+    8. Host bytes (the packs in host memory, whole pages, an all-gathered block's shard only; the
+       staging slots; the reader's buffers when there is a file tier: `policies.tiers`) never
+       exceed ``plan.config.host_memory_bytes``.
+    9. Only units with packs in the file tier (``schedule.file``) are read, each into a staging slot
+       whose previous read a load or stage already copied out; a load or stage of such a unit copies
+       from the staging slot it was read into (the store has no bytes for it), and no other does; no
+       read is left in a staging slot at the exit (reads never cross a step).
     """
     checker = _Checker(schedule, plan)
     checker.run()

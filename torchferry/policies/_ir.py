@@ -20,7 +20,13 @@ Op kinds (stream in brackets; `OP_STREAM` maps each kind to it):
   has passed this point;
 - ``stage`` / ``unstage`` [copy]: give a unit its own device memory and copy it there, or drop it (no
   device-to-host copy: host weights are never modified);
-- ``acquire`` / ``release`` [compute]: call the component's own ``load_to_device`` / ``offload_to_cpu``.
+- ``acquire`` / ``release`` [compute]: call the component's own ``load_to_device`` / ``offload_to_cpu``;
+- ``read`` [io]: read a unit's packs that are in the *file tier* (`Schedule.file`: not in host memory,
+  read from the checkpoint) into staging slot ``slot``, a pinned host buffer (``src="shard"``: only
+  this rank's shard of an all-gathered block). A ``load`` or ``stage`` of such a unit then names that
+  slot as its ``src`` (``load U -> s1 from t0``; into a shard slot, ``load U -> h0 from t0``, the
+  shard), which frees the slot for the next read. A unit of several packs (a whole component) is
+  read and staged pack by pack through the slot.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Literal, Protocol
 
 import attrs
 
-from torchferry.policies._tokens import format_bytes, format_name
+from torchferry.policies._tokens import format_bytes, format_name, natural_key
 from torchferry.topology import Plan
 
 __all__ = [
@@ -57,11 +63,23 @@ __all__ = [
 ]
 
 When = Literal["before", "after"]
-StreamName = Literal["copy", "comm", "compute"]
-OpKind = Literal["load", "gather", "wait", "evict", "stage", "unstage", "acquire", "release"]
-SlotKind = Literal["block", "shard"]
+StreamName = Literal["copy", "comm", "compute", "io"]
+OpKind = Literal["load", "gather", "wait", "evict", "stage", "unstage", "acquire", "release", "read"]
+#: ``block`` and ``shard`` slots are device memory; ``staging`` slots are pinned host memory that
+#: file-tier reads fill (`Schedule.file`).
+SlotKind = Literal["block", "shard", "staging"]
 
-OP_KINDS: tuple[OpKind, ...] = ("load", "gather", "wait", "evict", "stage", "unstage", "acquire", "release")
+OP_KINDS: tuple[OpKind, ...] = (
+    "load",
+    "gather",
+    "wait",
+    "evict",
+    "stage",
+    "unstage",
+    "acquire",
+    "release",
+    "read",
+)
 #: The stream each op kind runs on (see the list above).
 OP_STREAM: Mapping[OpKind, StreamName] = MappingProxyType(
     {
@@ -73,6 +91,7 @@ OP_STREAM: Mapping[OpKind, StreamName] = MappingProxyType(
         "unstage": "copy",
         "acquire": "compute",
         "release": "compute",
+        "read": "io",
     }
 )
 
@@ -130,7 +149,8 @@ class Step:
 
 @attrs.frozen(kw_only=True, cache_hash=True)
 class Slot:
-    """A fixed region of device memory, allocated once and reused by many units."""
+    """A fixed region of memory, allocated once and reused by many units: device memory (``block``,
+    ``shard``), or a pinned host buffer file-tier reads fill (``staging``)."""
 
     name: str
     nbytes: int
@@ -178,12 +198,20 @@ def _notes(value: Iterable[object]) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
 
 
+def _file(value: Iterable[str]) -> tuple[str, ...]:
+    """Pack names, once each, in natural order (``blocks.2`` before ``blocks.10``)."""
+    return tuple(sorted({str(v) for v in value}, key=lambda name: (natural_key(name), name)))
+
+
 @attrs.frozen(kw_only=True, cache_hash=True)
 class Schedule:
     """The program for one step: slots, entry residency, ordered ops, exit residency, provenance.
 
     ``policy`` names the policy and its parameters (``layerwise(depth=2)``), ``plan`` is the plan's
-    digest, and ``notes`` are free-text header lines a policy uses to explain its choice.
+    digest, and ``notes`` are free-text header lines a policy uses to explain its choice. ``file``
+    names the packs (blocks, remainders ``<c>:rest``, ``<top>:extra``) in the file tier: they have
+    no host copy and are read from the checkpoint into the ``staging`` slots (`policies.tiers`);
+    empty (every pack in host memory) for a plan without a host budget.
     """
 
     policy: str
@@ -194,6 +222,7 @@ class Schedule:
     ops: tuple[Op, ...] = attrs.field(converter=_ops)
     exit: tuple[Placement, ...] = attrs.field(converter=_placements)
     notes: tuple[str, ...] = attrs.field(default=(), converter=_notes)
+    file: tuple[str, ...] = attrs.field(default=(), converter=_file)
 
     def slot(self, name: str) -> Slot:
         for s in self.slots:

@@ -1,27 +1,36 @@
-"""What a plan means for scheduling: forward order, units, their sizes and who keeps what.
+"""What a plan means for scheduling: forward order, units, their sizes and who keeps what, and the
+packs the host store holds them in.
 
-Pure helpers shared by the policies, `check` and `auto`. A *unit* is a block path, a remainder
-(``rest_unit(path)``) or a whole component path; see `torchferry.policies._ir`.
+Pure helpers shared by the policies, `check`, `auto`, `tiers` and the runtime's host store. A
+*unit* is a block path, a remainder (``rest_unit(path)``) or a whole component path; see
+`torchferry.policies._ir`. A *pack* is the tensors that share one flat host buffer: a block, a
+remainder, or ``<top>:extra`` (a top-level component's tensors no plan component names); a unit
+is one pack, or (a whole component) all the packs under it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from functools import lru_cache
 
 import attrs
 
 from torchferry.policies._ir import rest_unit
-from torchferry.topology import Block, Component, Plan, Transfer
+from torchferry.topology import Block, Component, Plan, TensorSpec, Transfer, pack, packed_nbytes
 
 __all__ = [
     "PlanFacts",
+    "extra_pack",
     "forward_blocks",
+    "group_specs",
     "has_blocks",
     "layout",
+    "pack_bytes",
+    "pack_table",
     "shard_nbytes",
     "swaps",
     "transfer_of",
+    "unit_packs",
 ]
 
 _ALIGN = 16
@@ -173,3 +182,80 @@ def layout(plan: Plan, extra_resident: frozenset[str] = frozenset()) -> PlanFact
         covers=out.covers,
         allgather=frozenset(allgather),
     )
+
+
+# ------------------------------------------------------------------------------------------- packs
+
+
+def extra_pack(top_path: str) -> str:
+    """The pack of a top-level component's tensors that no component of the plan names."""
+    return f"{top_path}:extra"
+
+
+@lru_cache(maxsize=64)
+def pack_table(plan: Plan) -> tuple[tuple[str, tuple[TensorSpec, ...]], ...]:
+    """Pack name -> tensors, in plan order: each block, each component's remainder, then each
+    top-level component's leftovers (``<top>:extra``); a tensor is in the first pack that names it.
+
+    Tensors of on-demand components are left to the component's own lifecycle and get no pack.
+    The host store allocates one buffer per pack (`group_specs`), `tiers` places each in host
+    memory or the file tier, so both read this one table.
+    """
+    table: list[tuple[str, tuple[TensorSpec, ...]]] = []
+    covered: set[str] = set()
+
+    def add(name: str, tensors: Iterable[TensorSpec]) -> None:
+        fresh = tuple(t for t in tensors if t.name not in covered)
+        covered.update(t.name for t in fresh)
+        if fresh:
+            table.append((name, fresh))
+
+    for top in plan.components:
+        if top.on_demand:
+            continue
+        for c in top.walk():
+            add(rest_unit(c.path), c.tensors)
+            for block in c.blocks:
+                add(block.path, block.tensors)
+        add(extra_pack(top.path), plan.topology.component(top.path).all_tensors())
+    return tuple(table)
+
+
+def group_specs(plan: Plan) -> dict[str, list[TensorSpec]]:
+    """`pack_table` as a fresh dict of lists (the host store's shape of it)."""
+    return {name: list(specs) for name, specs in pack_table(plan)}
+
+
+@lru_cache(maxsize=64)
+def _pack_sizes(plan: Plan) -> Mapping[str, int]:
+    return {name: packed_nbytes(pack(specs)) for name, specs in pack_table(plan)}
+
+
+def pack_bytes(plan: Plan, name: str) -> int:
+    """Bytes of pack ``name``'s flat buffer this rank holds: the whole pack, or for an all-gathered
+    block its shard (`shard_nbytes`), as the host store allocates it and a file-tier read moves it."""
+    nbytes = _pack_sizes(plan)[name]
+    if name in layout(plan).allgather:
+        return shard_nbytes(nbytes, plan.config.dp_size)
+    return nbytes
+
+
+@lru_cache(maxsize=64)
+def _unit_table(plan: Plan) -> Mapping[str, tuple[str, ...]]:
+    packs = _pack_sizes(plan)
+    units: dict[str, tuple[str, ...]] = {}
+    for top in plan.components:
+        for c in top.walk():
+            for name in (rest_unit(c.path), *(b.path for b in c.blocks)):
+                units[name] = (name,) if name in packs else ()
+            inner = [rest_unit(d.path) for d in c.walk()] + [b.path for d in c.walk() for b in d.blocks]
+            if c is top:
+                inner.append(extra_pack(top.path))
+            units[c.path] = tuple(n for n in inner if n in packs)
+    return units
+
+
+def unit_packs(plan: Plan, unit: str) -> tuple[str, ...]:
+    """The packs unit ``unit`` moves (a whole component: every pack under it, its extras included);
+    ``()`` for a name that is no unit of the plan or holds no pack (an on-demand component)."""
+    return _unit_table(plan).get(unit, ())

@@ -1,4 +1,4 @@
-"""`simulate`: replay a schedule's copy, comm and compute streams under a cost model.
+"""`simulate`: replay a schedule's copy, comm, compute and io streams under a cost model.
 
 [Note: the stream model]
 Ops run in listed order; each stream is a FIFO, so an op starts when its stream is free and its
@@ -12,7 +12,11 @@ its ``before <block>`` ops and before its ``after <block>`` ops. Dependencies:
 - ``wait`` holds the compute stream until the unit's last load, gather or stage ends; the delay is
   the stall charged to the anchor it sits at;
 - ``acquire`` runs a blocking host-to-device copy on the compute stream; ``evict``, ``unstage`` and
-  ``release`` take no time on the device.
+  ``release`` take no time on the device;
+- ``read`` (the io stream: file-tier bytes from the checkpoint into a staging slot, at
+  ``CostModel.read_bytes_per_s``) waits until its staging slot was drained: the end of the load or
+  stage that copied the slot's previous read out; a load or stage ``from`` a staging slot waits for
+  the end of the read into it.
 
 Host cost: the runtime's hooks run on the host between the kernels they launch, so every op costs
 ``CostModel.host_op_s`` and every block's hooks ``CostModel.host_block_s`` on the compute stream
@@ -25,7 +29,8 @@ compute, each stall) so a step can be drawn; it takes no part in any other figur
 Device bytes are counted in op order, as a runtime allocating on the host would measure them: a slot
 is allocated once, at its first use (already allocated if the entry names it); a staged or acquired
 unit holds its bytes until it is unstaged or released; entry units in their own memory hold their
-placement's ``nbytes``.
+placement's ``nbytes``. Staging slots are host memory and count nowhere here (`policies.tiers`
+counts host bytes).
 """
 
 from __future__ import annotations
@@ -62,6 +67,10 @@ class CostModel:
 
     - ``h2d_bytes_per_s``: host-to-device bandwidth of the copy stream (``math.inf``: free).
     - ``collective_bytes_per_s``: bytes per second one rank receives during an all-gather.
+    - ``read_bytes_per_s``: bytes per second the io stream reads file-tier packs from the checkpoint
+      (``math.inf``, the default: free, so a schedule without reads is timed as before); the figure
+      of the method the runtime will use (buffered, or direct I/O for a checkpoint larger than the
+      page cache keeps).
     - ``block_s`` / ``component_s``: default compute seconds of a block, and of a component's own
       (non-block) forward; ``compute_s`` overrides either per path.
     - ``flops`` (per path) or ``block_flops`` (any block) with ``device_flops_per_s``: compute time as
@@ -80,6 +89,7 @@ class CostModel:
 
     h2d_bytes_per_s: float = attrs.field(default=25e9, validator=_positive)
     collective_bytes_per_s: float = attrs.field(default=100e9, validator=_positive)
+    read_bytes_per_s: float = attrs.field(default=math.inf, validator=_positive)
     block_s: float = attrs.field(default=0.01, validator=_non_negative)
     component_s: float = attrs.field(default=0.0, validator=_non_negative)
     compute_s: FrozenMap[str, float] = attrs.field(factory=FrozenMap, converter=_fmap)
@@ -107,11 +117,13 @@ class CostModel:
         forwards_per_step: int = 1,
         steps: int = 50,
         source: str = "measured",
+        read_bytes_per_s: float = math.inf,
     ) -> CostModel:
         """A cost model from measured figures: the pinned host-to-device bandwidth, compute seconds
         per block (``block_s`` for every block, ``compute_s`` per path; at least one), the
         non-block remainder's compute (``component_s``), the host cost per op and per block, and
-        the forwards of a denoising step and of a call (``steps x forwards_per_step``).
+        the forwards of a denoising step and of a call (``steps x forwards_per_step``), and the
+        file tier's read rate (``read_bytes_per_s``, free unless given).
         """
         if block_s is None and not compute_s:
             raise ValueError(
@@ -121,6 +133,7 @@ class CostModel:
         return cls(
             h2d_bytes_per_s=h2d_bytes_per_s,
             collective_bytes_per_s=collective_bytes_per_s,
+            read_bytes_per_s=read_bytes_per_s,
             block_s=block_s if block_s is not None else 0.0,
             component_s=component_s,
             compute_s=dict(compute_s or {}),
@@ -147,6 +160,10 @@ class CostModel:
     def collective_seconds(self, nbytes: float) -> float:
         return 0.0 if math.isinf(self.collective_bytes_per_s) else nbytes / self.collective_bytes_per_s
 
+    def read_seconds(self, nbytes: float) -> float:
+        """Seconds the io stream takes to read ``nbytes`` of file-tier packs (launch not included)."""
+        return 0.0 if math.isinf(self.read_bytes_per_s) else nbytes / self.read_bytes_per_s
+
 
 #: The cost model behind every ``# sim:`` line: 25 GB/s host-to-device (practical pinned PCIe Gen4
 #: x16), 100 GB/s all-gather receive, 10 ms per block, components' own compute free, no launch cost.
@@ -160,7 +177,8 @@ class Span:
     `simulate` predicts them (`SimReport.timeline`) and `runtime.Tracer` measures them
     (`runtime.StepTrace`), so the two line up span for span. ``kind`` is the op kind that kept the
     stream busy (``load``, ``gather``, ``stage``, ``acquire``), ``compute`` for a block's or
-    component's forward, ``stall`` for compute waiting on a transfer, or ``host`` for the
+    component's forward, ``read`` for a file-tier read on the io stream, ``stall`` for compute
+    waiting on a transfer, or ``host`` for the
     runtime's host work (`CostModel.host_op_s`, `CostModel.host_block_s`). ``label`` names the unit
     (or the computing anchor); ``op`` is the index of the op in the schedule (``None`` for a
     compute); a simulated transfer in several chunks has one span per chunk and ``chunk`` numbers
@@ -223,9 +241,14 @@ class _Replay:
         self.cost = cost
         self.component = schedule.step.component
         self.slot_size = {s.name: s.nbytes for s in schedule.slots}
+        self.slot_kind = {s.name: s.kind for s in schedule.slots}
         self.copy = 0.0
         self.comm = 0.0
         self.compute = 0.0
+        self.io = 0.0
+        # staging slot -> when the read into it ends, and when the copy that drained it ends
+        self.read_end: dict[str, float] = {}
+        self.drained: dict[str, float] = {}
         self.resident = 0.0
         self.ready: dict[str, float] = {}
         self.slot_free: dict[str, float] = {}
@@ -241,7 +264,7 @@ class _Replay:
             if p.where == DEVICE:
                 self.held[p.unit] = p.nbytes
                 self.current += p.nbytes
-            else:
+            elif self.slot_kind.get(p.where) != "staging":
                 self.slot_of[p.unit] = p.where
                 if p.where not in self.allocated:
                     self.allocated.add(p.where)
@@ -272,7 +295,7 @@ class _Replay:
             self.peak_op = index
 
     def _use_slot(self, slot: str, nbytes: int, index: int) -> None:
-        if slot not in self.allocated:
+        if slot not in self.allocated and self.slot_kind.get(slot) != "staging":
             self.allocated.add(slot)
             self._grow(self.slot_size.get(slot, nbytes), index)
 
@@ -317,7 +340,31 @@ class _Replay:
         self.current -= self.held.pop(op.unit, 0)
 
     def _stage(self, index: int, op: Op) -> None:
-        self.copy = self._whole(index, op, "copy", self.copy)
+        self.copy = self._whole(index, op, "copy", max(self.copy, self._read_ready(op)))
+        self._drain(op, self.copy)
+
+    def _staged_from(self, op: Op) -> str | None:
+        """The staging slot ``op`` copies from, or ``None`` when its bytes come from host memory."""
+        return op.src if op.src is not None and self.slot_kind.get(op.src) == "staging" else None
+
+    def _read_ready(self, op: Op) -> float:
+        """When the read that ``op`` copies from has ended (0 when it reads host memory)."""
+        src = self._staged_from(op)
+        return self.read_end.get(src, 0.0) if src is not None else 0.0
+
+    def _drain(self, op: Op, end: float) -> None:
+        """``op``'s copy out of its staging slot ends at ``end``: the slot may be read into again."""
+        src = self._staged_from(op)
+        if src is not None:
+            self.drained[src] = end
+
+    def _read(self, index: int, op: Op) -> None:
+        slot = op.slot or ""
+        start = max(self.io, self.drained.get(slot, 0.0))
+        end = start + self.cost.read_seconds(op.nbytes) + self.cost.launch_s
+        self._busy("io", start, end, kind="read", label=op.unit, op=index)
+        self.io = end
+        self.read_end[slot] = end
 
     def _whole(self, index: int, op: Op, stream: StreamName, start: float) -> float:
         """A whole unit's host-to-device copy on ``stream`` from ``start`` (a stage or an acquire): the
@@ -333,7 +380,7 @@ class _Replay:
         slot = op.slot or ""
         self._use_slot(slot, op.nbytes, index)
         k = max(op.chunks, 1)
-        t = max(self.copy, self.slot_free.get(slot, 0.0))
+        t = max(self.copy, self.slot_free.get(slot, 0.0), self._read_ready(op))
         ends = []
         for chunk in range(k):
             begin = t
@@ -342,7 +389,8 @@ class _Replay:
             self._busy("copy", begin, t, kind="load", label=op.unit, op=index, chunk=chunk)
         self.copy = t
         self.ready[op.unit] = t
-        if op.src == "shard":
+        self._drain(op, t)
+        if op.src == "shard" or self.slot_kind.get(slot) == "shard":
             self.shard_ends[op.unit] = ends
             self.shard_bytes[op.unit] = op.nbytes
         else:
@@ -377,6 +425,7 @@ _REPLAYS: dict[str, Callable[[_Replay, int, Op], None]] = {
     "unstage": _Replay._drop,
     "acquire": _Replay._acquire,
     "release": _Replay._drop,
+    "read": _Replay._read,
 }
 
 
@@ -395,7 +444,7 @@ def simulate(schedule: Schedule, cost: CostModel = DEFAULT_COST) -> SimReport:
         r.op(index, op)
     if group is not None and group[0] == "before":
         r.computes(group[1])
-    makespan = max(r.copy, r.comm, r.compute)
+    makespan = max(r.copy, r.comm, r.compute, r.io)
     return SimReport(
         peak_device_bytes=r.peak,
         makespan_s=makespan,

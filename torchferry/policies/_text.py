@@ -6,8 +6,10 @@ Layout (one line each, columns aligned; blank lines ignored by the parser)::
     # policy: layerwise(depth=1)
     # plan: 7f3a9c12
     # step: transformer #0 -> transformer_2
+    # file: transformer.blocks.{38,39} (only when some packs are in the file tier)
     # note: free text a policy uses to explain itself (zero or more)
     slot    s0  block  670.2 MiB (702788608)
+    slot    t0  staging  670.2 MiB (702788608)
     entry   transformer.blocks.0@s0  670.2 MiB (702788608)
     before  transformer.blocks.0  compute  wait  transformer.blocks.0
     before  transformer.blocks.0  copy     load  transformer.blocks.1  -> s1  670.2 MiB (702788608)
@@ -18,7 +20,9 @@ Byte counts print in binary units with the exact count in brackets, so the text 
 the same schedule. Tokens that are empty, hold whitespace or quotes, or could read as a keyword
 (a bare model's component path is ``""``) print as JSON strings. ``step-entry`` rows, before the
 slots, appear only when the step's entry differs from the schedule's. Op lines align the columns of
-`_ir.op_columns`, which an op's ``repr`` joins unaligned.
+`_ir.op_columns`, which an op's ``repr`` joins unaligned. The ``# file:`` line lists
+`Schedule.file` with the paths that share a parent written once (``blocks.{0,3,7}``); a name that
+could misread there (braces, commas, whitespace, quotes) is a JSON string of its own.
 """
 
 from __future__ import annotations
@@ -35,21 +39,70 @@ from torchferry.policies._tokens import NUMBER, UNIT_NAMES, format_bytes, format
 if TYPE_CHECKING:
     from torchferry.policies._ir import SlotKind, StreamName, When
 
-__all__ = ["HEADER", "Mark", "format_marked", "format_text", "parse_schedule"]
+__all__ = ["HEADER", "Mark", "format_marked", "format_names", "format_text", "parse_schedule"]
 
 HEADER = "# torchferry schedule v1"
 
 _TOKEN = re.compile(r'(?:"(?:[^"\\]|\\.)*"|[^\s"]+)+')
 _EXACT = re.compile(r"\((\d+)\)")
 _WHEN: tuple[When, ...] = ("before", "after")
-_STREAMS: tuple[StreamName, ...] = ("copy", "comm", "compute")
-_SLOT_KINDS: tuple[SlotKind, ...] = ("block", "shard")
+_STREAMS: tuple[StreamName, ...] = ("copy", "comm", "compute", "io")
+_SLOT_KINDS: tuple[SlotKind, ...] = ("block", "shard", "staging")
+_GROUP = re.compile(r"(.*)(\.)\{([^{}]*)\}")
+_HEADER_KEYS = ("policy", "plan", "step", "file", "note", "sim")
 
 
 def _free(text: str) -> str:
     if not text or text != text.strip() or text.startswith('"') or not text.isprintable():
         return json.dumps(text)
     return text
+
+
+def format_names(names: Collection[str]) -> str:
+    """``transformer.blocks.{38,39} vae:rest``: names in the order given, those sharing a parent
+    written once; a name that could misread (`format_name` would quote it, or it holds braces or
+    commas) is a JSON string of its own. `parse_names` reads it back."""
+    groups: dict[tuple[str, str], list[str]] = {}  # (parent, ".") -> leaves
+    tokens: list[str] = []
+    for name in names:
+        if format_name(name) != name or any(c in name for c in "{},"):
+            tokens.append(json.dumps(name))
+            continue
+        parent, sep, leaf = name.rpartition(".")
+        if not sep:  # a top-level name (``vae:rest``) stands alone
+            tokens.append(name)
+            continue
+        key = (parent, sep)
+        if key not in groups:
+            groups[key] = []
+            tokens.append("")  # a group's place, filled below
+        groups[key].append(leaf)
+    grouped = iter(groups.items())
+    out = []
+    for token in tokens:
+        if token:
+            out.append(token)
+            continue
+        (parent, sep), leaves = next(grouped)
+        out.append(parent + sep + (leaves[0] if len(leaves) == 1 else "{" + ",".join(leaves) + "}"))
+    return " ".join(out)
+
+
+def _parse_names(line: _Line, text: str) -> list[str]:
+    names: list[str] = []
+    for token in _TOKEN.findall(text):
+        if token.startswith('"'):
+            names.append(_untoken(line, token))
+            continue
+        group = _GROUP.fullmatch(token)
+        if group is not None:
+            parent, sep, leaves = group.groups()
+            names += [parent + sep + leaf for leaf in leaves.split(",")]
+        elif any(c in token for c in "{},"):
+            raise line.error(f"cannot read {token!r} as a name or a group parent.{{a,b}}")
+        else:
+            names.append(token)
+    return names
 
 
 def _placement(p: Placement) -> str:
@@ -101,6 +154,8 @@ def format_text(schedule: Schedule) -> str:
     if step.next is not None:
         step_line += f" -> {format_name(step.next)}"
     lines = [HEADER, f"# policy: {_free(s.policy)}", f"# plan: {_free(s.plan)}", step_line]
+    if s.file:
+        lines.append(f"# file: {format_names(s.file)}")
     lines += [f"# note: {_free(n)}" for n in s.notes]
     table: list[list[str]] = []
     if step.entry != s.entry:
@@ -273,6 +328,7 @@ def parse_schedule(text: str) -> Schedule:
         raise where.error(f"a schedule starts with {HEADER!r}")
     headers: dict[str, str] = {}
     notes: list[str] = []
+    file: list[str] | None = None
     step: Step | None = None
     step_entry: list[Placement] | None = None
     slots: list[Slot] = []
@@ -285,14 +341,18 @@ def parse_schedule(text: str) -> Schedule:
         if t.startswith("#"):
             key, sep, value = t[1:].strip().partition(":")
             value = value.strip()
-            if not sep or key not in ("policy", "plan", "step", "note", "sim"):
-                raise line.error("unknown header line (policy, plan, step, note, sim)")
+            if not sep or key not in _HEADER_KEYS:
+                raise line.error(f"unknown header line ({', '.join(_HEADER_KEYS)})")
             if key == "sim":
                 continue
             if section != 0:
                 raise line.error(f"'# {key}:' must come before the slot table")
             if key == "note":
                 notes.append(_unfree(line, value))
+            elif key == "file":
+                if file is not None:
+                    raise line.error("duplicate '# file:' line")
+                file = _parse_names(line, value)
             elif key == "step":
                 step = _step(line, value)
             elif key in headers:
@@ -313,7 +373,7 @@ def parse_schedule(text: str) -> Schedule:
         elif tag == "slot":
             kind = tokens[2] if len(tokens) >= 4 else ""
             if section > 1 or kind not in _SLOT_KINDS:
-                raise line.error("expected 'slot <name> block|shard <bytes>' before the ops")
+                raise line.error("expected 'slot <name> block|shard|staging <bytes>' before the ops")
             section = 1
             nbytes, end = _bytes(line, tokens, 3)
             if end != len(tokens):
@@ -353,4 +413,5 @@ def parse_schedule(text: str) -> Schedule:
         ops=ops,
         exit=exit_,
         notes=notes,
+        file=file or (),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 
-__all__ = ["NUMBER", "UNIT_NAMES", "format_bytes", "format_name"]
+__all__ = ["NUMBER", "UNIT_NAMES", "format_bytes", "format_name", "natural_key"]
 
 _UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 #: The units a byte count may carry in the text.
@@ -17,6 +17,12 @@ UNIT_NAMES = {"B", "KiB", "MiB", "GiB", "TiB"}
 #: The keywords of the text, which a bare name must not read as (nor as a `NUMBER`).
 _KEYWORDS = {"->", "from", "chunks", "(none)", "before", "after", "entry", "exit", "slot", "step-entry"}
 NUMBER = re.compile(r"\d+(\.\d+)?")
+
+
+def natural_key(path: str) -> tuple[tuple[int, str], ...]:
+    """Sort key that orders ``blocks.2`` before ``blocks.10``: a dotted path's ASCII-digit parts as
+    numbers, after the other parts."""
+    return tuple((int(p), "") if p.isascii() and p.isdigit() else (-1, p) for p in path.split("."))
 
 
 def format_bytes(nbytes: int, *, exact: bool = True) -> str:

@@ -5,13 +5,13 @@ in `torchferry.runtime._host` for when each happens).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from torchferry.policies import rest_unit
+from torchferry.policies import group_specs
 from torchferry.runtime._pack import Piece, Sharding, contiguous_strides, dense_strides, shard_span
 from torchferry.runtime._pinning import Footprint
 from torchferry.topology import Plan, TensorSpec, packed_nbytes
@@ -30,32 +30,6 @@ __all__ = [
     "read_loose",
     "read_pack",
 ]
-
-
-def group_specs(plan: Plan) -> dict[str, list[TensorSpec]]:
-    """Pack name -> tensors: each plan block, each plan component's remainder, then leftovers.
-
-    Tensors of on-demand components are left to the component's own lifecycle and get no pack.
-    """
-    specs: dict[str, list[TensorSpec]] = {}
-    covered: set[str] = set()
-
-    def add(name: str, tensors: Iterable[TensorSpec]) -> None:
-        fresh = [t for t in tensors if t.name not in covered]
-        covered.update(t.name for t in fresh)
-        if fresh:
-            specs[name] = fresh
-
-    for top in plan.components:
-        if top.on_demand:
-            continue
-        for c in top.walk():
-            add(rest_unit(c.path), c.tensors)
-            for block in c.blocks:
-                add(block.path, block.tensors)
-        topo = plan.topology.component(top.path)
-        add(f"{top.path}:extra", topo.all_tensors())
-    return specs
 
 
 def footprint(plan: Plan, sharding: Sharding | None = None) -> Footprint:

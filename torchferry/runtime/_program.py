@@ -70,6 +70,8 @@ def compile_program(
         problem = None
         if unit is None:
             problem = f"unit {op.unit!r} is not in this plan"
+        elif op.kind not in handlers:
+            problem = f"this engine has no handler for {op.kind!r} ops"
         elif op.slot is not None and op.slot not in names:
             problem = f"slot {op.slot!r} is not in the slot table"
         elif op.kind == "load" and op.src is None and len(unit.packs) != 1:
