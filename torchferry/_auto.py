@@ -264,6 +264,10 @@ class SessionReport:
     calibrated cost model, ``measured_step_s`` the fastest traced step of it (absent until traced).
     ``cost`` is the cost model in use, ``calibrated`` whether it holds measured compute, ``switches``
     each change of schedule (``old -> new: why``), ``reason`` the choice in a sentence.
+    Host memory: ``host_budget`` (bytes) and ``host_budget_source``, the bytes torchferry's host
+    buffers hold now and at most (``host_bytes``, ``host_peak_bytes``: pinned store, staging slots,
+    bounce buffers), and the file tier's packs and bytes read from it so far (``file_packs``,
+    ``file_read_bytes``).
     """
 
     budget: int | None
@@ -281,6 +285,12 @@ class SessionReport:
     host_block_s: float
     switches: tuple[str, ...]
     reason: str
+    host_budget: int | None = None
+    host_budget_source: str = ""
+    host_bytes: int = 0
+    host_peak_bytes: int = 0
+    file_packs: int = 0
+    file_read_bytes: int = 0
 
     def error(self, component: str) -> float | None:
         """``predicted / measured - 1`` of ``component``'s step, when both are known."""
@@ -304,6 +314,15 @@ class SessionReport:
             parts.append(figure)
         if self.calibrated:
             parts.append(f"host {self.host_op_s * 1e6:.1f} us/op, {self.host_block_s * 1e6:.1f} us/block")
+        if self.host_budget is not None:
+            size = functools.partial(policies.format_bytes, exact=False)
+            memory = (
+                f"host memory {size(self.host_bytes)} (peak {size(self.host_peak_bytes)}) of "
+                f"{size(self.host_budget)} ({self.host_budget_source})"
+            )
+            if self.file_packs:
+                memory += f", {self.file_packs} packs in the file tier ({size(self.file_read_bytes)} read)"
+            parts.append(memory)
         parts.append(f"why: {self.reason}")
         return "; ".join(parts)
 

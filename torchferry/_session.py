@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import weakref
 from collections.abc import Iterator, Mapping
 from types import TracebackType
@@ -28,11 +29,14 @@ from torchferry.runtime import (
     Claim,
     Comm,
     Engine,
+    HostPlan,
     Inputs,
     SessionGuard,
     Steps,
     Tracer,
     Watch,
+    host_plan,
+    open_tier,
     prove,
     refuse_foreign,
 )
@@ -167,6 +171,7 @@ def offload(
     policy: Policy | None = None,
     process_group: Any = None,
     checkpoint_prefix_map: Mapping[str, str] | None = None,
+    spill: str | os.PathLike[str] | None = None,
     **config_options: Any,
 ) -> Session:
     """Take over ``pipeline``'s weights and stream them to ``device`` on the policy's schedule.
@@ -189,6 +194,11 @@ def offload(
       under `torchferry.meta_parameters()`. The checkpoint is validated against the pipeline first
       (missing, extra, mis-shaped or mis-typed tensors, damaged files). ``checkpoint_prefix_map``
       maps the pipeline's tensor-name prefixes to the checkpoint's (``{"transformer.": ""}``).
+    - ``host_memory=`` (a config field, bytes or ``"32GiB"``): the host budget; by default the
+      machine's (available memory and every memory cgroup limit, less a reserve; see docs/host-memory.md).
+      Packs that do not fit are read from the checkpoint on demand (the file tier); a pipeline built in
+      memory needs ``spill=<a folder>`` for that (its file-tier packs are written there once). A
+      request that cannot fit is a `PlanError` before anything is read or pinned.
     - ``strategy="distributed_layerwise"``: with an ``allgather`` transfer, every rank of
       ``process_group`` (default: the default group; never a new one) keeps 1/N of each streamed
       block and the ranks all-gather it; every rank must call `offload` alike (a collective). The
@@ -227,6 +237,7 @@ def offload(
     refuse_foreign(pipeline, topo)
     CLAIMS.check(pipeline, topo)
     plan = topology.resolve(topo, request)
+    plan, host = host_plan(pipeline, plan, group=group, spill=None if spill is None else os.fspath(spill))
     chooser = None
     if auto:
         assert plan.config.device_memory_bytes is not None
@@ -240,7 +251,14 @@ def offload(
 
         comm = Comm(group, target)
     return Session(
-        pipeline, plan, chosen, device=target, comm=comm, prefix_map=checkpoint_prefix_map, chooser=chooser
+        pipeline,
+        plan,
+        chosen,
+        device=target,
+        comm=comm,
+        prefix_map=checkpoint_prefix_map,
+        chooser=chooser,
+        host=host,
     )
 
 
@@ -287,8 +305,14 @@ class Session:
         comm: Comm | None = None,
         prefix_map: Mapping[str, str] | None = None,
         chooser: Chooser | None = None,
+        host: HostPlan | None = None,
     ) -> None:
-        # Every top-level component's first schedule is proved before anything moves (`runtime.prove`).
+        # Why: the host budget and where it came from (`Session.report`); ``None``: not planned here.
+        self.host = host
+        pin = plan.config.pin_memory and device.type == "cuda"
+        # Host memory is proved (and a spill written) first, then every top-level component's first
+        # schedule, before anything moves (`runtime.prove`).
+        tier = None if host is None else open_tier(pipeline, plan, host, pin=pin)
         for top in plan.components:
             prove(policy(plan, Step(component=top.path)), plan)
         self.pipeline = pipeline
@@ -303,6 +327,7 @@ class Session:
             comm=comm,
             prefix_map=prefix_map,
             driver=self,
+            tier=tier,
         )
         self._steps = Steps(plan, policy, index_free=policies.is_index_free(policy))
         self.schedules: dict[Step, Schedule] = self._steps.schedules
@@ -453,10 +478,10 @@ class Session:
         and measured steady step and every switch of schedule. Otherwise the policy the caller named.
         """
         if self._chooser is not None:
-            return self._chooser.report()
+            return self._with_host(self._chooser.report())
         budget = self.plan.config.device_memory_bytes
         name = getattr(self.policy, "name", getattr(self.policy, "__name__", "custom policy"))
-        return SessionReport(
+        report = SessionReport(
             budget=budget,
             budget_source="given" if budget is not None else "none given",
             h2d_bytes_per_s=None,
@@ -472,6 +497,22 @@ class Session:
             host_block_s=0.0,
             switches=(),
             reason=f"{name}: named by the caller (strategy={self.plan.strategy!r}); nothing was chosen",
+        )
+        return self._with_host(report)
+
+    def _with_host(self, report: SessionReport) -> SessionReport:
+        """``report`` with the session's host memory figures (see `SessionReport`)."""
+        store = self.engine.store
+        tier = store.tier
+        extra = 0 if tier is None else tier.reader.bounce_bytes + tier.kept_bytes
+        return attrs.evolve(
+            report,
+            host_budget=None if self.host is None else self.host.budget.bytes,
+            host_budget_source="" if self.host is None else self.host.budget.source,
+            host_bytes=store.host_bytes,
+            host_peak_bytes=store.memory.peak_bytes + extra,
+            file_packs=0 if tier is None else len(tier.reads),
+            file_read_bytes=0 if tier is None else tier.reader.bytes_read,
         )
 
     @property

@@ -77,7 +77,7 @@ def _layout(plan: topology.Plan, **kw: object) -> TierLayout:
     top = plan.component("transformer")
     size = max(b.nbytes for b in top.blocks)
     return TierLayout(
-        units=frozenset(b.path for b in top.blocks),
+        packs=frozenset(b.path for b in top.blocks),
         staging=(("t0", size), ("t1", size)),
         **kw,  # type: ignore[arg-type]
     )
@@ -136,7 +136,7 @@ def test_file_tier_needs_a_checkpoint(saved: Path) -> None:
     plan = _plan(p, None)
     before = p.transformer.blocks[0].q.weight
     message = (
-        "the plan keeps 8 unit(s) (transformer.blocks.0, transformer.blocks.1, transformer.blocks.2, ...) "
+        "the plan keeps 8 pack(s) (transformer.blocks.0, transformer.blocks.1, transformer.blocks.2, ...) "
         "in the file tier (read on demand from the checkpoint), and this pipeline was built in memory with "
         "no checkpoint; pass checkpoint=<its safetensors> to read them from, spill=<a folder> to write "
         "them there once and read them back, or raise host_memory="

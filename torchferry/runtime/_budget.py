@@ -116,7 +116,7 @@ class HostBudget:
 def given_budget(nbytes: int) -> HostBudget:
     """The budget the caller named (``host_memory=``)."""
     locked, why = locked_limit()
-    return HostBudget(bytes=nbytes, source="given (host_memory=)", locked_bytes=locked, locked_source=why)
+    return HostBudget(bytes=nbytes, source="given as host_memory=", locked_bytes=locked, locked_source=why)
 
 
 def host_budget(

@@ -150,6 +150,9 @@ class HostMemory:
         self.pinned_bytes = 0
         #: Why pinning was given up (the first failure), or ``None``.
         self.failure: str | None = None
+        #: Host memory of the buffers held now and at most so far (whole pages), for reports.
+        self.held_bytes = 0
+        self.peak_bytes = 0
 
     @property
     def pinned(self) -> bool:
@@ -182,6 +185,8 @@ class HostMemory:
         """
         buffer = _mapped(nbytes)
         self._held.setdefault(name, []).append((buffer, False))
+        self.held_bytes += page_bytes(nbytes)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         if pin:
             self.pin(name)
         return buffer
@@ -226,6 +231,7 @@ class HostMemory:
     def release(self, name: str) -> None:
         """Unregister and drop group ``name``'s buffers (their pages go back to the OS once unused)."""
         for buffer, pinned in self._held.pop(name, ()):
+            self.held_bytes -= page_bytes(buffer.numel())
             if pinned:
                 self._unregister(buffer)
 

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
-from torchferry.policies import rest_unit
+from torchferry.policies import tiers
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._pack import Pack, Piece, Sharding, contiguous_strides, shard_span
 from torchferry.runtime._pinning import HostMemory, page_bytes
@@ -45,31 +46,12 @@ __all__ = [
     "FileTier",
     "TierLayout",
     "TierRequest",
-    "file_packs",
     "read_direct",
     "tier_request",
 ]
 
 #: Environment variable forcing how file-tier files are read: ``direct``, ``buffered`` or ``auto``.
 READ_MODE_ENV = "TORCHFERRY_READ"
-
-
-def file_packs(plan: Plan, units: Iterable[str]) -> frozenset[str]:
-    """The pack names of file-tier ``units``: a block's or a remainder's own pack, or every pack of a
-    whole component (its remainders, blocks and ``:extra``)."""
-    wanted = set(units)
-    found: set[str] = set()
-    for top in plan.components:
-        for c in top.walk():
-            for name in [rest_unit(c.path), *(b.path for b in c.blocks)]:
-                if name in wanted:
-                    found.add(name)
-            if c.path in wanted:
-                found.update(rest_unit(d.path) for d in c.walk())
-                found.update(b.path for d in c.walk() for b in d.blocks)
-                if c is top:
-                    found.add(f"{top.path}:extra")
-    return frozenset(found)
 
 
 def read_direct(file_bytes: int, cache_bytes: int | None) -> bool:
@@ -86,14 +68,15 @@ def read_direct(file_bytes: int, cache_bytes: int | None) -> bool:
 
 @attrs.frozen(kw_only=True)
 class TierLayout:
-    """What a session asks of the file tier: the units in it (a schedule's ``file`` set), its staging
-    slots (name, bytes), what the page cache can keep (``None``: unknown), and where the file tier is
-    read from (``None``: the plan's checkpoint; else a spill folder written for it)."""
+    """What a session asks of the file tier: what the page cache can keep (``None``: unknown), where
+    the file tier is read from (``None``: the plan's checkpoint; else a spill folder written for it),
+    and, for tests of hand-written schedules only, the packs and staging slots (``None``: those of
+    `policies.tiers`, as every built-in policy's schedules name them)."""
 
-    units: frozenset[str] = frozenset()
-    staging: tuple[tuple[str, int], ...] = ()
     cache_bytes: int | None = None
     source: str | None = None
+    packs: frozenset[str] | None = None
+    staging: tuple[tuple[str, int], ...] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -116,10 +99,17 @@ def tier_request(
     opened: list[CheckpointReader],
     prefix_map: Mapping[str, str] | None,
 ) -> TierRequest | None:
-    """The host store's file tier for ``layout`` (``None``: no file tier): read from ``layout.source``
-    when it names a spill (a reader opened for it is appended to ``opened``), else from
-    ``checkpoint``; an in-memory pipeline without a spill cannot have one (`PlanError`)."""
-    if layout is None or not layout.units:
+    """The host store's file tier for ``plan`` (`policies.tiers`, unless ``layout`` names one; ``None``:
+    no file tier): read from ``layout.source`` when it names a spill (a reader opened for it is
+    appended to ``opened``), else from ``checkpoint``; an in-memory pipeline without a spill cannot
+    have one (`PlanError`)."""
+    layout = layout or TierLayout()
+    chosen = tiers(plan)
+    packs = chosen.file if layout.packs is None else layout.packs
+    staging = (
+        tuple((s.name, s.nbytes) for s in chosen.staging) if layout.staging is None else layout.staging
+    )
+    if not packs:
         return None
     source = checkpoint
     if layout.source is not None:
@@ -127,20 +117,25 @@ def tier_request(
         opened.append(source)
         prefix_map = None
     if source is None:
-        shown = ", ".join(sorted(layout.units)[:3]) + (", ..." if len(layout.units) > 3 else "")
+        shown = ", ".join(sorted(packs, key=_natural)[:3]) + (", ..." if len(packs) > 3 else "")
         raise PlanError(
-            f"the plan keeps {len(layout.units)} unit(s) ({shown}) in the file tier (read on demand from "
+            f"the plan keeps {len(packs)} pack(s) ({shown}) in the file tier (read on demand from "
             "the checkpoint), and this pipeline was built in memory with no checkpoint; pass "
             "checkpoint=<its safetensors> to read them from, spill=<a folder> to write them there once "
             "and read them back, or raise host_memory="
         )
     return TierRequest(
-        packs=file_packs(plan, layout.units),
-        staging=layout.staging,
+        packs=frozenset(packs),
+        staging=staging,
         source=source,
         cache_bytes=layout.cache_bytes,
         prefix_map=prefix_map,
     )
+
+
+def _natural(name: str) -> list[object]:
+    """Sort key: numbers in names compare as numbers (``blocks.2`` before ``blocks.10``)."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 @attrs.define(eq=False)

@@ -1,0 +1,183 @@
+"""Preflight: the host budget a session plans against, and the proof, before anything is read,
+pinned or moved, that what it will hold in host memory fits it.
+
+[Note: preflight]
+Every byte torchferry holds in host memory is a number known before the session opens: the pinned
+store and the file tier's staging slots and bounce buffers (`policies.tiers`, whose ``host_bytes``
+`check` proves against the plan's budget as [8]), the non-persistent buffers a file-tier pack keeps,
+and the transient peak of the open itself (one pack while the store copies a pipeline's own weights
+in; from a checkpoint the bytes go straight to their buffers, through file-backed windows that are
+not anonymous memory). `host_plan` sets the budget: the caller's ``host_memory=``, else the machine's
+(`host_budget`), credited with the pipeline's own CPU weights when the store takes them over (their
+memory is freed pack by pack as it fills), and the minimum over the ranks of a process group (every
+rank plans the same tiers and schedules). A machine budget that the whole store fits is not written
+into the plan (nothing is chosen, so plans, digests and schedules stay exactly as without it); one
+that binds is, and `policies.tiers` moves the coldest packs to the file tier. `preflight` then adds
+the transient figures (against a machine budget: a given one bounds torchferry's own buffers); over
+the budget is a `PlanError` naming the bytes, the budget's source and the remedies, raised before
+the engine touches anything. Pinned bytes are held to
+``RLIMIT_MEMLOCK`` only where the pinner is subject to it (see [Note: the host budget]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from torchferry._errors import PlanError
+from torchferry.policies import Tiers, format_bytes, group_specs, pack_bytes, tiers
+from torchferry.runtime._budget import HostBudget, given_budget, host_budget
+from torchferry.runtime._pinning import page_bytes
+from torchferry.runtime._spill import spill
+from torchferry.runtime._tiers import TierLayout
+from torchferry.topology import Plan, Topology, find_attr
+
+__all__ = ["HostPlan", "host_plan", "module_bytes", "open_tier", "preflight"]
+
+
+def _size(n: int) -> str:
+    return format_bytes(n, exact=False)
+
+
+def module_bytes(pipeline: Any, topology: Topology) -> int:
+    """Bytes of the pipeline's own CPU tensors the store would take over (each storage once): the
+    memory that is freed as the store fills from the module."""
+    seen: set[int] = set()
+    total = 0
+    for c in topology.components:
+        if c.on_demand:
+            continue
+        for spec in c.all_tensors():
+            try:
+                t = find_attr(pipeline, spec.name)
+            except AttributeError:
+                continue
+            if not isinstance(t, torch.Tensor) or t.is_meta or t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _group_minimum(budget: HostBudget, group: Any) -> HostBudget:
+    """The least budget of the ranks of ``group`` (a collective), so every rank plans the same tiers."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    figure = torch.tensor([budget.bytes], dtype=torch.int64, device=device)
+    dist.all_reduce(figure, op=dist.ReduceOp.MIN, group=group)
+    least = int(figure.item())
+    if least == budget.bytes:
+        return attrs.evolve(budget, source=f"{budget.source} (the least of the process group's ranks)")
+    return attrs.evolve(
+        budget, bytes=least, source=f"another rank's host budget, {_size(least)}, the least of the group"
+    )
+
+
+@attrs.frozen(kw_only=True)
+class HostPlan:
+    """The host side of a session: the budget (and where it came from), what the page cache can keep
+    beside torchferry's buffers (for choosing direct I/O; ``None``: unknown), and the spill folder."""
+
+    budget: HostBudget
+    cache_bytes: int | None
+    spill: str | None = None
+
+
+def host_plan(
+    pipeline: Any, plan: Plan, *, group: Any = None, spill: str | None = None
+) -> tuple[Plan, HostPlan]:
+    """The budget the session plans against and the plan carrying it when it binds (see [Note:
+    preflight]); a machine budget the whole store fits leaves ``plan`` as it is."""
+    machine = host_budget()
+    given = plan.config.host_memory_bytes
+    if given is not None:
+        budget = given_budget(given)
+    else:
+        budget = machine
+        if plan.config.checkpoint is None:
+            taken = module_bytes(pipeline, plan.topology)
+            budget = budget.credited(taken, "of the pipeline's own weights the store takes over")
+    if group is not None:
+        budget = _group_minimum(budget, group)
+    tightest = machine.bounds[0].available if machine.bounds else None
+    cache = None if tightest is None else max(tightest - min(budget.bytes, tightest), 0)
+    host = HostPlan(budget=budget, cache_bytes=cache, spill=spill)
+    if given is None:
+        bound = attrs.evolve(plan, config=attrs.evolve(plan.config, host_memory_bytes=budget.bytes))
+        try:
+            binds = bool(tiers(bound).file)
+        except PlanError:
+            binds = True  # too small even for the file tier: `preflight` says so with the budget's source
+        if binds:
+            plan = bound
+    return plan, host
+
+
+def preflight(plan: Plan, host: HostPlan, *, from_module: bool, pin: bool, memlock: bool) -> Tiers:
+    """Prove, before anything is read, pinned or moved, that the session's host memory fits its budget
+    (see [Note: preflight]); the tiers the store is laid out from."""
+    budget = host.budget
+    try:
+        chosen = tiers(plan)
+    except PlanError as exc:
+        raise PlanError(f"{exc}. The host budget is {_size(budget.bytes)}: {budget.source}") from None
+    specs = group_specs(plan)
+    kept = sum(
+        page_bytes(s.nbytes) for name in chosen.file for s in specs[name] if s.buffer and not s.persistent
+    )
+    transient = 0
+    if from_module and not budget.given:  # the machine's memory holds the module's copy of one pack too
+        transient = max((page_bytes(pack_bytes(plan, n)) for n in specs if n not in chosen.file), default=0)
+    need = chosen.host_bytes + kept + transient
+    if need > budget.bytes:
+        raise PlanError(
+            f"torchferry would hold {_size(need)} of host memory ({_size(chosen.host_bytes)} of host "
+            f"buffers, {_size(kept)} of kept buffers, {_size(transient)} while the store copies the "
+            f"pipeline's own weights in), over the host budget of {_size(budget.bytes)} ({budget.source}); "
+            + _remedies(plan)
+        )
+    if pin and memlock and budget.locked_bytes is not None and chosen.host_bytes > budget.locked_bytes:
+        raise PlanError(
+            f"torchferry would pin {_size(chosen.host_bytes)} of host memory, over the locked-memory limit "
+            f"of {_size(budget.locked_bytes)} ({budget.locked_source}); raise it (ulimit -l, or the "
+            "container's memlock limit), pass pin_memory=False, or lower host_memory= so fewer bytes are "
+            "pinned"
+        )
+    return chosen
+
+
+def _remedies(plan: Plan) -> str:
+    fixes = ["pass a larger host_memory= if the machine has it"]
+    if plan.config.checkpoint is None:
+        fixes.append(
+            "open from the checkpoint (checkpoint=, or from_pretrained) or pass spill=<a folder>, so the "
+            "file tier can keep packs out of host memory"
+        )
+    fixes.append("keep fewer units resident (resident_layers=0) or stream more components")
+    fixes.append("close other sessions or processes holding host memory")
+    return "remedies: " + "; ".join(fixes)
+
+
+def open_tier(pipeline: Any, plan: Plan, host: HostPlan, *, pin: bool) -> TierLayout:
+    """`preflight`, then the file tier's layout for the engine: for a pipeline built in memory, its
+    file-tier packs spilled once into ``host.spill`` (without one: `PlanError` naming the remedy)."""
+    chosen = preflight(plan, host, from_module=plan.config.checkpoint is None, pin=pin, memlock=False)
+    source = None
+    if chosen.file and plan.config.checkpoint is None:
+        if host.spill is None:
+            raise PlanError(
+                f"the host budget of {_size(host.budget.bytes)} ({host.budget.source}) leaves "
+                f"{len(chosen.file)} pack(s) in the file tier, read on demand from a checkpoint, and this "
+                "pipeline was built in memory with no checkpoint; pass spill=<a folder> (those packs are "
+                "written there once as safetensors and read back), open it from its checkpoint "
+                "(checkpoint=, or from_pretrained), or pass a larger host_memory= if the machine has it"
+            )
+        source = spill(pipeline, plan, chosen.file, host.spill)
+    return TierLayout(cache_bytes=host.cache_bytes, source=source)
