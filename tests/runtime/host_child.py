@@ -28,10 +28,11 @@ PROMPT, STEPS = "a ferry at dawn", 2
 
 
 def rss_anon() -> int:
-    """RssAnon of this process, in bytes (Linux)."""
+    """Anonymous resident memory of this process, in bytes (Linux): RssAnon plus RssShmem, since the
+    host store's buffers are shared anonymous mappings, which the kernel counts in RssShmem."""
     text = Path("/proc/self/status").read_text()
-    match = re.search(r"^RssAnon:\s+(\d+) kB", text, re.MULTILINE)
-    return int(match.group(1)) * 1024 if match else 0
+    found = re.findall(r"^Rss(?:Anon|Shmem):\s+(\d+) kB", text, re.MULTILINE)
+    return sum(int(n) for n in found) * 1024
 
 
 class Sampler(threading.Thread):
@@ -40,15 +41,15 @@ class Sampler(threading.Thread):
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak = rss_anon()
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._done.is_set():
             self.peak = max(self.peak, rss_anon())
             time.sleep(0.001)
 
     def stop(self) -> int:
-        self._stop.set()
+        self._done.set()
         self.join()
         self.peak = max(self.peak, rss_anon())
         return self.peak
@@ -90,6 +91,7 @@ def main() -> int:
         "host_budget_source": report.host_budget_source,
         "host_bytes": report.host_bytes,
         "host_peak_bytes": report.host_peak_bytes,
+        "device_peak_bytes": session.peak_device_bytes,
         "file_packs": report.file_packs,
         "file_read_bytes": report.file_read_bytes,
         "modes": sorted(set(session.engine.store.tier.reader.modes.values()))
