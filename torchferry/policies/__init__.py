@@ -18,6 +18,7 @@ from torchferry.policies._builtin import (
 from torchferry.policies._check import INVARIANTS, check
 from torchferry.policies._cost import (
     DEFAULT_DEVICE,
+    DEFAULT_READ_BYTES_PER_S,
     DEVICE_CLASSES,
     PROFILE_VERSION,
     DeviceProfile,
@@ -62,6 +63,7 @@ __all__ = [
     "BUILTINS",
     "DEFAULT_COST",
     "DEFAULT_DEVICE",
+    "DEFAULT_READ_BYTES_PER_S",
     "DEVICE",
     "DEVICE_CLASSES",
     "INVARIANTS",

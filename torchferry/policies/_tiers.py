@@ -218,12 +218,17 @@ def _too_small(plan: Plan, budget: int, need: int, store: int, largest: int) -> 
         return format_bytes(n, exact=False)
 
     biggest = max((name for name, _ in pack_table(plan)), key=lambda n: pack_bytes(plan, n))
+    remedy = ""
+    if plan.block_owner(biggest) is None:  # a remainder or a whole component, not a block
+        remedy = (
+            f", or stream the blocks of the component holding the largest pack, {biggest} "
+            f"({b(pack_bytes(plan, biggest))}), so the packs read are blocks (strategy='layerwise' with "
+            "that component selected)"
+        )
     return (
         f"host budget {b(budget)} (config.host_memory_bytes) is too small for plan {plan.digest}: the "
         f"least host memory torchferry's buffers can hold, with packs read from the checkpoint (the file "
         f"tier), is {b(need)} ({b(store)} of packs kept in host memory, {STAGING_SLOTS} staging slots of "
         f"{b(largest)}, each as large as the largest pack read, and {b(READ_BOUNCE_BYTES)} of read "
-        f"buffers); raise host_memory= to at least {b(need)}, or stream the blocks of the component "
-        f"holding the largest pack, {biggest} ({b(pack_bytes(plan, biggest))}), so the packs read are "
-        f"blocks (strategy='layerwise' with that component selected)"
+        f"buffers); raise host_memory= to at least {b(need)}{remedy}"
     )
