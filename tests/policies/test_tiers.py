@@ -82,10 +82,10 @@ def test_a_budget_nothing_fits_is_refused_with_the_least_it_could_take() -> None
     with pytest.raises(PlanError) as caught:
         policies.tiers(p)
     assert str(caught.value) == (
-        f"host budget 40.0 MiB (config.host_memory_bytes) is too small for plan {p.digest}: the least host "
-        "memory torchferry's buffers can hold, with packs read from the checkpoint (the file tier), is "
-        "48.0 MiB (0 B of packs kept in host memory, 2 staging slots of 16.0 MiB, each as large as the "
-        "largest pack read, and 16.0 MiB of read buffers); raise host_memory= to at least 48.0 MiB"
+        f"host budget 40.0 MiB (config.host_memory_bytes) is too small for plan {p.digest}: even with "
+        "packs read from the checkpoint (the file tier) its host buffers need 48.0 MiB (2 staging slots of "
+        "16.0 MiB, the largest pack read; 16.0 MiB of read buffers; 0 B of packs in host memory); raise "
+        "host_memory= to 48.0 MiB"
     )
     with pytest.raises(PlanError, match=re.escape("too small for plan")):
         policies.layerwise(1)(p, Step(component=T))
@@ -97,9 +97,8 @@ def test_a_whole_component_pack_names_the_remedy() -> None:
     with pytest.raises(PlanError) as caught:
         policies.tiers(p)
     assert str(caught.value).endswith(
-        "raise host_memory= to at least 272.0 MiB, or stream the blocks of the component holding the "
-        "largest pack, transformer:rest (128.0 MiB), so the packs read are blocks (strategy='layerwise' "
-        "with that component selected)"
+        "raise host_memory= to 272.0 MiB, or stream the blocks of 'transformer' (strategy='layerwise' with "
+        "it selected) so the largest pack read is a block, not transformer:rest (128.0 MiB)"
     )
 
 

@@ -56,6 +56,8 @@ from torchferry.policies._text import Mark, format_marked, parse_schedule
 from torchferry.policies._tiers import READ_BOUNCE_BYTES, STAGING_SLOTS, Tiers, tiers
 from torchferry.policies._tiers import file_packs as file_packs
 from torchferry.policies._tiers import host_bytes as host_bytes
+from torchferry.policies._tiers import pack_heats as pack_heats
+from torchferry.policies._tiers import page_bytes as page_bytes
 from torchferry.policies._tiers import read_nbytes as read_nbytes
 from torchferry.policies._tokens import format_bytes
 
