@@ -191,3 +191,18 @@ def test_reads_are_free_by_default() -> None:
     assert math.isinf(policies.DEFAULT_COST.read_bytes_per_s)
     free = policies.simulate(steady, attrs.evolve(cost, read_bytes_per_s=math.inf))
     assert free.makespan_s == pytest.approx(0.018)
+
+
+def test_a_timeline_with_reads_draws_an_io_lane() -> None:
+    """The reads of a simulated step get a lane of their own, first; a step without reads has none."""
+    from torchferry.cli._timeline import IO_LANE, LANES, Panel, lanes_of, render_panels
+
+    _, steady, cost = _file_ring(0.004)
+    lanes = lanes_of(policies.simulate(steady, cost).timeline)
+    assert list(lanes) == [IO_LANE, *LANES.values()]
+    assert [bar.tag for bar in lanes[IO_LANE]] == ["3", "4", "5"]
+    assert ">io<" in render_panels([Panel(heading="", lanes=lanes)], title="t")
+    ring = policies.layerwise(1)(ring_plan(4, MIB), Step(component="transformer"))
+    plain = lanes_of(policies.simulate(ring, COST).timeline)
+    assert list(plain) == list(LANES.values())
+    assert ">io<" not in render_panels([Panel(heading="", lanes=plain)], title="t")
