@@ -134,3 +134,32 @@ def test_host_cost_per_op_moves_the_choice_toward_fewer_ops() -> None:
     costly = CostModel.calibrated(h2d_bytes_per_s=mib / 0.001, block_s=0.002, host_op_s=0.001)
     assert policies.choose(plan, "6MiB", free).resident == ()
     assert len(policies.choose(plan, "6MiB", costly).resident) > 0
+
+
+def test_reads_slower_than_compute_make_auto_keep_file_blocks_resident() -> None:
+    """With blocks 3-7 read from the file at 12 ms each over 3 ms computes, auto keeps file-tier blocks
+    on the device first (read once a session, not every forward), and its step beats leading ones."""
+    mib = 1 << 20
+    block = 16 * mib
+    plan = ring_plan(8, block, host_memory_bytes=96 * mib)
+    assert policies.tiers(plan).file == {f"transformer.blocks.{i}" for i in range(3, 8)}
+    cost = CostModel(h2d_bytes_per_s=block / 0.002, block_s=0.003, read_bytes_per_s=block / 0.012)
+    choice = policies.choose(plan, 6 * block, cost)
+    assert (choice.strategy, choice.depth, choice.placement) == ("layerwise", 1, "file-first")
+    assert choice.resident == tuple(f"transformer.blocks.{i}" for i in (4, 5, 6, 7))
+    leading = _steady(policies.layerwise(1, [f"transformer.blocks.{i}" for i in range(4)]), plan, cost)
+    assert choice.step_s == pytest.approx(0.029)
+    assert choice.step_s < leading
+    # The same plan without a host budget reads nothing: auto keeps nothing resident (transfers hide).
+    bare = policies.choose(ring_plan(8, block), 6 * block, cost)
+    assert (bare.resident, bare.step_s) == ((), pytest.approx(0.024))
+
+
+def test_auto_schedule_notes_say_the_host_tier() -> None:
+    """auto's schedule carries the file tier's notes after its own, and reads what tiers put in the file."""
+    mib = 1 << 20
+    plan = ring_plan(8, 16 * mib, host_memory_bytes=96 * mib)
+    schedule = policies.auto(96 * mib)(plan, Step(component="transformer"))
+    policies.check(schedule, plan)
+    assert schedule.notes[-2:] == policies.tiers(plan).notes
+    assert set(schedule.file) == policies.tiers(plan).file

@@ -188,3 +188,131 @@ def test_every_violation_at_once() -> None:
     lines = _violations(broken, plan)
     assert lines[0] == "  line 10: [7] wait runs on the compute stream, not copy"
     assert "  line 18: [7] op at before transformer comes after a later point of the forward" in lines
+
+
+# --- the file tier: [8] host bytes, [9] reads and staging slots ----------------------------------
+
+BLOCK = 16 * MIB
+
+
+def _file_ring() -> tuple[Plan, Schedule]:
+    """Six 16 MiB blocks and a remainder under a 96 MiB host budget: blocks 3-5 and the remainder
+    are read from the file (listing: file line 5, slots s0 s1 t0 t1 on 8-11, ops from line 14)."""
+    plan = ring_plan(6, BLOCK, rest=BLOCK, host_memory_bytes=96 * MIB)
+    policy = policies.layerwise(1)
+    first = policy(plan, Step(component="transformer"))
+    return plan, policy(plan, Step(component="transformer", index=1, entry=first.exit))
+
+
+def _ops(schedule: Schedule, change: dict[tuple[str, str], object]) -> tuple[Op, ...]:
+    """``schedule``'s ops with the (kind, unit) ops in ``change`` dropped (None) or replaced."""
+    out = []
+    for op in schedule.ops:
+        new = change.get((op.kind, op.unit), op)
+        if isinstance(new, Op):
+            out.append(new)
+    return tuple(out)
+
+
+def test_file_tier_schedule_passes() -> None:
+    """The ring with reads passes check, and its listing places the reads where the tests below say."""
+    plan, schedule = _file_ring()
+    policies.check(schedule, plan)
+    lines = policies.format_schedule(schedule, sim=False).splitlines()
+    assert lines[4] == "# file: transformer.blocks.{3,4,5} transformer:rest"
+    assert lines[15].split()[2:5] == ["io", "read", "transformer.blocks.3"]
+
+
+def test_host_bytes_over_the_host_budget() -> None:
+    """[8] the same schedule against a smaller host budget: located on the file line, every part named."""
+    plan, schedule = _file_ring()
+    smaller = attrs.evolve(plan, config=attrs.evolve(plan.config, host_memory_bytes=80 * MIB))
+    assert smaller.digest == plan.digest
+    assert _violations(schedule, smaller) == [
+        "  line 5: [8] host bytes reach 96.0 MiB (100663296) (48.0 MiB (50331648) of packs in host memory, "
+        "2 staging slots (32.0 MiB (33554432)) and 16.0 MiB (16777216) of read buffers), over the budget of "
+        "80.0 MiB (83886080) (config.host_memory_bytes); put more packs in the file tier "
+        "(policies.tiers(plan) chooses them for this budget) or raise the budget",
+    ]
+
+
+def test_host_bytes_without_a_file_tier() -> None:
+    """[8] a schedule that keeps every pack in host memory, against a budget the store exceeds."""
+    plan = ring_plan(3, MIB)
+    schedule = policies.layerwise(1)(plan, Step(component="transformer"))
+    tight = attrs.evolve(plan, config=attrs.evolve(plan.config, host_memory_bytes=2 * MIB))
+    assert _violations(schedule, tight) == [
+        "  line 3: [8] host bytes reach 3.0 MiB (3145728) (3.0 MiB (3145728) of packs in host memory), over "
+        "the budget of 2.0 MiB (2097152) (config.host_memory_bytes); put more packs in the file tier "
+        "(policies.tiers(plan) chooses them for this budget) or raise the budget",
+    ]
+
+
+def test_load_from_a_slot_nothing_was_read_into() -> None:
+    """[9] a load from a staging slot whose read was dropped."""
+    plan, schedule = _file_ring()
+    broken = attrs.evolve(schedule, ops=_ops(schedule, {("read", "transformer.blocks.4"): None}))
+    assert _violations(broken, plan) == [
+        "  line 25: [9] load of transformer.blocks.4 from t1, which holds no read; "
+        "read transformer.blocks.4 there first",
+    ]
+
+
+def test_file_tier_unit_loaded_from_host_memory() -> None:
+    """[9] a file-tier block loaded as if the store held it; its read then blocks the next one into t0."""
+    plan, schedule = _file_ring()
+    load = next(op for op in schedule.ops if op.kind == "load" and op.unit == "transformer.blocks.3")
+    broken = attrs.evolve(schedule, ops=_ops(schedule, {("load", load.unit): attrs.evolve(load, src=None)}))
+    assert _violations(broken, plan) == [
+        "  line 22: [9] load of transformer.blocks.3 from host memory, but it is in the file tier and the "
+        "store has no bytes for it; read it into a staging slot first and load it from there",
+        "  line 27: [9] read into t0 while it still holds the read of transformer.blocks.3, which no load or "
+        "stage copied out yet; load or stage transformer.blocks.3 from t0 first, or read into another "
+        "staging slot",
+    ]
+
+
+def test_read_of_a_host_unit_left_at_the_exit() -> None:
+    """[9] a read of a block in host memory, never copied out: both reported, the second at the exit."""
+    plan, schedule = _file_ring()
+    read = Op(
+        when="after",
+        anchor="transformer.blocks.5",
+        stream="io",
+        kind="read",
+        unit="transformer.blocks.1",
+        slot="t1",
+        nbytes=BLOCK,
+    )
+    broken = attrs.evolve(schedule, ops=(*schedule.ops, read))
+    assert _violations(broken, plan) == [
+        "  line 36: [9] read of transformer.blocks.1, which has no pack in the file tier (# file:); its "
+        "bytes are in host memory, so load or stage it without a read",
+        "  line 37: [9] staging slot t1 still holds the read of transformer.blocks.1 at the exit; reads "
+        "never cross a step, so load or stage transformer.blocks.1 in this step, or do not read it",
+    ]
+
+
+def test_read_of_the_wrong_size_into_a_block_slot() -> None:
+    """[3] a read whose byte count is not the unit's file bytes; [7] a read into a device slot."""
+    plan, schedule = _file_ring()
+    read = next(op for op in schedule.ops if op.kind == "read" and op.unit == "transformer.blocks.5")
+    ops = _ops(schedule, {("read", read.unit): attrs.evolve(read, nbytes=MIB)})
+    assert _violations(attrs.evolve(schedule, ops=ops), plan) == [
+        "  line 27: [3] transformer.blocks.5 reads 16.0 MiB (16777216) from the file, not 1.0 MiB (1048576)",
+    ]
+    ops = _ops(schedule, {("read", read.unit): attrs.evolve(read, slot="s0")})
+    assert _violations(attrs.evolve(schedule, ops=ops), plan)[0] == (
+        "  line 27: [7] read of transformer.blocks.5 goes to s0, which is not a staging slot"
+    )
+
+
+def test_entry_in_a_staging_slot() -> None:
+    """[9] an entry that places a block in a staging slot, as if it stayed there between steps."""
+    plan, schedule = _file_ring()
+    entry = (*schedule.entry, Placement(unit="transformer.blocks.3", where="t0"))
+    broken = attrs.evolve(schedule, entry=entry, step=attrs.evolve(schedule.step, entry=entry))
+    assert _violations(broken, plan)[0] == (
+        "  line 14: [9] entry places transformer.blocks.3 in staging slot t0; a staging slot is host "
+        "memory that holds a read within one step, never a unit between steps"
+    )

@@ -18,6 +18,7 @@ ACCEPT = "python -m pytest tests/policies/test_golden.py --update-golden"
 OTHER_GOLDENS = {"public_api.txt"}
 GB = 10**9
 MIB = 1 << 20
+GIB = 1 << 30
 
 
 def _steps(plan: Plan, policy: policies.Policy, steps: list[Step]) -> Schedule:
@@ -73,6 +74,21 @@ CASES: dict[str, Callable[[], Schedule]] = {
     ),
     "wan2.2-a14b/distributed-d1-world4-expert1": lambda: _steps(
         _wan(**_DIST4), policies.distributed_layerwise(1), [Step(component=T)]
+    ),
+    # A host-limited machine: a 32 GiB host holds 30 of Wan2.2's 64 GiB; the rest is read from the
+    # checkpoint (the file tier) into two staging slots, one anchor ahead of each load.
+    "wan2.2-a14b/layerwise-d1-host32G-expert1-to-expert2": lambda: _steps(
+        _wan(host_memory_bytes=32 * GIB),
+        policies.layerwise(1),
+        [Step(component=T, next=T), Step(component=T, index=1, next=T2)],
+    ),
+    "wan2.2-a14b/layerwise-d2-host32G-encoder-to-expert1": lambda: _steps(
+        _wan(host_memory_bytes=32 * GIB),
+        policies.layerwise(2),
+        [Step(component="text_encoder", next=T)],
+    ),
+    "wan2.2-a14b/distributed-d1-world4-host8G-expert1": lambda: _steps(
+        _wan(**_DIST4, host_memory_bytes=8 * GIB), policies.distributed_layerwise(1), [Step(component=T)]
     ),
     "flux.1-dev/layerwise-d1": lambda: _steps(_flux(), policies.layerwise(1), [Step(component=T)]),
     "flux.1-dev/layerwise-d2-steady": lambda: _steps(

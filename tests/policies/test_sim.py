@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 
+import attrs
 import pytest
 from policy_plans import ParallelLayout, ring_plan
 
@@ -126,3 +127,82 @@ def test_a_profile_round_trips_through_its_json_document() -> None:
     assert policies.DeviceProfile.from_json(profile.to_json()) == profile
     with pytest.raises(PlanError, match=re.escape("p is not a torchferry profile of version 1; write a new")):
         policies.DeviceProfile.from_json({"torchferry_profile": 2}, where="p")
+
+
+# --- the io stream ---------------------------------------------------------------------------------
+
+BLOCK = 16 * MIB
+
+
+def _file_ring(read_s: float) -> tuple[policies.Schedule, policies.Schedule, CostModel]:
+    """Six 16 MiB blocks and a remainder under a 96 MiB host budget (blocks 3-5 and the remainder
+    in the file tier): 2 ms loads, 3 ms computes, ``read_s`` per 16 MiB read."""
+    plan = ring_plan(6, BLOCK, rest=BLOCK, host_memory_bytes=96 * MIB)
+    policy = policies.layerwise(1)
+    first = policy(plan, Step(component="transformer"))
+    steady = policy(plan, Step(component="transformer", index=1, entry=first.exit))
+    cost = CostModel(h2d_bytes_per_s=BLOCK / 0.002, block_s=0.003, read_bytes_per_s=BLOCK / read_s)
+    return first, steady, cost
+
+
+def test_reads_that_hide_behind_compute() -> None:
+    """4 ms reads, one anchor ahead into alternating slots, hide entirely: the steady step is resident."""
+    _, steady, cost = _file_ring(0.004)
+    report = policies.simulate(steady, cost)
+    # read b3 0-4 | load b3 from t0 6-8 (s1 free at 6), read b4 into t1 4-8 | load b4 9-11, read b5
+    # into t0 8-12 (t0 drained at 8) | load b5 12-14 | compute ends at 18.
+    assert report.makespan_s == pytest.approx(0.018)
+    assert report.resident_makespan_s == pytest.approx(0.018)
+    assert report.total_stall_s == pytest.approx(0.0)
+    reads = [(s.label, s.start_s, s.end_s) for s in report.timeline if s.stream == "io"]
+    assert reads == [
+        ("transformer.blocks.3", 0.0, pytest.approx(0.004)),
+        ("transformer.blocks.4", pytest.approx(0.004), pytest.approx(0.008)),
+        ("transformer.blocks.5", pytest.approx(0.008), pytest.approx(0.012)),
+    ]
+    assert report.peak_device_bytes == 3 * BLOCK  # the remainder and two slots: staging is host memory
+
+
+def test_reads_slower_than_compute_stall_the_blocks_they_feed() -> None:
+    """8 ms reads over 3 ms computes: the read stream paces blocks 3-5 (stalls 1, 5 and 5 ms)."""
+    _, steady, cost = _file_ring(0.008)
+    report = policies.simulate(steady, cost)
+    # read b3 0-8 | load b3 8-10, read b4 8-16 | load b4 16-18 (stall 1 at b3, which waits b3 until
+    # 10), read b5 16-24 (t0 drained at 10) | load b5 24-26 (stall 5 at b4) | load b0 26-28 (stall 5).
+    assert report.stall_s["transformer.blocks.3"] == pytest.approx(0.001)
+    assert report.stall_s["transformer.blocks.4"] == pytest.approx(0.005)
+    assert report.stall_s["transformer.blocks.5"] == pytest.approx(0.005)
+    assert report.makespan_s == pytest.approx(0.029)
+    assert report.summary().endswith("overhead 61.11% · stall 0.0110 s")
+
+
+def test_a_stage_from_staging_waits_for_its_read() -> None:
+    """Cold, the remainder is read (4 ms) then staged (2 ms): the component waits 6 ms for it."""
+    first, _, cost = _file_ring(0.004)
+    report = policies.simulate(first, cost)
+    assert report.stall_s["transformer"] == pytest.approx(0.006)
+    spans = [(s.stream, s.kind, s.label) for s in report.timeline if s.kind in ("read", "stage")][:2]
+    assert spans == [("io", "read", "transformer:rest"), ("copy", "stage", "transformer:rest")]
+
+
+def test_reads_are_free_by_default() -> None:
+    """`DEFAULT_COST` and any cost model that names no read rate time the io stream at zero."""
+    _, steady, cost = _file_ring(0.008)
+    assert math.isinf(policies.DEFAULT_COST.read_bytes_per_s)
+    free = policies.simulate(steady, attrs.evolve(cost, read_bytes_per_s=math.inf))
+    assert free.makespan_s == pytest.approx(0.018)
+
+
+def test_a_timeline_with_reads_draws_an_io_lane() -> None:
+    """The reads of a simulated step get a lane of their own, first; a step without reads has none."""
+    from torchferry.cli._timeline import IO_LANE, LANES, Panel, lanes_of, render_panels
+
+    _, steady, cost = _file_ring(0.004)
+    lanes = lanes_of(policies.simulate(steady, cost).timeline)
+    assert list(lanes) == [IO_LANE, *LANES.values()]
+    assert [bar.tag for bar in lanes[IO_LANE]] == ["3", "4", "5"]
+    assert ">io<" in render_panels([Panel(heading="", lanes=lanes)], title="t")
+    ring = policies.layerwise(1)(ring_plan(4, MIB), Step(component="transformer"))
+    plain = lanes_of(policies.simulate(ring, COST).timeline)
+    assert list(plain) == list(LANES.values())
+    assert ">io<" not in render_panels([Panel(heading="", lanes=plain)], title="t")

@@ -145,7 +145,8 @@ def _parser() -> _Parser:
         "device memory budget: per-component bytes, and for each strategy whether its weights fit, its "
         "simulated peak device bytes of weights, step time and overhead versus all-resident, and the "
         "automatic choice. 'fits' and 'peak device' count weights only: activations and the VAE decode "
-        "need room beyond them.",
+        "need room beyond them. With --host-memory, also which packs stay in the checkpoint (the file "
+        "tier), each component's host bytes, and the step with those reads.",
     )
     plan.add_argument(
         "model",
@@ -159,6 +160,20 @@ def _parser() -> _Parser:
         type=_size,
         metavar="SIZE",
         help="device budget for the weights, with a unit: 24GiB or 80GB (a bare number is refused)",
+    )
+    plan.add_argument(
+        "--host-memory",
+        type=_size,
+        metavar="SIZE",
+        help="host budget for torchferry's host buffers, with a unit: 32GiB (default: no limit); what does "
+        "not fit is read from the checkpoint on demand (the file tier)",
+    )
+    plan.add_argument(
+        "--read-bandwidth",
+        type=_rate,
+        metavar="RATE",
+        help="how fast the file tier reads the checkpoint (default: the saved profile's, else 3.5GB/s, a "
+        "PCIe Gen3 NVMe drive); only with --host-memory",
     )
     plan.add_argument(
         "--h2d", type=_rate, metavar="RATE", help="host-to-device bandwidth (default: the device's; 25GB/s)"
@@ -273,6 +288,11 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError("plan needs MODEL (a known id, or a checkpoint path), or --list")
     if args.device_memory is None:
         raise UsageError("plan needs --device-memory SIZE, the device budget (e.g. 24GiB)")
+    if args.read_bandwidth is not None and args.host_memory is None:
+        raise UsageError(
+            "--read-bandwidth is the file tier's read rate, and there is no file tier without --host-memory; "
+            "pass --host-memory SIZE too"
+        )
     if args.block_ms is not None and args.tflops is not None:
         raise UsageError("--block-ms and --tflops are two ways to set compute time; pass one of them")
     attrs_ = (
@@ -289,6 +309,7 @@ def _plan(args: argparse.Namespace) -> int:
         device=_device_figures(args), forwards_per_step=args.forwards_per_step, text_tokens=args.text_tokens,
         host_op_s=(args.host_op_us or 0.0) / 1e6, world_size=args.world_size, depth=args.depth,
         strategy=args.strategy, resolution=args.resolution, tflops=args.tflops, block_ms=args.block_ms,
+        host_bytes=args.host_memory, read_bytes_per_s=args.read_bandwidth,
     )
     if known is None and (args.resolution is not None or args.tflops is not None):
         raise UsageError(

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from torchferry import policies, topology
+from torchferry.cli._plan_host import HostTier
 from torchferry.cli._plan_report import ComponentRow, PlanReport, StrategyRow
 from torchferry.cli._tables import table as _table
 
@@ -70,6 +71,11 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
         "",
         f"device memory {_b(o.budget_bytes)} · host-to-device {o.h2d / 1e9:.3g} GB/s · "
         f"all-gather {o.allgather / 1e9:.3g} GB/s · ring depth {o.depth}",
+        *(
+            [f"host memory {_b(o.host_bytes)} · file reads {_rate(o.read)} ({o.read_source})"]
+            if o.host_bytes is not None
+            else []
+        ),
         f"device: {o.device.name} ({o.device.source})",
         f"distributed rows: {ranks}",
         f"compute: {report.compute}",
@@ -80,9 +86,10 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
         lines.append(f"         {forwards.lstrip(', ')}")
     lines.append("")
     table: list[list[str]] = []
+    host = o.host_bytes is not None
     for r in report.rows:
         if r.error is not None:
-            table.append([r.strategy, "n/a", "-", "-", "-", r.error])
+            table.append([r.strategy, "n/a", "-", *(["-"] if host else []), "-", "-", r.error])
             continue
         name = r.policy if r.strategy != "auto" else f"auto: {r.policy}"
         table.append(
@@ -90,12 +97,14 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
                 name,
                 "yes" if r.fits else "no",
                 _b(r.peak_device_bytes),
+                *([_b(r.host_bytes_per_rank)] if host else []),
                 _seconds(r.step_s),
                 f"+{r.overhead * 100:.1f}%",
                 "; ".join(r.notes),
             ]
         )
-    lines += _table(["strategy", "fits", "peak device", "step", "overhead", "notes"], table, {2, 3, 4})
+    heads = ["strategy", "fits", "peak device", *(["host"] if host else []), "step", "overhead", "notes"]
+    lines += _table(heads, table, {2, 3, 4, 5} if host else {2, 3, 4})
     lines.append("(fits and peak device count weights only: leave room for activations and the VAE decode)")
     lines.append("")
     rec = report.recommended
@@ -108,11 +117,92 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
         if rec.reason:
             lines.append(f"why: {rec.reason}")
     elif any(r.strategy == "auto" for r in report.rows):
-        lines.append(f"recommended: nothing fits {_b(o.budget_bytes)}")
+        both = f" of device memory and {_b(o.host_bytes)} of host memory" if o.host_bytes is not None else ""
+        lines.append(f"recommended: nothing fits {_b(o.budget_bytes)}{both}")
+    if report.host is not None:
+        lines += ["", *_host_lines(report.host, rec, report.forwards_per_step)]
     lines.extend(f"warning: {w}" for w in report.warnings)
     if show_schedule and report.schedule is not None:
         lines += ["", policies.format_schedule(report.schedule).rstrip("\n")]
     return "\n".join(lines) + "\n"
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.3g} GB/s"
+
+
+_HOW = {"forward": "every forward", "call": "once a call", "session": "once a session"}
+
+
+def _host_lines(h: HostTier, rec: StrategyRow | None, forwards: int) -> list[str]:
+    """Where the recommended plan's packs live, what they take of the host, and what reading costs."""
+    which = f"{rec.policy}" if rec is not None else "the plan shown"
+    lines = [f"host tier of {which} (host memory {_b(h.budget)}, file reads at {_rate(h.read_bytes_per_s)}):"]
+    rows = []
+    for r in h.rows:
+        how = ", ".join(f"{_b(n)} {_HOW[heat]}" for heat, n in r.reads if n)
+        in_file = _b(r.file_bytes) if r.file_bytes else "-"
+        rows.append([r.path or "(root)", r.tier, _b(r.host_bytes), in_file, how])
+    if h.staging:
+        staging = sum(policies.page_bytes(n) for n in h.staging)
+        rows.append(["staging slots", f"{len(h.staging)} x {_b(h.staging[0])}", _b(staging), "-", ""])
+        rows.append(["read buffers", "direct I/O", _b(policies.READ_BOUNCE_BYTES), "-", ""])
+    total_file = _b(sum(r.file_bytes for r in h.rows))
+    rows.append(["total", f"of a {_b(h.budget)} budget", _b(h.host_bytes), total_file, ""])
+    lines += _table(["component", "tier", "host", "in file", "read from the file"], rows, {2, 3})
+    reads = {heat: sum(dict(r.reads).get(heat, 0) for r in h.rows) for heat in _HOW}
+    if not any(reads.values()):
+        lines.append("everything fits host memory: nothing is read from the checkpoint after opening")
+        return lines
+    spoken = []
+    for heat in ("call", "session"):
+        if reads.get(heat):
+            spoken.append(f"{_b(reads[heat])} {_HOW[heat]} ({_seconds(reads[heat] / h.read_bytes_per_s)})")
+    if spoken:
+        lines.append(f"outside the step: reads of {', '.join(spoken)} at {_rate(h.read_bytes_per_s)}")
+    if h.hidden_down_to is None:
+        lines.append("in the step: the DiT reads nothing from the checkpoint; its time holds at any rate")
+        return lines
+    added = max(h.forward_s - h.forward_free_reads_s, 0.0) * forwards
+    pace = (
+        f"the step above hides them, as it would down to {_rate(h.hidden_down_to)} (simulated)"
+        if added <= h.forward_free_reads_s * forwards * 0.01
+        else f"they add {_seconds(added)} to the step above, which would hide them only at "
+        f"{_rate(h.hidden_down_to)} or more (simulated)"
+    )
+    who = h.forward_component or "the DiT"
+    read = _b(h.forward_read_bytes)
+    lines.append(f"in the step: each forward of {who} reads {read} from the checkpoint; {pace}")
+    return lines
+
+
+def _host_document(h: HostTier) -> dict[str, Any]:
+    return {
+        "host_memory_bytes": h.budget,
+        "read_bytes_per_s": h.read_bytes_per_s,
+        "read_source": h.read_source,
+        "host_bytes": h.host_bytes,
+        "store_bytes": h.store_bytes,
+        "staging_slot_bytes": list(h.staging),
+        "read_bounce_bytes": policies.READ_BOUNCE_BYTES if h.staging else 0,
+        "file_read_bytes": dict(h.read_bytes),
+        "components": [
+            {
+                "path": r.path,
+                "tier": r.tier,
+                "host_bytes": r.host_bytes,
+                "file_bytes": r.file_bytes,
+                "blocks": r.blocks,
+                "file_blocks": r.file_blocks,
+                "remainder_in_file": r.rest_in_file,
+                "file_read_bytes": dict(r.reads),
+            }
+            for r in h.rows
+        ],
+        "reads_hidden_down_to_bytes_per_s": h.hidden_down_to,
+        "forward_s": h.forward_s,
+        "forward_free_reads_s": h.forward_free_reads_s,
+    }
 
 
 def _row_document(r: StrategyRow) -> dict[str, Any]:
@@ -167,6 +257,10 @@ def report_document(report: PlanReport, *, show_schedule: bool = False) -> dict[
         "recommended": None if report.recommended is None else _row_document(report.recommended),
         "warnings": list(report.warnings),
     }
+    if report.host is not None:
+        doc["assumptions"]["host_memory_bytes"] = o.host_bytes
+        doc["assumptions"]["read_bytes_per_s"] = o.read
+        doc["host"] = _host_document(report.host)
     if show_schedule:
         doc["schedule"] = None if report.schedule is None else policies.format_schedule(report.schedule)
     return doc

@@ -6,6 +6,11 @@ its policy builds the schedules of one generation (encoders, each DiT twice so t
 the steady state, the VAE), and `simulate` replays them under a cost model. The peak is the largest
 simulated peak of those steps; the step time is the steady DiT step times the forwards one
 denoising step makes. `_plan_output` prints the `PlanReport` this builds.
+
+With a host budget (``--host-memory``) every plan carries it, so `policies.tiers` puts the packs that
+do not fit host memory in the file tier and every schedule reads them at the read rate assumed;
+the report then says, per component, which tier its packs live in and how many host bytes they
+take, and finds (by simulation) the slowest read rate the recommended step still hides.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import attrs
 
 from torchferry import policies, topology
 from torchferry._errors import OffloadError
+from torchferry.cli._plan_host import HostTier, host_tier
 from torchferry.policies import CostModel, Policy, Schedule, Step
 from torchferry.topology import (
     KnownModel,
@@ -28,7 +34,14 @@ from torchferry.topology import (
     Topology,
 )
 
-__all__ = ["STRATEGY_ORDER", "ComponentRow", "Options", "PlanReport", "StrategyRow", "build_report"]
+__all__ = [
+    "STRATEGY_ORDER",
+    "ComponentRow",
+    "Options",
+    "PlanReport",
+    "StrategyRow",
+    "build_report",
+]
 
 #: The strategies a report evaluates, in its rows' order.
 STRATEGY_ORDER = (*policies.STRATEGIES, "auto")
@@ -40,6 +53,8 @@ class Options:
 
     ``device`` supplies every figure not given here (a device class, a saved profile, or the
     default class); ``h2d_bytes_per_s``, ``collective_bytes_per_s`` and ``tflops`` override it.
+    ``host_bytes`` is the host budget (``None``: none, every weight in host memory) and
+    ``read_bytes_per_s`` the file tier's read rate (default: the profile's, else assumed).
     """
 
     budget_bytes: int
@@ -55,6 +70,24 @@ class Options:
     forwards_per_step: int | None = None
     text_tokens: int | None = None
     host_op_s: float = 0.0
+    host_bytes: int | None = None
+    read_bytes_per_s: float | None = None
+
+    @property
+    def read(self) -> float:
+        """The file tier's read rate assumed: given, else the device profile's, else the default."""
+        if self.read_bytes_per_s is not None:
+            return self.read_bytes_per_s
+        return self.device.file_read_bytes_per_s() or policies.DEFAULT_READ_BYTES_PER_S
+
+    @property
+    def read_source(self) -> str:
+        """Where `read` comes from, in words."""
+        if self.read_bytes_per_s is not None:
+            return "given"
+        if self.device.file_read_bytes_per_s() is not None:
+            return f"measured: {self.device.source or self.device.name}"
+        return "assumed: a PCIe Gen3 NVMe drive; pass --read-bandwidth or run torchferry probe PATH"
 
     @property
     def h2d(self) -> float:
@@ -109,6 +142,8 @@ class StrategyRow:
     error: str | None = None
     #: Why the chooser picked this (auto's row only): `policies.Choice.reason`.
     reason: str = ""
+    #: Bytes in the file tier (0 without a host budget).
+    file_bytes: int = 0
 
     @property
     def overhead(self) -> float:
@@ -138,6 +173,8 @@ class PlanReport:
     warnings: tuple[str, ...] = ()
     #: The known model the compute estimate comes from ("" for a checkpoint of unknown shapes).
     known_id: str = ""
+    #: The recommended plan's host and file tiers (with a host budget only).
+    host: HostTier | None = None
 
 
 def _component_row(c: topology.Component) -> ComponentRow:
@@ -181,6 +218,8 @@ class _Planner:
         # Distributed rows need ranks: 2 unless the user said how many; only then may auto pick them.
         self.world = options.world_size or 2
         self.cost, self.compute, self.block_s = self._cost()
+        #: strategy row -> the plan and policy behind it, and its steady DiT step
+        self.made: dict[str, tuple[Plan, Policy, Schedule | None]] = {}
 
     def _cost(self) -> tuple[CostModel, str, float]:
         o = self.options
@@ -194,6 +233,7 @@ class _Planner:
             forwards_per_step=self.forwards,
             block_s=block_s,
             host_op_s=o.host_op_s,
+            read_bytes_per_s=o.read,
         )
         if o.block_ms is not None:
             return cost, f"{o.block_ms:g} ms per block (given)", cost.block_s
@@ -225,18 +265,20 @@ class _Planner:
         return cost, description, cost.block_s
 
     def config(self, strategy: str) -> OffloadConfig:
+        host = self.options.host_bytes
         if strategy == "none":
-            return OffloadConfig(strategy="none")
+            return OffloadConfig(strategy="none", host_memory_bytes=host)
         if strategy == "model_level":
-            return OffloadConfig(strategy="model_level", components=self.selection)
+            return OffloadConfig(strategy="model_level", components=self.selection, host_memory_bytes=host)
         if strategy == "layerwise":
-            return OffloadConfig(strategy="layerwise", components=self.selection)
+            return OffloadConfig(strategy="layerwise", components=self.selection, host_memory_bytes=host)
         return OffloadConfig(
             strategy="distributed_layerwise",
             components=self.selection,
             dit_transfer="allgather",
             encoder_transfer="rank-local",
             parallel=ParallelLayout(data_parallel_size=self.world),
+            host_memory_bytes=host,
         )
 
     def resolve(self, strategy: str) -> Plan:
@@ -284,6 +326,8 @@ class _Planner:
         return blocks + self.cost.compute_seconds(dit.path, block=False)
 
     def host_bytes(self, plan: Plan) -> int:
+        if plan.config.host_memory_bytes is not None:
+            return policies.tiers(plan).host_bytes
         world = plan.config.dp_size
         total = self.topo.nbytes
         if world <= 1 or not plan.config.uses_allgather("dit"):
@@ -314,6 +358,7 @@ class _Planner:
             resident_step_s=resident_s,
             host_bytes_per_rank=self.host_bytes(plan),
             notes=tuple(notes),
+            file_bytes=sum(policies.tiers(plan).read_bytes.values()),
         )
 
     def fixed(self, strategy: str) -> tuple[StrategyRow, Schedule | None]:
@@ -327,7 +372,9 @@ class _Planner:
             if strategy == "model_level" and len(self.topo.of_kind("dit")) > 1:
                 notes.append("swaps experts at the boundary")
             row = self.row(strategy, policy, plan, notes)
-            return row, self.generation(policy, plan)[1]
+            steady = self.generation(policy, plan)[1]
+            self.made[strategy] = (plan, policy, steady)
+            return row, steady
         except OffloadError as exc:
             return StrategyRow(strategy=strategy, error=_one_line(exc)), None
 
@@ -354,9 +401,18 @@ class _Planner:
             candidate = (row, self.generation(policy, plan)[1])
             if best is None or row.step_s < best[0].step_s * (1 - 1e-9):
                 best = candidate
+                self.made["auto"] = (plan, policy, candidate[1])
         if best is None:
             return StrategyRow(strategy="auto", error=problems[0] if problems else "nothing to plan"), None
         return best
+
+
+def _host(planner: _Planner, strategy: str) -> HostTier | None:
+    """The host tier of row ``strategy``'s plan, with a host budget only."""
+    if planner.options.host_bytes is None or strategy not in planner.made:
+        return None
+    plan, _, steady = planner.made[strategy]
+    return host_tier(planner.options.host_bytes, plan, steady, planner.cost, planner.options.read_source)
 
 
 def build_report(model: str, topo: Topology, known: KnownModel | None, options: Options) -> PlanReport:
@@ -388,4 +444,5 @@ def build_report(model: str, topo: Topology, known: KnownModel | None, options: 
         recommended=recommended,
         schedule=schedules.get(shown),
         warnings=tuple(planner.warnings),
+        host=_host(planner, shown),
     )

@@ -17,7 +17,7 @@ import attrs
 
 __all__ = ["LANES", "Bar", "Panel", "lanes_of", "render_panels"]
 
-_COLOURS = {"copy": "#4c78a8", "comm": "#f58518", "compute": "#54a24b", "stall": "#e45756"}
+_COLOURS = {"copy": "#4c78a8", "comm": "#f58518", "compute": "#54a24b", "io": "#9d755d", "stall": "#e45756"}
 _LANE_H = 28
 _LEFT = 150
 _WIDTH = 1100
@@ -25,6 +25,8 @@ _WRAP = 180
 
 #: Lane titles of the three streams, in drawing order.
 LANES: dict[str, str] = {"copy": "copy (H2D)", "comm": "comm (all-gather)", "compute": "compute"}
+#: The io stream's lane, drawn first and only when a step reads from the file tier.
+IO_LANE = "io (file reads)"
 
 
 @attrs.frozen(kw_only=True)
@@ -69,11 +71,14 @@ def _tag(label: str) -> str:
 
 
 def lanes_of(stretches: Iterable[Stretch]) -> dict[str, list[Bar]]:
-    """One lane per stream (`LANES`), a bar per stretch; stalls are drawn in red on the compute lane."""
-    lanes: dict[str, list[Bar]] = {title: [] for title in LANES.values()}
+    """One lane per stream (`LANES`; `IO_LANE` first when a stretch reads), a bar per stretch; stalls
+    are drawn in red on the compute lane."""
+    stretches = list(stretches)
+    reads = any(s.stream == "io" for s in stretches)
+    lanes: dict[str, list[Bar]] = {title: [] for title in ([IO_LANE] if reads else []) + list(LANES.values())}
     for s in stretches:
         kind = "stall" if s.kind == "stall" else s.stream
-        lanes[LANES[s.stream]].append(
+        lanes[IO_LANE if s.stream == "io" else LANES[s.stream]].append(
             Bar(start_s=s.start_s, end_s=s.end_s, label=f"{s.kind} {s.label}", kind=kind, tag=_tag(s.label))
         )
     return lanes
@@ -122,7 +127,10 @@ def render_panels(panels: Sequence[Panel], *, title: str, subtitle: str = "") ->
         body.append("</g>")
         y += _LANE_H * len(panel.lanes) + 24
     legend_x = _LEFT
+    reads = any(IO_LANE in p.lanes for p in panels)
     for kind, colour in _COLOURS.items():
+        if kind == "io" and not reads:
+            continue
         body.append(f'<rect x="{legend_x}" y="{y + 4}" width="10" height="10" fill="{colour}"/>')
         body.append(f'<text x="{legend_x + 14}" y="{y + 13}">{kind}</text>')
         legend_x += 90

@@ -18,6 +18,7 @@ from torchferry.policies._builtin import (
 from torchferry.policies._check import INVARIANTS, check
 from torchferry.policies._cost import (
     DEFAULT_DEVICE,
+    DEFAULT_READ_BYTES_PER_S,
     DEVICE_CLASSES,
     PROFILE_VERSION,
     DeviceProfile,
@@ -55,6 +56,8 @@ from torchferry.policies._text import Mark, format_marked, parse_schedule
 from torchferry.policies._tiers import READ_BOUNCE_BYTES, STAGING_SLOTS, Tiers, tiers
 from torchferry.policies._tiers import file_packs as file_packs
 from torchferry.policies._tiers import host_bytes as host_bytes
+from torchferry.policies._tiers import pack_heats as pack_heats
+from torchferry.policies._tiers import page_bytes as page_bytes
 from torchferry.policies._tiers import read_nbytes as read_nbytes
 from torchferry.policies._tokens import format_bytes
 
@@ -62,6 +65,7 @@ __all__ = [
     "BUILTINS",
     "DEFAULT_COST",
     "DEFAULT_DEVICE",
+    "DEFAULT_READ_BYTES_PER_S",
     "DEVICE",
     "DEVICE_CLASSES",
     "INVARIANTS",

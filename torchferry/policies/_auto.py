@@ -13,6 +13,12 @@ give the copy stream compute time to hide behind when transfers are slower than 
 Whole-component strategies: a plan that fits the budget whole gets `none`, one that streams no
 blocks gets `model_level`; otherwise model-level swapping competes with the best ring when it fits,
 its transfers spread over ``CostModel.forwards_per_call``.
+
+With a host budget some packs are in the file tier (`policies.tiers`, fixed by the plan): every
+candidate's schedules read them, so the simulated step counts the io stream at
+``CostModel.read_bytes_per_s``, and a fourth placement, ``file-first``, keeps file-tier blocks
+resident first (a resident block is read once a session instead of every forward), which wins
+where reads are slower than compute.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from torchferry.policies._builtin import builtin, compress_paths, distributed_la
 from torchferry.policies._ir import Declared, Policy, Schedule, Step, declare
 from torchferry.policies._layout import layout, swaps
 from torchferry.policies._sim import DEFAULT_COST, CostModel, simulate, steady_schedule
+from torchferry.policies._tiers import read_nbytes, tiers
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Plan, Strategy, memory_bytes
 
@@ -36,8 +43,10 @@ __all__ = ["Choice", "auto", "choose", "footprint", "steady_step_s"]
 _TIE = 1e-9
 #: How resident blocks are spread over the streaming pool: the first ones, evenly from a half step
 #: in, or evenly from the first block.
-PlacementName = Literal["leading", "spread", "spread-first"]
+PlacementName = Literal["leading", "spread", "spread-first", "file-first"]
 PLACEMENTS: tuple[PlacementName, ...] = ("leading", "spread", "spread-first")
+#: The placements tried when the plan has a file tier: file-tier blocks first, then leading ones.
+FILE_PLACEMENTS: tuple[PlacementName, ...] = (*PLACEMENTS, "file-first")
 
 
 @attrs.frozen(kw_only=True)
@@ -118,10 +127,18 @@ def steady_step_s(
     return total, base
 
 
-def _place(pool: Sequence[str], count: int, how: PlacementName) -> tuple[str, ...]:
+def _place(
+    pool: Sequence[str], count: int, how: PlacementName, first: Sequence[str] = ()
+) -> tuple[str, ...]:
+    """``count`` blocks of ``pool`` placed ``how``; ``file-first`` takes ``first`` (in its order),
+    then the leading others."""
     n = len(pool)
     if count <= 0:
         return ()
+    if how == "file-first":
+        ahead = set(first)
+        picked = set([*first, *(b for b in pool if b not in ahead)][:count])
+        return tuple(b for b in pool if b in picked)
     if how == "leading":
         idx = list(range(count))
     elif how == "spread":
@@ -179,6 +196,11 @@ def _choose(plan: Plan, budget_bytes: int, cost: CostModel, max_depth: int) -> C
     factory = distributed_layerwise if gather else layerwise
     dits = [c for c in streaming if plan.component(c).kind == "dit"] or streaming
     pool = [b.path for c in dits for b in lay.streamed[c]]
+    file = tiers(plan).file
+    placements = FILE_PLACEMENTS if any(b in file for b in pool) else PLACEMENTS
+    # File-tier blocks in the order `tiers` chose them: the last of each DiT first, in turn.
+    ends = {b.path: (k, i) for i, c in enumerate(dits) for k, b in enumerate(reversed(lay.streamed[c]))}
+    first = sorted((b for b in pool if b in file), key=ends.__getitem__)
     sizes = lay.sizes
     scored: dict[tuple[int, tuple[str, ...]], tuple[float, float]] = {}
 
@@ -201,7 +223,7 @@ def _choose(plan: Plan, budget_bytes: int, cost: CostModel, max_depth: int) -> C
 
         most = 0
         for count in range(len(pool), -1, -1):
-            if any(fits(_place(pool, count, how)) for how in PLACEMENTS):
+            if any(fits(_place(pool, count, how, first)) for how in placements):
                 most = count
                 break
 
@@ -209,12 +231,12 @@ def _choose(plan: Plan, budget_bytes: int, cost: CostModel, max_depth: int) -> C
             count: int, depth: int = depth, fits: Callable[[tuple[str, ...]], bool] = fits
         ) -> tuple[float, float, tuple[str, ...], PlacementName]:
             options = []
-            for how in PLACEMENTS:
-                resident = _place(pool, count, how)
+            for how in placements:
+                resident = _place(pool, count, how, first)
                 if fits(resident):
                     t, r = score(depth, resident)
                     options.append((t, r, resident, how))
-            return min(options, key=lambda o: (o[0], PLACEMENTS.index(o[3])))
+            return min(options, key=lambda o: (o[0], placements.index(o[3])))
 
         top = best_at(most)
         lo, hi = 0, most
@@ -268,7 +290,10 @@ def _model_level_choice(
     # The all-resident time of a forward, from the ring's baseline (a whole-component schedule has
     # no block points to time).
     resident = ring.resident_step_s if ring is not None else steady_step_s(layerwise(1), plan, cost, dits)[1]
-    step = resident + cost.h2d_seconds(sum(c.nbytes for c in swapped)) / cost.forwards_per_call
+    file = tiers(plan).file
+    moved = cost.h2d_seconds(sum(c.nbytes for c in swapped))
+    moved += cost.read_seconds(sum(read_nbytes(plan, file, c.path) for c in swapped))  # file-tier packs
+    step = resident + moved / cost.forwards_per_call
     if ring is not None and step >= ring.step_s * (1 - _TIE):
         return None
     return Choice(
@@ -323,6 +348,6 @@ def auto(device_memory: int | str, cost: CostModel = DEFAULT_COST, max_depth: in
             placement = f" ({choice.placement})" if choice.resident else ""
             paths = compress_paths(choice.resident)
             notes.append(f"resident blocks{placement}: {paths}")
-        return attrs.evolve(schedule, policy=name, notes=tuple(notes))
+        return attrs.evolve(schedule, policy=name, notes=(*notes, *tiers(plan).notes))
 
     return declare(auto_policy, name=name, index_free=True)

@@ -16,7 +16,8 @@ head, so the schedule exits with those blocks loaded and the next step's entry s
 Slots are taken first-free-first-used, so odd block counts, several stacks and nested rings share
 the slots without special cases. Remainders, unstreamed components and resident blocks are staged
 once and stay; a step stages what is missing from its entry and unstages what the policy no longer
-keeps.
+keeps. With a file tier, every load or stage of a file-tier unit copies from a staging slot a read
+filled first (see [Note: reads in the ring] in `torchferry.policies._staging`).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class FileTierCheck:
         parts = f"{format_bytes(store)} of packs in host memory"
         if self.file:
             parts += (
-                f", {len(staging)} staging slots of {format_bytes(sum(sl.nbytes for sl in staging))}"
+                f", {len(staging)} staging slots ({format_bytes(sum(sl.nbytes for sl in staging))})"
                 f" and {format_bytes(READ_BOUNCE_BYTES)} of read buffers"
             )
         self.add(

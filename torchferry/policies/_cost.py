@@ -16,6 +16,10 @@ figure ``torchferry plan`` always assumed; L40S 362 -> 220); NVLink4 all-gather 
 (nccl #1264), NVLink3 about 200 GB/s; cards without NVLink all-gather over PCIe (about 20 GB/s).
 The CPU class is a placeholder for a small host (``torchferry probe`` measured 4.2 GB/s and 0.27
 TFLOP/s fp32 on a 2-core cloud VM): measure yours.
+
+The file tier's read rate, when nothing measured it, is `DEFAULT_READ_BYTES_PER_S`: 3.5 GB/s, the
+sequential read of a PCIe Gen3 x4 NVMe drive (Samsung 970 EVO Plus datasheet: up to 3,500 MB/s), a
+common consumer drive; Gen4 drives read about twice as fast, SATA SSDs about 0.55 GB/s.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from torchferry.topology import KnownModel, Resolution, Topology
 
 __all__ = [
     "DEFAULT_DEVICE",
+    "DEFAULT_READ_BYTES_PER_S",
     "DEVICE_CLASSES",
     "PROFILE_VERSION",
     "DeviceProfile",
@@ -44,9 +49,22 @@ __all__ = [
 PROFILE_VERSION = 1
 
 
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+def _rate(name: str, value: object) -> None:
     if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-        raise PlanError(f"DeviceProfile.{attribute.name} must be a positive finite number, got {value!r}")
+        raise PlanError(f"DeviceProfile.{name} must be a positive finite number, got {value!r}")
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    _rate(attribute.name, value)
+
+
+def _positive_or_none(_: object, attribute: attrs.Attribute[float | None], value: float | None) -> None:
+    if value is not None:
+        _rate(attribute.name, value)
+
+
+#: The file tier's read rate assumed when no profile measured one (see the module notes).
+DEFAULT_READ_BYTES_PER_S = 3.5e9
 
 
 @attrs.frozen(kw_only=True)
@@ -56,6 +74,9 @@ class DeviceProfile:
     ``name`` is the device class (``h100``) or the device's own name when measured (``NVIDIA H100
     80GB HBM3``); ``flops_per_s`` is the achieved matrix-multiply rate in ``dtype`` (bf16 on GPUs;
     fp32 on a CPU, which has no fast bf16); ``source`` says where the figures come from.
+    ``read_bytes_per_s`` and ``read_direct_bytes_per_s`` are a drive's sequential read rates,
+    buffered and with direct I/O (``torchferry probe PATH`` measures them; ``None``: not measured),
+    the rates of the file tier (`policies.tiers`).
     """
 
     name: str
@@ -64,6 +85,16 @@ class DeviceProfile:
     collective_bytes_per_s: float = attrs.field(default=100e9, validator=_positive)
     dtype: str = "bfloat16"
     source: str = ""
+    read_bytes_per_s: float | None = attrs.field(default=None, validator=_positive_or_none)
+    read_direct_bytes_per_s: float | None = attrs.field(default=None, validator=_positive_or_none)
+
+    def file_read_bytes_per_s(self, *, direct: bool = True) -> float | None:
+        """The file tier's read rate measured on this machine: direct I/O's when ``direct`` and
+        measured (the runtime reads directly when the checkpoint is larger than the page cache
+        keeps, which is when a file tier exists), else the buffered one; ``None`` when neither was."""
+        if direct and self.read_direct_bytes_per_s is not None:
+            return self.read_direct_bytes_per_s
+        return self.read_bytes_per_s
 
     def to_json(self) -> dict[str, Any]:
         """The profile as the JSON document ``torchferry probe`` saves."""
@@ -152,6 +183,7 @@ def estimate_cost(
     rest_s: float = 0.0,
     host_op_s: float = 0.0,
     host_block_s: float = 0.0,
+    read_bytes_per_s: float | None = None,
 ) -> CostModel:
     """The cost model of ``topo`` on ``device``: its link bandwidths, and compute per block.
 
@@ -162,12 +194,17 @@ def estimate_cost(
     its FLOPs do not follow from its bytes (a time embedder runs on one token, a patch embedder on
     all), so it is an input, 0 unless measured. ``forwards_per_step`` (default: the pipeline's
     guidance, else 1) and ``steps`` set the forwards of a step and of a call; ``host_op_s`` and
-    ``host_block_s`` are the runtime's host cost (see `CostModel`).
+    ``host_block_s`` are the runtime's host cost (see `CostModel`). The file tier's reads go at
+    ``read_bytes_per_s`` when given, else at the device's measured rate
+    (`DeviceProfile.file_read_bytes_per_s`), else at `DEFAULT_READ_BYTES_PER_S`; a schedule without
+    reads takes no time from it.
     """
     forwards = forwards_per_step or (known.forwards_per_step if known is not None else 1)
+    read = read_bytes_per_s or device.file_read_bytes_per_s() or DEFAULT_READ_BYTES_PER_S
     base = CostModel(
         h2d_bytes_per_s=device.h2d_bytes_per_s,
         collective_bytes_per_s=device.collective_bytes_per_s,
+        read_bytes_per_s=read,
         component_s=rest_s,
         host_op_s=host_op_s,
         host_block_s=host_block_s,

@@ -32,7 +32,7 @@ import attrs
 
 from torchferry._errors import PlanError
 from torchferry.policies._ir import Slot
-from torchferry.policies._layout import layout, pack_bytes, pack_table, swaps, unit_packs
+from torchferry.policies._layout import has_blocks, layout, pack_bytes, pack_table, swaps, unit_packs
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import FrozenMap, Plan
 
@@ -45,6 +45,7 @@ __all__ = [
     "Tiers",
     "file_packs",
     "host_bytes",
+    "pack_heats",
     "page_bytes",
     "read_nbytes",
     "tiers",
@@ -108,6 +109,11 @@ def host_bytes(plan: Plan, file: Collection[str], staging: Collection[Slot]) -> 
     store = sum(page_bytes(pack_bytes(plan, name)) for name, _ in pack_table(plan) if name not in file)
     extra = sum(page_bytes(s.nbytes) for s in staging) + (READ_BOUNCE_BYTES if file else 0)
     return store + extra, store
+
+
+def pack_heats(plan: Plan) -> dict[str, Heat]:
+    """Pack -> how often the file tier would read it (see [Note: tiers]), for reports."""
+    return {name: heat for name, (heat, _, _) in _heats(plan).items()}
 
 
 def _heats(plan: Plan) -> dict[str, tuple[Heat, int, int]]:
@@ -218,12 +224,17 @@ def _too_small(plan: Plan, budget: int, need: int, store: int, largest: int) -> 
         return format_bytes(n, exact=False)
 
     biggest = max((name for name, _ in pack_table(plan)), key=lambda n: pack_bytes(plan, n))
+    remedy = ""
+    holder = biggest.partition(":")[0]
+    whole = plan.block_owner(biggest) is None and not has_blocks(plan.component(holder))
+    if whole:  # a component kept whole: streaming its blocks would make the largest pack a block
+        remedy = (
+            f", or stream the blocks of {holder!r} (strategy='layerwise' with it "
+            f"selected) so the largest pack read is a block, not {biggest} ({b(pack_bytes(plan, biggest))})"
+        )
     return (
-        f"host budget {b(budget)} (config.host_memory_bytes) is too small for plan {plan.digest}: the "
-        f"least host memory torchferry's buffers can hold, with packs read from the checkpoint (the file "
-        f"tier), is {b(need)} ({b(store)} of packs kept in host memory, {STAGING_SLOTS} staging slots of "
-        f"{b(largest)}, each as large as the largest pack read, and {b(READ_BOUNCE_BYTES)} of read "
-        f"buffers); raise host_memory= to at least {b(need)}, or stream the blocks of the component "
-        f"holding the largest pack, {biggest} ({b(pack_bytes(plan, biggest))}), so the packs read are "
-        f"blocks (strategy='layerwise' with that component selected)"
+        f"host budget {b(budget)} (config.host_memory_bytes) is too small for plan {plan.digest}: even "
+        f"with packs read from the checkpoint (the file tier) its host buffers need {b(need)} "
+        f"({STAGING_SLOTS} staging slots of {b(largest)}, the largest pack read; {b(READ_BOUNCE_BYTES)} "
+        f"of read buffers; {b(store)} of packs in host memory); raise host_memory= to {b(need)}{remedy}"
     )

@@ -1,0 +1,125 @@
+"""``torchferry plan --host-memory``: the file tier per component, host bytes, and the step with reads."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from torchferry import policies, topology
+from torchferry.cli import main
+
+GIB = 1 << 30
+WAN = "wan2.2-t2v-a14b"
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    code = main(["plan", *argv])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return captured.out
+
+
+def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(_plan(capsys, *argv, "--format", "json"))
+    return doc
+
+
+def test_wan_on_a_24gib_card_and_a_32gib_host(capsys: pytest.CaptureFixture[str]) -> None:
+    """Wan2.2 A14B (64.2 GiB) plans for 24 GiB of device and 32 GiB of host memory: which packs are read
+    from the checkpoint per component, host bytes within the budget, and a step that hides its reads."""
+    out = _plan(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB").splitlines()
+    assert (
+        "host memory 32.0 GiB · file reads 3.5 GB/s (assumed: a PCIe Gen3 NVMe drive; pass --read-bandwidth "
+        "or run torchferry probe PATH)"
+    ) in out
+    start = out.index("host tier of layerwise(depth=1) (host memory 32.0 GiB, file reads at 3.5 GB/s):")
+    rows = out[start + 2 : start + 9]
+    table = [f"{r.split('  ')[0]} | {' '.join(r[len(r.split('  ')[0]) :].split())}" for r in rows]
+    assert table == [
+        "transformer | 19 of 40 blocks + remainder in file 13.7 GiB 12.9 GiB 12.4 GiB every forward, "
+        "497.4 MiB once a session",
+        "transformer_2 | 18 of 40 blocks + remainder in file 14.4 GiB 12.3 GiB 11.8 GiB every forward, "
+        "497.4 MiB once a session",
+        "text_encoder | 24 of 24 blocks in file 2.0 GiB 8.6 GiB 8.6 GiB once a call",
+        "vae | file 0 B 242.0 MiB 242.0 MiB once a session",
+        "staging slots | 2 x 670.3 MiB 1.3 GiB -",
+        "read buffers | direct I/O 16.0 MiB -",
+        "total | of a 32.0 GiB budget 31.4 GiB 34.1 GiB",
+    ]
+    assert out[start + 10] == (
+        "in the step: each forward of transformer reads 12.4 GiB from the checkpoint; the step above hides "
+        "them, as it would down to 0.568 GB/s (simulated)"
+    )
+    plain = _json(capsys, WAN, "--device-memory", "24GiB")
+    host = _json(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB")
+    assert host["recommended"]["step_s"] == pytest.approx(plain["recommended"]["step_s"])
+
+
+def test_the_json_host_section_adds_up(capsys: pytest.CaptureFixture[str]) -> None:
+    """The host section's parts sum to its host bytes, within the budget, as policies.tiers says."""
+    doc = _json(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB")
+    h = doc["host"]
+    pages = sum(policies.page_bytes(n) for n in h["staging_slot_bytes"])
+    assert sum(c["host_bytes"] for c in h["components"]) == h["store_bytes"]
+    assert h["store_bytes"] + pages + h["read_bounce_bytes"] == h["host_bytes"] <= 32 * GIB
+    assert doc["recommended"]["host_bytes_per_rank"] == h["host_bytes"]
+    plan = topology.resolve(
+        topology.known_topology(WAN),
+        topology.OffloadConfig(
+            strategy="layerwise", components={"dit", "text_encoder"}, host_memory_bytes=32 * GIB
+        ),
+    )
+    tiers = policies.tiers(plan)
+    assert (tiers.host_bytes, tiers.store_bytes) == (h["host_bytes"], h["store_bytes"])
+    assert doc["assumptions"]["host_memory_bytes"] == 32 * GIB
+    assert doc["assumptions"]["read_bytes_per_s"] == policies.DEFAULT_READ_BYTES_PER_S
+
+
+def test_slow_reads_make_auto_keep_file_blocks_resident(capsys: pytest.CaptureFixture[str]) -> None:
+    """At 50 ms a block and 1 GB/s, layerwise waits on reads; auto keeps file-tier blocks resident and
+    the report says what the remaining reads add."""
+    doc = _json(
+        capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB", "--block-ms", "50",
+        "--read-bandwidth", "1GB/s",
+    )
+    layer = next(r for r in doc["strategies"] if r["strategy"] == "layerwise")
+    auto = doc["recommended"]
+    assert "file-first" in " ".join(auto["notes"])
+    assert auto["step_s"] < layer["step_s"] / 3
+    assert doc["host"]["read_bytes_per_s"] == 1e9
+    floor = doc["host"]["reads_hidden_down_to_bytes_per_s"]
+    assert floor is not None and floor > 1e9
+    out = _plan(
+        capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB", "--block-ms", "50",
+        "--read-bandwidth", "1GB/s",
+    )
+    assert "to the step above, which would hide them only at" in out
+
+
+def test_a_host_budget_too_small_for_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    """1 GiB of host memory cannot hold even the staging slots: every row says why, nothing is recommended."""
+    out = _plan(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "1GiB")
+    assert "recommended: nothing fits 24.0 GiB of device memory and 1.0 GiB of host memory" in out
+    assert "its host buffers need 3.3 GiB (2 staging slots of 670.3 MiB, the largest pack read;" in out
+
+
+def test_read_bandwidth_needs_a_host_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    """--read-bandwidth alone is a usage error naming the missing option."""
+    code = main(["plan", WAN, "--device-memory", "24GiB", "--read-bandwidth", "2GB/s"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == (
+        "torchferry plan: error: --read-bandwidth is the file tier's read rate, and there is no file tier "
+        "without --host-memory; pass --host-memory SIZE too\n"
+    )
+
+
+def test_without_a_host_budget_the_report_is_as_before(capsys: pytest.CaptureFixture[str]) -> None:
+    """No --host-memory: no host column, no host tier section, no host keys in the JSON."""
+    out = _plan(capsys, WAN, "--device-memory", "24GiB")
+    assert "host tier" not in out and "file reads" not in out
+    assert "strategy                        fits  peak device      step  overhead  notes" in out
+    doc = _json(capsys, WAN, "--device-memory", "24GiB")
+    assert "host" not in doc and "host_memory_bytes" not in doc["assumptions"]
