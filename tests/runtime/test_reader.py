@@ -82,8 +82,8 @@ def test_pack_reads_equal_the_host_fill(toy_checkpoint: tuple[toy.ToyPipeline, P
 
 
 def test_one_preadv_per_contiguous_run(toy_checkpoint: tuple[toy.ToyPipeline, Path]) -> None:
-    """Each run of a block's row-major tensors back to back in the file is one chunk, one system call
-    scattering them into their places; the transposed weight is a fixup from the mapping."""
+    """Each run of a block's tensors back to back in the file is one chunk, one system call scattering
+    them into their places; the transposed weight is read with its run and rearranged in place."""
     pipe, path = toy_checkpoint
     with CheckpointReader(path) as checkpoint:
         reader = FileReader(checkpoint)
@@ -91,6 +91,7 @@ def test_one_preadv_per_contiguous_run(toy_checkpoint: tuple[toy.ToyPipeline, Pa
             read, *_ = _read(reader, pipe, "transformer.blocks.2")
             fixups = [f.name for f in read.fixups]
             assert fixups == ["transformer.blocks.2.out.weight"]
+            assert all(f.in_place for f in read.fixups)
             runs = len(read.chunks)
             before = reader.syscalls
             _read(reader, pipe, "transformer.blocks.2")
@@ -99,7 +100,7 @@ def test_one_preadv_per_contiguous_run(toy_checkpoint: tuple[toy.ToyPipeline, Pa
             ranges = sorted(
                 (e.data_start + e.begin, e.data_start + e.end)
                 for n, e in checkpoint.entries.items()
-                if n.startswith("transformer.blocks.2.") and n not in fixups
+                if n.startswith("transformer.blocks.2.")
             )
             groups = 1 + sum(1 for a, b in itertools.pairwise(ranges) if b[0] != a[1])
             assert runs == groups

@@ -46,7 +46,7 @@ import torch
 
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.runtime._checkpoint import CheckpointReader, Span
-from torchferry.runtime._pack import Piece, contiguous_strides
+from torchferry.runtime._pack import Piece
 from torchferry.runtime._pinning import PAGE
 from torchferry.topology import TensorSpec
 
@@ -105,9 +105,10 @@ class Chunk:
 
 @attrs.frozen(eq=False)
 class Fixup:
-    """Bytes ``[lo, hi)`` of a piece placed at ``dst`` not read by a chunk: the piece's tensor from
-    ``source`` (a non-persistent buffer's bytes, kept at open) or from the file's mapping at
-    ``(file, src)`` (a tensor the module stores with other strides), arranged into the piece's strides."""
+    """Bytes ``[lo, hi)`` of a piece placed at ``dst`` that a chunk did not leave right: a
+    non-persistent buffer's bytes from ``source`` (kept at open); a tensor the module stores with
+    other strides, read row-major into its place and rearranged there (``in_place``), or, for a
+    shard's part of one, read whole from ``(file, src)`` aside and arranged."""
 
     dst: int
     lo: int
@@ -117,6 +118,8 @@ class Fixup:
     source: torch.Tensor | None = None
     file: str | None = None
     src: int = 0
+    #: The piece's row-major bytes were read into its place: rearrange them there.
+    in_place: bool = False
 
 
 @attrs.frozen(eq=False)
@@ -237,6 +240,7 @@ class FileReader:
             fd = checkpoint.descriptor(file)
             info = os.fstat(fd)
             raw = self._open_direct(file, info) if file in direct else None
+            self.modes.setdefault(file, "buffered")
             self._opened[file] = _Opened(fd, raw, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
             if raw is None and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -296,11 +300,14 @@ class FileReader:
             lo, hi = part.dst + start - off, part.dst + start - off + part.length
             if part.file is None:
                 fixups.append(Fixup(part.dst - lo, lo, hi, piece, part.name, source=module_bytes[part.name]))
-            elif not piece.row_major:
+            elif piece.row_major:
+                runs.append(part)
+            elif (lo, hi) == (0, piece.nbytes):  # read in place with its run, then rearranged there
+                runs.append(part)
+                fixups.append(Fixup(part.dst, lo, hi, piece, part.name, in_place=True))
+            else:  # a shard's part of it: the whole tensor is read aside, arranged, and the part taken
                 full = whole[part.name]
                 fixups.append(Fixup(part.dst - lo, lo, hi, piece, part.name, file=full.file, src=full.src))
-            else:
-                runs.append(part)
         chunks: list[Chunk] = []
         for file in dict.fromkeys(r.file for r in runs if r.file is not None):
             limit = CHUNK_BYTES if file in direct else BUFFERED_CHUNK_BYTES
@@ -360,15 +367,21 @@ class FileReader:
         if fixup.source is not None:
             into[fixup.dst + fixup.lo : fixup.dst + fixup.hi].copy_(fixup.source[fixup.lo : fixup.hi])
             return
+        if fixup.in_place:
+            region = into[fixup.dst : fixup.dst + piece.nbytes]
+            rows = region.clone().view(piece.dtype).view(piece.shape)
+            piece.view(into, fixup.dst).copy_(rows)
+            return
         assert fixup.file is not None
         self._check_file(fixup.file)
-        rows = attrs.evolve(piece, stride=contiguous_strides(piece.shape))
-        source = self.views.view(fixup.file, fixup.src, rows, fixup.name)
-        if (fixup.lo, fixup.hi) == (0, piece.nbytes):
-            piece.view(into, fixup.dst).copy_(source)
-        else:
-            arranged = piece.arranged(source)
-            into[fixup.dst + fixup.lo : fixup.dst + fixup.hi].copy_(arranged[fixup.lo : fixup.hi])
+        whole = torch.empty(piece.nbytes, dtype=torch.uint8)
+        self._buffered(
+            self._opened[fixup.file].fd,
+            Chunk(file=fixup.file, offset=fixup.src, parts=((0, piece.nbytes),), names=(fixup.name,)),
+            whole,
+        )
+        arranged = piece.arranged(whole.view(piece.dtype).view(piece.shape))
+        into[fixup.dst + fixup.lo : fixup.dst + fixup.hi].copy_(arranged[fixup.lo : fixup.hi])
 
     def _check_file(self, file: str) -> None:
         opened = self._opened[file]
