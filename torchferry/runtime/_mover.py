@@ -455,14 +455,6 @@ class Mover:
         offload()
 
 
-def _no_reader(mover: Mover, unit: Unit, op: Op) -> None:
-    """The file tier's ``read`` before this runtime has a reader: refused, naming the remedy."""
-    raise ExecutionError(
-        f"read {unit.name} -> {op.slot}: this runtime does not read the file tier; open the session "
-        "without host_memory= (or with one the whole host store fits)"
-    )
-
-
 #: One short handler per op kind; a program binds each op to its handler once, when compiled.
 _HANDLERS: dict[str, Callable[[Mover, Unit, Op], None]] = {
     "read": Mover._read,
@@ -474,5 +466,4 @@ _HANDLERS: dict[str, Callable[[Mover, Unit, Op], None]] = {
     "unstage": Mover._unstage,
     "acquire": Mover._acquire,
     "release": Mover._release,
-    "read": _no_reader,
 }
