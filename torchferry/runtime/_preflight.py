@@ -106,6 +106,8 @@ def host_plan(
             budget = budget.credited(taken, "of the pipeline's own weights the store takes over")
     if group is not None:
         budget = _group_minimum(budget, group)
+        if given is not None and budget.bytes != given:  # every rank plans with the least budget
+            plan = attrs.evolve(plan, config=attrs.evolve(plan.config, host_memory_bytes=budget.bytes))
     tightest = machine.bounds[0].available if machine.bounds else None
     cache = None if tightest is None else max(tightest - min(budget.bytes, tightest), 0)
     host = HostPlan(budget=budget, cache_bytes=cache, spill=spill)
