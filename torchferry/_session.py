@@ -504,7 +504,7 @@ class Session:
         """``report`` with the session's host memory figures (see `SessionReport`)."""
         store = self.engine.store
         tier = store.tier
-        extra = 0 if tier is None else tier.reader.bounce_bytes + tier.kept_bytes
+        extra = 0 if tier is None else tier.reader.bounce_bytes + tier.reader.scratch_bytes + tier.kept_bytes
         return attrs.evolve(
             report,
             host_budget=None if self.host is None else self.host.budget.bytes,

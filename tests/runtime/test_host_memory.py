@@ -54,7 +54,7 @@ def test_file_tier_session_is_bit_identical(model: tuple[Path, torch.Tensor, int
         assert report.file_packs > 0 and report.file_read_bytes > 0
         assert report.host_budget == budget and report.host_budget_source == "given as host_memory="
         assert 0 < report.host_bytes <= report.host_peak_bytes <= budget
-        assert s.plan.config.host_memory_bytes == budget
+        assert s.plan.config.host_memory_bytes is not None and s.plan.config.host_memory_bytes <= budget
         assert "# file: " in policies.format_schedule(next(iter(s.schedules.values())))
     ref = toy.build(0, hidden=HIDDEN)
     for a, b in zip(pipe.state_dict().values(), ref.state_dict().values(), strict=True):

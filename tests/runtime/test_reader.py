@@ -71,7 +71,7 @@ def test_pack_reads_equal_the_host_fill(toy_checkpoint: tuple[toy.ToyPipeline, P
     with CheckpointReader(path) as checkpoint:
         reader = FileReader(checkpoint, direct=checkpoint.files if direct else ())
         try:
-            assert set(reader.modes.values()) == ({"direct"} if direct else set())
+            assert set(reader.modes.values()) == ({"direct"} if direct else {"buffered"})
             for name in _specs(pipe):
                 _, out, want, pieces, _ = _read(reader, pipe, name)
                 for piece in pieces:

@@ -29,7 +29,9 @@ import torch
 from torchferry._errors import PlanError
 from torchferry.policies import Tiers, format_bytes, group_specs, pack_bytes, tiers
 from torchferry.runtime._budget import HostBudget, given_budget, host_budget
+from torchferry.runtime._pack import contiguous_strides, dense_strides
 from torchferry.runtime._pinning import page_bytes
+from torchferry.runtime._reader import READ_THREADS
 from torchferry.runtime._spill import spill
 from torchferry.runtime._tiers import TierLayout
 from torchferry.topology import Plan, Topology, find_attr
@@ -112,17 +114,54 @@ def host_plan(
     cache = None if tightest is None else max(tightest - min(budget.bytes, tightest), 0)
     host = HostPlan(budget=budget, cache_bytes=cache, spill=spill)
     if given is None:
-        bound = attrs.evolve(plan, config=attrs.evolve(plan.config, host_memory_bytes=budget.bytes))
+        bound = _with_budget(plan, budget.bytes)
         try:
             binds = bool(tiers(bound).file)
         except PlanError:
             binds = True  # too small even for the file tier: `preflight` says so with the budget's source
         if binds:
             plan = bound
-    return plan, host
+    return _leave_room(pipeline, plan, host), host
 
 
-def preflight(plan: Plan, host: HostPlan, *, from_module: bool, pin: bool, memlock: bool) -> Tiers:
+def _with_budget(plan: Plan, nbytes: int) -> Plan:
+    return attrs.evolve(plan, config=attrs.evolve(plan.config, host_memory_bytes=nbytes))
+
+
+def _leave_room(pipeline: Any, plan: Plan, host: HostPlan) -> Plan:
+    """``plan`` with its host budget lowered by what the tiers do not count (kept and scratch buffers,
+    the open's peak), so tiers chosen within it leave the whole host budget met; a few rounds, since
+    what is left out depends on which packs go to the file tier."""
+    budget = host.budget.bytes
+    for _ in range(4):
+        try:
+            chosen = tiers(plan)
+        except PlanError:
+            return plan  # `preflight` says so, with the budget's source
+        if not chosen.file:
+            return plan
+        room = budget - sum(_extras(pipeline, plan, host, chosen))
+        if chosen.host_bytes <= room or room <= 0 or room == plan.config.host_memory_bytes:
+            return plan
+        plan = _with_budget(plan, room)
+    return plan
+
+
+def _extras(pipeline: Any, plan: Plan, host: HostPlan, chosen: Tiers) -> tuple[int, int, int]:
+    """Host bytes `policies.tiers` does not count: (kept non-persistent buffers, the reader's
+    scratch, the open's transient peak) for ``chosen``."""
+    specs = group_specs(plan)
+    kept = sum(
+        page_bytes(s.nbytes) for name in chosen.file for s in specs[name] if s.buffer and not s.persistent
+    )
+    scratch = _scratch_bytes(pipeline, plan, chosen.file)
+    transient = 0
+    if plan.config.checkpoint is None and not host.budget.given:  # the module's copy of one pack too
+        transient = max((page_bytes(pack_bytes(plan, n)) for n in specs if n not in chosen.file), default=0)
+    return kept, scratch, transient
+
+
+def preflight(plan: Plan, host: HostPlan, *, pin: bool, memlock: bool, pipeline: Any = None) -> Tiers:
     """Prove, before anything is read, pinned or moved, that the session's host memory fits its budget
     (see [Note: preflight]); the tiers the store is laid out from."""
     budget = host.budget
@@ -130,20 +169,15 @@ def preflight(plan: Plan, host: HostPlan, *, from_module: bool, pin: bool, memlo
         chosen = tiers(plan)
     except PlanError as exc:
         raise PlanError(f"{exc}. The host budget is {_size(budget.bytes)}: {budget.source}") from None
-    specs = group_specs(plan)
-    kept = sum(
-        page_bytes(s.nbytes) for name in chosen.file for s in specs[name] if s.buffer and not s.persistent
-    )
-    transient = 0
-    if from_module and not budget.given:  # the machine's memory holds the module's copy of one pack too
-        transient = max((page_bytes(pack_bytes(plan, n)) for n in specs if n not in chosen.file), default=0)
+    kept, scratch, transient = _extras(pipeline, plan, host, chosen)
+    kept += scratch
     need = chosen.host_bytes + kept + transient
     if need > budget.bytes:
         raise PlanError(
             f"torchferry would hold {_size(need)} of host memory ({_size(chosen.host_bytes)} of host "
-            f"buffers, {_size(kept)} of kept buffers, {_size(transient)} while the store copies the "
-            f"pipeline's own weights in), over the host budget of {_size(budget.bytes)} ({budget.source}); "
-            + _remedies(plan)
+            f"buffers, {_size(kept)} of kept and scratch buffers, {_size(transient)} while the store "
+            f"copies the pipeline's own weights in), over the host budget of {_size(budget.bytes)} "
+            f"({budget.source}); " + _remedies(plan)
         )
     if pin and memlock and budget.locked_bytes is not None and chosen.host_bytes > budget.locked_bytes:
         raise PlanError(
@@ -153,6 +187,25 @@ def preflight(plan: Plan, host: HostPlan, *, from_module: bool, pin: bool, memlo
             "pinned"
         )
     return chosen
+
+
+def _scratch_bytes(pipeline: Any, plan: Plan, file: frozenset[str]) -> int:
+    """The reader's scratch for file-tier tensors stored with other strides than the file's (a
+    transposed weight): per reader thread, twice the largest (see `FileReader.reserve`)."""
+    if pipeline is None or not file:
+        return 0
+    largest = 0
+    for name, specs in group_specs(plan).items():
+        if name not in file:
+            continue
+        for spec in specs:
+            try:
+                t = find_attr(pipeline, spec.name)
+            except AttributeError:
+                continue
+            if isinstance(t, torch.Tensor) and tuple(dense_strides(t)) != contiguous_strides(t.shape):
+                largest = max(largest, spec.nbytes)
+    return READ_THREADS * page_bytes(2 * largest) if largest else 0
 
 
 def _remedies(plan: Plan) -> str:
@@ -170,7 +223,7 @@ def _remedies(plan: Plan) -> str:
 def open_tier(pipeline: Any, plan: Plan, host: HostPlan, *, pin: bool) -> TierLayout:
     """`preflight`, then the file tier's layout for the engine: for a pipeline built in memory, its
     file-tier packs spilled once into ``host.spill`` (without one: `PlanError` naming the remedy)."""
-    chosen = preflight(plan, host, from_module=plan.config.checkpoint is None, pin=pin, memlock=False)
+    chosen = preflight(plan, host, pin=pin, memlock=False, pipeline=pipeline)
     source = None
     if chosen.file and plan.config.checkpoint is None:
         if host.spill is None:

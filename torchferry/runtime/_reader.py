@@ -251,6 +251,10 @@ class FileReader:
                 region = mmap.mmap(-1, BOUNCE_BYTES)  # page-aligned, so DIRECT_ALIGN-aligned
                 self._bounces.put(torch.frombuffer(region, dtype=torch.uint8))
                 self.bounce_bytes += BOUNCE_BYTES
+        # Why: scratch for rearranging tensors stored with other strides, one per thread, sized once
+        # (`reserve`) so a read allocates nothing.
+        self._scratch: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self.scratch_bytes = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="torchferry-read")
         self._closed = False
         #: Bytes read from files and ``preadv`` calls made, for reports and benchmarks.
@@ -315,6 +319,16 @@ class FileReader:
             chunks.extend(_chunks(file, mine, limit))
         return PackRead(name=name, nbytes=end - start, chunks=tuple(chunks), fixups=tuple(fixups))
 
+    def reserve(self, reads: Sequence[PackRead]) -> None:
+        """Allocate the rearranging scratch ``reads`` need: per thread, twice their largest tensor
+        stored with other strides (none when every tensor is row-major)."""
+        need = 2 * max((f.piece.nbytes for r in reads for f in r.fixups if f.source is None), default=0)
+        if need == 0:
+            return
+        for _ in range(self.threads):
+            self._scratch.put(torch.frombuffer(mmap.mmap(-1, need), dtype=torch.uint8))
+            self.scratch_bytes += -(-need // PAGE) * PAGE
+
     # -------------------------------------------------------------------------------- reading
     def submit(self, read: PackRead, into: torch.Tensor, before: Callable[[], None] | None = None) -> Ticket:
         """Start reading ``read`` into the first bytes of ``into`` (a contiguous CPU ``uint8`` tensor);
@@ -367,21 +381,28 @@ class FileReader:
         if fixup.source is not None:
             into[fixup.dst + fixup.lo : fixup.dst + fixup.hi].copy_(fixup.source[fixup.lo : fixup.hi])
             return
-        if fixup.in_place:
-            region = into[fixup.dst : fixup.dst + piece.nbytes]
-            rows = region.clone().view(piece.dtype).view(piece.shape)
-            piece.view(into, fixup.dst).copy_(rows)
-            return
-        assert fixup.file is not None
-        self._check_file(fixup.file)
-        whole = torch.empty(piece.nbytes, dtype=torch.uint8)
-        self._buffered(
-            self._opened[fixup.file].fd,
-            Chunk(file=fixup.file, offset=fixup.src, parts=((0, piece.nbytes),), names=(fixup.name,)),
-            whole,
-        )
-        arranged = piece.arranged(whole.view(piece.dtype).view(piece.shape))
-        into[fixup.dst + fixup.lo : fixup.dst + fixup.hi].copy_(arranged[fixup.lo : fixup.hi])
+        n = piece.nbytes
+        try:
+            scratch = self._scratch.get_nowait()
+        except queue.Empty:  # a read planned without `reserve` (tests): scratch of its own
+            scratch = torch.empty(2 * n, dtype=torch.uint8)
+        if scratch.numel() < 2 * n:
+            scratch = torch.empty(2 * n, dtype=torch.uint8)
+        try:
+            rows = scratch[:n]
+            if fixup.in_place:
+                rows.copy_(into[fixup.dst : fixup.dst + n])
+                piece.view(into, fixup.dst).copy_(rows.view(piece.dtype).view(piece.shape))
+                return
+            assert fixup.file is not None
+            self._check_file(fixup.file)
+            chunk = Chunk(file=fixup.file, offset=fixup.src, parts=((0, n),), names=(fixup.name,))
+            self._buffered(self._opened[fixup.file].fd, chunk, rows)
+            arranged = scratch[n : 2 * n]
+            piece.view(arranged, 0).copy_(rows.view(piece.dtype).view(piece.shape))
+            into[fixup.dst + fixup.lo : fixup.dst + fixup.hi].copy_(arranged[fixup.lo : fixup.hi])
+        finally:
+            self._scratch.put(scratch)
 
     def _check_file(self, file: str) -> None:
         opened = self._opened[file]

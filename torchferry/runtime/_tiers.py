@@ -177,9 +177,10 @@ class FileTier:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory the tier holds: staging slots and bounce buffers (whole pages), kept buffers."""
+        """Host memory the tier holds: staging slots, bounce and scratch buffers (whole pages), kept
+        buffers."""
         staging = sum(page_bytes(s.buffer.data.numel()) for s in self.staging.values())
-        return staging + self.reader.bounce_bytes + self.kept_bytes
+        return staging + self.reader.bounce_bytes + self.reader.scratch_bytes + self.kept_bytes
 
     @classmethod
     def prepare(
@@ -230,6 +231,7 @@ class FileTier:
                     prefix_map=request.prefix_map,
                 )
                 views[name] = _views(reader, layout, pieces, module, request.prefix_map)
+            reader.reserve(list(reads.values()))
             staging: dict[str, _Staging] = {}
             need = max((r.nbytes for r in reads.values()), default=0)
             for slot, nbytes in request.staging:
