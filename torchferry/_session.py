@@ -35,6 +35,7 @@ from torchferry.runtime import (
     Steps,
     Tracer,
     Watch,
+    host_figures,
     host_plan,
     open_tier,
     prove,
@@ -502,18 +503,7 @@ class Session:
 
     def _with_host(self, report: SessionReport) -> SessionReport:
         """``report`` with the session's host memory figures (see `SessionReport`)."""
-        store = self.engine.store
-        tier = store.tier
-        extra = 0 if tier is None else tier.reader.bounce_bytes + tier.reader.scratch_bytes + tier.kept_bytes
-        return attrs.evolve(
-            report,
-            host_budget=None if self.host is None else self.host.budget.bytes,
-            host_budget_source="" if self.host is None else self.host.budget.source,
-            host_bytes=store.host_bytes,
-            host_peak_bytes=store.memory.peak_bytes + extra,
-            file_packs=0 if tier is None else len(tier.reads),
-            file_read_bytes=0 if tier is None else tier.reader.bytes_read,
-        )
+        return attrs.evolve(report, **host_figures(self.engine.store, self.host))
 
     @property
     def device_bytes(self) -> int:

@@ -12,7 +12,9 @@ not anonymous memory). `host_plan` sets the budget: the caller's ``host_memory=`
 memory is freed pack by pack as it fills), and the minimum over the ranks of a process group (every
 rank plans the same tiers and schedules). A machine budget that the whole store fits is not written
 into the plan (nothing is chosen, so plans, digests and schedules stay exactly as without it); one
-that binds is, and `policies.tiers` moves the coldest packs to the file tier. `preflight` then adds
+that binds is, and `policies.tiers` moves the coldest packs to the file tier. What the tiers do not
+count (kept buffers, the reader's scratch, the open's peak) is taken off the plan's budget first, so
+the tiers chosen leave the whole budget met. `preflight` then adds
 the transient figures (against a machine budget: a given one bounds torchferry's own buffers); over
 the budget is a `PlanError` naming the bytes, the budget's source and the remedies, raised before
 the engine touches anything. Pinned bytes are held to
@@ -29,6 +31,7 @@ import torch
 from torchferry._errors import PlanError
 from torchferry.policies import Tiers, format_bytes, group_specs, pack_bytes, tiers
 from torchferry.runtime._budget import HostBudget, given_budget, host_budget
+from torchferry.runtime._host import HostStore
 from torchferry.runtime._pack import contiguous_strides, dense_strides
 from torchferry.runtime._pinning import page_bytes
 from torchferry.runtime._reader import READ_THREADS
@@ -36,7 +39,7 @@ from torchferry.runtime._spill import spill
 from torchferry.runtime._tiers import TierLayout
 from torchferry.topology import Plan, Topology, find_attr
 
-__all__ = ["HostPlan", "host_plan", "module_bytes", "open_tier", "preflight"]
+__all__ = ["HostPlan", "host_figures", "host_plan", "module_bytes", "open_tier", "preflight"]
 
 
 def _size(n: int) -> str:
@@ -236,3 +239,18 @@ def open_tier(pipeline: Any, plan: Plan, host: HostPlan, *, pin: bool) -> TierLa
             )
         source = spill(pipeline, plan, chosen.file, host.spill)
     return TierLayout(cache_bytes=host.cache_bytes, source=source)
+
+
+def host_figures(store: HostStore, host: HostPlan | None) -> dict[str, Any]:
+    """A session's host memory figures for its report: the budget and its source, torchferry's host
+    bytes now and at most, the file tier's packs and the bytes read from it so far."""
+    tier = store.tier
+    extra = 0 if tier is None else tier.reader.bounce_bytes + tier.reader.scratch_bytes + tier.kept_bytes
+    return {
+        "host_budget": None if host is None else host.budget.bytes,
+        "host_budget_source": "" if host is None else host.budget.source,
+        "host_bytes": store.host_bytes,
+        "host_peak_bytes": store.memory.peak_bytes + extra,
+        "file_packs": 0 if tier is None else len(tier.reads),
+        "file_read_bytes": 0 if tier is None else tier.reader.bytes_read,
+    }
