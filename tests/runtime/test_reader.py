@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from torchferry import topology
 from torchferry._errors import ExecutionError, PlanError
+from torchferry.policies import READ_BOUNCE_BYTES
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._fill import group_specs, pack_layout, read_pack
 from torchferry.runtime._reader import BUFFERED_CHUNK_BYTES, CHUNK_BYTES, FileReader, PackRead
@@ -76,7 +77,7 @@ def test_pack_reads_equal_the_host_fill(toy_checkpoint: tuple[toy.ToyPipeline, P
                 _, out, want, pieces, _ = _read(reader, pipe, name)
                 for piece in pieces:
                     assert torch.equal(piece.view(out), piece.view(want)), (name, piece)
-            assert reader.bounce_bytes == (2 * 8 << 20 if direct else 0)
+            assert reader.bounce_bytes == (READ_BOUNCE_BYTES if direct else 0)
         finally:
             reader.close()
 
