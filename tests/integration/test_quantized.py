@@ -6,6 +6,7 @@ same quantized model run without torchferry, twice in a row and after close."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 
 import torchferry
 from torchferry import policies, topology
-from torchferry.testing import run_ranks
+from torchferry.testing import run_ranks, toy
 
 diffusers = pytest.importorskip("diffusers")
 torchao_quantization = pytest.importorskip("torchao.quantization")
@@ -178,6 +179,28 @@ def test_storage_dtype_gives_what_diffusers_layerwise_casting_gives(request_: di
     too."""
     reference = _call(_cast())
     _runs_as_without(_wan(), reference, storage_dtype=torch.float8_e4m3fn, **request_)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+def test_from_pretrained_with_storage_dtype_gives_what_diffusers_casting_gives(tmp_path: Path) -> None:
+    """``from_pretrained(..., storage_dtype=float8_e4m3fn)`` reads a float32 Wan pipeline folder into
+    float8 host buffers (converting each tensor as it is read) and the pipeline gives bit for bit
+    what diffusers' own load with layerwise casting of its transformer gives."""
+    folder = tmp_path / "wan"
+    toy.wan_pipeline().save_pretrained(str(folder))
+    plain = diffusers.WanPipeline.from_pretrained(str(folder), tokenizer=None, transformer_2=None)
+    for t in (*plain.transformer.parameters(), *plain.text_encoder.parameters(), *plain.vae.parameters()):
+        t.data = t.data.clone()  # memory of its own, as torchferry's host copies are (test_folders.py)
+    plain.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    cast = topology.discover(plain.transformer).component("")
+    expected = toy.run_wan(plain)
+    with torchferry.from_pretrained(
+        diffusers.WanPipeline, folder, storage_dtype=torch.float8_e4m3fn, strategy="layerwise", device="cpu"
+    ) as session:
+        stored = session.plan.topology.component("transformer")
+        assert [b.nbytes for b in stored.blocks] == [b.nbytes for b in cast.blocks]
+        got = toy.run_wan(session.pipeline)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 def test_storage_dtype_stores_and_moves_the_tensors_diffusers_casts() -> None:
