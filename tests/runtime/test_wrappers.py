@@ -180,6 +180,37 @@ def test_wrappers_of_wrappers_follow_inner_ones_first() -> None:
     assert seen == [("meta", "meta")]
 
 
+def test_a_tied_wrapper_keeps_its_tie_and_its_attributes_on_a_device() -> None:
+    """One ``Scaled`` weight tied into the input and output projections is one tensor with an alias;
+    on a session device both projections read the same object, which says it is on the device and
+    keeps an attribute set on it, and after close it is still shared and bit-identical."""
+
+    class Tied(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(2)
+            self.proj_in._parameters["weight"] = self.proj_out._parameters["weight"] = _scaled(8, 8, g)
+
+    net = Tied()
+    weight = net.proj_in.weight
+    weight.tag = "kept"  # type: ignore[attr-defined]
+    qdata = weight.qdata.clone()
+    specs = [t for t in topology.discover(net).component("").tensors if t.name.startswith("proj_in.weight")]
+    assert [(t.name, t.aliases) for t in specs] == [
+        ("proj_in.weight.qdata", ("proj_out.weight.qdata",)),
+        ("proj_in.weight.scale", ("proj_out.weight.scale",)),
+    ]
+    seen: list[tuple[bool, str, str]] = []
+    with torchferry.offload(net, strategy="layerwise", device="meta"), torch.no_grad():
+        for layer in (net.proj_in, net.proj_out):
+            layer.register_forward_pre_hook(
+                lambda m, a: seen.append((m.weight is weight, m.weight.device.type, m.weight.tag))
+            )
+        net(_x().to("meta"))
+    assert seen == [(True, "meta", "kept")] * 2
+    assert net.proj_out.weight is weight and weight.device.type == "cpu" and torch.equal(weight.qdata, qdata)
+
+
 def test_state_dict_returns_standalone_wrappers() -> None:
     """``state_dict()`` during a session gives each wrapper weight as a new wrapper of its class over
     copies of its inner tensors (the live one points into the session's buffers)."""

@@ -85,11 +85,12 @@ class Casting:
         own: dict[int, tuple[nn.Module, torch.dtype, torch.dtype]] = {}
         for component in plan.topology.components:
             for spec in component.all_tensors():
-                if spec.compute_dtype is None or "." not in spec.name:
+                if spec.compute_dtype is None:
                     continue
-                layer = find_attr(pipeline, spec.name.rsplit(".", 1)[0])
-                if isinstance(layer, nn.Module):
-                    own[id(layer)] = (layer, _dtype(spec.dtype), _dtype(spec.compute_dtype))
+                for name in (spec.name, *spec.aliases):  # a tied weight is cast in every layer using it
+                    layer = find_attr(pipeline, name.rsplit(".", 1)[0]) if "." in name else None
+                    if isinstance(layer, nn.Module):
+                        own[id(layer)] = (layer, _dtype(spec.dtype), _dtype(spec.compute_dtype))
         for layer, storage, compute in own.values():
             self.layers[id(layer)] = (storage, compute)
             self._handles.append(layer.register_forward_pre_hook(self._pre))

@@ -8,11 +8,12 @@ holds and re-points the inner tensors like any tensor. What is left is the wrapp
 A wrapper was made by ``torch.Tensor._make_wrapper_subclass(cls, ..., device=...)``: its own
 TensorImpl has no storage but does carry a device, and re-pointing only its inner tensors at a
 device slot would leave ``weight.device`` saying ``cpu`` (a diffusers model reading
-``self.weight.device``, torchao's kernels and ``DTensor``'s checks all read it). ``.data =`` cannot
-fix it (torch refuses ``set_data`` across the meta device, and a wrapper's ``.data`` is dispatched
-to the subclass on others), and ``torch.utils.swap_tensors`` swaps the Python objects' ``__dict__``
-too, so the module's wrapper would lose its own attributes (``_is_param``, anything a library set)
-and, with a tensor that autograd holds (quanto keeps ``requires_grad=True``), refuses outright.
+``self.weight.device``, torchao's kernels and ``DTensor``'s checks all read it). ``weight.data =
+twin`` is refused across the meta device (torch's ``set_data`` finds the types incompatible), and
+``torch.utils.swap_tensors`` swaps the Python objects' ``__dict__`` too, so the module's wrapper
+would lose its own attributes (``_is_param``, anything a library set), and it refuses a tensor
+that autograd still holds (quanto's weights keep ``requires_grad=True``: after a forward with grad
+it raised on their use count).
 
 So each wrapper gets one *twin*: a wrapper of the same class that its own ``__tensor_unflatten__``
 builds over the wrapper's inner tensors once they first sit on the device (discovery checked that it

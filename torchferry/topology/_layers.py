@@ -17,6 +17,7 @@ import sys
 from torch import nn
 
 from torchferry.topology._storage import SKIP_PATTERNS
+from torchferry.topology._wrapped import is_wrapper
 
 __all__ = ["castable_ids"]
 
@@ -61,8 +62,10 @@ def castable_ids(model: nn.Module) -> set[int]:
         if any(re.search(p, prefix) for p in patterns):
             return
         if isinstance(module, _LAYERS):
-            found.update(
-                id(t) for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()
+            found.update(  # a quantized (wrapper) weight is not cast: its inner tensors move as they are
+                id(t)
+                for t in (*module.parameters(), *module.buffers())
+                if not is_wrapper(t) and t.is_floating_point()
             )
             return
         for name, child in module.named_children():
