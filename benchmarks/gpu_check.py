@@ -30,7 +30,9 @@ goes on), ``DIR/gpu_check.json`` is rewritten after every row, and one table is 
   diffusers WanPipeline called as a user calls it), ``inference mode``, ``pageable``
   (``pin_memory=False``), ``exception mid-step`` (then ``close()``: weights identical, allocated
   memory back to the inputs only);
-- ``diffusers record_stream False`` / ``True``: diffusers group offloading, ``use_stream=True``.
+- ``diffusers record_stream False`` / ``True``: diffusers group offloading, ``use_stream=True``;
+- ``quantized``: ``quant.py``'s transfer-bound schedule at bf16, float8 storage, torchao int8 and
+  float8, quanto qint8 (bytes moved per step, host bytes, step min/median/max, bit identity).
 
 Only torch and torchferry are needed; diffusers (and transformers for the WanPipeline row) are
 optional: without them those rows say how to bring them and the others run. Without CUDA (or with
@@ -45,6 +47,7 @@ import contextlib
 import functools
 import gc
 import importlib
+import importlib.util
 import math
 import os
 import shutil
@@ -1119,6 +1122,29 @@ def summary(check: Check) -> str:
     return common.table(headers, lines)
 
 
+def quantized_row(check: Check) -> dict[str, Any]:
+    """``quant.py``'s comparison on this GPU (issue 23): one transfer-bound layerwise schedule (depth 1)
+    over the same bf16 Wan transformer at full width, float8 storage, torchao int8 and float8, quanto
+    qint8: bytes moved per step, host bytes, step min/median/max, and each form bit-identical to itself
+    run resident. A form whose package or kernels are missing is skipped with why."""
+    check.needs_cuda()
+    for package in ("diffusers", "torchao", "optimum.quanto"):
+        if importlib.util.find_spec(package.split(".")[0]) is None:
+            raise Skip(f"{package} is not installed; pip install 'torchferry[diffusers,quant]'")
+    quant: Any = importlib.import_module("quant")
+    result: dict[str, Any] = quant.compare(check.device, quick=check.quick)
+    say(quant.report(result))
+    forms = result["forms"]
+    wrong = [name for name, f in forms.items() if "skipped" not in f and not f["identical"]]
+    if wrong:
+        raise AssertionError(f"not bit-identical to the resident run: {', '.join(wrong)}")
+    full = forms.get("full", {})
+    for f in forms.values():
+        if "step" in f and "step" in full:
+            f["step_over_full"] = f["step"]["median_s"] / full["step"]["median_s"]
+    return result
+
+
 def sanitizer_child(out: Path) -> int:
     """One small layerwise pass (depth 1 and 2) checked against resident; run under TORCH_CUDA_SANITIZER=1."""
     size = GPU_QUICK
@@ -1195,6 +1221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check.row("pageable", check.pageable)
     check.row("exception mid-step", check.exception_mid_step)
     check.row("file tier", functools.partial(importlib.import_module("host_tier").gpu_row, check))
+    check.row("quantized", functools.partial(quantized_row, check))
     for flag in (False, True):
         check.row(f"diffusers record_stream {flag}", functools.partial(check.diffusers_offload, flag))
     say("")

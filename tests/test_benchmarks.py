@@ -25,7 +25,7 @@ def _module(name: str) -> Any:
     return importlib.import_module(name)
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, timeout: float = 120) -> str:
     """Run ``benchmarks/<script>`` as its users do, in a fresh interpreter, and return its output."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
@@ -33,7 +33,7 @@ def _run(script: str, *args: str) -> str:
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=timeout,
         check=False,
     )
     assert done.returncode == 0, f"{script} failed:\n{done.stdout}\n{done.stderr}"
@@ -71,6 +71,7 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
         "wan pipeline",
         "diffusers record_stream False",
         "diffusers record_stream True",
+        "quantized",
     }
     assert {name for name, row in rows.items() if row["status"] == "skipped"} == cuda_only
     assert all(rows[name]["why"] == "needs CUDA" for name in cuda_only)
@@ -120,6 +121,27 @@ def test_overhead_quick_compares_every_variant(tmp_path: Path) -> None:
     assert pieces["own_code_without_copy_us"] > 0 and pieces["copy_us"] > 0
     assert pieces["own_code_without_copy_us"] >= pieces["repoint_us"]
     assert pieces["schedules_built_while_profiling"] == 0
+
+
+def test_quant_quick_runs_every_form_on_one_schedule(tmp_path: Path) -> None:
+    """quant --quick runs the full-width model and each 8-bit form under one layerwise schedule: every
+    output equals its form run without torchferry, and each 8-bit form moves and holds well under half
+    the full bytes (importing torchao and quanto alone takes a while, hence the longer timeout)."""
+    pytest.importorskip("torchao.quantization")
+    pytest.importorskip("optimum.quanto")
+    target = tmp_path / "quant.json"
+    out = _run("quant.py", "--quick", "--out", str(target), timeout=600)
+    assert "moved/step" in out
+    forms = json.loads(target.read_text())["forms"]
+    assert set(forms) == {"full", "float8 storage", "torchao int8", "torchao float8", "quanto qint8"}
+    assert all(f["identical"] for f in forms.values()), forms
+    full = forms.pop("full")
+    assert full["wrappers_per_block"] == 0 and full["bytes_per_step"] > 0
+    for name, f in forms.items():
+        assert f["bytes_per_step"] < 0.5 * full["bytes_per_step"], name
+        assert f["host_bytes"] < 0.5 * full["host_bytes"], name
+        assert f["step"]["min_s"] <= f["step"]["median_s"] <= f["step"]["max_s"]
+    assert forms["torchao int8"]["wrappers_per_block"] == 10  # the block's ten Linear weights
 
 
 def test_scaling_quick_fits_every_slope(tmp_path: Path) -> None:

@@ -109,6 +109,24 @@ def test_plan_wan_peaks_and_step_time(capsys: pytest.CaptureFixture[str]) -> Non
     assert row(doc, "layerwise")["overhead"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_plan_storage_dtype_plans_the_stored_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--storage-dtype float8_e4m3fn`` plans the DiTs' weights in float8: each bf16 Wan block's bytes
+    halve (its norms' and tables' float32 stay), the encoder keeps its bytes, the report says so."""
+    args = ("wan2.2-t2v-a14b", "--device-memory", "24GiB", "--strategy", "layerwise")
+    full, stored = plan_json(capsys, *args), plan_json(capsys, *args, "--storage-dtype", "float8_e4m3fn")
+    assert stored["assumptions"]["storage_dtype"] == "float8_e4m3fn"
+    assert full["assumptions"]["storage_dtype"] is None
+    by_path = {c["path"]: c for c in full["components"]}
+    for c in stored["components"]:
+        if c["kind"] == "dit":
+            assert 0.45 < c["block_max_bytes"] / by_path[c["path"]]["block_max_bytes"] < 0.55
+        else:
+            assert c["nbytes"] == by_path[c["path"]]["nbytes"]
+    assert row(stored, "layerwise")["peak_device_bytes"] < row(full, "layerwise")["peak_device_bytes"]
+    code, out, _ = run(capsys, "plan", *args, "--storage-dtype", "float8_e4m3fn")
+    assert code == 0 and "weights stored as float8_e4m3fn (--storage-dtype)" in out
+
+
 def test_plan_text_report(capsys: pytest.CaptureFixture[str]) -> None:
     """The text report names every component with its bytes, every strategy row and the recommendation."""
     code, out, err = run(capsys, "plan", "flux.1-dev", "--device-memory", "24GiB", "--block-ms", "10")

@@ -9,12 +9,15 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "torchferry"
 # The modules of topology/ that may import torch: discovery, the only code that reads an nn.Module
-# (its components, their blocks, their tensors and owners, and the helpers the three share).
+# (its components, their blocks, their tensors and owners, the inner tensors of wrapper tensors, and
+# the helpers they share).
 TORCH_READERS = {
     "topology/_blocks.py",
     "topology/_discover.py",
     "topology/_owners.py",
     "topology/_reading.py",
+    "topology/_layers.py",
+    "topology/_wrapped.py",
 }
 
 

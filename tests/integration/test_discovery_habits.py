@@ -79,18 +79,19 @@ class _Wrapped(torch.Tensor):
         return func(*unwrap, **(kwargs or {}))
 
 
-def test_wrapper_subclass_weight_is_refused_with_its_type() -> None:
-    """A weight that is a wrapper tensor subclass is a PlanError naming the type, and nothing is changed."""
+def test_wrapper_subclass_without_the_flatten_protocol_is_refused_with_its_type() -> None:
+    """A weight that is a wrapper tensor subclass naming no inner tensors (no ``__tensor_flatten__``) is
+    a PlanError naming the type and why, and nothing is changed."""
     model = Model()
     model.blocks[1].linear._parameters["weight"] = _Wrapped(torch.randn(8, 8))
     with pytest.raises(PlanError) as caught:
         torchferry.offload(model, strategy="layerwise", device="cpu")
     assert str(caught.value) == (
         f"Tensor 'blocks.1.linear.weight' is a {__name__}._Wrapped, a tensor subclass that keeps its "
-        "data in inner tensors; torchferry streams tensors with storage of their own only (torch.Tensor, "
-        "nn.Parameter and subclasses without __torch_dispatch__ such as diffusers' GGUFParameter, in any "
-        "dtype it knows, float8 included); dequantize it (for a DTensor, full_tensor()) before "
-        "offloading, or leave its component out of the offload"
+        "data in inner tensors, and torchferry cannot re-point them safely: it does not name them (it has "
+        "no __tensor_flatten__ / __tensor_unflatten__, torch's protocol for a wrapper's inner tensors); "
+        "dequantize it (for a DTensor, full_tensor()) before offloading, or leave its component out of "
+        "the offload (docs/quantized.md lists the forms that stream)"
     )
     assert type(model.blocks[1].linear.weight) is _Wrapped
 

@@ -187,10 +187,7 @@ ACCELERATE_FIX = (
     "accelerate.hooks.remove_hook_from_module(module, recurse=True) any other accelerate hook "
     "(and load without device_map=)"
 )
-DIFFUSERS_FIX = (
-    "build the model without diffusers' group offloading or layerwise casting (torchferry streams the "
-    "blocks itself; to store weights in float8, cast them before opening)"
-)
+DIFFUSERS_FIX = "build the model without diffusers' group offloading (torchferry streams the blocks itself)"
 
 
 def _pixart_sigma() -> Any:
@@ -277,13 +274,23 @@ def test_group_offloading_on_a_component_is_refused() -> None:
     )
 
 
-def test_layerwise_casting_is_refused() -> None:
-    """diffusers layerwise casting re-casts weights each forward, so it is a PlanError."""
+def test_layerwise_casting_whose_cast_back_loses_bits_is_refused() -> None:
+    """diffusers layerwise casting stored in float16 and computed in bfloat16 rewrites the stored weights
+    at every forward (the round trip loses bits), so it is a PlanError naming the layer and the fix;
+    a widening pair runs (tests/integration/test_quantized.py)."""
     model, _ = _flux()
-    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
-    found = "'time_text_embed.timestep_embedder.linear_1': diffusers layerwise casting"
-    with pytest.raises(PlanError, match=re.escape(found)):
+    model.enable_layerwise_casting(storage_dtype=torch.float16, compute_dtype=torch.bfloat16)
+    found = (
+        "'time_text_embed.timestep_embedder.linear_1': diffusers layerwise casting from float16 to "
+        "bfloat16, whose cast back rewrites the stored weights at each forward"
+    )
+    with pytest.raises(PlanError, match=re.escape(found)) as caught:
         torchferry.offload(model, strategy="layerwise", device="cpu")
+    assert str(caught.value).endswith(
+        "Remove them first: cast layerwise to a compute dtype that holds every stored value (float8 to "
+        "bfloat16, float16 or float32; bfloat16 or float16 to float32), or pass storage_dtype= to "
+        "torchferry.offload instead"
+    )
 
 
 def test_second_session_on_a_served_component_is_refused() -> None:

@@ -19,7 +19,7 @@ from typing import NoReturn, TypeVar
 
 from torchferry._errors import OffloadError
 from torchferry.policies import BUILTINS, DEFAULT_DEVICE, DEVICE_CLASSES, DeviceProfile
-from torchferry.topology import parse_bytes, parse_rate
+from torchferry.topology import STORAGE_DTYPES, parse_bytes, parse_rate
 
 __all__ = ["main"]
 
@@ -246,6 +246,13 @@ def _parser() -> _Parser:
         metavar="A,B",
         help="block attributes of a checkpoint, comma-separated (default: guessed from tensor names)",
     )
+    plan.add_argument(
+        "--storage-dtype",
+        choices=STORAGE_DTYPES,
+        help="plan the DiTs' Linear/Conv/Embedding weights stored in this dtype and cast around each "
+        "forward, as offload(storage_dtype=...) and diffusers' layerwise casting store them "
+        "(docs/quantized.md; from headers, which tensors is guessed from names)",
+    )
     plan.add_argument("--show-schedule", action="store_true", help="print the recommended steady DiT step")
     plan.add_argument(
         "--format", choices=["text", "json"], default="text", help="output format (default text)"
@@ -323,6 +330,7 @@ def _plan(args: argparse.Namespace) -> int:
         host_op_s=(args.host_op_us or 0.0) / 1e6, world_size=args.world_size, depth=args.depth,
         strategy=args.strategy, resolution=args.resolution, tflops=args.tflops, block_ms=args.block_ms,
         host_bytes=args.host_memory, read_bytes_per_s=args.read_bandwidth,
+        storage_dtype=args.storage_dtype,
     )
     if known is None and (args.resolution is not None or args.tflops is not None):
         raise UsageError(

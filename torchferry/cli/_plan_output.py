@@ -49,6 +49,8 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
             where += f"\n(its DiT has the shapes of the known model {report.known_id}, whose FLOPs are known)"
     title = f"{report.model}" + (f" ({report.pipeline_class})" if report.pipeline_class else "")
     lines = [title, where, f"total: {_b(report.total_bytes)} ({report.total_bytes} bytes)", ""]
+    if o.storage_dtype is not None:
+        lines[-1:-1] = [f"DiT Linear/Conv/Embedding weights stored as {o.storage_dtype} (--storage-dtype)"]
     lines += _table(
         ["component", "kind", "class", "bytes", "blocks", "remainder"],
         [
@@ -251,6 +253,7 @@ def report_document(report: PlanReport, *, show_schedule: bool = False) -> dict[
             "compute": report.compute,
             "block_s": report.block_s,
             "forwards_per_step": report.forwards_per_step,
+            "storage_dtype": o.storage_dtype,
             "fits_counts": "weights only (no activations, no VAE decode)",
         },
         "strategies": [_row_document(r) for r in report.rows],

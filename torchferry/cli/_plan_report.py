@@ -72,6 +72,8 @@ class Options:
     host_op_s: float = 0.0
     host_bytes: int | None = None
     read_bytes_per_s: float | None = None
+    #: Store the DiTs' castable weights in this dtype (``--storage-dtype``; `OffloadConfig.storage_dtype`).
+    storage_dtype: str | None = None
 
     @property
     def read(self) -> float:
@@ -417,6 +419,8 @@ def _host(planner: _Planner, strategy: str) -> HostTier | None:
 
 def build_report(model: str, topo: Topology, known: KnownModel | None, options: Options) -> PlanReport:
     """Evaluate the requested strategies (all, by default) and auto's choice for ``topo``."""
+    if options.storage_dtype is not None:
+        topo = topology.stored_as(topo, options.storage_dtype)  # every figure in the stored bytes
     planner = _Planner(topo, known, options)
     wanted = [options.strategy] if options.strategy else list(STRATEGY_ORDER)
     rows: list[StrategyRow] = []

@@ -271,10 +271,11 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                     f"model expects {_shape_text(spec.shape)} for {spec.name!r}; this checkpoint is for "
                     f"another model configuration"
                 )
-            if entry.dtype != spec.dtype:
+            dtype = spec.compute_dtype or spec.dtype  # a tensor stored in another dtype is converted
+            if entry.dtype != dtype:
                 problems.append(
                     f"{entry.file}: tensor {show(entry.name)}: dtype {entry.dtype} but the model expects "
-                    f"{spec.dtype} for {spec.name!r}; convert the checkpoint (loading copies bytes and "
+                    f"{dtype} for {spec.name!r}; convert the checkpoint (loading copies bytes and "
                     f"never converts dtypes)"
                 )
         return present[0], problems
@@ -353,7 +354,9 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         ``layout`` is ``topology.pack(tensors)`` (or ``block.layout``): each tensor with its byte
         offset. ``end`` defaults to the buffer's length and may run past it (a rank's zero-padded
         shard): bytes no tensor covers are zeros. The bytes of a non-persistent buffer (absent from
-        checkpoints by definition) are left as they are, for the caller to fill from the module.
+        checkpoints by definition) are left as they are, for the caller to fill from the module, and
+        so are those of a tensor stored in another dtype than the file's (``compute_dtype`` set), for
+        the caller to convert.
         ``out`` is a contiguous CPU ``uint8`` tensor of exactly ``end - start`` bytes. Every tensor
         the range touches is checked against the checkpoint first; on any mismatch a `PlanError`
         lists them all and ``out`` is untouched.
@@ -395,9 +398,10 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         """Where each tensor's bytes within ``[start, end)`` of the flat buffer ``layout`` describes
         are in the files, in buffer order (destination offsets relative to ``start``).
 
-        A non-persistent buffer's span has ``file=None`` (its bytes come from the module). Every
-        tensor the range touches is checked against the checkpoint first; any mismatch is one
-        `PlanError` listing them all.
+        A non-persistent buffer's span has ``file=None`` (its bytes come from the module), as has a
+        tensor stored in another dtype than the checkpoint's (``compute_dtype``: the caller converts
+        it). Every tensor the range touches is checked against the checkpoint first; any mismatch is
+        one `PlanError` listing them all.
         """
         problems: list[str] = []
         unknown: list[str] = []
@@ -411,7 +415,9 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                 continue
             entry, wrong = self._spec_problems(spec, prefix_map, None, unknown)
             problems.extend(wrong)
-            if entry is not None and not wrong:
+            if spec.compute_dtype is not None:  # stored in another dtype: the caller converts it
+                found.append(Span(name=spec.name, file=None, src=0, dst=lo - start, length=hi - lo))
+            elif entry is not None and not wrong:
                 src = entry.data_start + entry.begin + lo - off
                 found.append(Span(name=spec.name, file=entry.file, src=src, dst=lo - start, length=hi - lo))
         problems.extend(self._unknown(unknown))

@@ -5,8 +5,9 @@ that something else moves too, instead of letting two movers fight over the same
 
 - accelerate hooks (``module._hf_hook``), which diffusers' ``enable_model_cpu_offload()``,
   ``enable_sequential_cpu_offload()`` and ``device_map=`` loading install;
-- diffusers hooks that move or re-cast weights (``enable_group_offload``/``apply_group_offloading``,
-  ``enable_layerwise_casting``), found in a module's ``_diffusers_hook`` registry;
+- diffusers hooks that move weights (``enable_group_offload``/``apply_group_offloading``), found in a
+  module's ``_diffusers_hook`` registry; diffusers' layerwise casting runs under a session ([Note:
+  layerwise casting] in `_casting`) unless its cast back would change the stored weights;
 - tensors an open session already serves: a second session on ``pipe.transformer`` while ``pipe``
   is served, or on ``pipe`` while ``pipe.transformer`` is.
 
@@ -31,7 +32,8 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
-from torchferry.topology import Plan, Topology, find_attr
+from torchferry.runtime._casting import diffusers_cast
+from torchferry.topology import Plan, Topology, exact_cast, find_attr
 
 __all__ = ["Claims", "Watch", "called_outside", "refuse_foreign"]
 
@@ -40,7 +42,6 @@ MOVING_HOOKS: dict[str, str] = {
     "group_offloading": "group offloading (enable_group_offload / apply_group_offloading)",
     "lazy_prefetch_group_offloading": "group offloading (enable_group_offload / apply_group_offloading)",
     "layer_execution_tracker": "group offloading (enable_group_offload / apply_group_offloading)",
-    "layerwise_casting": "layerwise casting (enable_layerwise_casting)",
 }
 
 
@@ -70,6 +71,14 @@ def refuse_foreign(pipeline: Any, topo: Topology) -> None:
         if moving:
             found.append(f"{where}: diffusers {' and '.join(moving)} hooks")
             kinds.add("diffusers")
+        cast = diffusers_cast(module)
+        storage, compute = (str(d).removeprefix("torch.") for d in cast) if cast is not None else ("", "")
+        if cast is not None and not exact_cast(storage, compute):
+            found.append(
+                f"{where}: diffusers layerwise casting from {storage} to {compute}, whose cast back "
+                "rewrites the stored weights at each forward"
+            )
+            kinds.add("casting")
     if not found:
         return
     fixes = []
@@ -81,8 +90,13 @@ def refuse_foreign(pipeline: Any, topo: Topology) -> None:
         )
     if "diffusers" in kinds:
         fixes.append(
-            "build the model without diffusers' group offloading or layerwise casting (torchferry streams "
-            "the blocks itself; to store weights in float8, cast them before opening)"
+            "build the model without diffusers' group offloading (torchferry streams the blocks itself)"
+        )
+    if "casting" in kinds:
+        fixes.append(
+            "cast layerwise to a compute dtype that holds every stored value (float8 to bfloat16, float16 "
+            "or float32; bfloat16 or float16 to float32), or pass storage_dtype= to torchferry.offload "
+            "instead"
         )
     shown = found[:4] + ([f"... and {len(found) - 4} more"] if len(found) > 4 else [])
     raise PlanError(

@@ -63,7 +63,11 @@ def pack_layout(
     for spec, offset in pack_specs(specs):
         t = live[spec.name]
         assert t is not None
-        pieces.append(Piece(offset, spec.nbytes, t.dtype, tuple(t.shape), dense_strides(t)))
+        if spec.compute_dtype is None:
+            pieces.append(Piece(offset, spec.nbytes, t.dtype, tuple(t.shape), dense_strides(t)))
+        else:  # stored in another dtype than the module's, which close gives back
+            stored = getattr(torch, spec.dtype)
+            pieces.append(Piece(offset, spec.nbytes, stored, tuple(t.shape), dense_strides(t), given=t.dtype))
     return tuple(pieces), packed_nbytes(pack_specs(specs))
 
 
@@ -115,6 +119,8 @@ def read_pack(
             t = live[spec.name]
             assert t is not None
             source = t.detach()
+        elif spec.compute_dtype is not None:
+            source = reader.read_tensor(spec.name)  # stored in another dtype: converted into the piece
         elif piece.row_major:
             continue
         elif (lo, hi) == (offset, offset + spec.nbytes):

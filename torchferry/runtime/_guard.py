@@ -65,9 +65,11 @@ import torch
 from torch import nn
 
 from torchferry._errors import ExecutionError
+from torchferry.runtime._casting import Casting
 from torchferry.runtime._claims import REGISTRATIONS
 from torchferry.runtime._overrides import Overrides
 from torchferry.runtime._pack import Pack, PackState
+from torchferry.runtime._wrappers import holders
 from torchferry.topology import Plan, find_attr
 
 if TYPE_CHECKING:
@@ -89,6 +91,8 @@ class _Record:
     index: int
     #: (a module's ``_parameters`` or ``_buffers`` table, key) for each name the tensor has.
     places: tuple[tuple[dict[str, Any], str], ...]
+    #: The object those tables hold: the tensor, or the wrapper tensor it is an inner tensor of.
+    holder: torch.Tensor
 
 
 def _pointer(t: torch.Tensor) -> int:
@@ -127,6 +131,9 @@ class SessionGuard:
         for pack in engine.store.packs.values():
             for i, t in enumerate(pack.tensors):
                 managed[id(t)] = (pack, i)
+        # Why: module tables hold a wrapper tensor, not the inner tensors its pack re-points (`_wrappers`).
+        holder = holders([w.tensor for pack in engine.store.packs.values() for w in pack.wrappers])
+        wrapped = {id(w) for w in holder.values()}
         places: dict[int, list[tuple[str, dict[str, Any], str]]] = {}
         # Every module whose conversions, copies and pickling are refused, with its path.
         modules: list[tuple[str, nn.Module]] = []
@@ -147,15 +154,16 @@ class SessionGuard:
                 modules.append((path, module))
                 for table in (module._parameters, module._buffers):
                     for key, t in table.items():
-                        if t is not None and id(t) in managed:
+                        if t is not None and (id(t) in managed or id(t) in wrapped):
                             places.setdefault(id(t), []).append((f"{path}.{key}".lstrip("."), table, key))
         self._records: list[_Record] = []
         for pack in engine.store.packs.values():
             for i, t in enumerate(pack.tensors):
-                where = places.get(id(t), [])
+                held = holder.get(id(t), t)
+                where = places.get(id(held), [])
                 name = where[0][0] if where else f"{pack.name}[{i}]"
                 self._records.append(
-                    _Record(name, t, pack, i, tuple((table, key) for _, table, key in where))
+                    _Record(name, t, pack, i, tuple((table, key) for _, table, key in where), held)
                 )
         self._tensors = [r.tensor for r in self._records]
         # Why: each pack's records are one run of the lists (records are made pack by pack), so a
@@ -164,7 +172,7 @@ class SessionGuard:
         for i, r in enumerate(self._records):
             start, _ = self._spans.get(r.pack, (i, i))
             self._spans[r.pack] = (start, i + 1)
-        slots = [(table, key, r.tensor) for r in self._records for table, key in r.places]
+        slots = [(table, key, r.holder) for r in self._records for table, key in r.places]
         # Why: every module slot of a managed tensor as three parallel lists, so the per-step check
         # runs as C-level maps.
         self._place_tables = [table for table, _, _ in slots]
@@ -183,8 +191,9 @@ class SessionGuard:
         # Why: per residency (the units on the device between steps), their records' indices and tensors.
         self._resident: dict[tuple[str, ...], tuple[list[int], list[torch.Tensor]]] = {}
         # Why: what the session set on the objects it serves (rules 3-5), taken off at close.
-        self._overrides = Overrides(engine.device, self.write_through)
-        self._overrides.install(modules, set(managed))
+        casting = Casting(pipeline, plan, [m for _, m in modules])  # layerwise casts (`_casting`)
+        self._overrides = Overrides(engine.device, self.write_through, casting)
+        self._overrides.install(modules, set(managed) | wrapped)
         objects: list[tuple[str, object]] = [(p, m) for p, m in modules]
         if not isinstance(pipeline, nn.Module):
             objects.insert(0, ("", pipeline))
@@ -376,7 +385,7 @@ class SessionGuard:
         return [
             r
             for r, v, p, tv, tp in zip(self._records, versions, pointers, then, self._pointers, strict=True)
-            if v != tv or p != tp or any(table.get(key) is not r.tensor for table, key in r.places)
+            if v != tv or p != tp or any(table.get(key) is not r.holder for table, key in r.places)
         ]
 
     def adopt(self, *, strict: bool = True) -> None:
@@ -409,7 +418,7 @@ class SessionGuard:
 
     def _problem(self, r: _Record) -> str | None:
         t = r.tensor
-        if any(table.get(key) is not t for table, key in r.places):
+        if any(table.get(key) is not r.holder for table, key in r.places):
             return f"{r.name} is another tensor object now"
         piece = r.pack.pieces[r.index]
         if r.pack.in_file:

@@ -51,6 +51,7 @@ from torchferry.runtime._fill import (
 from torchferry.runtime._layouts import Layouts, aliased
 from torchferry.runtime._pack import Pack, Piece, Sharding, Unit, shard_span
 from torchferry.runtime._pinning import CudaPinner, HostMemory, HostPinner, page_bytes
+from torchferry.runtime._wrappers import Wrapper, check_wrappers, find_wrappers, holders
 from torchferry.topology import Plan, TensorSpec, find_attr
 from torchferry.topology import pack as pack_specs
 
@@ -173,6 +174,8 @@ class HostStore:
             )
         if reader is not None:
             reader.validate(plan.topology)
+        wrappers = {name: find_wrappers(pipeline, pack) for name, pack in specs.items()}
+        check_wrappers(wrappers)
         layouts: dict[str, tuple[tuple[Piece, ...], int]] = {}
         for name, pack in specs.items():
             layouts[name] = pack_layout(pack, resolved[name])
@@ -216,6 +219,7 @@ class HostStore:
             buffers=buffers, filled=reader is not None, memory=memory, tier=files,
             loose=list(zip(loose_live, loose_values, strict=True)) if reader is not None else [],
             progress=None if reader is not None or progress is None else (progress, total),
+            wrappers={k: v for k, v in wrappers.items() if v},
         )
 
     def reset(self) -> None:
@@ -255,7 +259,7 @@ class HostStore:
             return
         fresh = []
         for piece, view in zip(pack.pieces, pack.host_views, strict=True):
-            t = torch.empty_strided(piece.shape, piece.stride, dtype=piece.dtype)
+            t = torch.empty_strided(piece.shape, piece.stride, dtype=piece.given or piece.dtype)
             t.copy_(view)
             fresh.append(t)
         pack.point(fresh)
@@ -283,6 +287,8 @@ class Prepared:
     loose: list[tuple[torch.Tensor | None, torch.Tensor | None]]
     #: Told of each group `commit` fills from the module, with the bytes of all groups.
     progress: tuple[Callable[[int, int], None], int] | None = None
+    #: Per pack holding inner tensors of wrapper tensors, those wrappers (`find_wrappers`).
+    wrappers: dict[str, list[torch.Tensor]] = attrs.field(factory=dict)
     #: The file tier, laid out (reads planned, views made, staging slots allocated), or ``None``.
     tier: FileTier | None = None
 
@@ -303,6 +309,8 @@ class Prepared:
             ordered = list(in_pack_order(self.specs[name], tensors))
             members[name] = aliased(self.pipeline, specs, ordered, self.layouts[name][0])
         layouts = Layouts.take({name: tensors for name, (tensors, _) in members.items()})
+        # Why: inner tensors of wrapper parameters are plain tensors, yet no forward writes them in place.
+        inner = holders([w for group in self.wrappers.values() for w in group])
         for name in self.live:
             nbytes = self.layouts[name][1]
             ordered, pieces = members[name]
@@ -338,7 +346,12 @@ class Prepared:
                 host=host,
                 host_views=views,
                 shard=span,
-                buffers=tuple(i for i, t in enumerate(ordered) if not isinstance(t, nn.Parameter)),
+                buffers=tuple(
+                    i for i, t in enumerate(ordered) if not isinstance(t, nn.Parameter) and id(t) not in inner
+                ),
+                wrappers=tuple(
+                    Wrapper(tensor=w, device=torch.device("cpu")) for w in self.wrappers.get(name, ())
+                ),
                 in_file=filed,
             )
         for live, value in self.loose:
@@ -388,10 +401,12 @@ def _check(
                 problems.append(
                     f"{spec.name}: not found on the pipeline (the topology is stale; discover it again)"
                 )
-        elif tuple(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
+        elif tuple(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != (
+            spec.compute_dtype or spec.dtype  # a tensor the plan stores in another dtype
+        ):
             problems.append(
                 f"{spec.name}: the pipeline holds {tuple(t.shape)} {t.dtype}, the topology says "
-                f"{spec.shape} {spec.dtype} (discover it again)"
+                f"{spec.shape} {spec.compute_dtype or spec.dtype} (discover it again)"
             )
         elif t.is_meta:
             if spec.buffer and not spec.persistent:

@@ -17,6 +17,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from torchferry._errors import ExecutionError
+from torchferry.runtime._casting import Casting
+from torchferry.runtime._wrappers import standalone
+from torchferry.topology import is_wrapper
 
 __all__ = ["Overrides"]
 
@@ -141,11 +144,13 @@ class _Conversion:
     tensor returns the module, as plain torch does; any other goes on to the module's own method, which
     reaches the refused ``_apply`` before anything is converted (rule 3)."""
 
-    def __init__(self, module: nn.Module, name: str, device: torch.device) -> None:
+    def __init__(self, module: nn.Module, name: str, device: torch.device, casting: Casting | None) -> None:
         self.module = module
         self.name = name
         self.device = device
         self.__name__ = name
+        #: The session's layerwise casts, which answer a cast layer's ``.to(dtype)`` (`Casting.convert`).
+        self.casting = casting
 
     @property
     def __self__(self) -> nn.Module:
@@ -159,6 +164,9 @@ class _Conversion:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module, name = self.module, self.name
+        casting = self.casting
+        if casting is not None and name == "to" and casting.convert(module, args, kwargs):
+            return module
         # A move to a device of another type than the session's is never a no-op: between steps a
         # streamed block is at host memory, yet the session goes on serving it on its device.
         try:
@@ -180,9 +188,13 @@ class Overrides:
     """The instance attributes and hooks a session sets on the objects it serves (rules 3-5), kept
     so that `remove` takes every one off again."""
 
-    def __init__(self, device: torch.device, write_through: Callable[..., Any]) -> None:
+    def __init__(
+        self, device: torch.device, write_through: Callable[..., Any], casting: Casting | None = None
+    ) -> None:
         #: The session device: a conversion to a device of another type is never a no-op.
         self.device = device
+        #: The layers cast around their forward ([Note: layerwise casting] in `_casting`).
+        self.casting = casting
         #: The guard's `SessionGuard.write_through`, which each wrapped method runs through.
         self.write_through = write_through
         # Why: every module whose conversions, copies and pickling are refused, with its path.
@@ -213,7 +225,7 @@ class Overrides:
             for attr, message in refusals.items():
                 object.__setattr__(module, attr, _Refusal(message))
             for name in _CONVERSIONS:
-                object.__setattr__(module, name, _Conversion(module, name, self.device))
+                object.__setattr__(module, name, _Conversion(module, name, self.device, self.casting))
             owned = [
                 (key, table)
                 for table in (module._parameters, module._buffers)
@@ -242,7 +254,9 @@ class Overrides:
                 if t is None or value is None or value is t:
                     continue  # keep_vars=True: the caller asked for the live objects
                 copy = copies.get(id(t))
-                if copy is None:
+                if copy is None and is_wrapper(t):
+                    copy = copies[id(t)] = standalone(t)
+                elif copy is None:
                     copy = torch.empty(tuple(t.shape), dtype=t.dtype)
                     copy.copy_(t.detach())
                     copies[id(t)] = copy
@@ -282,3 +296,5 @@ class Overrides:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.casting is not None:
+            self.casting.remove()

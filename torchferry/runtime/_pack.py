@@ -52,6 +52,7 @@ import torch
 
 from torchferry.policies import shard_nbytes
 from torchferry.runtime._layouts import dense
+from torchferry.runtime._wrappers import Wrapper
 
 __all__ = [
     "Pack",
@@ -96,13 +97,15 @@ def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
 
 @attrs.define(slots=True, frozen=True)
 class Piece:
-    """Where one tensor sits in its group's flat buffer."""
+    """Where one tensor sits in its group's flat buffer; ``given`` is the dtype close gives it back in
+    when it is stored in another (a ``storage_dtype`` request), else ``None``."""
 
     offset: int
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    given: torch.dtype | None = None
 
     def view(self, flat: torch.Tensor, at: int | None = None) -> torch.Tensor:
         """This tensor's view into ``flat`` (a ``uint8`` buffer laid out like its pack), or at ``at``."""
@@ -179,6 +182,9 @@ class Pack:
     # guard), so the session guard re-reads them at the step's end and cannot tell an in-place edit
     # made after the next load from its own bump: that load watches every tensor (see `carry`).
     rewatch: bool = False
+    #: The wrapper tensors whose inner tensors are among ``tensors``, inner ones first: each takes the
+    #: device its inner tensors are pointed at (see [Note: wrapper tensors] in `_wrappers`).
+    wrappers: tuple[Wrapper, ...] = ()
     #: The pack is in the file tier: no host buffer (``host`` is empty), ``host_views`` are views of
     #: the checkpoint, and its bytes reach the device through a staging slot (see `_tiers`).
     in_file: bool = False
@@ -208,7 +214,8 @@ class Pack:
         return dst, views
 
     def point(self, views: Sequence[torch.Tensor]) -> None:
-        """Re-point every tensor of the pack at ``views`` (all on one device, so it is checked once)."""
+        """Re-point every tensor of the pack at ``views`` (all on one device, so it is checked once), and
+        give its wrapper tensors that device."""
         tensors = self.tensors
         if len(views) != len(tensors):
             raise ValueError(f"pack {self.name}: {len(views)} views for {len(tensors)} tensors")
@@ -220,6 +227,12 @@ class Pack:
             for t, v in zip(tensors, views):  # noqa: B905
                 _swap_in(t, v)
             self.bumps += 1  # swapping tensors swaps their version counters too
+        wrappers = self.wrappers
+        if wrappers:
+            device = views[0].device
+            for w in wrappers:
+                if w.device != device:
+                    w.follow(device)
 
     def to_host(self) -> None:
         """Point the pack back at its host buffer (nothing is copied: host bytes are the truth); a

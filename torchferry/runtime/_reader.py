@@ -304,6 +304,12 @@ class FileReader:
         for part in self.checkpoint.spans(layout, start, end, prefix_map):
             _, off, piece = by_name[part.name]
             lo, hi = part.dst + start - off, part.dst + start - off + part.length
+            if part.file is None and part.name not in module_bytes:
+                raise PlanError(
+                    f"{part.name} is held as {str(piece.dtype).removeprefix('torch.')} but stored in the "
+                    "checkpoint in another dtype (storage_dtype=), and the file tier reads bytes as they "
+                    f"are stored; keep {name} in host memory (a larger host_memory=) or drop storage_dtype="
+                )
             if part.file is None:
                 fixups.append(Fixup(part.dst - lo, lo, hi, piece, part.name, source=module_bytes[part.name]))
             elif piece.row_major:

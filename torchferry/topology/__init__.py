@@ -68,7 +68,11 @@ from torchferry.topology._safetensors import open_regular as open_regular
 from torchferry.topology._safetensors import parse_header as parse_header
 from torchferry.topology._safetensors import read_header as read_header
 from torchferry.topology._safetensors import show as show
+from torchferry.topology._storage import STORAGE_DTYPES as STORAGE_DTYPES
+from torchferry.topology._storage import exact_cast as exact_cast
+from torchferry.topology._storage import stored_as as stored_as
 from torchferry.topology._units import memory_bytes, parse_bytes, parse_rate
+from torchferry.topology._wrapped import is_wrapper as is_wrapper
 
 __all__ = [
     "COMPONENT_NAMES",

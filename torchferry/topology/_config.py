@@ -29,6 +29,8 @@ from torchferry.topology._fields import (
     one_of,
     positive_or_none,
     ring_depth,
+    storage_dtype,
+    storage_dtype_name,
     type_name,
 )
 from torchferry.topology._legacy import legacy_fields, mapping_fields
@@ -130,6 +132,9 @@ class OffloadConfig:
     - ``checkpoint``: a safetensors file, shard folder or ``*.index.json`` to fill host buffers from.
     - ``chunk_bytes``: split each distributed transfer into chunks of at most this size (None: whole).
     - ``parallel``: the parallel layout, from which the shard group size derives.
+    - ``storage_dtype``: store the DiTs' Linear, Conv and Embedding weights in this dtype (a float8
+      or 16-bit float, or its torch dtype) and cast them to their own around each forward, as
+      diffusers' ``enable_layerwise_casting`` does (docs/quantized.md); ``None``: each tensor's own.
 
     The fields in `RUNTIME_OPTIONS` say how the plan is carried out, not what it is: `resolve` reads
     none of them and `Plan.digest` leaves them out (see `request`).
@@ -161,6 +166,13 @@ class OffloadConfig:
     checkpoint: str | None = attrs.field(default=None, converter=_path_or_none)
     chunk_bytes: int | None = attrs.field(default=None, validator=positive_or_none)
     parallel: ParallelLayout = attrs.field(factory=ParallelLayout, validator=_layout)
+    # Weights stored in a narrower dtype (layerwise casting); no part of a plan's digest while None.
+    storage_dtype: str | None = attrs.field(
+        default=None,
+        converter=storage_dtype_name,
+        validator=storage_dtype,
+        metadata=WHEN_SET,
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.resident_layers and self.uses_allgather("dit"):

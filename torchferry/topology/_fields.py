@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import attrs
 
 from torchferry._errors import PlanError
+from torchferry.topology._storage import STORAGE_DTYPES
 from torchferry.topology._units import memory_bytes
 
 __all__ = [
@@ -37,6 +38,8 @@ __all__ = [
     "require_bool",
     "require_int",
     "ring_depth",
+    "storage_dtype",
+    "storage_dtype_name",
     "type_name",
 ]
 
@@ -156,6 +159,28 @@ def bool_field(instance: object, attribute: attrs.Attribute[bool], value: object
 def int_field(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
     """A field that must be an int (not a bool), of any value."""
     require_int(_where(instance, attribute), value)
+
+
+def storage_dtype_name(value: Any) -> Any:
+    """A torch dtype as its name (``torch.float8_e4m3fn`` -> ``"float8_e4m3fn"``); anything else as
+    given, for the validator to judge (this layer never imports torch: a dtype is told by its text)."""
+    if value is None or isinstance(value, str) or type(value).__name__ != "dtype":
+        return value
+    return str(value).removeprefix("torch.")
+
+
+def storage_dtype(instance: object, attribute: attrs.Attribute[str | None], value: object) -> None:
+    """A dtype to store weights in: one of `STORAGE_DTYPES`, or ``None`` for each tensor's own."""
+    if value is None:
+        return
+    where = _where(instance, attribute)
+    if not isinstance(value, str):
+        raise TypeError(f"{where} must be a dtype or its name, got {type_name(value)} {value!r}")
+    if value not in STORAGE_DTYPES:
+        raise PlanError(
+            f"{where} is {value!r}; weights can be stored in one of {choices(STORAGE_DTYPES)} (cast to "
+            "their own dtype around each forward, as diffusers' enable_layerwise_casting does)"
+        )
 
 
 def one_of(allowed: tuple[_S, ...]) -> Callable[[object, attrs.Attribute[_S], object], None]:

@@ -111,7 +111,12 @@ class TensorSpec:
     """One parameter or buffer: its qualified name, shape, dtype and byte count.
 
     ``aliases`` are the other qualified names bound to the very same tensor (tied weights); this spec
-    is their one owner, so the bytes are counted and moved once.
+    is their one owner, so the bytes are counted and moved once. An inner tensor of a wrapper tensor
+    (a quantized weight's ``qdata``) is named ``<wrapper's name>.<attribute>`` (docs/quantized.md).
+
+    ``compute_dtype`` is set when the tensor is stored (held, moved) in ``dtype`` and its layer
+    computes in ``compute_dtype`` (a ``storage_dtype=`` request); ``castable`` says whether diffusers'
+    layerwise casting would cast it (``None``: no module said, as from checkpoint headers).
     """
 
     name: str
@@ -120,6 +125,8 @@ class TensorSpec:
     buffer: bool = False
     persistent: bool = True
     aliases: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    compute_dtype: str | None = None
+    castable: bool | None = attrs.field(default=None, eq=False)
 
     # Derived once at construction: plans read these for every tensor of every block, many times.
     numel: int = attrs.field(init=False, eq=False, repr=False)

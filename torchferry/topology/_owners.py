@@ -16,8 +16,9 @@ from torch import nn
 
 from torchferry._errors import PlanError
 from torchferry.topology._blocks import Skeleton
+from torchferry.topology._layers import castable_ids
 from torchferry.topology._model import DTYPE_SIZES, Block, Component, Stack, TensorSpec, join_path
-from torchferry.topology._reading import qualname
+from torchferry.topology._wrapped import inner_tensors
 
 __all__ = ["build_components"]
 
@@ -61,29 +62,18 @@ def _walk(module: nn.Module, prefix: str, stop: frozenset[int]) -> Iterator[_Fou
 
 
 def _check_plain(name: str, tensor: torch.Tensor) -> None:
-    """Refuse a tensor torchferry cannot re-point: a wrapper subclass (naming its type), an inference tensor.
+    """Refuse a tensor torchferry cannot re-point: an inference tensor.
 
-    Subclasses that keep ordinary storage and only override ``__torch_function__`` (diffusers'
-    ``GGUFParameter``) stream like any parameter; wrapper subclasses that dispatch to inner tensors
-    (torchao's quantized tensors, ``DTensor``) have no storage torchferry could move.
+    Wrapper subclasses never get here: `inner_tensors` has replaced them by their inner tensors (or
+    refused them, naming their class).
     """
-    cls = type(tensor)
-    if cls in (torch.Tensor, nn.Parameter) or cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
-        if tensor.is_inference():
-            raise PlanError(
-                f"Tensor {name!r} was created under torch.inference_mode(), and an inference tensor can "
-                "never be re-pointed at torchferry's buffers outside it; build the model outside "
-                "inference mode, or give it ordinary tensors first, outside inference mode: "
-                "model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)"
-            )
-        return
-    raise PlanError(
-        f"Tensor {name!r} is a {qualname(cls)}, a tensor subclass that keeps its data in inner tensors; "
-        "torchferry streams tensors with storage of their own only (torch.Tensor, nn.Parameter and "
-        "subclasses without __torch_dispatch__ such as diffusers' GGUFParameter, in any dtype it knows, "
-        "float8 included); dequantize it (for a DTensor, full_tensor()) before offloading, or leave its "
-        "component out of the offload"
-    )
+    if tensor.is_inference():
+        raise PlanError(
+            f"Tensor {name!r} was created under torch.inference_mode(), and an inference tensor can "
+            "never be re-pointed at torchferry's buffers outside it; build the model outside "
+            "inference mode, or give it ordinary tensors first, outside inference mode: "
+            "model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)"
+        )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -153,7 +143,7 @@ def _assign_owners(occurrences: list[_Occurrence]) -> dict[int, list[tuple[_Occu
     return owned
 
 
-def _spec(occ: _Occurrence, aliases: tuple[str, ...]) -> TensorSpec:
+def _spec(occ: _Occurrence, aliases: tuple[str, ...], castable: set[int]) -> TensorSpec:
     dtype = _dtype_name(occ.tensor.dtype)
     if dtype not in DTYPE_SIZES:
         known = ", ".join(sorted(DTYPE_SIZES))
@@ -168,6 +158,7 @@ def _spec(occ: _Occurrence, aliases: tuple[str, ...]) -> TensorSpec:
         buffer=occ.buffer,
         persistent=occ.persistent,
         aliases=aliases,
+        castable=id(occ.tensor) in castable,
     )
 
 
@@ -183,15 +174,16 @@ def _occurrences(skeletons: list[Skeleton], component_ids: frozenset[int]) -> li
         index: int, category: int, owner: str, root: nn.Module, *, prefix: str, stop: frozenset[int]
     ) -> None:
         nonlocal seq
-        for name, tensor, buffer, persistent in _walk(root, prefix, stop):
-            _check_plain(name, tensor)
-            occurrences.append(
-                _Occurrence(
-                    rank=(index, category, seq), owner=owner, component=index, name=name, tensor=tensor,
-                    buffer=buffer, persistent=persistent,
+        for found, whole, buffer, persistent in _walk(root, prefix, stop):
+            for name, tensor in inner_tensors(found, whole):  # a wrapper's inner tensors (see _wrapped)
+                _check_plain(name, tensor)
+                occurrences.append(
+                    _Occurrence(
+                        rank=(index, category, seq), owner=owner, component=index, name=name, tensor=tensor,
+                        buffer=buffer, persistent=persistent,
+                    )
                 )
-            )
-            seq += 1
+                seq += 1
 
     for index, sk in enumerate(skeletons):
         others = component_ids - {id(sk.module)}
@@ -213,8 +205,9 @@ def _occurrences(skeletons: list[Skeleton], component_ids: frozenset[int]) -> li
 
 def _build(sk: Skeleton, owned: list[tuple[_Occurrence, tuple[str, ...]]]) -> Component:
     by_owner: dict[str, list[TensorSpec]] = {}
+    castable = castable_ids(sk.module)
     for occ, aliases in owned:
-        by_owner.setdefault(occ.owner, []).append(_spec(occ, aliases))
+        by_owner.setdefault(occ.owner, []).append(_spec(occ, aliases, castable))
 
     def component(part: Skeleton, remainder_key: str, children: tuple[Component, ...]) -> Component:
         return Component(

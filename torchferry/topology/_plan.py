@@ -75,7 +75,8 @@ def _unset_late_field(field: attrs.Attribute[object], value: object) -> bool:
 def canonical(value: object) -> object:
     """A process-independent, ordered rendering of frozen data (sets sorted) for hashing."""
     if isinstance(value, TensorSpec):  # the bulk of any plan: a flat tuple is enough and fast
-        return (value.name, value.shape, value.dtype, value.buffer, value.persistent, value.aliases)
+        flat = (value.name, value.shape, value.dtype, value.buffer, value.persistent, value.aliases)
+        return flat if value.compute_dtype is None else (*flat, value.compute_dtype)
     cls = type(value)
     if attrs.has(cls):
         # A field marked `WHEN_SET` takes part only when set, so older digests stay as they were.

@@ -28,6 +28,9 @@ The rules, in the order they are applied (messages name the component, what was 
 12. Model-level offload (not explicit) that would swap nothing warns: no DiT (nothing moves), or
     DiTs but no encoder stage (each DiT is staged whole; layerwise would stream it).
 
+A ``storage_dtype`` request first stores the DiTs' castable tensors in that dtype (`stored_as`), so the
+plan, every byte count and every schedule are in the stored bytes.
+
 A DiT left without blocks under a layerwise strategy is told a `Declaration` that would stream it,
 judged from its tensor names (its largest numbered list, else its large children).
 
@@ -47,6 +50,7 @@ from torchferry._errors import OffloadWarning, PlanError
 from torchferry.topology._config import OffloadConfig
 from torchferry.topology._model import Component, Declaration, Stack, Topology
 from torchferry.topology._plan import Plan
+from torchferry.topology._storage import stored_as
 
 __all__ = ["TEXT_ENCODER", "encoder_type", "order_mismatch", "resolve", "suggest_declaration"]
 
@@ -447,6 +451,8 @@ def resolve(topology: Topology, config: OffloadConfig) -> Plan:
         raise TypeError(f"resolve() needs a Topology, got {type(topology).__name__}")
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"resolve() needs an OffloadConfig, got {type(config).__name__}")
+    if config.storage_dtype is not None:
+        topology = stored_as(topology, config.storage_dtype)  # the bytes that move are the stored ones
     r = _Resolver(topology, config)
     r.selection()
     r.resident_paths()
