@@ -270,7 +270,7 @@ def test_unknown_hub_id(
         ["plan", "someone/some-model", "--device-memory", "24GiB"],
         f"torchferry plan: error: someone/some-model: no such checkpoint file or folder, nor a snapshot of "
         f"that hub repository in {tmp_path}; torchferry downloads nothing, so fetch it first "
-        "(huggingface-cli download someone/some-model) or pass a known id (torchferry plan --list)",
+        "(hf download someone/some-model) or pass a known id (torchferry plan --list)",
     )
 
 

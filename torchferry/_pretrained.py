@@ -63,7 +63,7 @@ def resolve_folder(model: str | os.PathLike[str]) -> Path:
         raise PlanError(f"{text}: a pipeline is a folder with a model_index.json, and this is a file")
     raise PlanError(
         f"{text}: no such folder, nor a hub id in the local Hugging Face cache; download it first "
-        f"(huggingface-cli download {text}, or Pipeline.from_pretrained once), or pass the folder's path"
+        f"(hf download {text}, or Pipeline.from_pretrained once), or pass the folder's path"
     )
 
 

@@ -319,6 +319,6 @@ def test_from_pretrained_finds_a_hub_id_in_the_local_cache(
         torchferry.from_pretrained(diffusers.WanPipeline, "tiny-org/other", device="cpu")
     assert str(info.value) == (
         "tiny-org/other: no such folder, nor a hub id in the local Hugging Face cache; download it first "
-        "(huggingface-cli download tiny-org/other, or Pipeline.from_pretrained once), or pass the folder's "
+        "(hf download tiny-org/other, or Pipeline.from_pretrained once), or pass the folder's "
         "path"
     )
