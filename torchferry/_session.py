@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from torchferry import policies, topology
+from torchferry import _served, policies, topology
 from torchferry._auto import Chooser, SessionReport, default_budget
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Placement, Policy, Schedule, Step
@@ -38,12 +37,9 @@ from torchferry.runtime import (
 )
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
-__all__ = ["Session", "SessionReport", "default_policy", "offload"]
+__all__ = ["Session", "SessionReport", "default_policy", "offload", "session_of"]
 
 LOG = logging.getLogger("torchferry")
-
-#: Pipelines a session is serving now, so a second session on the same pipeline is refused.
-_OPEN: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()
 
 
 def default_policy(config: OffloadConfig) -> Policy:
@@ -196,9 +192,10 @@ def offload(
     """
     _check_pipeline(pipeline)
     target = _device(device)
-    if pipeline in _OPEN:
+    if _served.serving(pipeline) is not None:
         raise ExecutionError(
-            "this pipeline is already served by an open torchferry session; close() it before opening another"
+            "this pipeline is already served by an open torchferry session; close() it before opening "
+            "another (torchferry.session_of(pipe).close() when you no longer hold the session)"
         )
     for budget_name, what in (("device_memory", "device"), ("host_memory", "host")):
         if budget_name in config_options:
@@ -242,6 +239,20 @@ def offload(
     return Session(
         pipeline, plan, chosen, device=target, comm=comm, prefix_map=checkpoint_prefix_map, chooser=chooser
     )
+
+
+def session_of(pipeline: Any) -> Session | None:
+    """The open session serving ``pipeline`` (what was passed to `offload`) or one of its top-level
+    components (``pipe.transformer``), else ``None``.
+
+    Every session should be closed by its ``close()`` (or a ``with`` block); this finds one again
+    when its value was lost (a notebook cell run twice), so a new `offload` can follow::
+
+        if (old := torchferry.session_of(pipe)) is not None:
+            old.close()
+    """
+    found = _served.find(pipeline)
+    return found if isinstance(found, Session) else None
 
 
 def _is_auto(
@@ -314,7 +325,8 @@ class Session:
         self._chooser = chooser
         # Why: the chooser's tracer of the running step, handed to it when the step finishes.
         self._measuring: Tracer | None = None
-        self._logged: str | None = None
+        # Why: the most host bytes the store held, for `report` (the store is filled once, at open).
+        self._peak_host = 0
         inputs: Inputs | None = None
         try:
             self.engine.anchor(self._anchors())
@@ -329,9 +341,12 @@ class Session:
             self.engine.close()
             raise
         self._inputs = inputs
-        _OPEN[pipeline] = self
+        _served.register(pipeline, self)
         # Why: the tensors this session serves, refused to a second session until close.
         self._claimed: Claim | None = CLAIMS.claim(pipeline, plan.topology)
+        self._peak_host = self.host_bytes
+        if chooser is not None:
+            LOG.info("%s", self.report().summary())  # what auto chose at open, before measuring anything
 
     def _anchors(self) -> list[str]:
         paths: list[str] = []
@@ -359,6 +374,7 @@ class Session:
                 self._guard.restart()
                 self._steps.use(switch, index_free=policies.is_index_free(switch))
                 self.policy = switch
+                LOG.info("%s", self.report().summary())  # the re-chosen schedule runs from this step
             tracer = chooser.tracer(component)
             if tracer is not None and not engine.traced:
                 engine.arm(tracer)
@@ -386,12 +402,12 @@ class Session:
                 self._steps.finished(self._step, self.engine.ledger.step_peak)
         finally:
             self._guard.left()
-        if measuring is not None and measuring.done and self._chooser is not None:
-            self._chooser.traced(measuring.result)
-            if not self._chooser.switching and self._chooser.running_name != self._logged:
-                # One line per schedule the session settles on: what it measured, chose and why.
-                self._logged = self._chooser.running_name
-                LOG.info("%s", self._chooser.report())
+        chooser = self._chooser
+        if measuring is not None and measuring.done and chooser is not None:
+            rechosen = chooser.traced(measuring.result)
+            if rechosen and not chooser.switching:
+                # A re-choice that keeps the running schedule; a switch is logged when it takes effect.
+                LOG.info("%s", self.report().summary())
 
     @contextlib.contextmanager
     def trace(self, component: str, *, skip: int = 0) -> Iterator[Tracer]:
@@ -450,13 +466,25 @@ class Session:
 
         Under ``strategy="auto"``: the budget and where it came from, the bandwidth measured, the
         chooser's `policies.Choice`, the calibrated cost model, each streaming component's predicted
-        and measured steady step and every switch of schedule. Otherwise the policy the caller named.
+        and measured steady step, the one check of a prediction against a step it was not fitted to,
+        and every switch of schedule. Otherwise the policy the caller named. Both say what the
+        session holds in device and host memory, now and at peak; ``print(session.report())`` shows
+        it as aligned lines, ``report.summary()`` in one.
         """
+        self._peak_host = max(self._peak_host, self.host_bytes)
+        memory: dict[str, Any] = {
+            "device": str(self.device),
+            "device_bytes": self.device_bytes,
+            "peak_device_bytes": self.peak_device_bytes,
+            "host_bytes": self.host_bytes,
+            "peak_host_bytes": self._peak_host,
+        }
         if self._chooser is not None:
-            return self._chooser.report()
+            return attrs.evolve(self._chooser.report(), **memory)
         budget = self.plan.config.device_memory_bytes
         name = getattr(self.policy, "name", getattr(self.policy, "__name__", "custom policy"))
         return SessionReport(
+            **memory,
             budget=budget,
             budget_source="given" if budget is not None else "none given",
             h2d_bytes_per_s=None,
@@ -501,6 +529,17 @@ class Session:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def running_policy(self) -> str:
+        """What runs the steps now: the policy's name, ``auto: `` before it when auto chose it (and
+        re-chose: a switch waiting for the next step shows once that step has begun)."""
+        name = str(getattr(self.policy, "name", getattr(self.policy, "__name__", "custom policy")))
+        return f"auto: {name}" if self._chooser is not None else name
+
+    def served_modules(self) -> list[Any]:
+        """The top-level component modules this session serves (see `torchferry.session_of`)."""
+        return [m for c in self.plan.components if (m := _component(self.pipeline, c.path)) is not None]
+
     # ------------------------------------------------------------------------------ lifecycle
     def close(self, *, gather: bool = False) -> None:
         """Give the pipeline back as it was: weights on the host, bit-identical, no hooks left.
@@ -523,7 +562,7 @@ class Session:
                 self._inputs.remove()
                 self.engine.close(gather=gather)
         finally:
-            _OPEN.pop(self.pipeline, None)
+            _served.unregister(self.pipeline, self)
             CLAIMS.release(self._claimed)
             self._claimed = None
             self._watch.clear()
@@ -539,6 +578,14 @@ class Session:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return (
-            f"<torchferry.Session {state} {self.plan.strategy} on {self.device}: plan {self.plan.digest}, "
+            f"<torchferry.Session {state} {self.running_policy} on {self.device}: plan {self.plan.digest}, "
             f"{len(self.schedules)} schedules, {self.device_bytes} device bytes>"
         )
+
+
+def _component(pipeline: Any, path: str) -> Any:
+    """The module at ``path`` under ``pipeline`` (``""``: the pipeline itself), or ``None``."""
+    try:
+        return topology.find_attr(pipeline, path)
+    except AttributeError:
+        return None

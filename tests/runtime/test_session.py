@@ -121,7 +121,8 @@ def test_second_session_on_same_pipeline_is_refused() -> None:
     p = toy.build(0)
     with torchferry.offload(p, device="cpu"):
         message = (
-            "this pipeline is already served by an open torchferry session; close() it before opening another"
+            "this pipeline is already served by an open torchferry session; close() it before opening "
+            "another (torchferry.session_of(pipe).close() when you no longer hold the session)"
         )
         with pytest.raises(ExecutionError, match=re.escape(message)):
             torchferry.offload(p, device="cpu")
