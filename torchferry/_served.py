@@ -90,6 +90,12 @@ def find(pipeline: Any) -> Served | None:
         return found
     for ref in list(_OPEN.values()):
         session = ref()
-        if session is not None and not session.closed and pipeline in session.served_modules():
+        if session is None or session.closed:
+            continue
+        try:
+            modules = session.served_modules()
+        except AttributeError:  # a component deleted from its pipeline while served
+            continue
+        if any(m is pipeline for m in modules):
             return session
     return None

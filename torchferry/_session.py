@@ -21,6 +21,7 @@ import torch
 from torchferry import _served, policies, topology
 from torchferry._auto import Chooser, SessionReport, default_budget
 from torchferry._errors import ExecutionError, PlanError
+from torchferry._options import check_variant, positional, require_cuda, unknown_options
 from torchferry.policies import Placement, Policy, Schedule, Step
 from torchferry.runtime import (
     CLAIMS,
@@ -96,6 +97,7 @@ def _device(device: torch.device | str | None) -> torch.device:
             f"offload(device={device!r}): torchferry streams weights to 'cpu' or 'cuda' (with an index, "
             "'cuda:1'); 'meta' is accepted for tests only (nothing is computed there); pass one of those"
         )
+    require_cuda(target, device)
     return target
 
 
@@ -106,10 +108,7 @@ def _config(config: OffloadConfig | None, strategy: str | None, options: Mapping
     fields = {f.name for f in attrs.fields(OffloadConfig)}
     unknown = sorted(set(changes) - fields)
     if unknown:
-        raise PlanError(
-            f"offload() got unknown option(s) {', '.join(map(repr, unknown))}; "
-            f"the options are the OffloadConfig fields: {', '.join(sorted(fields))}"
-        )
+        raise PlanError(unknown_options("offload", unknown, fields))
     base = config if config is not None else OffloadConfig()
     return attrs.evolve(base, **changes) if changes else base
 
@@ -155,7 +154,7 @@ def _shard_group(request: OffloadConfig, process_group: Any) -> tuple[OffloadCon
 
 def offload(
     pipeline: Any,
-    config: OffloadConfig | None = None,
+    config: OffloadConfig | str | None = None,
     *,
     strategy: str | None = None,
     device: torch.device | str | None = None,
@@ -163,6 +162,8 @@ def offload(
     policy: Policy | None = None,
     process_group: Any = None,
     checkpoint_prefix_map: Mapping[str, str] | None = None,
+    checkpoint_variant: str | None = None,
+    gather_on_close: bool = False,
     **config_options: Any,
 ) -> Session:
     """Take over ``pipeline``'s weights and stream them to ``device`` on the policy's schedule.
@@ -172,7 +173,8 @@ def offload(
     activations), measures this machine and re-chooses once calibrated (see `torchferry._auto`,
     `Session.report`). A ``config``, a ``policy`` or a ring knob (``prefetch_depth=``) names the
     policy instead. ``config`` (or ``strategy`` and any `OffloadConfig` field as a keyword) says what
-    to offload; ``policy`` replaces the strategy's built-in policy (its knobs then go to its factory: passing
+    to offload (a strategy name in its place is the strategy: ``offload(pipe, "layerwise")``);
+    ``policy`` replaces the strategy's built-in policy (its knobs then go to its factory: passing
     ``prefetch_depth`` or ``chunk_bytes`` with it is a `PlanError`); ``device`` defaults to CUDA when
     present. ``device_memory=`` is the device budget, in bytes or as ``"24GiB"``/``"80GB"``;
     ``host_memory=`` the host budget alike (`OffloadConfig.host_memory_bytes`: what does not fit
@@ -184,12 +186,17 @@ def offload(
       ``*.index.json`` instead of the module, one block at a time; the pipeline may then be built
       under `torchferry.meta_parameters()`. The checkpoint is validated against the pipeline first
       (missing, extra, mis-shaped or mis-typed tensors, damaged files). ``checkpoint_prefix_map``
-      maps the pipeline's tensor-name prefixes to the checkpoint's (``{"transformer.": ""}``).
+      maps the pipeline's tensor-name prefixes to the checkpoint's (``{"transformer.": ""}``);
+      ``checkpoint_variant`` (``"fp16"``) reads a pipeline folder's files of that weight variant.
     - ``strategy="distributed_layerwise"``: with an ``allgather`` transfer, every rank of
       ``process_group`` (default: the default group; never a new one) keeps 1/N of each streamed
       block and the ranks all-gather it; every rank must call `offload` alike (a collective). The
-      parallel layout defaults to the group's size.
+      parallel layout defaults to the group's size. ``gather_on_close=True`` makes leaving a ``with``
+      block call ``close(gather=True)`` (a collective: every rank must leave it alike), so the
+      pipeline comes back with full weights; when the block raises, it closes without gathering
+      (a failed rank may never join), and ``close(gather=True)`` still works afterwards.
     """
+    config, strategy = positional(config, strategy)
     _check_pipeline(pipeline)
     target = _device(device)
     if _served.serving(pipeline) is not None:
@@ -216,6 +223,13 @@ def offload(
             "(policies.layerwise(depth=2)) and drop them here"
         )
     request, group = _shard_group(request, process_group)
+    check_variant(checkpoint_variant, request.checkpoint)
+    if gather_on_close and not request.distributed:
+        raise PlanError(
+            f"offload(gather_on_close=True) re-assembles the weight shards of strategy="
+            f"'distributed_layerwise', and this request is strategy={request.strategy!r}, which keeps "
+            "whole weights: close() gives them back as they were; drop gather_on_close"
+        )
     source = "given"
     if auto and request.device_memory_bytes is None:
         budget, source = default_budget(target)
@@ -236,9 +250,12 @@ def offload(
         from torchferry.runtime import Comm
 
         comm = Comm(group, target)
-    return Session(
-        pipeline, plan, chosen, device=target, comm=comm, prefix_map=checkpoint_prefix_map, chooser=chooser
+    session = Session(
+        pipeline, plan, chosen, device=target, comm=comm, prefix_map=checkpoint_prefix_map, chooser=chooser,
+        variant=checkpoint_variant,
     )
+    session.gather_on_close = gather_on_close
+    return session
 
 
 def session_of(pipeline: Any) -> Session | None:
@@ -298,6 +315,7 @@ class Session:
         comm: Comm | None = None,
         prefix_map: Mapping[str, str] | None = None,
         chooser: Chooser | None = None,
+        variant: str | None = None,
     ) -> None:
         # Every top-level component's first schedule is proved before anything moves (`runtime.prove`).
         for top in plan.components:
@@ -314,6 +332,7 @@ class Session:
             comm=comm,
             prefix_map=prefix_map,
             driver=self,
+            variant=variant,
         )
         self._steps = Steps(plan, policy, index_free=policies.is_index_free(policy))
         self.schedules: dict[Step, Schedule] = self._steps.schedules
@@ -341,6 +360,8 @@ class Session:
             self.engine.close()
             raise
         self._inputs = inputs
+        #: Whether leaving a ``with`` block gathers full weights back (see `offload`'s gather_on_close).
+        self.gather_on_close = False
         _served.register(pipeline, self)
         # Why: the tensors this session serves, refused to a second session until close.
         self._claimed: Claim | None = CLAIMS.claim(pipeline, plan.topology)
@@ -538,7 +559,7 @@ class Session:
 
     def served_modules(self) -> list[Any]:
         """The top-level component modules this session serves (see `torchferry.session_of`)."""
-        return [m for c in self.plan.components if (m := _component(self.pipeline, c.path)) is not None]
+        return [topology.find_attr(self.pipeline, c.path) for c in self.plan.components]
 
     # ------------------------------------------------------------------------------ lifecycle
     def close(self, *, gather: bool = False) -> None:
@@ -573,7 +594,7 @@ class Session:
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        self.close(gather=self.gather_on_close and kind is None)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -582,10 +603,3 @@ class Session:
             f"{len(self.schedules)} schedules, {self.device_bytes} device bytes>"
         )
 
-
-def _component(pipeline: Any, path: str) -> Any:
-    """The module at ``path`` under ``pipeline`` (``""``: the pipeline itself), or ``None``."""
-    try:
-        return topology.find_attr(pipeline, path)
-    except AttributeError:
-        return None

@@ -93,7 +93,7 @@ def test_session_of_is_none_for_anything_else() -> None:
     assert torchferry.session_of(torch.nn.Linear(2, 2)) is None
 
 
-def test_repr_says_what_runs(caplog: pytest.LogCaptureFixture) -> None:
+def test_repr_says_what_runs() -> None:
     """repr(session) names the running policy: auto's choice (not the layerwise plan behind it), or
     the strategy named."""
     p = toy.build(0)

@@ -30,6 +30,7 @@ from torchferry.runtime._streams import DeviceBuffer as DeviceBuffer
 from torchferry.runtime._streams import StreamContext as StreamContext
 from torchferry.runtime._streams import Timer as Timer
 from torchferry.runtime._trace import Span, StepTrace, Tracer
+from torchferry.runtime._widen import keep_lists as keep_lists
 
 __all__ = [
     "CheckpointReader",
