@@ -14,6 +14,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -572,22 +573,58 @@ def test_console_script_is_main() -> None:
 def test_probe_saves_a_profile_that_plan_reads(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`torchferry probe` measures the CPU and saves a profile where `plan` finds it and uses its figures."""
+    """`torchferry probe` measures the CPU, says so and which device and machine it measured, and
+    saves a profile that `plan` leaves out by default (its plans are for GPUs: a CPU profile made every
+    plan a CPU plan) and uses when given with --profile; a saved GPU profile is used by default."""
+    from torchferry.runtime import host_name
+
     where = tmp_path / "profile.json"
     monkeypatch.setenv("TORCHFERRY_PROFILE", str(where))
     code, out, err = run(capsys, "probe", "--device", "cpu", "--format", "json")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["saved_to"] == str(where) and doc["torchferry_profile"] == 1
+    assert doc["measured"] == f"this machine's CPU (--device cpu), on {host_name()}"
+    assert doc["used_by"].startswith("sessions on this machine's CPU; `torchferry plan` plans for GPUs")
     saved = policies.DeviceProfile.from_json(json.loads(where.read_text()))
-    assert (saved.name, saved.dtype) == ("cpu", "float32")
+    assert (saved.name, saved.dtype, saved.device, saved.host) == ("cpu", "float32", "cpu", host_name())
     assert saved.h2d_bytes_per_s > 1e8 and saved.flops_per_s > 1e9
     assert saved.source.startswith("measured on cpu (cpu) by torchferry probe, ")
     plan = plan_json(capsys, "qwen-image", "--device-memory", "24GiB")
-    assert plan["assumptions"]["h2d_bytes_per_s"] == saved.h2d_bytes_per_s
-    assert plan["assumptions"]["device"]["source"] == saved.source
-    given = plan_json(capsys, "qwen-image", "--device-memory", "24GiB", "--h2d", "30GB/s")
-    assert given["assumptions"]["h2d_bytes_per_s"] == 30e9  # a figure given beats the profile's
+    assert plan["assumptions"]["h2d_bytes_per_s"] == policies.DEFAULT_DEVICE.h2d_bytes_per_s
+    assert plan["assumptions"]["device"]["source"] == (
+        f"{policies.DEFAULT_DEVICE.source}; the saved profile {where} was not used: it holds CPU figures; "
+        "pass --profile to plan with them, or --device-class cpu"
+    )
+    given = plan_json(capsys, "qwen-image", "--device-memory", "24GiB", "--profile", str(where))
+    assert given["assumptions"]["h2d_bytes_per_s"] == saved.h2d_bytes_per_s
+    assert given["assumptions"]["device"]["source"] == saved.source
+    faster = plan_json(
+        capsys, "qwen-image", "--device-memory", "24GiB", "--h2d", "30GB/s", "--profile", str(where)
+    )
+    assert faster["assumptions"]["h2d_bytes_per_s"] == 30e9  # a figure given beats the profile's
+    if not torch.cuda.is_available():  # a GPU profile saved elsewhere plans for that GPU
+        gpu = attrs.evolve(saved, name="NVIDIA H200", device="cuda", h2d_bytes_per_s=5e10, dtype="bfloat16")
+        where.write_text(json.dumps(gpu.to_json()))
+        assumed = plan_json(capsys, "qwen-image", "--device-memory", "24GiB")["assumptions"]
+        assert assumed["h2d_bytes_per_s"] == 5e10 and assumed["device"]["name"] == "NVIDIA H200"
+
+
+def test_probe_says_what_it_measured(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The text form of probe opens with the device it measured, and says what will use the figures."""
+    from torchferry.runtime import host_name
+
+    code, out, err = run(capsys, "probe", "--device", "cpu", "--output", str(tmp_path / "p.json"))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == f"measured: this machine's CPU (--device cpu), on {host_name()}"
+    assert lines[1].startswith("host-to-device (a host memcpy): ")
+    assert lines[2].startswith("matmul (float32): ")
+    assert lines[3] == (
+        "used by: sessions on this machine's CPU; `torchferry plan` plans for GPUs and leaves CPU "
+        "figures out unless given with --profile FILE"
+    )
+    assert lines[4] == f"saved to {tmp_path / 'p.json'}"
 
 
 def test_plan_device_class_sets_bandwidth_and_compute(capsys: pytest.CaptureFixture[str]) -> None:

@@ -37,7 +37,7 @@ import torch
 from torchferry import policies
 from torchferry._errors import PlanError, ScheduleError
 from torchferry.policies import Choice, CostModel, DeviceProfile, Policy, Schedule
-from torchferry.runtime import StepTrace, Tracer, copy_bytes_per_s, load_profile
+from torchferry.runtime import StepTrace, Tracer, copy_bytes_per_s, host_name, load_profile
 from torchferry.topology import Plan
 
 __all__ = [
@@ -107,12 +107,13 @@ def h2d_bandwidth(device: torch.device) -> tuple[float, str]:
 
 
 def base_profile(device: torch.device) -> DeviceProfile:
-    """The device's saved profile (`runtime.load_profile`) when it was measured on a device of this
-    name (``"cpu"``, or the CUDA device name: a profile of another GPU model is not used), else its
+    """The device's saved profile (`runtime.load_profile`) when it was measured on this device: of
+    this type, of this name (``"cpu"``, or the CUDA device name) and on this machine (a profile of
+    another GPU model, of the CPU, of another machine or that does not say is not used); else its
     device class, else `policies.DEFAULT_DEVICE`."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     saved = load_profile()
-    if saved is not None and saved.name == name:
+    if saved is not None and saved.measured_on(device.type, name, host_name()):
         return saved
     return policies.match_device_class(name) or policies.DEFAULT_DEVICE
 

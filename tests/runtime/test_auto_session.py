@@ -244,24 +244,29 @@ def test_report_compares_predictions_only_with_steps_they_were_not_fitted_to() -
     assert [t.split()[0] for t in text[3:6]] == ["device", "host", "h2d"]
 
 
-def test_a_saved_profile_is_used_only_on_a_device_of_its_name(
+def test_a_saved_profile_is_used_only_on_the_device_it_was_measured_on(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The session's starting figures come from a saved profile only when it was measured on a
-    device of the same name: a profile saved on a GPU says nothing about the CPU, and back."""
+    """The session's starting figures come from a saved profile only when it was measured on this
+    device: its type, its name and this machine. A GPU's profile says nothing about the CPU and back,
+    nor one of another GPU model, another machine, or a profile that does not say where it was made."""
     from torchferry._auto import base_profile
-    from torchferry.runtime import save_profile
+    from torchferry.runtime import host_name, save_profile
 
     monkeypatch.setenv("TORCHFERRY_PROFILE", str(tmp_path / "profile.json"))
     other = policies.DeviceProfile(
         name="NVIDIA H200", h2d_bytes_per_s=5e10, flops_per_s=9e14, collective_bytes_per_s=4e11,
-        dtype="bfloat16", source="test",
+        dtype="bfloat16", source="test", device="cuda", host=host_name(),
     )
+    cpu_class = policies.match_device_class("cpu")
     save_profile(other)
-    assert base_profile(torch.device("cpu")) != other
-    mine = attrs.evolve(other, name="cpu", h2d_bytes_per_s=1.5e10)
+    assert base_profile(torch.device("cpu")) == cpu_class
+    mine = attrs.evolve(other, name="cpu", device="cpu", h2d_bytes_per_s=1.5e10)
     save_profile(mine)
     assert base_profile(torch.device("cpu")) == mine
+    for stranger in (attrs.evolve(mine, host="another-machine"), attrs.evolve(mine, device="", host="")):
+        save_profile(stranger)
+        assert base_profile(torch.device("cpu")) == cpu_class, stranger
     # Another GPU model than the one measured (no CUDA here: the device's name is all that is read).
     save_profile(other)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
