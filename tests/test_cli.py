@@ -427,6 +427,42 @@ def test_plan_predicts_the_peak_the_runtime_measures(
 # -------------------------------------------------------------------------------------------- demo
 
 
+def test_demo_table_says_how_sure_each_figure_is() -> None:
+    """The table shows each strategy's fastest and median step; an overhead inside the noise (the
+    spreads, or the resident run's drift between its two timings) is marked (noise), and a strategy
+    measured faster than resident, as on a busy machine, is marked and explained, not hidden."""
+    from torchferry.cli._demo_output import format_table, noise_notes
+    from torchferry.cli._demo_runs import DemoRow
+
+    rows = [
+        DemoRow(
+            strategy="resident (no offload)", peak_device_bytes=35 << 20, step_s=0.01323, median_s=0.0172
+        ),
+        DemoRow(strategy="model_level", peak_device_bytes=31 << 20, step_s=0.0135, median_s=0.0139),
+        DemoRow(strategy="layerwise(depth=1)", peak_device_bytes=6 << 20, step_s=0.0125, median_s=0.0245),
+        DemoRow(strategy="layerwise(depth=2)", peak_device_bytes=9 << 20, step_s=0.0320, median_s=0.0330),
+    ]
+    rows[1:] = [attrs.evolve(r, identical=True) for r in rows[1:]]
+    text = format_table(rows, 0.01323).splitlines()
+    assert [re.split(r"\s{2,}", line.strip()) for line in text] == [
+        ["strategy", "peak device", "fastest", "median", "overhead", "outputs identical"],
+        ["resident (no offload)", "35.0 MiB", "13.23 ms", "17.20 ms", "-", "(reference)"],
+        ["model_level", "31.0 MiB", "13.50 ms", "13.90 ms", "+2.0% (noise)", "yes"],
+        ["layerwise(depth=1)", "6.0 MiB", "12.50 ms", "24.50 ms", "-5.5% (noise)", "yes"],
+        ["layerwise(depth=2)", "9.0 MiB", "32.00 ms", "33.00 ms", "+142%", "yes"],
+    ]
+    assert noise_notes(rows, 0.01323) == [
+        "model_level: +2.0% is within the noise (the resident run's median is 30% above its fastest, this "
+        "run's 3%, and the resident run moved 0% between its two timings): this machine could not tell its "
+        "cost from none",
+        "layerwise(depth=1): measured 5.5% faster than resident, which offloading cannot be (it only adds "
+        "work): noise (the resident run's median is 30% above its fastest, this run's 96%, and the resident "
+        "run moved 0% between its two timings)",
+    ]
+    drifting = [attrs.evolve(rows[0], median_s=0.0133, drift=1.5), rows[3]]  # it moved by 150%
+    assert format_table(drifting, 0.01323).splitlines()[2].endswith("+142% (noise)  yes")
+
+
 def test_demo_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """The demo runs every strategy from the cached checkpoint, all outputs identical, and draws one step
     of the distributed run simulated above the same step measured."""
@@ -445,7 +481,8 @@ def test_demo_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     )
     assert code == 0, out + err
     lines = out.splitlines()
-    assert lines[0].split() == ["strategy", "peak", "device", "time/step", "overhead", "outputs", "identical"]
+    header = ["strategy", "peak", "device", "fastest", "median", "overhead", "outputs", "identical"]
+    assert lines[0].split() == header
     rows = {line.split("  ")[0]: line for line in lines[1:6]}
     assert list(rows) == [
         "resident (no offload)",
