@@ -30,6 +30,7 @@ import itertools
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -54,6 +55,7 @@ __all__ = [
     "default_budget",
     "h2d_bandwidth",
     "measure",
+    "named_report",
     "predicted_step_s",
 ]
 
@@ -358,6 +360,29 @@ def _size(nbytes: int | None) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
+
+
+def named_report(name: str, plan: Plan, **memory: Any) -> SessionReport:
+    """The report of a session whose caller named the policy ``name``: nothing chosen or measured."""
+    budget = plan.config.device_memory_bytes
+    return SessionReport(
+        **memory,
+        budget=budget,
+        budget_source="given" if budget is not None else "none given",
+        h2d_bytes_per_s=None,
+        h2d_source="",
+        policy=name,
+        choice=None,
+        cost=None,
+        calibrated=False,
+        block_s={},
+        predicted_step_s={},
+        measured_step_s={},
+        host_op_s=0.0,
+        host_block_s=0.0,
+        switches=(),
+        reason=f"{name}: named by the caller (strategy={plan.strategy!r}); nothing was chosen",
+    )
 
 
 class Chooser:

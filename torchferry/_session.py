@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from torchferry import _served, policies, topology
-from torchferry._auto import Chooser, SessionReport, default_budget
+from torchferry._auto import Chooser, SessionReport, default_budget, named_report
 from torchferry._errors import ExecutionError, PlanError
 from torchferry._options import check_variant, positional, require_cuda, unknown_options
 from torchferry.policies import Placement, Policy, Schedule, Step
@@ -367,7 +367,7 @@ class Session:
         self._claimed: Claim | None = CLAIMS.claim(pipeline, plan.topology)
         self._peak_host = self.host_bytes
         if chooser is not None:
-            LOG.info("%s", self.report().summary())  # what auto chose at open, before measuring anything
+            self._log()  # what auto chose at open, before measuring anything
 
     def _anchors(self) -> list[str]:
         paths: list[str] = []
@@ -395,7 +395,7 @@ class Session:
                 self._guard.restart()
                 self._steps.use(switch, index_free=policies.is_index_free(switch))
                 self.policy = switch
-                LOG.info("%s", self.report().summary())  # the re-chosen schedule runs from this step
+                self._log()  # the re-chosen schedule runs from this step
             tracer = chooser.tracer(component)
             if tracer is not None and not engine.traced:
                 engine.arm(tracer)
@@ -427,8 +427,11 @@ class Session:
         if measuring is not None and measuring.done and chooser is not None:
             rechosen = chooser.traced(measuring.result)
             if rechosen and not chooser.switching:
-                # A re-choice that keeps the running schedule; a switch is logged when it takes effect.
-                LOG.info("%s", self.report().summary())
+                self._log()  # a re-choice that kept the schedule; a switch is logged when it takes effect
+
+    def _log(self) -> None:
+        if LOG.isEnabledFor(logging.INFO):
+            LOG.info("%s", self.report().summary())
 
     @contextlib.contextmanager
     def trace(self, component: str, *, skip: int = 0) -> Iterator[Tracer]:
@@ -502,26 +505,7 @@ class Session:
         }
         if self._chooser is not None:
             return attrs.evolve(self._chooser.report(), **memory)
-        budget = self.plan.config.device_memory_bytes
-        name = getattr(self.policy, "name", getattr(self.policy, "__name__", "custom policy"))
-        return SessionReport(
-            **memory,
-            budget=budget,
-            budget_source="given" if budget is not None else "none given",
-            h2d_bytes_per_s=None,
-            h2d_source="",
-            policy=name,
-            choice=None,
-            cost=None,
-            calibrated=False,
-            block_s={},
-            predicted_step_s={},
-            measured_step_s={},
-            host_op_s=0.0,
-            host_block_s=0.0,
-            switches=(),
-            reason=f"{name}: named by the caller (strategy={self.plan.strategy!r}); nothing was chosen",
-        )
+        return named_report(self.running_policy, self.plan, **memory)
 
     @property
     def device_bytes(self) -> int:
