@@ -274,7 +274,7 @@ class SessionReport:
     each change of schedule (``old -> new: why``), ``reason`` the choice in a sentence. ``device`` is
     where the weights run; ``device_bytes`` and ``host_bytes`` what torchferry holds there and in host
     memory now (device slots and staged units; the host copies of every managed weight), with their
-    peaks so far.
+    peaks so far; ``host_budget`` the host budget given (``config.host_memory_bytes``), if any.
     """
 
     budget: int | None
@@ -299,6 +299,7 @@ class SessionReport:
     peak_device_bytes: int = 0
     host_bytes: int = 0
     peak_host_bytes: int = 0
+    host_budget: int | None = None
 
     def error(self, component: str) -> float | None:
         """``predicted / measured - 1`` of ``component``'s step, the prediction made before the model
@@ -337,7 +338,8 @@ class SessionReport:
         """The report as aligned lines: what runs where, the budget, memory now and at peak, what was
         measured, each component's step, and why (`summary` is the one-line form)."""
         rows = [("running", self._running())]
-        rows.append(("budget", f"device {_size(self.budget)} ({self.budget_source})"))
+        host = "none given" if self.host_budget is None else f"{_size(self.host_budget)} (given)"
+        rows.append(("budget", f"device {_size(self.budget)} ({self.budget_source}); host {host}"))
         rows.append(("device", f"{_size(self.device_bytes)} now, {_size(self.peak_device_bytes)} at peak"))
         rows.append(("host", f"{_size(self.host_bytes)} now, {_size(self.peak_host_bytes)} at peak"))
         if self.h2d_bytes_per_s is not None:

@@ -502,6 +502,7 @@ class Session:
             "peak_device_bytes": self.peak_device_bytes,
             "host_bytes": self.host_bytes,
             "peak_host_bytes": self._peak_host,
+            "host_budget": self.plan.config.host_memory_bytes,
         }
         if self._chooser is not None:
             return attrs.evolve(self._chooser.report(), **memory)

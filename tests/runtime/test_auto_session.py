@@ -192,11 +192,15 @@ def test_report_of_a_named_policy_says_nothing_was_chosen() -> None:
     assert str(report).splitlines() == [
         "torchferry session",
         "  running  none() on cpu",
-        "  budget   device none (none given)",
+        "  budget   device none (none given); host none given",
         f"  device   {size(held, exact=False)} now, {size(peak, exact=False)} at peak",
         f"  host     {size(host, exact=False)} now, {size(host, exact=False)} at peak",
         "  why      none(): named by the caller (strategy='none'); nothing was chosen",
     ]
+    with torchferry.offload(p, strategy="none", device="cpu", host_memory="1GiB") as session:
+        budgeted = session.report()
+    assert budgeted.host_budget == 2**30
+    assert str(budgeted).splitlines()[2] == "  budget   device none (none given); host 1.0 GiB (given)"
 
 
 def test_report_compares_predictions_only_with_steps_they_were_not_fitted_to() -> None:
@@ -240,7 +244,7 @@ def test_report_compares_predictions_only_with_steps_they_were_not_fitted_to() -
     size = policies.format_bytes(budget, exact=False)
     assert text[0] == "torchferry session"
     assert text[1].split(None, 1) == ["running", f"auto: {later.policy} on cpu"]
-    assert text[2].split(None, 1) == ["budget", f"device {size} (given)"]
+    assert text[2].split(None, 1) == ["budget", f"device {size} (given); host none given"]
     assert [t.split()[0] for t in text[3:6]] == ["device", "host", "h2d"]
 
 
