@@ -22,6 +22,7 @@ from torchferry.runtime._inputs import Inputs as Inputs
 from torchferry.runtime._meta import meta_parameters
 from torchferry.runtime._pack import PackState as PackState
 from torchferry.runtime._probe import copy_bytes_per_s as copy_bytes_per_s
+from torchferry.runtime._probe import host_name as host_name
 from torchferry.runtime._probe import load_profile, probe, profile_path, save_profile
 from torchferry.runtime._program import listing
 from torchferry.runtime._steps import Steps as Steps
@@ -30,6 +31,7 @@ from torchferry.runtime._streams import DeviceBuffer as DeviceBuffer
 from torchferry.runtime._streams import StreamContext as StreamContext
 from torchferry.runtime._streams import Timer as Timer
 from torchferry.runtime._trace import Span, StepTrace, Tracer
+from torchferry.runtime._widen import keep_lists as keep_lists
 
 __all__ = [
     "CheckpointReader",

@@ -60,6 +60,7 @@ from torchferry.runtime._progress import Progress
 from torchferry.runtime._steps import step_name
 from torchferry.runtime._streams import StreamContext, stream_context
 from torchferry.runtime._trace import Tracer
+from torchferry.runtime._widen import kept_in_float32
 from torchferry.topology import Plan
 
 __all__ = ["Engine", "execute"]
@@ -105,6 +106,7 @@ class Engine(Mover):
         comm: Comm | None = None,
         prefix_map: Mapping[str, str] | None = None,
         driver: Driver | None = None,
+        variant: str | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.plan = plan
@@ -128,7 +130,7 @@ class Engine(Mover):
         if self.comm is not None:
             self.comm.agree("the plan", plan.digest)
             sharding = Sharding(rank=self.comm.rank, world=world, names=layout(plan).allgather)
-        self.store = self._open(pipeline, plan, pin, sharding, prefix_map)
+        self.store = self._open(pipeline, plan, pin, sharding, prefix_map, variant=variant)
         super().__init__()  # the device tables, the slot pool, the staging buffer and the grad guard
         self._residency: tuple[Placement, ...] = ()
         # Why: the schedule that finished last, for inspection (what did the last step do?).
@@ -149,6 +151,8 @@ class Engine(Mover):
         pin: bool,
         sharding: Sharding | None,
         prefix_map: Mapping[str, str] | None,
+        *,
+        variant: str | None = None,
     ) -> HostStore:
         """Check, read and take over; with several ranks, only once every rank could do the first two."""
         with _ordinary():
@@ -160,7 +164,12 @@ class Engine(Mover):
             try:
                 source: contextlib.AbstractContextManager[CheckpointReader | None] = contextlib.nullcontext()
                 if path is not None:
-                    source = CheckpointReader(path, prefix_map=prefix_map)
+                    source = CheckpointReader(
+                        path,
+                        prefix_map=prefix_map,
+                        variant=variant,
+                        widen=kept_in_float32(pipeline, plan.topology),
+                    )
                 with source as reader:
                     prepared = HostStore.prepare(
                         pipeline, plan, pin=pin, reader=reader, sharding=sharding, progress=progress

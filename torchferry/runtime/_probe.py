@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 from torchferry._errors import PlanError
 from torchferry.policies import DeviceProfile, match_device_class
 
-__all__ = ["load_profile", "probe", "profile_path", "save_profile"]
+__all__ = ["host_name", "load_profile", "probe", "profile_path", "save_profile"]
 
 
 def profile_path() -> Path:
@@ -77,6 +78,11 @@ def probe(
     )
     if target.type not in ("cpu", "cuda"):
         raise PlanError(f"probe(device={str(target)!r}): torchferry measures cpu or cuda devices only")
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise PlanError(
+            f"probe(device={str(target)!r}): no CUDA device is available here; probe where the GPU is, "
+            "or pass --device cpu to measure this machine's CPU"
+        )
     cuda = target.type == "cuda"
     nbytes = copy_bytes if copy_bytes is not None else (256 << 20 if cuda else 64 << 20)
     h2d = copy_bytes_per_s(target, nbytes, 5)
@@ -96,7 +102,14 @@ def probe(
         collective_bytes_per_s=collective,
         dtype=str(dtype).removeprefix("torch."),
         source=f"measured on {name} ({target}) by torchferry probe, {when} UTC",
+        device=target.type,
+        host=host_name(),
     )
+
+
+def host_name() -> str:
+    """This machine's name, as a profile records where it was measured."""
+    return platform.node() or "unknown host"
 
 
 def save_profile(profile: DeviceProfile, path: str | os.PathLike[str] | None = None) -> Path:
