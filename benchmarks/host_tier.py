@@ -112,7 +112,7 @@ def child(args: argparse.Namespace) -> int:
         "grown": running - baseline,
         "grown_with_close": peak[0] - baseline,
         "host_budget": report.host_budget,
-        "host_peak_bytes": report.host_peak_bytes,
+        "peak_host_bytes": report.peak_host_bytes,
         "device_peak_bytes": device_peak,
         "file_packs": report.file_packs,
     }
@@ -147,7 +147,7 @@ def memory(
                 raise RuntimeError(f"child failed:\n{done.stderr[-3000:]}")
             figures = json.loads((Path(out) / "figures.json").read_text())
             figures["identical"] = bool(torch.equal(torch.load(Path(out) / "out.pt"), want))
-        figures["overhead"] = figures["grown"] - figures["host_peak_bytes"] - figures["device_peak_bytes"]
+        figures["overhead"] = figures["grown"] - figures["peak_host_bytes"] - figures["device_peak_bytes"]
         rows.append(figures)
     overhead = [r["overhead"] for r in rows]
     grown = [r["grown"] for r in rows]

@@ -266,7 +266,7 @@ def test_host_tier_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     assert result["checkpoint_bytes"] >= 2 * result["budget"] and result["file_packs"] > 0
     memory = result["memory"]
     assert len(memory["runs"]) == 2 and all(r["identical"] for r in memory["runs"])
-    assert all(r["host_peak_bytes"] <= result["budget"] for r in memory["runs"])
+    assert all(r["peak_host_bytes"] <= result["budget"] for r in memory["runs"])
     for mode in ("buffered", "direct"):
         figures = result["throughput"][mode]
         assert figures["raw"]["median"] > 0 and figures["tier"]["median"] > 0

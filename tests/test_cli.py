@@ -14,6 +14,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -288,7 +289,7 @@ def test_unknown_hub_id(
         ["plan", "someone/some-model", "--device-memory", "24GiB"],
         f"torchferry plan: error: someone/some-model: no such checkpoint file or folder, nor a snapshot of "
         f"that hub repository in {tmp_path}; torchferry downloads nothing, so fetch it first "
-        "(huggingface-cli download someone/some-model) or pass a known id (torchferry plan --list)",
+        "(hf download someone/some-model) or pass a known id (torchferry plan --list)",
     )
 
 
@@ -444,6 +445,42 @@ def test_plan_predicts_the_peak_the_runtime_measures(
 # -------------------------------------------------------------------------------------------- demo
 
 
+def test_demo_table_says_how_sure_each_figure_is() -> None:
+    """The table shows each strategy's fastest and median step; an overhead inside the noise (the
+    spreads, or the resident run's drift between its two timings) is marked (noise), and a strategy
+    measured faster than resident, as on a busy machine, is marked and explained, not hidden."""
+    from torchferry.cli._demo_output import format_table, noise_notes
+    from torchferry.cli._demo_runs import DemoRow
+
+    rows = [
+        DemoRow(
+            strategy="resident (no offload)", peak_device_bytes=35 << 20, step_s=0.01323, median_s=0.0172
+        ),
+        DemoRow(strategy="model_level", peak_device_bytes=31 << 20, step_s=0.0135, median_s=0.0139),
+        DemoRow(strategy="layerwise(depth=1)", peak_device_bytes=6 << 20, step_s=0.0125, median_s=0.0245),
+        DemoRow(strategy="layerwise(depth=2)", peak_device_bytes=9 << 20, step_s=0.0320, median_s=0.0330),
+    ]
+    rows[1:] = [attrs.evolve(r, identical=True) for r in rows[1:]]
+    text = format_table(rows, 0.01323).splitlines()
+    assert [re.split(r"\s{2,}", line.strip()) for line in text] == [
+        ["strategy", "peak device", "fastest", "median", "overhead", "outputs identical"],
+        ["resident (no offload)", "35.0 MiB", "13.23 ms", "17.20 ms", "-", "(reference)"],
+        ["model_level", "31.0 MiB", "13.50 ms", "13.90 ms", "+2.0% (noise)", "yes"],
+        ["layerwise(depth=1)", "6.0 MiB", "12.50 ms", "24.50 ms", "-5.5% (noise)", "yes"],
+        ["layerwise(depth=2)", "9.0 MiB", "32.00 ms", "33.00 ms", "+142%", "yes"],
+    ]
+    assert noise_notes(rows, 0.01323) == [
+        "model_level: +2.0% is within the noise (the resident run's median is 30% above its fastest, this "
+        "run's 3%, and the resident run moved 0% between its two timings): this machine could not tell its "
+        "cost from none",
+        "layerwise(depth=1): measured 5.5% faster than resident, which offloading cannot be (it only adds "
+        "work): noise (the resident run's median is 30% above its fastest, this run's 96%, and the resident "
+        "run moved 0% between its two timings)",
+    ]
+    drifting = [attrs.evolve(rows[0], median_s=0.0133, drift=1.5), rows[3]]  # it moved by 150%
+    assert format_table(drifting, 0.01323).splitlines()[2].endswith("+142% (noise)  yes")
+
+
 def test_demo_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """The demo runs every strategy from the cached checkpoint, all outputs identical, and draws one step
     of the distributed run simulated above the same step measured."""
@@ -462,7 +499,8 @@ def test_demo_end_to_end(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> 
     )
     assert code == 0, out + err
     lines = out.splitlines()
-    assert lines[0].split() == ["strategy", "peak", "device", "time/step", "overhead", "outputs", "identical"]
+    header = ["strategy", "peak", "device", "fastest", "median", "overhead", "outputs", "identical"]
+    assert lines[0].split() == header
     rows = {line.split("  ")[0]: line for line in lines[1:6]}
     assert list(rows) == [
         "resident (no offload)",
@@ -590,22 +628,58 @@ def test_console_script_is_main() -> None:
 def test_probe_saves_a_profile_that_plan_reads(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`torchferry probe` measures the CPU and saves a profile where `plan` finds it and uses its figures."""
+    """`torchferry probe` measures the CPU, says so and which device and machine it measured, and
+    saves a profile that `plan` leaves out by default (its plans are for GPUs: a CPU profile made every
+    plan a CPU plan) and uses when given with --profile; a saved GPU profile is used by default."""
+    from torchferry.runtime import host_name
+
     where = tmp_path / "profile.json"
     monkeypatch.setenv("TORCHFERRY_PROFILE", str(where))
     code, out, err = run(capsys, "probe", "--device", "cpu", "--format", "json")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["saved_to"] == str(where) and doc["torchferry_profile"] == 1
+    assert doc["measured"] == f"this machine's CPU (--device cpu), on {host_name()}"
+    assert doc["used_by"].startswith("sessions on this machine's CPU; `torchferry plan` plans for GPUs")
     saved = policies.DeviceProfile.from_json(json.loads(where.read_text()))
-    assert (saved.name, saved.dtype) == ("cpu", "float32")
+    assert (saved.name, saved.dtype, saved.device, saved.host) == ("cpu", "float32", "cpu", host_name())
     assert saved.h2d_bytes_per_s > 1e8 and saved.flops_per_s > 1e9
     assert saved.source.startswith("measured on cpu (cpu) by torchferry probe, ")
     plan = plan_json(capsys, "qwen-image", "--device-memory", "24GiB")
-    assert plan["assumptions"]["h2d_bytes_per_s"] == saved.h2d_bytes_per_s
-    assert plan["assumptions"]["device"]["source"] == saved.source
-    given = plan_json(capsys, "qwen-image", "--device-memory", "24GiB", "--h2d", "30GB/s")
-    assert given["assumptions"]["h2d_bytes_per_s"] == 30e9  # a figure given beats the profile's
+    assert plan["assumptions"]["h2d_bytes_per_s"] == policies.DEFAULT_DEVICE.h2d_bytes_per_s
+    assert plan["assumptions"]["device"]["source"] == (
+        f"{policies.DEFAULT_DEVICE.source}; the saved profile {where} was not used: it holds CPU figures; "
+        "pass --profile to plan with them, or --device-class cpu"
+    )
+    given = plan_json(capsys, "qwen-image", "--device-memory", "24GiB", "--profile", str(where))
+    assert given["assumptions"]["h2d_bytes_per_s"] == saved.h2d_bytes_per_s
+    assert given["assumptions"]["device"]["source"] == saved.source
+    faster = plan_json(
+        capsys, "qwen-image", "--device-memory", "24GiB", "--h2d", "30GB/s", "--profile", str(where)
+    )
+    assert faster["assumptions"]["h2d_bytes_per_s"] == 30e9  # a figure given beats the profile's
+    if not torch.cuda.is_available():  # a GPU profile saved elsewhere plans for that GPU
+        gpu = attrs.evolve(saved, name="NVIDIA H200", device="cuda", h2d_bytes_per_s=5e10, dtype="bfloat16")
+        where.write_text(json.dumps(gpu.to_json()))
+        assumed = plan_json(capsys, "qwen-image", "--device-memory", "24GiB")["assumptions"]
+        assert assumed["h2d_bytes_per_s"] == 5e10 and assumed["device"]["name"] == "NVIDIA H200"
+
+
+def test_probe_says_what_it_measured(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The text form of probe opens with the device it measured, and says what will use the figures."""
+    from torchferry.runtime import host_name
+
+    code, out, err = run(capsys, "probe", "--device", "cpu", "--output", str(tmp_path / "p.json"))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == f"measured: this machine's CPU (--device cpu), on {host_name()}"
+    assert lines[1].startswith("host-to-device (a host memcpy): ")
+    assert lines[2].startswith("matmul (float32): ")
+    assert lines[3] == (
+        "used by: sessions on this machine's CPU; `torchferry plan` plans for GPUs and leaves CPU "
+        "figures out unless given with --profile FILE"
+    )
+    assert lines[4] == f"saved to {tmp_path / 'p.json'}"
 
 
 def test_plan_device_class_sets_bandwidth_and_compute(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ from torchferry._errors import (
     TorchferryDeprecationWarning,
 )
 from torchferry._pretrained import from_pretrained
-from torchferry._session import Session, SessionReport, offload
+from torchferry._session import Session, SessionReport, offload, session_of
 from torchferry.runtime import meta_parameters
 
 __version__ = "0.1.0"
@@ -32,5 +32,6 @@ __all__ = [
     "offload",
     "policies",
     "runtime",
+    "session_of",
     "topology",
 ]

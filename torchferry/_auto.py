@@ -30,6 +30,7 @@ import itertools
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -37,7 +38,7 @@ import torch
 from torchferry import policies
 from torchferry._errors import PlanError, ScheduleError
 from torchferry.policies import Choice, CostModel, DeviceProfile, Policy, Schedule
-from torchferry.runtime import StepTrace, Tracer, copy_bytes_per_s, load_profile
+from torchferry.runtime import StepTrace, Tracer, copy_bytes_per_s, host_name, load_profile
 from torchferry.topology import Plan
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "default_budget",
     "h2d_bandwidth",
     "measure",
+    "named_report",
     "predicted_step_s",
 ]
 
@@ -107,12 +109,13 @@ def h2d_bandwidth(device: torch.device) -> tuple[float, str]:
 
 
 def base_profile(device: torch.device) -> DeviceProfile:
-    """The device's saved profile (`runtime.load_profile`) when it was measured on a device of this
-    name (``"cpu"``, or the CUDA device name: a profile of another GPU model is not used), else its
+    """The device's saved profile (`runtime.load_profile`) when it was measured on this device: of
+    this type, of this name (``"cpu"``, or the CUDA device name) and on this machine (a profile of
+    another GPU model, of the CPU, of another machine or that does not say is not used); else its
     device class, else `policies.DEFAULT_DEVICE`."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     saved = load_profile()
-    if saved is not None and saved.name == name:
+    if saved is not None and saved.measured_on(device.type, name, host_name()):
         return saved
     return policies.match_device_class(name) or policies.DEFAULT_DEVICE
 
@@ -262,12 +265,19 @@ class SessionReport:
     caller picked the strategy or policy). Per streaming component: ``block_s`` the mean measured
     block forward, ``predicted_step_s`` the simulated steady step of the running schedule under the
     calibrated cost model, ``measured_step_s`` the fastest traced step of it (absent until traced).
+    The calibrated model is fitted to those traced steps, so the two agree by construction;
+    ``checked_step_s`` is the honest comparison: per component, the step the model predicted for its
+    last traced step *before* being fitted to it (a model fitted to earlier steps only), and what that
+    step measured (absent until a component has been traced twice); ``traced_steps`` counts the
+    steps traced under the running schedule.
     ``cost`` is the cost model in use, ``calibrated`` whether it holds measured compute, ``switches``
-    each change of schedule (``old -> new: why``), ``reason`` the choice in a sentence.
-    Host memory: ``host_budget`` (bytes) and ``host_budget_source``, the bytes torchferry's host
-    buffers hold now and at most (``host_bytes``, ``host_peak_bytes``: pinned store, staging slots,
-    bounce buffers), and the file tier's packs and bytes read from it so far (``file_packs``,
-    ``file_read_bytes``).
+    each change of schedule (``old -> new: why``), ``reason`` the choice in a sentence. ``device`` is
+    where the weights run; ``device_bytes`` and ``host_bytes`` what torchferry holds there and in host
+    memory now (device slots and staged units; the host copies of every managed weight), with their
+    peaks so far; ``host_budget`` the host budget given (``config.host_memory_bytes``), if any.
+    ``host_budget_source`` says where the host budget came from (given, or the machine's bound that
+    set it), ``file_packs`` how many packs the file tier holds and ``file_read_bytes`` the bytes read
+    from the checkpoint so far.
     """
 
     budget: int | None
@@ -285,46 +295,107 @@ class SessionReport:
     host_block_s: float
     switches: tuple[str, ...]
     reason: str
+    checked_step_s: Mapping[str, tuple[float, float]] = attrs.field(factory=dict)
+    traced_steps: Mapping[str, int] = attrs.field(factory=dict)
+    device: str = ""
+    device_bytes: int = 0
+    peak_device_bytes: int = 0
+    host_bytes: int = 0
+    peak_host_bytes: int = 0
     host_budget: int | None = None
     host_budget_source: str = ""
-    host_bytes: int = 0
-    host_peak_bytes: int = 0
     file_packs: int = 0
     file_read_bytes: int = 0
 
     def error(self, component: str) -> float | None:
-        """``predicted / measured - 1`` of ``component``'s step, when both are known."""
-        p, m = self.predicted_step_s.get(component), self.measured_step_s.get(component)
+        """``predicted / measured - 1`` of ``component``'s step, the prediction made before the model
+        was fitted to that measurement (`checked_step_s`); ``None`` until there is one."""
+        p, m = self.checked_step_s.get(component, (None, None))
         return p / m - 1 if p is not None and m else None
 
-    def __str__(self) -> str:
-        """The report in one line (the session logs it at INFO)."""
-        budget = "none" if self.budget is None else policies.format_bytes(self.budget, exact=False)
-        parts = [f"torchferry: {self.policy} within budget {budget} ({self.budget_source})"]
-        if self.h2d_bytes_per_s is not None:
-            parts.append(f"h2d {self.h2d_bytes_per_s / 1e9:.3g} GB/s ({self.h2d_source})")
-        for c, p in self.predicted_step_s.items():
-            figure = f"{c}: predicted {p * 1e3:.3f} ms"
-            m = self.measured_step_s.get(c)
-            if m is not None:
-                figure += f", measured {m * 1e3:.3f} ms ({(p / m - 1) * 100:+.1f}%)"
-            b = self.block_s.get(c)
-            if b is not None:
-                figure += f", block {b * 1e3:.3f} ms"
-            parts.append(figure)
-        if self.calibrated:
-            parts.append(f"host {self.host_op_s * 1e6:.1f} us/op, {self.host_block_s * 1e6:.1f} us/block")
-        if self.host_budget is not None:
-            size = functools.partial(policies.format_bytes, exact=False)
-            memory = (
-                f"host memory {size(self.host_bytes)} (peak {size(self.host_peak_bytes)}) of "
-                f"{size(self.host_budget)} ({self.host_budget_source})"
-            )
-            if self.file_packs:
-                memory += f", {self.file_packs} packs in the file tier ({size(self.file_read_bytes)} read)"
-            parts.append(memory)
+    def summary(self) -> str:
+        """One line: what runs, within what, and the last honest check of a prediction (logged at INFO)."""
+        parts = [f"torchferry: {self._running()} within budget {_size(self.budget)} ({self.budget_source})"]
+        for c in self.predicted_step_s:
+            parts.append(f"{c}: {self._step_text(c)}")
         parts.append(f"why: {self.reason}")
         return "; ".join(parts)
+
+    def _running(self) -> str:
+        where = f" on {self.device}" if self.device else ""
+        return ("auto: " if self.choice is not None else "") + self.policy + where
+
+    def _step_text(self, c: str) -> str:
+        predicted = self.predicted_step_s[c]
+        text = f"step predicted {_ms(predicted)}"
+        measured = self.measured_step_s.get(c)
+        if measured is None:
+            return text + " (not yet measured)"
+        n = self.traced_steps.get(c, 1)
+        text += f", fastest of {n} traced {_ms(measured)} (the model is fitted to it)"
+        check = self.checked_step_s.get(c)
+        if check is None:
+            return text + "; not yet checked against a step it was not fitted to"
+        before, then = check
+        off = (before / then - 1) * 100
+        return text + f"; last check: {_ms(before)} predicted, then measured {_ms(then)} ({off:+.1f}%)"
+
+    def __str__(self) -> str:
+        """The report as aligned lines: what runs where, the budget, memory now and at peak, what was
+        measured, each component's step, and why (`summary` is the one-line form)."""
+        rows = [("running", self._running())]
+        host = "none given"
+        if self.host_budget is not None:
+            host = f"{_size(self.host_budget)} ({self.host_budget_source or 'given'})"
+        rows.append(("budget", f"device {_size(self.budget)} ({self.budget_source}); host {host}"))
+        rows.append(("device", f"{_size(self.device_bytes)} now, {_size(self.peak_device_bytes)} at peak"))
+        held = f"{_size(self.host_bytes)} now, {_size(self.peak_host_bytes)} at peak"
+        if self.file_packs:
+            held += f"; {self.file_packs} packs in the file tier, {_size(self.file_read_bytes)} read from it"
+        rows.append(("host", held))
+        if self.h2d_bytes_per_s is not None:
+            rows.append(("h2d", f"{self.h2d_bytes_per_s / 1e9:.3g} GB/s ({self.h2d_source})"))
+        for c in self.predicted_step_s:
+            block = self.block_s.get(c)
+            rows.append((c, (f"block {_ms(block)}; " if block is not None else "") + self._step_text(c)))
+        if self.calibrated:
+            host = f"{self.host_op_s * 1e6:.1f} us/op, {self.host_block_s * 1e6:.1f} us/block"
+            rows.append(("host cost", host))
+        rows.extend(("switched", s) for s in self.switches)
+        rows.append(("why", self.reason))
+        width = max(len(k) for k, _ in rows)
+        return "torchferry session\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _size(nbytes: int | None) -> str:
+    return "none" if nbytes is None else policies.format_bytes(nbytes, exact=False)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def named_report(name: str, plan: Plan, **memory: Any) -> SessionReport:
+    """The report of a session whose caller named the policy ``name``: nothing chosen or measured."""
+    budget = plan.config.device_memory_bytes
+    return SessionReport(
+        **memory,
+        budget=budget,
+        budget_source="given" if budget is not None else "none given",
+        h2d_bytes_per_s=None,
+        h2d_source="",
+        policy=name,
+        choice=None,
+        cost=None,
+        calibrated=False,
+        block_s={},
+        predicted_step_s={},
+        measured_step_s={},
+        host_op_s=0.0,
+        host_block_s=0.0,
+        switches=(),
+        reason=f"{name}: named by the caller (strategy={plan.strategy!r}); nothing was chosen",
+    )
 
 
 class Chooser:
@@ -368,6 +439,9 @@ class Chooser:
         self.walls: dict[str, list[float]] = {}
         # Why: the measured step each component's last re-choice used, against REMEASURE_MARGIN.
         self._chosen_at: dict[str, float] = {}
+        # Why: per component, (the step predicted before the model was fitted to a traced step, what
+        # that step measured): the one comparison of prediction and measurement that is not circular.
+        self.checks: dict[str, tuple[float, float]] = {}
         self._run: tuple[str, int] | None = None
         self._fresh = False
 
@@ -397,9 +471,12 @@ class Chooser:
         """A step failed: the next forward starts a new run."""
         self._run = None
 
-    def traced(self, trace: StepTrace) -> None:
-        """One traced steady step: keep its figures, re-choose when they call for it."""
+    def traced(self, trace: StepTrace) -> bool:
+        """One traced steady step: keep its figures, re-choose when they call for it (then ``True``)."""
         c = trace.component
+        if c in self.measured and trace.schedule.policy == self.running_name:
+            # The model was fitted to earlier steps only: what it predicts for this one is a real test.
+            self.checks[c] = (self.predicted(c), trace.wall_s)
         figures = measure(trace, self.plan)
         self.walls.setdefault(c, []).append(trace.wall_s)
         best = self.measured.get(c)
@@ -410,9 +487,10 @@ class Chooser:
         before = self._chosen_at.get(c)
         if before is not None and abs(compute / before - 1) <= REMEASURE_MARGIN:
             self.cost = self.calibrated()  # the model keeps learning; the choice stands
-            return
+            return False
         self._chosen_at[c] = compute
         self._rechoose(c)
+        return True
 
     @property
     def switching(self) -> bool:
@@ -468,4 +546,6 @@ class Chooser:
             switches=tuple(self.switches),
             reason=self.choice.reason
             + ("" if calibrated else " (under assumed compute; re-chosen once a step is measured)"),
+            checked_step_s=dict(self.checks),
+            traced_steps={c: len(w) for c, w in self.walls.items() if w},
         )

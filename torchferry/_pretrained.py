@@ -30,14 +30,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
 from torchferry._errors import PlanError
+from torchferry._options import unknown_options
 from torchferry._session import Session, offload
-from torchferry.runtime import meta_parameters
+from torchferry.runtime import keep_lists, meta_parameters
 from torchferry.topology import (
     FolderComponent,
+    OffloadConfig,
     from_checkpoint,
     hub_snapshot,
     is_pipeline_folder,
@@ -63,7 +66,7 @@ def resolve_folder(model: str | os.PathLike[str]) -> Path:
         raise PlanError(f"{text}: a pipeline is a folder with a model_index.json, and this is a file")
     raise PlanError(
         f"{text}: no such folder, nor a hub id in the local Hugging Face cache; download it first "
-        f"(huggingface-cli download {text}, or Pipeline.from_pretrained once), or pass the folder's path"
+        f"(hf download {text}, or Pipeline.from_pretrained once), or pass the folder's path"
     )
 
 
@@ -116,6 +119,20 @@ def _build_model(comp: FolderComponent, cls: type[nn.Module]) -> nn.Module:
     return model.eval()
 
 
+def _kept_in_float32(model: nn.Module, dtype: torch.dtype) -> frozenset[str]:
+    """The module names ``model``'s library keeps in float32 when it loads ``model`` in ``dtype``:
+    diffusers every ``_keep_in_fp32_modules`` entry whatever the dtype, transformers those only for
+    float16 and ``_keep_in_fp32_modules_strict`` for float16 and bfloat16."""
+    if not dtype.is_floating_point or dtype == torch.float32:
+        return frozenset()
+    if type(model).__module__.split(".")[0] != "transformers":
+        return keep_lists(model)
+    names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        names.update(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return frozenset(names)
+
+
 def _stored_dtypes(
     model: nn.Module,
     name: str,
@@ -123,8 +140,9 @@ def _stored_dtypes(
     torch_dtype: torch.dtype | None,
     problems: list[str],
 ) -> None:
-    """Give every meta parameter the dtype its file stores (loading copies bytes, never converts)."""
-    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    """Give every meta parameter the dtype its file stores (loading copies bytes, never converts),
+    except under a module the library keeps in float32 at that dtype (`_kept_in_float32`): those are
+    float32 and read widened from their 16-bit files, as diffusers and transformers load them."""
     done: dict[int, nn.Parameter] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         for attr, param in list(module._parameters.items()):
@@ -138,10 +156,11 @@ def _stored_dtypes(
             if dtype_name is None:
                 continue  # a tied alias stored under its other name, or missing: validated at offload
             dtype = getattr(torch, dtype_name)
-            if torch_dtype is not None and dtype.is_floating_point and dtype != torch_dtype:
-                kept = dtype == torch.float32 and any(k in full.split(".") for k in keep)
-                if not kept:
-                    problems.append(f"{full} is stored as {dtype_name}")
+            keep = _kept_in_float32(model, torch_dtype or dtype)
+            if dtype.is_floating_point and keep.intersection(full.split(".")[1:]):
+                dtype = torch.float32  # stored float32, or widened from 16 bits as it is read
+            elif torch_dtype is not None and dtype.is_floating_point and dtype != torch_dtype:
+                problems.append(f"{full} is stored as {dtype_name}")
             if param.is_meta and param.dtype != dtype:
                 replaced = nn.Parameter(
                     torch.empty(param.shape, dtype=dtype, device="meta"), param.requires_grad
@@ -163,6 +182,8 @@ def from_pretrained(
     pretrained_model_name_or_path: str | os.PathLike[str],
     *,
     torch_dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None,
+    variant: str | None = None,
     **kwargs: Any,
 ) -> Session:
     """Build ``pipeline_class`` from a diffusers pipeline folder, its weights read straight into host buffers.
@@ -175,9 +196,16 @@ def from_pretrained(
     ``device=``, ``device_memory=``, ``host_memory=``, any `OffloadConfig` field). Model components
     are built on the meta device from their configurations and filled from the files once, so host
     memory holds about one copy of the model (see the Note at the top of this module). Parameters
-    take the dtypes the files store; ``torch_dtype``, when given, must be that dtype (weights are
-    copied, never converted; a class's ``_keep_in_fp32_modules`` may stay float32). Returns the open
-    `Session`; its ``pipeline`` is the pipeline, called as usual::
+    take the dtypes the files store; ``dtype`` (or its older name ``torch_dtype``), when given, must
+    be that dtype (weights are copied, never converted). One exception, as in diffusers and
+    transformers: the modules a model class keeps in float32 (``_keep_in_fp32_modules``) are float32,
+    widened exactly from 16-bit files, under the same rule as their library's load (diffusers:
+    always; transformers: for float16, and its strict list for bfloat16 too), so the result equals
+    ``Pipeline.from_pretrained(folder, dtype=...)`` bit for bit; without ``dtype`` the rule applies
+    to the stored dtype. ``variant`` (``"fp16"``) reads each component's files of that weight
+    variant, as diffusers' ``variant=`` does. Other diffusers keywords are refused with their
+    torchferry equivalent (``low_cpu_mem_usage`` has none: loading is always low in host memory).
+    Returns the open `Session`; its ``pipeline`` is the pipeline, called as usual::
 
         with torchferry.from_pretrained(FluxPipeline, "black-forest-labs/FLUX.1-dev", device="cuda") as s:
             image = s.pipeline("a ferry at dawn").images[0]
@@ -185,13 +213,31 @@ def from_pretrained(
     A component diffusers or transformers cannot build under meta, a folder without safetensors
     weights, or a request ``offload`` rejects is a `PlanError`, raised before anything is read.
     """
+    if dtype is not None and torch_dtype is not None:
+        raise PlanError(
+            "from_pretrained() got both dtype= and torch_dtype=, two names for one dtype; pass dtype="
+        )
     folder = resolve_folder(pretrained_model_name_or_path)
-    pipeline, options = _build_on_meta(pipeline_class, folder, torch_dtype, kwargs)
-    return offload(pipeline, checkpoint=str(folder), **options)
+    pipeline, options = _build_on_meta(pipeline_class, folder, dtype or torch_dtype, kwargs, variant)
+    _refuse_unknown(options)
+    return offload(pipeline, checkpoint=str(folder), checkpoint_variant=variant, **options)
+
+
+def _refuse_unknown(options: Mapping[str, Any]) -> None:
+    """Refuse, naming from_pretrained, a keyword neither a component nor an option of `offload`."""
+    fields = {f.name for f in attrs.fields(OffloadConfig)}
+    named = set(inspect.signature(offload).parameters) - {"pipeline", "config", "config_options"}
+    unknown = set(options) - fields - named - {"device_memory", "host_memory"}
+    if unknown:
+        raise PlanError(unknown_options("from_pretrained", unknown, fields))
 
 
 def _build_on_meta(
-    pipeline_class: Any, folder: Path, torch_dtype: torch.dtype | None, kwargs: Mapping[str, Any]
+    pipeline_class: Any,
+    folder: Path,
+    torch_dtype: torch.dtype | None,
+    kwargs: Mapping[str, Any],
+    variant: str | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """The pipeline with every model parameter on meta, and the keywords left for `offload`."""
     if not is_pipeline_folder(folder):
@@ -199,7 +245,7 @@ def _build_on_meta(
             f"{folder}: no model_index.json, so this is not a diffusers pipeline folder; pass the folder "
             "save_pretrained wrote (or a hub snapshot), or load a bare model and use torchferry.offload"
         )
-    found = read_pipeline_folder(folder)
+    found = read_pipeline_folder(folder, variant)
     signature = inspect.signature(pipeline_class.__init__)
     accepted = {
         n
@@ -213,7 +259,9 @@ def _build_on_meta(
         raise PlanError(
             "from_pretrained(checkpoint=...): the checkpoint is the pipeline folder itself; drop checkpoint="
         )
-    stored = {t.name: t.dtype for c in from_checkpoint(folder).components for t in c.all_tensors()}
+    stored = {
+        t.name: t.dtype for c in from_checkpoint(folder, variant=variant).components for t in c.all_tensors()
+    }
     values: dict[str, Any] = {}
     problems: list[str] = []
     for comp in found.components:
@@ -241,10 +289,10 @@ def _build_on_meta(
     if problems:
         shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
         raise PlanError(
-            f"from_pretrained(torch_dtype={torch_dtype}): {len(problems)} tensor(s) of {folder} are stored "
+            f"from_pretrained(dtype={torch_dtype}): {len(problems)} tensor(s) of {folder} are stored "
             "in "
             f"another dtype ({shown}); torchferry copies the stored bytes and never converts, so save the "
-            "pipeline in that dtype first (pipe.to(dtype).save_pretrained(...)) or drop torch_dtype"
+            "pipeline in that dtype first (pipe.to(dtype).save_pretrained(...)) or drop dtype="
         )
     for name in found.absent:
         if name in accepted and name not in given:

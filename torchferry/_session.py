@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import weakref
 from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any
@@ -20,35 +19,29 @@ from typing import Any
 import attrs
 import torch
 
-from torchferry import policies, topology
-from torchferry._auto import Chooser, SessionReport, default_budget
+from torchferry import _served, policies, runtime, topology
+from torchferry._auto import Chooser, SessionReport, default_budget, named_report
 from torchferry._errors import ExecutionError, PlanError
+from torchferry._options import check_variant, positional, require_cuda, unknown_options
 from torchferry.policies import Placement, Policy, Schedule, Step
 from torchferry.runtime import (
     CLAIMS,
     Claim,
     Comm,
     Engine,
-    HostPlan,
     Inputs,
     SessionGuard,
     Steps,
     Tracer,
     Watch,
-    host_figures,
-    host_plan,
-    open_tier,
     prove,
     refuse_foreign,
 )
 from torchferry.topology import Declaration, OffloadConfig, Plan
 
-__all__ = ["Session", "SessionReport", "default_policy", "offload"]
+__all__ = ["Session", "SessionReport", "default_policy", "offload", "session_of"]
 
 LOG = logging.getLogger("torchferry")
-
-#: Pipelines a session is serving now, so a second session on the same pipeline is refused.
-_OPEN: weakref.WeakKeyDictionary[Any, Session] = weakref.WeakKeyDictionary()
 
 
 def default_policy(config: OffloadConfig) -> Policy:
@@ -105,6 +98,7 @@ def _device(device: torch.device | str | None) -> torch.device:
             f"offload(device={device!r}): torchferry streams weights to 'cpu' or 'cuda' (with an index, "
             "'cuda:1'); 'meta' is accepted for tests only (nothing is computed there); pass one of those"
         )
+    require_cuda(target, device)
     return target
 
 
@@ -115,10 +109,7 @@ def _config(config: OffloadConfig | None, strategy: str | None, options: Mapping
     fields = {f.name for f in attrs.fields(OffloadConfig)}
     unknown = sorted(set(changes) - fields)
     if unknown:
-        raise PlanError(
-            f"offload() got unknown option(s) {', '.join(map(repr, unknown))}; "
-            f"the options are the OffloadConfig fields: {', '.join(sorted(fields))}"
-        )
+        raise PlanError(unknown_options("offload", unknown, fields))
     base = config if config is not None else OffloadConfig()
     return attrs.evolve(base, **changes) if changes else base
 
@@ -164,7 +155,7 @@ def _shard_group(request: OffloadConfig, process_group: Any) -> tuple[OffloadCon
 
 def offload(
     pipeline: Any,
-    config: OffloadConfig | None = None,
+    config: OffloadConfig | str | None = None,
     *,
     strategy: str | None = None,
     device: torch.device | str | None = None,
@@ -173,6 +164,8 @@ def offload(
     process_group: Any = None,
     checkpoint_prefix_map: Mapping[str, str] | None = None,
     spill: str | os.PathLike[str] | None = None,
+    checkpoint_variant: str | None = None,
+    gather_on_close: bool = False,
     **config_options: Any,
 ) -> Session:
     """Take over ``pipeline``'s weights and stream them to ``device`` on the policy's schedule.
@@ -182,7 +175,8 @@ def offload(
     activations), measures this machine and re-chooses once calibrated (see `torchferry._auto`,
     `Session.report`). A ``config``, a ``policy`` or a ring knob (``prefetch_depth=``) names the
     policy instead. ``config`` (or ``strategy`` and any `OffloadConfig` field as a keyword) says what
-    to offload; ``policy`` replaces the strategy's built-in policy (its knobs then go to its factory: passing
+    to offload (a strategy name in its place is the strategy: ``offload(pipe, "layerwise")``);
+    ``policy`` replaces the strategy's built-in policy (its knobs then go to its factory: passing
     ``prefetch_depth`` or ``chunk_bytes`` with it is a `PlanError`); ``device`` defaults to CUDA when
     present. ``device_memory=`` is the device budget, in bytes or as ``"24GiB"``/``"80GB"``;
     ``host_memory=`` the host budget alike (`OffloadConfig.host_memory_bytes`: what does not fit
@@ -194,22 +188,25 @@ def offload(
       ``*.index.json`` instead of the module, one block at a time; the pipeline may then be built
       under `torchferry.meta_parameters()`. The checkpoint is validated against the pipeline first
       (missing, extra, mis-shaped or mis-typed tensors, damaged files). ``checkpoint_prefix_map``
-      maps the pipeline's tensor-name prefixes to the checkpoint's (``{"transformer.": ""}``).
-    - ``host_memory=`` (a config field, bytes or ``"32GiB"``): the host budget; by default the
-      machine's (available memory and every memory cgroup limit, less a reserve; see docs/host-memory.md).
-      Packs that do not fit are read from the checkpoint on demand (the file tier); a pipeline built in
-      memory needs ``spill=<a folder>`` for that (its file-tier packs are written there once). A
-      request that cannot fit is a `PlanError` before anything is read or pinned.
+      maps the pipeline's tensor-name prefixes to the checkpoint's (``{"transformer.": ""}``);
+      ``checkpoint_variant`` (``"fp16"``) reads a pipeline folder's files of that weight variant.
+    - ``host_memory=``: the host budget (default: the machine's); what does not fit is read from the
+      checkpoint on demand, or from ``spill=<a folder>`` written once (docs/host-memory.md).
     - ``strategy="distributed_layerwise"``: with an ``allgather`` transfer, every rank of
       ``process_group`` (default: the default group; never a new one) keeps 1/N of each streamed
       block and the ranks all-gather it; every rank must call `offload` alike (a collective). The
-      parallel layout defaults to the group's size.
+      parallel layout defaults to the group's size. ``gather_on_close=True`` makes leaving a ``with``
+      block call ``close(gather=True)`` (a collective: every rank must leave it alike), so the
+      pipeline comes back with full weights; when the block raises, it closes without gathering
+      (a failed rank may never join), and ``close(gather=True)`` still works afterwards.
     """
+    config, strategy = positional(config, strategy)
     _check_pipeline(pipeline)
     target = _device(device)
-    if pipeline in _OPEN:
+    if _served.serving(pipeline) is not None:
         raise ExecutionError(
-            "this pipeline is already served by an open torchferry session; close() it before opening another"
+            "this pipeline is already served by an open torchferry session; close() it before opening "
+            "another (torchferry.session_of(pipe).close() when you no longer hold the session)"
         )
     for budget_name, what in (("device_memory", "device"), ("host_memory", "host")):
         if budget_name in config_options:
@@ -230,6 +227,13 @@ def offload(
             "(policies.layerwise(depth=2)) and drop them here"
         )
     request, group = _shard_group(request, process_group)
+    check_variant(checkpoint_variant, request.checkpoint)
+    if gather_on_close and not request.distributed:
+        raise PlanError(
+            f"offload(gather_on_close=True) re-assembles the weight shards of strategy="
+            f"'distributed_layerwise', and this request is strategy={request.strategy!r}, which keeps "
+            "whole weights: close() gives them back as they were; drop gather_on_close"
+        )
     source = "given"
     if auto and request.device_memory_bytes is None:
         budget, source = default_budget(target)
@@ -238,7 +242,7 @@ def offload(
     refuse_foreign(pipeline, topo)
     CLAIMS.check(pipeline, topo)
     plan = topology.resolve(topo, request)
-    plan, host = host_plan(pipeline, plan, group=group, spill=None if spill is None else os.fspath(spill))
+    plan, host = runtime.host_plan(pipeline, plan, group=group, spill=spill)
     chooser = None
     if auto:
         assert plan.config.device_memory_bytes is not None
@@ -251,16 +255,26 @@ def offload(
         from torchferry.runtime import Comm
 
         comm = Comm(group, target)
-    return Session(
-        pipeline,
-        plan,
-        chosen,
-        device=target,
-        comm=comm,
-        prefix_map=checkpoint_prefix_map,
-        chooser=chooser,
-        host=host,
-    )
+    session = Session(
+        pipeline, plan, chosen, device=target, comm=comm, prefix_map=checkpoint_prefix_map, chooser=chooser,
+        variant=checkpoint_variant, host=host,
+    )  # fmt: skip
+    session.gather_on_close = gather_on_close
+    return session
+
+
+def session_of(pipeline: Any) -> Session | None:
+    """The open session serving ``pipeline`` (what was passed to `offload`) or one of its top-level
+    components (``pipe.transformer``), else ``None``.
+
+    Every session should be closed by its ``close()`` (or a ``with`` block); this finds one again
+    when its value was lost (a notebook cell run twice), so a new `offload` can follow::
+
+        if (old := torchferry.session_of(pipe)) is not None:
+            old.close()
+    """
+    found = _served.find(pipeline)
+    return found if isinstance(found, Session) else None
 
 
 def _is_auto(
@@ -306,14 +320,13 @@ class Session:
         comm: Comm | None = None,
         prefix_map: Mapping[str, str] | None = None,
         chooser: Chooser | None = None,
-        host: HostPlan | None = None,
+        host: runtime.HostPlan | None = None,
+        variant: str | None = None,
     ) -> None:
-        # Why: the host budget and where it came from (`Session.report`); ``None``: not planned here.
-        self.host = host
+        # Host memory is proved (a spill written) first, then each top-level component's first schedule.
+        self.host = host  # Why: the host budget and its source (`report`); ``None``: not planned here.
         pin = plan.config.pin_memory and device.type == "cuda"
-        # Host memory is proved (and a spill written) first, then every top-level component's first
-        # schedule, before anything moves (`runtime.prove`).
-        tier = None if host is None else open_tier(pipeline, plan, host, pin=pin)
+        tier = None if host is None else runtime.open_tier(pipeline, plan, host, pin=pin)
         for top in plan.components:
             prove(policy(plan, Step(component=top.path)), plan)
         self.pipeline = pipeline
@@ -329,6 +342,7 @@ class Session:
             prefix_map=prefix_map,
             driver=self,
             tier=tier,
+            variant=variant,
         )
         self._steps = Steps(plan, policy, index_free=policies.is_index_free(policy))
         self.schedules: dict[Step, Schedule] = self._steps.schedules
@@ -340,7 +354,8 @@ class Session:
         self._chooser = chooser
         # Why: the chooser's tracer of the running step, handed to it when the step finishes.
         self._measuring: Tracer | None = None
-        self._logged: str | None = None
+        # Why: the most host bytes the store held, for `report` (the store is filled once, at open).
+        self._peak_host = 0
         inputs: Inputs | None = None
         try:
             self.engine.anchor(self._anchors())
@@ -355,9 +370,14 @@ class Session:
             self.engine.close()
             raise
         self._inputs = inputs
-        _OPEN[pipeline] = self
+        #: Whether leaving a ``with`` block gathers full weights back (see `offload`'s gather_on_close).
+        self.gather_on_close = False
+        _served.register(pipeline, self)
         # Why: the tensors this session serves, refused to a second session until close.
         self._claimed: Claim | None = CLAIMS.claim(pipeline, plan.topology)
+        self._peak_host = self.host_bytes
+        if chooser is not None:
+            self._log()  # what auto chose at open, before measuring anything
 
     def _anchors(self) -> list[str]:
         paths: list[str] = []
@@ -385,6 +405,7 @@ class Session:
                 self._guard.restart()
                 self._steps.use(switch, index_free=policies.is_index_free(switch))
                 self.policy = switch
+                self._log()  # the re-chosen schedule runs from this step
             tracer = chooser.tracer(component)
             if tracer is not None and not engine.traced:
                 engine.arm(tracer)
@@ -412,12 +433,15 @@ class Session:
                 self._steps.finished(self._step, self.engine.ledger.step_peak)
         finally:
             self._guard.left()
-        if measuring is not None and measuring.done and self._chooser is not None:
-            self._chooser.traced(measuring.result)
-            if not self._chooser.switching and self._chooser.running_name != self._logged:
-                # One line per schedule the session settles on: what it measured, chose and why.
-                self._logged = self._chooser.running_name
-                LOG.info("%s", self._chooser.report())
+        chooser = self._chooser
+        if measuring is not None and measuring.done and chooser is not None:
+            rechosen = chooser.traced(measuring.result)
+            if rechosen and not chooser.switching:
+                self._log()  # a re-choice that kept the schedule; a switch is logged when it takes effect
+
+    def _log(self) -> None:
+        if LOG.isEnabledFor(logging.INFO):
+            LOG.info("%s", self.report().summary())
 
     @contextlib.contextmanager
     def trace(self, component: str, *, skip: int = 0) -> Iterator[Tracer]:
@@ -476,34 +500,24 @@ class Session:
 
         Under ``strategy="auto"``: the budget and where it came from, the bandwidth measured, the
         chooser's `policies.Choice`, the calibrated cost model, each streaming component's predicted
-        and measured steady step and every switch of schedule. Otherwise the policy the caller named.
+        and measured steady step, the one check of a prediction against a step it was not fitted to,
+        and every switch of schedule. Otherwise the policy the caller named. Both say what the
+        session holds in device and host memory, now and at peak; ``print(session.report())`` shows
+        it as aligned lines, ``report.summary()`` in one.
         """
+        self._peak_host = max(self._peak_host, self.host_bytes)
+        memory: dict[str, Any] = {
+            "device": str(self.device),
+            "device_bytes": self.device_bytes,
+            "peak_device_bytes": self.peak_device_bytes,
+            "host_bytes": self.host_bytes,
+            "peak_host_bytes": self._peak_host,
+            "host_budget": self.plan.config.host_memory_bytes,
+            **runtime.host_figures(self.engine.store, self.host),
+        }
         if self._chooser is not None:
-            return self._with_host(self._chooser.report())
-        budget = self.plan.config.device_memory_bytes
-        name = getattr(self.policy, "name", getattr(self.policy, "__name__", "custom policy"))
-        report = SessionReport(
-            budget=budget,
-            budget_source="given" if budget is not None else "none given",
-            h2d_bytes_per_s=None,
-            h2d_source="",
-            policy=name,
-            choice=None,
-            cost=None,
-            calibrated=False,
-            block_s={},
-            predicted_step_s={},
-            measured_step_s={},
-            host_op_s=0.0,
-            host_block_s=0.0,
-            switches=(),
-            reason=f"{name}: named by the caller (strategy={self.plan.strategy!r}); nothing was chosen",
-        )
-        return self._with_host(report)
-
-    def _with_host(self, report: SessionReport) -> SessionReport:
-        """``report`` with the session's host memory figures (see `SessionReport`)."""
-        return attrs.evolve(report, **host_figures(self.engine.store, self.host))
+            return attrs.evolve(self._chooser.report(), **memory)
+        return named_report(self.running_policy, self.plan, **memory)
 
     @property
     def device_bytes(self) -> int:
@@ -516,8 +530,8 @@ class Session:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the host buffers that back every managed weight."""
-        return self.engine.store.nbytes
+        """Bytes of the host buffers behind every managed weight, and the file tier's staging and reader's."""
+        return self.engine.store.nbytes + self.engine.store.tier_bytes
 
     @property
     def hook_count(self) -> int:
@@ -531,6 +545,17 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def running_policy(self) -> str:
+        """What runs the steps now: the policy's name, ``auto: `` before it when auto chose it (and
+        re-chose: a switch waiting for the next step shows once that step has begun)."""
+        name = str(getattr(self.policy, "name", getattr(self.policy, "__name__", "custom policy")))
+        return f"auto: {name}" if self._chooser is not None else name
+
+    def served_modules(self) -> list[Any]:
+        """The top-level component modules this session serves (see `torchferry.session_of`)."""
+        return [topology.find_attr(self.pipeline, c.path) for c in self.plan.components]
 
     # ------------------------------------------------------------------------------ lifecycle
     def close(self, *, gather: bool = False) -> None:
@@ -554,7 +579,7 @@ class Session:
                 self._inputs.remove()
                 self.engine.close(gather=gather)
         finally:
-            _OPEN.pop(self.pipeline, None)
+            _served.unregister(self.pipeline, self)
             CLAIMS.release(self._claimed)
             self._claimed = None
             self._watch.clear()
@@ -565,11 +590,11 @@ class Session:
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        self.close(gather=self.gather_on_close and kind is None)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return (
-            f"<torchferry.Session {state} {self.plan.strategy} on {self.device}: plan {self.plan.digest}, "
+            f"<torchferry.Session {state} {self.running_policy} on {self.device}: plan {self.plan.digest}, "
             f"{len(self.schedules)} schedules, {self.device_bytes} device bytes>"
         )

@@ -319,6 +319,79 @@ def test_from_pretrained_finds_a_hub_id_in_the_local_cache(
         torchferry.from_pretrained(diffusers.WanPipeline, "tiny-org/other", device="cpu")
     assert str(info.value) == (
         "tiny-org/other: no such folder, nor a hub id in the local Hugging Face cache; download it first "
-        "(huggingface-cli download tiny-org/other, or Pipeline.from_pretrained once), or pass the folder's "
+        "(hf download tiny-org/other, or Pipeline.from_pretrained once), or pass the folder's "
         "path"
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_from_pretrained_keeps_fp32_modules_as_diffusers_does(tmp_path: Path, dtype: torch.dtype) -> None:
+    """A 16-bit Wan folder loads as diffusers loads it with dtype=: the modules each class keeps in
+    float32 (the transformer's norms and time embedder; UMT5's wo in float16) are widened from the
+    files, every tensor and the output bit-identical to WanPipeline.from_pretrained."""
+    folder = _save(toy.wan_pipeline().to(dtype), tmp_path / "wan", False)
+    plain = diffusers.WanPipeline.from_pretrained(
+        str(folder), tokenizer=None, transformer_2=None, dtype=dtype
+    )
+    _own_memory(plain)
+    expected = toy.run_wan(plain)
+    with torchferry.from_pretrained(
+        diffusers.WanPipeline, folder, dtype=dtype, strategy="layerwise", device="cpu"
+    ) as session:
+        pipe = session.pipeline
+        kept = pipe.transformer.condition_embedder.time_embedder.linear_1.weight
+        assert kept.dtype == torch.float32
+        assert pipe.transformer.blocks[0].attn1.to_q.weight.dtype == dtype
+        wo = pipe.text_encoder.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype
+        assert wo == (torch.float32 if dtype == torch.float16 else dtype)
+        got = toy.run_wan(pipe)
+        for name in ("transformer", "text_encoder", "vae"):
+            ours = getattr(pipe, name).state_dict()
+            for key, value in getattr(plain, name).state_dict().items():
+                assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), (name, key)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_from_pretrained_reads_a_weight_variant(tmp_path: Path, sharded: bool) -> None:
+    """variant='fp16' reads the files save_pretrained(variant='fp16') wrote, beside the plain ones; a
+    variant no component has is refused, naming the files looked for."""
+    ref = toy.wan_pipeline()
+    expected = toy.run_wan(ref)
+    folder = tmp_path / "wan"
+    plain = toy.wan_pipeline()
+    with torch.no_grad():
+        plain.transformer.blocks[0].attn1.to_q.weight.mul_(2)  # the plain files differ from the variant
+    plain.save_pretrained(str(folder))
+    ref.save_pretrained(str(folder), variant="fp16", **({"max_shard_size": "20KB"} if sharded else {}))
+    assert (folder / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    with torchferry.from_pretrained(diffusers.WanPipeline, folder, variant="fp16", device="cpu") as session:
+        assert torch.equal(toy.run_wan(session.pipeline)[1], expected[1])
+    with torchferry.from_pretrained(diffusers.WanPipeline, folder, device="cpu") as session:
+        assert not torch.equal(toy.run_wan(session.pipeline)[1], expected[1])
+    with pytest.raises(PlanError) as info:
+        torchferry.from_pretrained(diffusers.WanPipeline, folder, variant="bf16", device="cpu")
+    assert str(info.value) == (
+        f"{folder}: no component holds weights of variant 'bf16' (files such as "
+        "diffusion_pytorch_model.bf16.safetensors or model.bf16.safetensors); drop variant= to read the "
+        "plain files, or fetch that variant"
+    )
+
+
+def test_from_pretrained_names_the_equivalent_of_diffusers_options(tmp_path: Path) -> None:
+    """A diffusers loading or offloading keyword is refused by name with what torchferry does
+    instead, before anything is read; dtype= and torch_dtype= together are refused too."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
+    with pytest.raises(PlanError) as info:
+        torchferry.from_pretrained(diffusers.WanPipeline, folder, low_cpu_mem_usage=True, device="cpu")
+    assert str(info.value).startswith(
+        "from_pretrained() got unknown option(s) 'low_cpu_mem_usage'; low_cpu_mem_usage= has no "
+        "equivalent because torchferry always loads that way: torchferry.from_pretrained builds every "
+        "model on the meta device and reads each weight once; drop it; the options are the OffloadConfig "
+        "fields: "
+    )
+    with pytest.raises(PlanError, match=re.escape("got both dtype= and torch_dtype=")):
+        torchferry.from_pretrained(
+            diffusers.WanPipeline, folder, dtype=torch.float32, torch_dtype=torch.float32, device="cpu"
+        )

@@ -55,7 +55,7 @@ def test_from_pretrained_a_folder_larger_than_the_host_budget(tmp_path: Path) ->
     ) as session:
         got = toy.run_wan(session.pipeline)
         report = session.report()
-        assert report.file_packs > 0 and report.host_peak_bytes <= budget
+        assert report.file_packs > 0 and report.peak_host_bytes <= budget
         assert session.engine.store.tier is not None
         files = {c.file for r in session.engine.store.tier.reads.values() for c in r.chunks}
         assert files and all(Path(f).is_relative_to(folder) for f in files)

@@ -293,6 +293,64 @@ def test_layerwise_casting_whose_cast_back_loses_bits_is_refused() -> None:
     )
 
 
+def _enable(pipe: Any, offloader: str) -> None:
+    if offloader == "model":
+        pipe.enable_model_cpu_offload(device="cpu")
+    elif offloader == "sequential":
+        pipe.enable_sequential_cpu_offload(device="cpu")
+    else:
+        pipe.enable_group_offload(
+            onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1
+        )
+
+
+#: offloader enabled during a session -> how the refusal names it, and its fix.
+ENABLED = {
+    "model": (
+        "diffusers' model CPU offload (pipe.enable_model_cpu_offload())",
+        "pipe.remove_all_hooks() removes diffusers' model CPU offload, and the session goes on",
+    ),
+    "sequential": (
+        "diffusers' sequential CPU offload (pipe.enable_sequential_cpu_offload()) or another accelerate "
+        "device-alignment hook",
+        "sequential CPU offload has also swapped the weights it moves: close() the session (its host "
+        "copies give every weight back), call pipe.remove_all_hooks(), then open a new one",
+    ),
+    "group": (
+        "diffusers group offloading (enable_group_offload / apply_group_offloading)",
+        "close() the session (diffusers has no call that removes group offloading) and use one of the two",
+    ),
+}
+
+
+@pytest.mark.parametrize("offloader", sorted(ENABLED))
+def test_an_offloader_enabled_during_a_session_is_named_at_the_next_step(offloader: str) -> None:
+    """enable_model_cpu_offload, enable_sequential_cpu_offload or enable_group_offload on a served
+    pipeline is refused when a served component's forward begins, naming that offloader and what to
+    do; after the fix the pipeline runs (model offload) or closes (all three) with its own weights."""
+    ref = toy.wan_pipeline()
+    expected = toy.run_wan(ref)
+    pipe = toy.wan_pipeline()
+    session = torchferry.offload(pipe, strategy="layerwise", device="cpu")
+    _enable(pipe, offloader)
+    with pytest.raises(ExecutionError) as caught:
+        toy.run_wan(pipe)
+    what, fix = ENABLED[offloader]
+    assert str(caught.value) == (
+        f"'text_encoder' has hooks of {what}, enabled after the torchferry session opened: two "
+        f"offloaders would move the same weights, so this step was refused; {fix}"
+    )
+    if offloader == "model":
+        pipe.remove_all_hooks()
+        assert torch.equal(toy.run_wan(pipe)[1], expected[1])
+    session.close()
+    if offloader == "sequential":
+        pipe.remove_all_hooks()
+    for name in ("transformer", "text_encoder", "vae"):
+        mine, theirs = getattr(pipe, name).state_dict(), getattr(ref, name).state_dict()
+        assert all(torch.equal(v, mine[k]) for k, v in theirs.items()), name
+
+
 def test_second_session_on_a_served_component_is_refused() -> None:
     """A session on ``pipe.transformer`` while ``pipe`` is served is an ExecutionError, and the reverse."""
     torch.manual_seed(0)

@@ -90,7 +90,7 @@ def main() -> int:
         "host_budget": report.host_budget,
         "host_budget_source": report.host_budget_source,
         "host_bytes": report.host_bytes,
-        "host_peak_bytes": report.host_peak_bytes,
+        "peak_host_bytes": report.peak_host_bytes,
         "device_peak_bytes": session.peak_device_bytes,
         "file_packs": report.file_packs,
         "file_read_bytes": report.file_read_bytes,

@@ -100,7 +100,8 @@ def _record(session: torchferry.Session, module: torch.nn.Module, into: list[str
 
 def test_recalibration_switches_between_steps_once(caplog: pytest.LogCaptureFixture) -> None:
     """Under a tight budget the measured choice replaces the assumed one once, between two steps,
-    bit-identically; the report says what was measured and chosen, and one INFO line says it too."""
+    bit-identically; the report says what was measured and chosen, and INFO lines say what runs: the
+    choice at open, the switch, and the new schedule from the step it starts at."""
     p, ref = toy.build(0, hidden=64), toy.build(0, hidden=64)
     budget = _layerwise_peak(p, components={"dit"}) + 3 * 60_000
     seen: list[str] = []
@@ -126,9 +127,14 @@ def test_recalibration_switches_between_steps_once(caplog: pytest.LogCaptureFixt
     assert set(report.predicted_step_s) == set(report.measured_step_s) == {"transformer"}
     assert report.host_op_s > 0 and report.block_s["transformer"] > 0
     assert report.budget == budget and report.budget_source == "given"
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"torchferry: {seen[-1]}")]
-    assert len(lines) == 1 and f"within budget {policies.format_bytes(budget, exact=False)}" in lines[0]
-    assert "predicted" in lines[0] and "measured" in lines[0] and "why: " in lines[0]
+    lines = [r.getMessage() for r in caplog.records if r.name == "torchferry"]
+    within = f"on cpu within budget {policies.format_bytes(budget, exact=False)} (given)"
+    assert lines[0].startswith(f"torchferry: auto: {seen[0]} {within}; transformer: step predicted ")
+    assert "(not yet measured); why: " in lines[0] and "(under assumed compute;" in lines[0]
+    assert lines[1] == f"torchferry: after measuring transformer, switching {seen[0]} -> {seen[-1]}"
+    assert lines[2].startswith(f"torchferry: auto: {seen[-1]} {within}; transformer: step predicted ")
+    assert "(not yet measured)" in lines[2]
+    assert all(line.startswith(f"torchferry: auto: {seen[-1]} {within}; ") for line in lines[3:])
     assert same_weights(p, ref)
 
 
@@ -172,31 +178,114 @@ def test_measure_reads_block_compute_and_host_cost_from_a_trace() -> None:
 
 
 def test_report_of_a_named_policy_says_nothing_was_chosen() -> None:
-    """A session whose caller named the policy reports it, with no measurements."""
-    with torchferry.offload(toy.build(0), strategy="none", device="cpu") as session:
+    """A session whose caller named the policy reports it, with no measurements, and its memory."""
+    p = toy.build(0)
+    with torchferry.offload(p, strategy="none", device="cpu") as session:
+        p("a cat", steps=1)
         report = session.report()
+        held, peak, host = session.device_bytes, session.peak_device_bytes, session.host_bytes
     assert isinstance(report, SessionReport)
     assert report.policy == "none()" and not report.calibrated and report.predicted_step_s == {}
+    assert (report.device, report.device_bytes, report.peak_device_bytes) == ("cpu", held, peak)
+    assert report.host_bytes == report.peak_host_bytes == host > 0
+    size = policies.format_bytes
+    lines = str(report).splitlines()
+    # With no host_memory= the host budget is the machine's, read where it ran (docs/host-memory.md).
+    assert lines[2].startswith("  budget   device none (none given); host ")
+    assert report.host_budget_source in lines[2]
+    lines[2] = "  budget   device none (none given); host (the machine's)"
+    assert lines == [
+        "torchferry session",
+        "  running  none() on cpu",
+        "  budget   device none (none given); host (the machine's)",
+        f"  device   {size(held, exact=False)} now, {size(peak, exact=False)} at peak",
+        f"  host     {size(host, exact=False)} now, {size(host, exact=False)} at peak",
+        "  why      none(): named by the caller (strategy='none'); nothing was chosen",
+    ]
+    with torchferry.offload(p, strategy="none", device="cpu", host_memory="1GiB") as session:
+        budgeted = session.report()
+    assert budgeted.host_budget == 2**30
+    assert str(budgeted).splitlines()[2] == (
+        "  budget   device none (none given); host 1.0 GiB (given as host_memory=)"
+    )
 
 
-def test_a_saved_profile_is_used_only_on_a_device_of_its_name(
+def test_report_compares_predictions_only_with_steps_they_were_not_fitted_to() -> None:
+    """Before any step the report says "not yet measured"; the first traced step (which the model is
+    then fitted to) checks nothing; each later check pairs a traced step with what the model
+    predicted before it saw that step, and `error` is that pair's, not the fitted one's."""
+    p = toy.build(0, hidden=64)
+    budget = _layerwise_peak(p, components={"dit"}) + 3 * 60_000
+    seen: list[tuple[bool, float, float]] = []
+    reports: list[SessionReport] = []
+    with torchferry.offload(p, device="cpu", device_memory=budget, components={"dit"}) as session:
+        chooser = session._chooser
+        assert chooser is not None
+        traced = chooser.traced
+
+        def spy(trace: Any) -> bool:
+            seen.append(("transformer" in chooser.measured, chooser.predicted("transformer"), trace.wall_s))
+            rechosen = traced(trace)
+            reports.append(session.report())
+            return rechosen
+
+        chooser.traced = spy  # type: ignore[method-assign]
+        opened = session.report()
+        for _ in range(4):
+            p("a cat", steps=4)
+        later = session.report()
+    assert opened.measured_step_s == {} and opened.checked_step_s == {}
+    assert opened.error("transformer") is None and "(not yet measured)" in opened.summary()
+    assert len(seen) >= 3 and not seen[0][0] and all(s[0] for s in seen[1:])
+    assert reports[0].checked_step_s == {} and reports[0].error("transformer") is None
+    for (_, before, wall), report in zip(seen[1:], reports[1:], strict=True):
+        assert report.checked_step_s["transformer"] == (before, wall)
+    before, measured = later.checked_step_s["transformer"]
+    assert later.error("transformer") == pytest.approx(before / measured - 1)
+    line = next(x for x in str(later).splitlines() if x.startswith("  transformer "))
+    n = later.traced_steps["transformer"]
+    fastest = later.measured_step_s["transformer"] * 1e3
+    assert f"fastest of {n} traced {fastest:.3f} ms (the model is fitted to it)" in line
+    assert f"last check: {before * 1e3:.3f} ms predicted, then measured {measured * 1e3:.3f} ms (" in line
+    text = str(later).splitlines()
+    size = policies.format_bytes(budget, exact=False)
+    assert text[0] == "torchferry session"
+    assert text[1].split(None, 1) == ["running", f"auto: {later.policy} on cpu"]
+    assert text[2].split(None, 1)[0] == "budget"
+    host = policies.format_bytes(later.host_budget or 0, exact=False)
+    assert text[2].split(None, 1)[1] == f"device {size} (given); host {host} ({later.host_budget_source})"
+    assert [t.split()[0] for t in text[3:6]] == ["device", "host", "h2d"]
+
+
+def test_a_saved_profile_is_used_only_on_the_device_it_was_measured_on(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The session's starting figures come from a saved profile only when it was measured on a
-    device of the same name: a profile saved on a GPU says nothing about the CPU, and back."""
+    """The session's starting figures come from a saved profile only when it was measured on this
+    device: its type, its name and this machine. A GPU's profile says nothing about the CPU and back,
+    nor one of another GPU model, another machine, or a profile that does not say where it was made."""
     from torchferry._auto import base_profile
-    from torchferry.runtime import save_profile
+    from torchferry.runtime import host_name, save_profile
 
     monkeypatch.setenv("TORCHFERRY_PROFILE", str(tmp_path / "profile.json"))
     other = policies.DeviceProfile(
-        name="NVIDIA H200", h2d_bytes_per_s=5e10, flops_per_s=9e14, collective_bytes_per_s=4e11,
-        dtype="bfloat16", source="test",
+        name="NVIDIA H200",
+        h2d_bytes_per_s=5e10,
+        flops_per_s=9e14,
+        collective_bytes_per_s=4e11,
+        dtype="bfloat16",
+        source="test",
+        device="cuda",
+        host=host_name(),
     )
+    cpu_class = policies.match_device_class("cpu")
     save_profile(other)
-    assert base_profile(torch.device("cpu")) != other
-    mine = attrs.evolve(other, name="cpu", h2d_bytes_per_s=1.5e10)
+    assert base_profile(torch.device("cpu")) == cpu_class
+    mine = attrs.evolve(other, name="cpu", device="cpu", h2d_bytes_per_s=1.5e10)
     save_profile(mine)
     assert base_profile(torch.device("cpu")) == mine
+    for stranger in (attrs.evolve(mine, host="another-machine"), attrs.evolve(mine, device="", host="")):
+        save_profile(stranger)
+        assert base_profile(torch.device("cpu")) == cpu_class, stranger
     # Another GPU model than the one measured (no CUDA here: the device's name is all that is read).
     save_profile(other)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")

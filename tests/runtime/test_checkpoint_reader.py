@@ -641,3 +641,36 @@ def test_index_escapes_are_refused_when_opened(tmp_path: Path, shard: str) -> No
         ),
     ):
         CheckpointReader(index)
+
+
+@pytest.mark.parametrize("shard", [None, 1])
+def test_tensors_named_to_widen_are_read_from_16_bits_into_float32(tmp_path: Path, shard: int | None) -> None:
+    """A float32 model tensor named in ``widen`` and stored in bfloat16 is read widened, exactly, into
+    the packed buffer (a whole block or a shard range) and by read_tensor; without ``widen`` it is the
+    dtype mismatch it always was, and ``widen`` never narrows."""
+    model = _model()
+    state = model.state_dict()
+    stored = {k: (v.to(torch.bfloat16) if ".norm." in k else v).contiguous() for k, v in state.items()}
+    path = tmp_path / "model.safetensors"
+    save_file(stored, str(path))
+    with torch.no_grad():
+        for layer in model.blocks:
+            layer.norm.weight.copy_(layer.norm.weight.to(torch.bfloat16).float())
+            layer.norm.bias.copy_(layer.norm.bias.to(torch.bfloat16).float())
+    block = _block(model, 1)
+    norms = {s.name for s in block.tensors if ".norm." in s.name}
+    expected = _packed(model, block)
+    start, end = (0, expected.numel()) if shard is None else (8, expected.numel() - 8)
+    with CheckpointReader(path, widen=norms | {"embed.weight"}) as reader:
+        out = torch.empty(end - start, dtype=torch.uint8)
+        reader.read_into(block.layout, out, start, end)
+        assert torch.equal(out, expected[start:end])
+        weight = reader.read_tensor("blocks.1.norm.weight")
+        assert weight.dtype == torch.float32 and torch.equal(weight, model.blocks[1].norm.weight.detach())
+        reader.validate(block.tensors, allow_extra=True)
+        embed = next(s for s in _specs(model) if s.name == "embed.weight")
+        with pytest.raises(PlanError, match="dtype float32 but the model expects bfloat16"):
+            reader.validate([attrs.evolve(embed, dtype="bfloat16")], allow_extra=True)
+    with CheckpointReader(path) as reader, pytest.raises(PlanError) as refused:
+        reader.read_into(block.layout, torch.empty(expected.numel(), dtype=torch.uint8))
+    assert "tensor 'blocks.1.norm.weight': dtype bfloat16 but the model expects float32" in str(refused.value)

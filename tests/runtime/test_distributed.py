@@ -223,6 +223,35 @@ def _out_of_step(rank: int, world: int) -> dict[str, list[tuple[str, Any]]]:
     return seen
 
 
+def _gather_on_close(rank: int, world: int) -> dict[str, Any]:
+    """The with form with gather_on_close=True: full weights back on leaving; a block that raises
+    leaves the shards (and warns), and close(gather=True) still gathers them."""
+    p, ref = toy.build(0), toy.build(0)
+    expected = ref("a cat", steps=2)
+    seen: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torchferry.offload(p, strategy="distributed_layerwise", device="cpu", gather_on_close=True) as s:
+            seen["output"] = torch.equal(p("a cat", steps=2), expected)
+    seen["warned"] = [str(w.message) for w in caught if issubclass(w.category, OffloadWarning)]
+    seen["restored"] = s.closed and _same(p, ref)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torchferry.offload(
+                p, strategy="distributed_layerwise", device="cpu", gather_on_close=True
+            ) as s:
+                p("a cat", steps=2)
+                raise ValueError("a failure inside the block")
+    except ValueError:
+        pass
+    seen["raised_warned"] = len([w for w in caught if issubclass(w.category, OffloadWarning)])
+    seen["raised_empty"] = any(t.shape == (0,) for t in p.transformer.blocks[0].parameters())
+    s.close(gather=True)
+    seen["raised_restored"] = _same(p, ref)
+    return seen
+
+
 # -------------------------------------------------------------------------------------- tests
 
 
@@ -350,3 +379,13 @@ def test_ranks_out_of_step_raise_on_every_rank_instead_of_aborting() -> None:
         )
         for m in messages
     ), messages
+
+
+def test_gather_on_close_gives_full_weights_back_from_the_with_form() -> None:
+    """offload(..., gather_on_close=True) makes leaving the with block a close(gather=True) on every
+    rank: no warning, every weight back; a block that raises closes without the collective."""
+    for rank, seen in enumerate(run_ranks(_gather_on_close, 2, timeout=90)):
+        assert seen["output"] and seen["restored"], rank
+        assert seen["warned"] == [], rank
+        assert seen["raised_warned"] == 1 and seen["raised_empty"], rank
+        assert seen["raised_restored"], rank

@@ -46,7 +46,7 @@ def _ranks(rank: int, world: int, checkpoint: str) -> dict[str, Any]:
             "budget": report.host_budget,
             "source": report.host_budget_source,
             "file_packs": report.file_packs,
-            "peak": report.host_peak_bytes,
+            "peak": report.peak_host_bytes,
             "shard_reads": [(r.name, r.nbytes) for r in shards if r.name in sharded],
             "held": {g.name: g.held_bytes for g in session.engine.store.sharded},
         }

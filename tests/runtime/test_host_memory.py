@@ -53,7 +53,7 @@ def test_file_tier_session_is_bit_identical(model: tuple[Path, torch.Tensor, int
         report = s.report()
         assert report.file_packs > 0 and report.file_read_bytes > 0
         assert report.host_budget == budget and report.host_budget_source == "given as host_memory="
-        assert 0 < report.host_bytes <= report.host_peak_bytes <= budget
+        assert 0 < report.host_bytes <= report.peak_host_bytes <= budget
         assert s.plan.config.host_memory_bytes is not None and s.plan.config.host_memory_bytes <= budget
         assert "# file: " in policies.format_schedule(next(iter(s.schedules.values())))
     ref = toy.build(0, hidden=HIDDEN)
@@ -73,7 +73,7 @@ def test_a_machine_budget_that_fits_changes_nothing() -> None:
         assert report.host_budget is not None and report.host_budget > report.host_bytes > 0
         assert re.match(r"(MemAvailable|cgroup v[12] )", report.host_budget_source), report.host_budget_source
         assert "of the pipeline's own weights the store takes over" in report.host_budget_source
-        assert "host memory " in str(report)
+        assert f"host {policies.format_bytes(report.host_budget, exact=False)} (" in str(report)
 
 
 def test_too_small_a_budget_is_refused_before_anything(model: tuple[Path, torch.Tensor, int]) -> None:
@@ -176,7 +176,7 @@ def test_anonymous_rss_stays_within_the_host_budget(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     figures = json.loads((tmp_path / "figures.json").read_text())
     assert torch.equal(torch.load(tmp_path / "out.pt"), want)
-    assert figures["file_packs"] > 0 and figures["host_peak_bytes"] <= budget
+    assert figures["file_packs"] > 0 and figures["peak_host_bytes"] <= budget
     grown = figures["peak_anon"] - figures["baseline_anon"]
     assert grown <= budget + figures["device_peak_bytes"] + OVERHEAD, (grown, budget, figures)
     assert grown < size / 2
@@ -240,4 +240,4 @@ def test_a_memory_cgroup_smaller_than_the_model(tmp_path: Path) -> None:
     assert torch.equal(torch.load(tmp_path / "out.pt"), want)
     assert figures["host_budget_source"].startswith(f"cgroup v1 memory /{group.name} "), figures
     assert figures["file_packs"] > 0
-    assert figures["host_peak_bytes"] <= figures["host_budget"] < limit
+    assert figures["peak_host_bytes"] <= figures["host_budget"] < limit

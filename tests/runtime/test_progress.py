@@ -106,3 +106,17 @@ def test_opening_a_session_reports_every_group(
         assert len(calls) == len(session.engine.store.packs)
         assert not any(t.is_meta for t in pipe.parameters())
     assert isinstance(pipe.transformer.blocks[0].q.weight, torch.Tensor)
+
+
+def test_forcing_progress_shows_it_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TORCHFERRY_PROGRESS=1 shows the display for work below MIN_BYTES too, as the README says."""
+    monkeypatch.setenv("TORCHFERRY_PROGRESS", "1")
+    out = io.StringIO()
+    with Progress("reading weights", stream=out, use_tqdm=False) as progress:
+        progress(2**20, 2**20)
+    assert out.getvalue().startswith("\rtorchferry: reading weights: 1.0 MiB of 1.0 MiB (100%) in ")
+    monkeypatch.setenv("TORCHFERRY_PROGRESS", "")
+    quiet = Terminal()
+    with Progress("reading weights", stream=quiet, use_tqdm=False) as progress:
+        progress(2**20, 2**20)
+    assert quiet.getvalue() == ""

@@ -121,7 +121,8 @@ def test_second_session_on_same_pipeline_is_refused() -> None:
     p = toy.build(0)
     with torchferry.offload(p, device="cpu"):
         message = (
-            "this pipeline is already served by an open torchferry session; close() it before opening another"
+            "this pipeline is already served by an open torchferry session; close() it before opening "
+            "another (torchferry.session_of(pipe).close() when you no longer hold the session)"
         )
         with pytest.raises(ExecutionError, match=re.escape(message)):
             torchferry.offload(p, device="cpu")
@@ -149,6 +150,71 @@ def test_unknown_option_is_refused() -> None:
     """A keyword that is not an OffloadConfig field is rejected naming it."""
     with pytest.raises(PlanError, match=re.escape("offload() got unknown option(s) 'depth'; ")):
         torchferry.offload(toy.build(0), device="cpu", depth=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_a_plan_error_before_anything_moves() -> None:
+    """device='cuda' (or 'cuda:1') where torch has no CUDA device is a PlanError saying so, not
+    torch's own error from inside a copy, and the pipeline is untouched."""
+    p, ref = toy.build(0), toy.build(0)
+    for device in ("cuda", "cuda:1", torch.device("cuda")):
+        with pytest.raises(PlanError) as refused:
+            torchferry.offload(p, strategy="layerwise", device=device)
+        assert str(refused.value).startswith(f"offload(device={device!r}): no CUDA device is available (")
+        assert str(refused.value).endswith("); run where a GPU is visible, or pass device='cpu'")
+    assert same_weights(p, ref) and hook_count(p) == 0
+
+
+def test_a_strategy_may_be_passed_in_the_config_place() -> None:
+    """offload(pipe, "layerwise") is offload(pipe, strategy="layerwise"); two strategies, or
+    another object there, are PlanErrors."""
+    p, ref = toy.build(0), toy.build(0)
+    with torchferry.offload(p, "layerwise", device="cpu", prefetch_depth=2) as session:
+        assert session.plan.strategy == "layerwise" and session.running_policy == "layerwise(depth=2)"
+        assert torch.equal(p("a cat"), ref("a cat"))
+    two = re.escape("offload(pipe, 'none', strategy='layerwise'): two strategies")
+    with pytest.raises(PlanError, match=two):
+        torchferry.offload(p, "none", strategy="layerwise", device="cpu")
+    other = re.escape("offload(pipe, dict): the second argument is an OffloadConfig or a strategy name")
+    with pytest.raises(PlanError, match=other):
+        torchferry.offload(p, {"strategy": "none"}, device="cpu")  # type: ignore[arg-type]
+    assert hook_count(p) == 0
+
+
+def test_diffusers_options_are_refused_with_their_equivalent() -> None:
+    """Group-offloading keywords of diffusers are refused, each with what torchferry does instead."""
+    with pytest.raises(PlanError) as refused:
+        torchferry.offload(
+            toy.build(0), device="cpu", onload_device="cpu", num_blocks_per_group=2, use_stream=True
+        )
+    assert str(refused.value).startswith(
+        "offload() got unknown option(s) 'num_blocks_per_group', 'onload_device', 'use_stream'; "
+        "num_blocks_per_group= has no equivalent because torchferry moves one block per slot; how many "
+        "load ahead is prefetch_depth= (or leave strategy to auto, which picks it); onload_device= is "
+        "device= here (where the weights compute); use_stream= has no equivalent because torchferry "
+        "always copies on its own CUDA stream, overlapped with compute; drop it; the options are the "
+        "OffloadConfig fields: checkpoint, chunk_bytes, "
+    )
+    with pytest.raises(PlanError, match=re.escape("variant= picks a pipeline folder's weight files")):
+        torchferry.offload(toy.build(0), device="cpu", variant="fp16")
+
+
+def test_checkpoint_variant_is_a_short_name_and_needs_a_checkpoint() -> None:
+    """checkpoint_variant names which files of checkpoint= to read: a short name, never alone."""
+    with pytest.raises(PlanError, match=re.escape("a weight variant is a short name such as 'fp16'")):
+        torchferry.offload(toy.build(0), device="cpu", checkpoint="/x", checkpoint_variant="../fp16")
+    with pytest.raises(PlanError) as alone:
+        torchferry.offload(toy.build(0), device="cpu", checkpoint_variant="fp16")
+    assert str(alone.value) == (
+        "offload(checkpoint_variant='fp16') picks which files of the checkpoint to read, and no "
+        "checkpoint= is given; pass the pipeline folder as checkpoint="
+    )
+
+
+def test_gather_on_close_is_refused_where_nothing_is_sharded() -> None:
+    """gather_on_close=True asks to re-assemble shards, which only distributed_layerwise makes."""
+    with pytest.raises(PlanError, match=re.escape("strategy='layerwise', which keeps whole weights")):
+        torchferry.offload(toy.build(0), strategy="layerwise", device="cpu", gather_on_close=True)
 
 
 def test_thousand_passes_leave_counts_unchanged() -> None:

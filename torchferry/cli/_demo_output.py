@@ -13,7 +13,7 @@ from torchferry.cli._tables import table
 from torchferry.cli._timeline import Panel, lanes_of, render_panels
 from torchferry.runtime import StepTrace
 
-__all__ = ["format_size", "format_table", "overhead_cell", "timeline_svg"]
+__all__ = ["format_size", "format_table", "noise_notes", "overhead_cell", "timeline_svg"]
 
 
 def format_size(nbytes: int) -> str:
@@ -26,41 +26,82 @@ def _spread(row: DemoRow) -> float:
     return row.median_s / row.step_s - 1 if row.step_s > 0 and row.median_s > 0 else 0.0
 
 
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:+.0f}%" if abs(fraction) >= 0.1 else f"{fraction * 100:+.1f}%"
+
+
+def _overhead(row: DemoRow, resident: DemoRow) -> tuple[float, float] | None:
+    """The overhead over resident from the fastest steps, and the noise: the larger spread of the two
+    runs, or the machine's drift between the resident run's two timings when that is larger."""
+    if resident.step_s <= 0 or row.step_s <= 0:
+        return None
+    return row.step_s / resident.step_s - 1, max(_spread(row), _spread(resident), resident.drift)
+
+
 def overhead_cell(row: DemoRow, resident: DemoRow) -> str:
-    """The overhead over resident from the fastest steps, or ``within noise`` when the spread of
-    either run is larger than the difference (offloading is never faster than resident; a negative
-    figure is noise)."""
-    if resident.step_s <= 0:
+    """The overhead over resident from the fastest steps, marked ``(noise)`` when the noise (either
+    run's spread, the drift between runs) is as large as the difference, or when it is negative
+    (offloading only adds work)."""
+    found = _overhead(row, resident)
+    if found is None:
         return "-"
-    overhead = row.step_s / resident.step_s - 1
-    noise = max(_spread(row), _spread(resident))
-    if overhead <= 0 or overhead < noise:
-        return f"within noise ({noise * 100:.0f}%)"
-    return f"{overhead * 100:+.1f}%"
+    overhead, noise = found
+    return _percent(overhead) + (" (noise)" if overhead < 0 or abs(overhead) <= noise else "")
 
 
-def format_table(rows: Sequence[DemoRow], resident_step_s: float) -> str:
-    """The demo's result table: time/step is the fastest steady step, with the median's distance
-    above it (the spread); the overhead is judged from the fastest."""
-    header = ["strategy", "peak device", "time/step", "overhead", "outputs identical"]
-    body: list[list[str]] = []
+def _resident(rows: Sequence[DemoRow], resident_step_s: float) -> DemoRow:
     resident = next((r for r in rows if r.identical is None and r.error is None), None)
     if resident is None or resident.step_s != resident_step_s:
         resident = DemoRow(strategy="resident", step_s=resident_step_s, median_s=resident_step_s)
+    return resident
+
+
+def format_table(rows: Sequence[DemoRow], resident_step_s: float) -> str:
+    """The demo's result table: the fastest and the median steady step of each strategy (the gap
+    between them is how sure the figure is), the overhead over resident judged from the fastest."""
+    header = ["strategy", "peak device", "fastest", "median", "overhead", "outputs identical"]
+    body: list[list[str]] = []
+    resident = _resident(rows, resident_step_s)
     for r in rows:
         if r.error is not None:
-            body.append([r.strategy, "-", "-", "-", f"FAILED: {r.error}"])
+            body.append([r.strategy, "-", "-", "-", "-", f"FAILED: {r.error}"])
             continue
         if r.identical is None:
             overhead, same = "-", "(reference)"
         else:
             overhead = overhead_cell(r, resident)
             same = "yes" if r.identical else "NO"
-        spread = f" (+{_spread(r) * 100:.0f}%)" if r.median_s > 0 else ""
-        body.append(
-            [r.strategy, format_size(r.peak_device_bytes), f"{r.step_s * 1e3:.2f} ms{spread}", overhead, same]
+        median = f"{r.median_s * 1e3:.2f} ms" if r.median_s > 0 else "-"
+        size = format_size(r.peak_device_bytes)
+        body.append([r.strategy, size, f"{r.step_s * 1e3:.2f} ms", median, overhead, same])
+    return "\n".join(table(header, body, right={1, 2, 3, 4})) + "\n"
+
+
+def noise_notes(rows: Sequence[DemoRow], resident_step_s: float) -> list[str]:
+    """A sentence for each row whose overhead is marked ``(noise)``: why it cannot be read as a cost."""
+    resident = _resident(rows, resident_step_s)
+    notes = []
+    for r in rows:
+        found = None if r.identical is None or r.error is not None else _overhead(r, resident)
+        if found is None:
+            continue
+        overhead, noise = found
+        spreads = (
+            f"the resident run's median is {_spread(resident) * 100:.0f}% above its fastest, this run's "
+            f"{_spread(r) * 100:.0f}%, and the resident run moved {resident.drift * 100:.0f}% between its "
+            "two timings"
         )
-    return "\n".join(table(header, body, right={1, 2, 3})) + "\n"
+        if overhead < 0:
+            notes.append(
+                f"{r.strategy}: measured {-overhead * 100:.1f}% faster than resident, which offloading "
+                f"cannot be (it only adds work): noise ({spreads})"
+            )
+        elif overhead <= noise:
+            notes.append(
+                f"{r.strategy}: {_percent(overhead)} is within the noise ({spreads}): this machine could "
+                "not tell its cost from none"
+            )
+    return notes
 
 
 def _measured_note(trace: StepTrace, ranks: str) -> str:

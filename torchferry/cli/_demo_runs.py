@@ -29,6 +29,7 @@ __all__ = [
     "cache_folder",
     "empty_toy",
     "ensure_checkpoint",
+    "figures",
     "run_distributed",
     "run_strategy",
     "sync",
@@ -112,6 +113,11 @@ class DemoRow:
     #: The fastest steady step (the least disturbed by other work), and the median of the same steps.
     step_s: float = 0.0
     median_s: float = 0.0
+    #: How many steady steps the two figures come from.
+    timed: int = 0
+    #: The reference only: how far its fastest step moved between a run before the others and one
+    #: after them (the machine's drift, a noise the spread of one run cannot show).
+    drift: float = 0.0
     calls: int = 0
     identical: bool | None = None
     note: str = ""
@@ -146,18 +152,23 @@ def _step_timer(dit: torch.nn.Module, device: torch.device) -> Iterator[list[flo
             h.remove()
 
 
+def figures(steady: Sequence[float]) -> tuple[float, float, int]:
+    """The fastest and the median of ``steady`` step times, and how many there are."""
+    return min(steady), statistics.median(steady), len(steady)
+
+
 def time_calls(
     pipeline: toy.ToyPipeline, device: torch.device, steps: int, calls: int
-) -> tuple[list[torch.Tensor], tuple[float, float]]:
-    """Outputs of ``calls`` pipeline calls, and the fastest and the median step of all calls after
-    the first (each call's first step, which stages what the text encoder left, is not counted)."""
+) -> tuple[list[torch.Tensor], list[float]]:
+    """Outputs of ``calls`` pipeline calls, and the steady step times of all calls after the first
+    (each call's first step, which stages what the text encoder left, is not counted)."""
     outputs: list[torch.Tensor] = []
     with _step_timer(pipeline.transformer, device) as times:
         for _ in range(calls):
             outputs.append(pipeline(PROMPT, steps=steps, seed=SEED, device=device).cpu())
     later = times[steps:] if calls > 1 else times
     steady = [t for i, t in enumerate(later) if i % steps != 0] or later
-    return outputs, (min(steady), statistics.median(steady))
+    return outputs, steady
 
 
 def _traced_call(session: torchferry.Session, pipeline: toy.ToyPipeline, device: torch.device) -> StepTrace:
@@ -197,32 +208,34 @@ def run_strategy(
     with torchferry.offload(
         pipeline, device=device, components=COMPONENTS, checkpoint=str(checkpoint), **options
     ) as session:
-        outputs, (step_s, median_s) = time_calls(pipeline, device, steps, calls)
+        outputs, steady = time_calls(pipeline, device, steps, calls)
+        step_s, median_s, timed = figures(steady)
         peak = session.peak_device_bytes
         note = ""
         if "strategy" not in options:
             report = session.report()
-            predicted = report.predicted_step_s.get("transformer")
+            check = report.checked_step_s.get("transformer")
             note = f"chose {report.policy} within {policies.format_bytes(report.budget or 0, exact=False)}"
-            if predicted is not None and report.calibrated:
+            if check is not None:
+                before, then = check
                 note += (
-                    f"; its calibrated model predicts {predicted * 1e3:.2f} ms per step, measured here "
-                    f"{step_s * 1e3:.2f} ms ({(predicted / step_s - 1) * 100:+.1f}%)"
+                    f"; its model, fitted to the steps before, predicted {before * 1e3:.2f} ms for a step "
+                    f"that then took {then * 1e3:.2f} ms ({(before / then - 1) * 100:+.1f}%)"
                 )
         if trace:
             traced = _traced_call(session, pipeline, device)
     identical = all(torch.equal(a, b) for a, b in zip(outputs, reference, strict=True))
     row = DemoRow(
-        strategy=label, peak_device_bytes=peak, step_s=step_s, median_s=median_s, calls=calls,
-        identical=identical, note=note,
+        strategy=label, peak_device_bytes=peak, step_s=step_s, median_s=median_s, timed=timed,
+        calls=calls, identical=identical, note=note,
     )
     return row, traced
 
 
-#: What a rank sends back: its outputs as (raw float32 bytes, shape), its step time, peak bytes and
-#: traced step (if asked). Plain bytes, not tensors: a tensor crosses a process boundary as a
-#: shared-memory handle, which does not outlive the rank that made it.
-_RankResult = tuple[list[tuple[bytes, tuple[int, ...]]], float, int, StepTrace | None]
+#: What a rank sends back: its outputs as (raw float32 bytes, shape), its step times (fastest,
+#: median, how many), peak bytes and traced step (if asked). Plain bytes, not tensors: a tensor
+#: crosses a process boundary as a shared-memory handle, which does not outlive the rank that made it.
+_RankResult = tuple[list[tuple[bytes, tuple[int, ...]]], tuple[float, float, int], int, StepTrace | None]
 
 
 def _rank_device(device: str, rank: int) -> torch.device:
@@ -256,7 +269,8 @@ def _distributed_rank(rank: int, world: int, job: _RankJob) -> _RankResult:
         dit_transfer="allgather",
     )
     try:
-        outputs, (step_s, _median) = time_calls(pipeline, target, job.steps, job.calls)
+        outputs, steady = time_calls(pipeline, target, job.steps, job.calls)
+        times = figures(steady)
         peak = session.peak_device_bytes
         # Every rank runs the traced call (its gathers are collectives); each traces its own step.
         traced = _traced_call(session, pipeline, target) if job.trace else None
@@ -267,7 +281,7 @@ def _distributed_rank(rank: int, world: int, job: _RankJob) -> _RankResult:
         raise
     session.close(gather=True)
     raw = [(_raw_bytes(o), tuple(o.shape)) for o in outputs]
-    return raw, step_s, peak, traced
+    return raw, times, peak, traced
 
 
 def _raw_bytes(tensor: torch.Tensor) -> bytes:
@@ -298,10 +312,13 @@ def run_distributed(
         outputs = [torch.frombuffer(bytearray(b), dtype=torch.float32).reshape(shape) for b, shape in raw]
         identical = identical and all(torch.equal(a, b) for a, b in zip(outputs, reference, strict=True))
     per = "thread" if threads == 1 else "threads"
+    slowest = max((times for _, times, _, _ in results), key=lambda t: t[0])
     row = DemoRow(
         strategy=label,
         peak_device_bytes=max(peak for _, _, peak, _ in results),
-        step_s=max(step for _, step, _, _ in results),
+        step_s=slowest[0],
+        median_s=slowest[1],
+        timed=slowest[2],
         calls=calls,
         identical=identical,
         note=f"per rank (the slowest); the {world} processes share this machine, {threads} {per} each"

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NoReturn, TypeVar
 
+import attrs
+
 from torchferry._errors import OffloadError
 from torchferry.policies import BUILTINS, DEFAULT_DEVICE, DEVICE_CLASSES, DeviceProfile
 from torchferry.topology import STORAGE_DTYPES, parse_bytes, parse_rate
@@ -358,8 +360,34 @@ def _device_figures(args: argparse.Namespace) -> DeviceProfile:
         raise UsageError(
             f"--profile {args.profile}: no such file; write one with `torchferry probe --output FILE`"
         )
-    profile = load_profile(args.profile)
-    return profile if profile is not None else DEFAULT_DEVICE
+    if args.profile is not None:
+        given = load_profile(args.profile)
+        assert given is not None
+        return given  # named on the command line: used whatever it was measured on
+    return _saved_for_plan()
+
+
+def _saved_for_plan() -> DeviceProfile:
+    """The saved profile when it describes a GPU that may be planned for, else the default figures
+    saying why the saved one was left out: a profile of the CPU (``probe`` on a machine without a
+    GPU) would make every plan a CPU plan, and one of another GPU model than this machine's is not
+    this machine's."""
+    import torch
+
+    from torchferry.runtime import load_profile, profile_path
+
+    saved = load_profile()
+    if saved is None:
+        return DEFAULT_DEVICE
+    why = None
+    if saved.device == "cpu" or (not saved.measured and saved.name == "cpu"):
+        why = "it holds CPU figures; pass --profile to plan with them, or --device-class cpu"
+    elif torch.cuda.is_available() and saved.name != (here := torch.cuda.get_device_name()):
+        why = f"it was measured on {saved.name}, and this machine's GPU is {here}; probe this one"
+    if why is None:
+        return saved
+    note = f"the saved profile {profile_path()} was not used: {why}"
+    return attrs.evolve(DEFAULT_DEVICE, source=f"{DEFAULT_DEVICE.source}; {note}")
 
 
 def _probe(args: argparse.Namespace) -> int:
@@ -368,17 +396,30 @@ def _probe(args: argparse.Namespace) -> int:
     reads = {} if args.read_bytes is None else {"read_bytes": args.read_bytes}
     profile = probe(args.device, read_path=args.path, **reads)
     where = None if args.no_save else save_profile(profile, args.output)
+    cpu = profile.device == "cpu"
+    if cpu:
+        why = "--device cpu" if args.device is not None else "no CUDA device is available here"
+        measured = f"this machine's CPU ({why}), on {profile.host}"
+        used = (
+            "sessions on this machine's CPU; `torchferry plan` plans for GPUs and leaves CPU figures "
+            "out unless given with --profile FILE"
+        )
+    else:
+        measured = f"{profile.name}, on {profile.host}"
+        used = f"sessions on this machine's {profile.name} devices, and `torchferry plan`"
     if args.format == "json":
-        print(json.dumps({**profile.to_json(), "saved_to": None if where is None else str(where)}, indent=2))
+        doc = {**profile.to_json(), "measured": measured, "used_by": used}
+        print(json.dumps({**doc, "saved_to": None if where is None else str(where)}, indent=2))
         return 0
-    print(f"device: {profile.name}")
-    copy = "a host memcpy" if profile.name == "cpu" else "pinned"
+    print(f"measured: {measured}")
+    copy = "a host memcpy" if cpu else "pinned"
     print(f"host-to-device ({copy}): {profile.h2d_bytes_per_s / 1e9:.2f} GB/s")
     print(f"matmul ({profile.dtype}): {profile.flops_per_s / 1e12:.2f} TFLOP/s")
     if profile.read_bytes_per_s is not None and profile.read_direct_bytes_per_s is not None:
         print(f"read {args.path} (page cache dropped first):")
         print(f"  buffered: {profile.read_bytes_per_s / 1e9:.2f} GB/s")
         print(f"  direct (O_DIRECT): {profile.read_direct_bytes_per_s / 1e9:.2f} GB/s")
+    print(f"used by: {used}")
     print(f"saved to {where}" if where is not None else "not saved (--no-save)")
     return 0
 

@@ -97,8 +97,8 @@ def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[To
     if not os.path.exists(model) and topology.is_hub_id(model) and topology.hub_model_id(model) is None:
         raise PlanError(
             f"{model}: no such checkpoint file or folder, nor a snapshot of that hub repository in "
-            f"{topology.hub_cache_dir()}; torchferry downloads nothing, so fetch it first (huggingface-cli "
-            f"download {model}) or pass a known id (torchferry plan --list)"
+            f"{topology.hub_cache_dir()}; torchferry downloads nothing, so fetch it first (hf download "
+            f"{model}) or pass a known id (torchferry plan --list)"
         )
     if not _looks_like_path(model):
         return topology.known_topology(model), topology.known_model(model)

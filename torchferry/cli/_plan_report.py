@@ -254,7 +254,7 @@ class _Planner:
         tflops = o.profile.flops_per_s / 1e12
         if o.tflops is not None:
             assumed = "given"
-        elif o.device is policies.DEFAULT_DEVICE:
+        elif o.device.name == policies.DEFAULT_DEVICE.name:
             assumed = "assumed: RTX 4090-class bf16; pass --tflops"
         else:
             assumed = o.device.source

@@ -76,7 +76,10 @@ class DeviceProfile:
     fp32 on a CPU, which has no fast bf16); ``source`` says where the figures come from.
     ``read_bytes_per_s`` and ``read_direct_bytes_per_s`` are a drive's sequential read rates,
     buffered and with direct I/O (``torchferry probe PATH`` measures them; ``None``: not measured),
-    the rates of the file tier (`policies.tiers`).
+    the rates of the file tier (`policies.tiers`). A measured profile also records which device it
+    was measured on: ``device`` its type (``"cuda"`` or ``"cpu"``) and ``host`` the machine's name,
+    so it is never applied to another device (`measured_on`); both are empty for assumed figures
+    and for profiles saved before they were recorded.
     """
 
     name: str
@@ -87,6 +90,18 @@ class DeviceProfile:
     source: str = ""
     read_bytes_per_s: float | None = attrs.field(default=None, validator=_positive_or_none)
     read_direct_bytes_per_s: float | None = attrs.field(default=None, validator=_positive_or_none)
+    device: str = ""
+    host: str = ""
+
+    @property
+    def measured(self) -> bool:
+        """Whether the profile records the device it was measured on (`torchferry probe` writes it)."""
+        return bool(self.device)
+
+    def measured_on(self, device_type: str, name: str, host: str) -> bool:
+        """Whether these figures were measured on a device of type ``device_type`` (``"cuda"``,
+        ``"cpu"``) named ``name`` on machine ``host``: the only device they may be applied to."""
+        return self.measured and (self.device, self.name, self.host) == (device_type, name, host)
 
     def file_read_bytes_per_s(self, *, direct: bool = True) -> float | None:
         """The file tier's read rate measured on this machine: direct I/O's when ``direct`` and

@@ -26,6 +26,7 @@ from torchferry.runtime._preflight import host_figures as host_figures
 from torchferry.runtime._preflight import host_plan as host_plan
 from torchferry.runtime._preflight import open_tier as open_tier
 from torchferry.runtime._probe import copy_bytes_per_s as copy_bytes_per_s
+from torchferry.runtime._probe import host_name as host_name
 from torchferry.runtime._probe import load_profile, probe, profile_path, save_profile
 from torchferry.runtime._program import listing
 from torchferry.runtime._steps import Steps as Steps
@@ -34,6 +35,7 @@ from torchferry.runtime._streams import DeviceBuffer as DeviceBuffer
 from torchferry.runtime._streams import StreamContext as StreamContext
 from torchferry.runtime._streams import Timer as Timer
 from torchferry.runtime._trace import Span, StepTrace, Tracer
+from torchferry.runtime._widen import keep_lists as keep_lists
 
 __all__ = [
     "CheckpointReader",

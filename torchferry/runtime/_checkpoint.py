@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import BinaryIO, NoReturn, TypeAlias
 
 import attrs
@@ -62,6 +62,10 @@ SAFETENSORS_DTYPES: FrozenMap[str, str] = FrozenMap(dict(_HEADER_DTYPES))
 
 #: The most bytes of a file mapped at once while copying (see the Note at the top of this module).
 WINDOW_BYTES = 16 * 2**20
+#: Stored dtypes a tensor the reader may widen (see `CheckpointReader`) is read from, exactly.
+WIDENED_FROM = ("float16", "bfloat16")
+#: A copy's source: a file, bytes already in memory (a widened tensor), or ``None`` (keep the bytes).
+_Source: TypeAlias = "str | torch.Tensor | None"
 
 _RESAVE = "re-save or re-download the file"
 
@@ -110,13 +114,17 @@ def _plural(n: int, word: str) -> str:
 @attrs.frozen
 class Span:
     """Where the bytes ``[dst, dst + length)`` of a packed buffer are: file ``file`` at offset ``src``
-    (``None``: a non-persistent buffer, whose bytes come from the module); ``name`` is the tensor's."""
+    (``None``: a non-persistent buffer, whose bytes come from the module, a tensor the caller converts,
+    or bytes in memory, ``source``); ``name`` is the tensor's."""
 
     name: str
     file: str | None
     src: int
     dst: int
     length: int
+    #: The bytes in memory when they are not the file's (a 16-bit float widened to float32): ``src``
+    #: is then an offset into them.
+    source: torch.Tensor | None = attrs.field(default=None, eq=False)
 
 
 class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
@@ -130,16 +138,38 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
     lack the component path); the longest matching prefix applies. Every method taking
     ``prefix_map`` uses the reader's own when given ``None``.
 
+    ``variant`` (``"fp16"``) reads a pipeline folder's files of that weight variant (see
+    `topology.read_pipeline_folder`). Loading copies bytes and never converts, with one exception:
+    the model tensors named in ``widen`` (model names, before ``prefix_map``) may be stored in float16
+    or bfloat16 while the model holds them in float32, and are then widened exactly on the way in,
+    as diffusers and transformers load the modules a model class keeps in float32
+    (``_keep_in_fp32_modules``).
+
     Problems found in the headers do not raise here: `validate` reports them together with every
     mismatch against the model, in one `PlanError`. Use it as a context manager, or call `close`.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, prefix_map: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        prefix_map: Mapping[str, str] | None = None,
+        variant: str | None = None,
+        widen: Collection[str] = (),
+    ) -> None:
         self.path = str(path)
         self.prefix_map: FrozenMap[str, str] = FrozenMap(dict(prefix_map or {}))
+        #: Model tensor names held in float32 that may be read from a 16-bit float (see above).
+        self.widen: frozenset[str] = frozenset(widen)
         self._handles: dict[str, BinaryIO] = {}
         self._closed = False
-        folder = pipeline_sources(path)  # a diffusers pipeline folder: names under "<component>."
+        # A diffusers pipeline folder: names under "<component>.".
+        folder = pipeline_sources(path, variant)
+        if folder is None and variant is not None:
+            raise PlanError(
+                f"{self.path}: variant={variant!r} picks the files of a diffusers pipeline folder, and this "
+                "is not one (no model_index.json); point checkpoint= at the variant's own file instead"
+            )
         files: Sequence[str]
         index: Mapping[str, str] | None
         if folder is not None:
@@ -272,7 +302,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                     f"another model configuration"
                 )
             dtype = spec.compute_dtype or spec.dtype  # a tensor stored in another dtype is converted
-            if entry.dtype != dtype:
+            if entry.dtype != dtype and not self._widens(spec.name, entry.dtype, dtype):
                 problems.append(
                     f"{entry.file}: tensor {show(entry.name)}: dtype {entry.dtype} but the model expects "
                     f"{dtype} for {spec.name!r}; convert the checkpoint (loading copies bytes and "
@@ -376,13 +406,18 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             raise ExecutionError(
                 f"read_into: out holds {out.numel()} bytes but the range [{start}, {end}) is {end - start}"
             )
-        segments = [(s.file, s.src, s.dst, s.length) for s in self.spans(placed, start, end, prefix_map)]
+        segments: list[tuple[_Source, int, int, int]] = [
+            (s.file if s.source is None else s.source, s.src, s.dst, s.length)
+            for s in self.spans(placed, start, end, prefix_map)
+        ]
         flat = out.view(-1)
         cursor = 0
         for file, src, dst, length in _merge(segments):
             if dst > cursor:
                 flat[cursor:dst].zero_()
-            if file is not None:
+            if isinstance(file, torch.Tensor):
+                flat[dst : dst + length].copy_(file[src : src + length])
+            elif file is not None:
                 self._copy(file, src, flat[dst : dst + length])
             cursor = dst + length
         if cursor < flat.numel():
@@ -417,6 +452,10 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             problems.extend(wrong)
             if spec.compute_dtype is not None:  # stored in another dtype: the caller converts it
                 found.append(Span(name=spec.name, file=None, src=0, dst=lo - start, length=hi - lo))
+            elif entry is not None and not wrong and entry.dtype != spec.dtype:  # widened to float32
+                widened = self._widened(entry)
+                span = Span(name=spec.name, file=None, src=lo - off, dst=lo - start, length=hi - lo)
+                found.append(attrs.evolve(span, source=widened))
             elif entry is not None and not wrong:
                 src = entry.data_start + entry.begin + lo - off
                 found.append(Span(name=spec.name, file=entry.file, src=src, dst=lo - start, length=hi - lo))
@@ -437,10 +476,23 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                 f"checkpoint or map its name with prefix_map"
             )
             self._fail([problem])
+        if self._widens(name, entry.dtype, "float32"):
+            return self._widened(entry).view(torch.float32).view(entry.shape)
         tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
         if entry.nbytes:
             self._copy(entry.file, entry.data_start + entry.begin, tensor.reshape(-1).view(torch.uint8))
         return tensor
+
+    def _widens(self, name: str, stored: str, wanted: str) -> bool:
+        """Whether model tensor ``name`` stored as ``stored`` is read widened to ``wanted``."""
+        return name in self.widen and wanted == "float32" and stored in WIDENED_FROM
+
+    def _widened(self, entry: HeaderEntry) -> torch.Tensor:
+        """The bytes of ``entry`` widened to float32 (exact: every 16-bit float is a float32)."""
+        stored = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+        if entry.nbytes:
+            self._copy(entry.file, entry.data_start + entry.begin, stored.reshape(-1).view(torch.uint8))
+        return stored.to(torch.float32).reshape(-1).view(torch.uint8)
 
     def _copy(self, file: str, src: int, dst: torch.Tensor) -> None:
         """Copy ``dst.numel()`` bytes at file offset ``src`` into ``dst``, one mapped window at a time."""
@@ -500,14 +552,14 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
 
 
 def _merge(
-    segments: list[tuple[str | None, int, int, int]],
-) -> Iterator[tuple[str | None, int, int, int]]:
+    segments: list[tuple[_Source, int, int, int]],
+) -> Iterator[tuple[_Source, int, int, int]]:
     """Join copies that are contiguous in both the file and the destination into one."""
-    current: tuple[str | None, int, int, int] | None = None
+    current: tuple[_Source, int, int, int] | None = None
     for seg in segments:
         if (
             current is not None
-            and seg[0] is not None
+            and isinstance(seg[0], str)
             and seg[0] == current[0]
             and seg[1] == current[1] + current[3]
             and (seg[2] == current[2] + current[3])

@@ -19,7 +19,11 @@ on host weights (a device mismatch on a GPU; silently unmanaged on the CPU).
 While a session is open, `Watch` notices tensors added to a component after it opened (a LoRA
 adapter injected into a served transformer): they are not in the plan, so nothing moves them. On
 the session's device they simply stay where they are; on another device the component's next
-forward would mix devices, so it is an `ExecutionError` naming the tensors and the fix.
+forward would mix devices, so it is an `ExecutionError` naming the tensors and the fix. It also
+notices another offloader enabled on a served pipeline after opening (``enable_model_cpu_offload``,
+``enable_sequential_cpu_offload``, ``enable_group_offload``): each installs its hook on the component
+itself, so one look at the component when its forward begins finds it, and the step is refused,
+naming the offloader, before that offloader's own hook runs (it would move weights the session holds).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torchferry._errors import ExecutionError, PlanError
 from torchferry.runtime._casting import diffusers_cast
 from torchferry.topology import Plan, Topology, exact_cast, find_attr
 
-__all__ = ["Claims", "Watch", "called_outside", "refuse_foreign"]
+__all__ = ["Claims", "Watch", "called_outside", "enabled_offloaders", "offloader_enabled", "refuse_foreign"]
 
 #: diffusers hook names (``diffusers.hooks``) whose hooks move or re-cast a module's weights.
 MOVING_HOOKS: dict[str, str] = {
@@ -43,6 +47,55 @@ MOVING_HOOKS: dict[str, str] = {
     "lazy_prefetch_group_offloading": "group offloading (enable_group_offload / apply_group_offloading)",
     "layer_execution_tracker": "group offloading (enable_group_offload / apply_group_offloading)",
 }
+
+
+#: What to do about another offloader enabled on a served component, by its kind.
+_OFFLOADER_FIXES = {
+    "model": "pipe.remove_all_hooks() removes diffusers' model CPU offload, and the session goes on",
+    "sequential": (
+        "sequential CPU offload has also swapped the weights it moves: close() the session (its host "
+        "copies give every weight back), call pipe.remove_all_hooks(), then open a new one"
+    ),
+    "group": (
+        "close() the session (diffusers has no call that removes group offloading) and use one of the two"
+    ),
+    "other": "remove those hooks, or close() the session and use that offloader alone",
+}
+
+
+def _accelerate_hook(hook: object) -> tuple[str, str]:
+    """What installed the accelerate hook ``hook`` (a `SequentialHook` holds several): kind, words."""
+    names = {type(h).__name__ for h in (*getattr(hook, "hooks", ()), hook)}
+    if "CpuOffload" in names:
+        return "model", "diffusers' model CPU offload (pipe.enable_model_cpu_offload())"
+    if "AlignDevicesHook" in names:
+        return "sequential", (
+            "diffusers' sequential CPU offload (pipe.enable_sequential_cpu_offload()) or another "
+            "accelerate device-alignment hook"
+        )
+    return "other", f"an accelerate hook ({type(hook).__name__})"
+
+
+def enabled_offloaders(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """The other offloaders whose hooks sit on ``module`` itself: (kind, in words) each."""
+    found = []
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None:
+        found.append(_accelerate_hook(hook))
+    names = getattr(getattr(module, "_diffusers_hook", None), "hooks", {})
+    for words in sorted({MOVING_HOOKS[n] for n in names if n in MOVING_HOOKS}):
+        found.append(("group" if "group" in words else "other", f"diffusers {words}"))
+    return found
+
+
+def offloader_enabled(component: str, found: list[tuple[str, str]]) -> ExecutionError:
+    """The error for another offloader found on served ``component`` at the start of its step."""
+    what = " and ".join(words for _, words in found)
+    fixes = "; ".join(dict.fromkeys(_OFFLOADER_FIXES[kind] for kind, _ in found))
+    return ExecutionError(
+        f"{component or 'the model'!r} has hooks of {what}, enabled after the torchferry session opened: "
+        f"two offloaders would move the same weights, so this step was refused; {fixes}"
+    )
 
 
 def _modules(pipeline: Any, topo: Topology) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -234,8 +287,11 @@ class Watch:
         self._held.clear()
 
     def check(self, component: str) -> None:
-        """Raise `ExecutionError` if ``component`` gained tensors on another device since opening."""
+        """Raise `ExecutionError` if another offloader was enabled on ``component`` after opening, or
+        if it gained tensors on another device since opening."""
         root = self._roots.get(component)
+        if root is not None and (others := enabled_offloaders(root)):
+            raise offloader_enabled(component, others)
         if root is None or self._walked.get(component) == REGISTRATIONS.count:
             return
         known = self._known[component]

@@ -61,6 +61,7 @@ from torchferry.runtime._steps import step_name
 from torchferry.runtime._streams import StreamContext, stream_context
 from torchferry.runtime._tiers import TierLayout, tier_request
 from torchferry.runtime._trace import Tracer
+from torchferry.runtime._widen import kept_in_float32
 from torchferry.topology import Plan
 
 __all__ = ["Engine", "execute"]
@@ -107,6 +108,7 @@ class Engine(Mover):
         prefix_map: Mapping[str, str] | None = None,
         driver: Driver | None = None,
         tier: TierLayout | None = None,
+        variant: str | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.plan = plan
@@ -130,7 +132,9 @@ class Engine(Mover):
         if self.comm is not None:
             self.comm.agree("the plan", plan.digest)
             sharding = Sharding(rank=self.comm.rank, world=world, names=layout(plan).allgather)
-        self.store = self._open(pipeline, plan, pin=pin, sharding=sharding, prefix_map=prefix_map, tier=tier)
+        self.store = self._open(
+            pipeline, plan, pin=pin, sharding=sharding, prefix_map=prefix_map, tier=tier, variant=variant
+        )
         super().__init__()  # the device tables, the slot pool, the staging buffer and the grad guard
         self._residency: tuple[Placement, ...] = ()
         # Why: the schedule that finished last, for inspection (what did the last step do?).
@@ -153,6 +157,7 @@ class Engine(Mover):
         sharding: Sharding | None,
         prefix_map: Mapping[str, str] | None,
         tier: TierLayout | None,
+        variant: str | None = None,
     ) -> HostStore:
         """Check, read and take over; with several ranks, only once every rank could do the first two."""
         with _ordinary():
@@ -163,8 +168,14 @@ class Engine(Mover):
             progress = Progress(what if path is None else f"reading weights from {path}")
             readers: list[CheckpointReader] = []
             try:
-                reader = None if path is None else CheckpointReader(path, prefix_map=prefix_map)
-                if reader is not None:
+                reader = None
+                if path is not None:
+                    reader = CheckpointReader(
+                        path,
+                        prefix_map=prefix_map,
+                        variant=variant,
+                        widen=kept_in_float32(pipeline, plan.topology),
+                    )
                     readers.append(reader)
                 request = tier_request(plan, tier, reader, readers, prefix_map)
                 prepared = HostStore.prepare(

@@ -92,6 +92,15 @@ class HostStore:
         return sum(g.host.numel() for g in self.packs.values())
 
     @property
+    def tier_bytes(self) -> int:
+        """Bytes the file tier holds (staging slots, bounce and scratch buffers, kept buffers)."""
+        tier = self.tier
+        if tier is None:
+            return 0
+        staging = sum(s.buffer.data.numel() for s in tier.staging.values())
+        return staging + tier.reader.bounce_bytes + tier.reader.scratch_bytes + tier.kept_bytes
+
+    @property
     def host_bytes(self) -> int:
         """Host memory the store holds now, whole pages: pack buffers, and the file tier's staging
         slots, bounce buffers and kept buffers."""

@@ -23,6 +23,7 @@ the engine touches anything. Pinned bytes are held to
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import attrs
@@ -96,7 +97,7 @@ class HostPlan:
 
 
 def host_plan(
-    pipeline: Any, plan: Plan, *, group: Any = None, spill: str | None = None
+    pipeline: Any, plan: Plan, *, group: Any = None, spill: str | os.PathLike[str] | None = None
 ) -> tuple[Plan, HostPlan]:
     """The budget the session plans against and the plan carrying it when it binds (see [Note:
     preflight]); a machine budget the whole store fits leaves ``plan`` as it is."""
@@ -115,7 +116,7 @@ def host_plan(
             plan = attrs.evolve(plan, config=attrs.evolve(plan.config, host_memory_bytes=budget.bytes))
     tightest = machine.bounds[0].available if machine.bounds else None
     cache = None if tightest is None else max(tightest - min(budget.bytes, tightest), 0)
-    host = HostPlan(budget=budget, cache_bytes=cache, spill=spill)
+    host = HostPlan(budget=budget, cache_bytes=cache, spill=None if spill is None else os.fspath(spill))
     if given is None:
         bound = _with_budget(plan, budget.bytes)
         try:
@@ -242,15 +243,13 @@ def open_tier(pipeline: Any, plan: Plan, host: HostPlan, *, pin: bool) -> TierLa
 
 
 def host_figures(store: HostStore, host: HostPlan | None) -> dict[str, Any]:
-    """A session's host memory figures for its report: the budget and its source, torchferry's host
-    bytes now and at most, the file tier's packs and the bytes read from it so far."""
+    """A session's host memory figures for its report, beside its bytes: the budget in force and
+    where it came from, the file tier's packs and the bytes read from it so far."""
     tier = store.tier
-    extra = 0 if tier is None else tier.reader.bounce_bytes + tier.reader.scratch_bytes + tier.kept_bytes
-    return {
-        "host_budget": None if host is None else host.budget.bytes,
-        "host_budget_source": "" if host is None else host.budget.source,
-        "host_bytes": store.host_bytes,
-        "host_peak_bytes": store.memory.peak_bytes + extra,
+    figures: dict[str, Any] = {
         "file_packs": 0 if tier is None else len(tier.reads),
         "file_read_bytes": 0 if tier is None else tier.reader.bytes_read,
     }
+    if host is not None:
+        figures.update(host_budget=host.budget.bytes, host_budget_source=host.budget.source)
+    return figures

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import time
 from pathlib import Path
 
@@ -19,7 +20,15 @@ import torch
 from torchferry._errors import PlanError
 from torchferry.policies import DeviceProfile, match_device_class
 
-__all__ = ["READ_PROBE_BYTES", "load_profile", "probe", "profile_path", "read_rates", "save_profile"]
+__all__ = [
+    "READ_PROBE_BYTES",
+    "host_name",
+    "load_profile",
+    "probe",
+    "profile_path",
+    "read_rates",
+    "save_profile",
+]
 
 
 def profile_path() -> Path:
@@ -102,6 +111,11 @@ def probe(
     )
     if target.type not in ("cpu", "cuda"):
         raise PlanError(f"probe(device={str(target)!r}): torchferry measures cpu or cuda devices only")
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise PlanError(
+            f"probe(device={str(target)!r}): no CUDA device is available here; probe where the GPU is, "
+            "or pass --device cpu to measure this machine's CPU"
+        )
     cuda = target.type == "cuda"
     nbytes = copy_bytes if copy_bytes is not None else (256 << 20 if cuda else 64 << 20)
     h2d = copy_bytes_per_s(target, nbytes, 5)
@@ -126,9 +140,16 @@ def probe(
         collective_bytes_per_s=collective,
         dtype=str(dtype).removeprefix("torch."),
         source=f"measured on {name} ({target}) by torchferry probe, {when} UTC{where}",
+        device=target.type,
+        host=host_name(),
         read_bytes_per_s=buffered,
         read_direct_bytes_per_s=direct,
     )
+
+
+def host_name() -> str:
+    """This machine's name, as a profile records where it was measured."""
+    return platform.node() or "unknown host"
 
 
 def save_profile(profile: DeviceProfile, path: str | os.PathLike[str] | None = None) -> Path:

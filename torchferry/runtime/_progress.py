@@ -6,8 +6,8 @@ per group (`HostStore.prepare`'s ``progress``); `Progress` turns those calls int
 tqdm is importable (it comes with diffusers and huggingface_hub), else into one self-rewriting
 stderr line, and ends with the total time and rate. It shows nothing when stderr is not a terminal
 (logs, pipes, tests), when the work is under `MIN_BYTES`, or when ``TORCHFERRY_PROGRESS=0``; and
-``TORCHFERRY_PROGRESS=1`` forces it on. Writing to the terminal never fails the session: an
-``OSError`` from the stream turns the display off.
+``TORCHFERRY_PROGRESS=1`` forces it on, on any stream and at any size. Writing to the terminal never
+fails the session: an ``OSError`` from the stream turns the display off.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-__all__ = ["MIN_BYTES", "Progress", "wanted"]
+__all__ = ["MIN_BYTES", "Progress", "forced", "wanted"]
 
 #: Work below this many bytes opens quickly: no progress is shown for it.
 MIN_BYTES = 256 * 2**20
@@ -27,10 +27,19 @@ MIN_BYTES = 256 * 2**20
 _EVERY_S = 0.25
 
 
+def _setting(environ: Mapping[str, str] | None) -> str:
+    env = os.environ if environ is None else environ
+    return env.get("TORCHFERRY_PROGRESS", "").strip()
+
+
+def forced(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``TORCHFERRY_PROGRESS=1`` asks for progress everywhere, whatever the size of the work."""
+    return _setting(environ) == "1"
+
+
 def wanted(stream: TextIO | None = None, environ: Mapping[str, str] | None = None) -> bool:
     """Whether progress shows on ``stream`` (default stderr): on a terminal, unless the env says otherwise."""
-    env = os.environ if environ is None else environ
-    setting = env.get("TORCHFERRY_PROGRESS", "").strip()
+    setting = _setting(environ)
     if setting in ("0", "1"):
         return setting == "1"
     out = sys.stderr if stream is None else stream
@@ -49,7 +58,7 @@ class Progress:
 
     ``stream`` defaults to stderr; ``use_tqdm=None`` uses tqdm when importable. The display starts
     with the first call (which says the total) and only if `wanted` and the total reaches
-    ``min_bytes``.
+    ``min_bytes`` (any total when ``enabled`` is left to the environment and it is `forced`).
     """
 
     def __init__(
@@ -65,7 +74,7 @@ class Progress:
         self.stream = sys.stderr if stream is None else stream
         self.enabled = wanted(self.stream) if enabled is None else enabled
         self.use_tqdm = use_tqdm
-        self.min_bytes = min_bytes
+        self.min_bytes = 0 if enabled is None and forced() else min_bytes
         self.done = 0
         self.total = 0
         self._bar: Any = None

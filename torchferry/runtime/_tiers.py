@@ -215,11 +215,20 @@ class FileTier:
                 layout = pack_specs(specs[name])
                 tensors = {s.name: t for s, t in zip(specs[name], live[name], strict=True)}
                 module: dict[str, torch.Tensor] = {}
+                widened = {
+                    w.name: w.source
+                    for w in source.spans(layout, 0, nbytes, request.prefix_map)
+                    if w.source is not None
+                }
                 for (spec, _), piece in zip(layout, pieces, strict=True):
                     if spec.buffer and not spec.persistent:
                         t = tensors[spec.name]
                         assert t is not None
                         module[spec.name] = piece.arranged(t.detach())
+                        kept += page_bytes(piece.nbytes)
+                    elif spec.name in widened:  # a 16-bit float the module keeps in float32: kept widened
+                        rows = widened[spec.name].view(piece.dtype).view(piece.shape)
+                        module[spec.name] = piece.arranged(rows)
                         kept += page_bytes(piece.nbytes)
                 span = shard_span(name, nbytes, sharding)
                 reads[name] = reader.plan(

@@ -56,6 +56,7 @@ def from_checkpoint(
     block_attrs: Sequence[str] | Mapping[str, Sequence[str]] = ("blocks",),
     *,
     declaration: Declaration | None = None,
+    variant: str | None = None,
 ) -> Topology:
     """Describe a safetensors checkpoint (file, shard folder or ``*.index.json``) without reading data.
 
@@ -71,11 +72,17 @@ def from_checkpoint(
     prefix. A prefix whose last part contains ``encoder``/``mllm`` is an encoder (each attribute its
     own ring), one containing ``vae`` a VAE, anything else a DiT; every tensor must fall under one
     prefix (the longest wins; ``""`` matches everything). ``declaration`` is attached to the
-    topology for `resolve` (resident DiT paths, encoder types and so on).
+    topology for `resolve` (resident DiT paths, encoder types and so on). ``variant`` (``"fp16"``)
+    picks a pipeline folder's files of that weight variant; any other checkpoint names its files.
     """
     if is_pipeline_folder(path):
         by_component = _normalise(block_attrs) if isinstance(block_attrs, Mapping) else None
-        return from_pipeline_folder(Path(path), by_component, declaration=declaration)
+        return from_pipeline_folder(Path(path), by_component, declaration=declaration, variant=variant)
+    if variant is not None:
+        raise PlanError(
+            f"{path}: variant={variant!r} picks the files of a diffusers pipeline folder, and this is "
+            "not one (no model_index.json); point checkpoint= at the variant's own file instead"
+        )
     components = _normalise(block_attrs)
     sources = locate(path)
     source = sources.path

@@ -111,6 +111,22 @@ def _read_json(file: Path, what: str) -> dict[str, object]:
     return doc
 
 
+def _variant_source(folder: Path, variant: str) -> Path | None:
+    """The index or single file of weight variant ``variant`` in one component subfolder, if any.
+
+    The names are the ones ``save_pretrained(variant=...)`` writes: ``<stem>.<variant>.safetensors``,
+    shards with ``<stem>.safetensors.index.<variant>.json`` (or the older ``.<variant>.index.json``).
+    """
+    for stem in _WEIGHT_NAMES:
+        for index in (f"{stem}.safetensors.index.{variant}.json", f"{stem}.safetensors.{variant}.index.json"):
+            if (folder / index).is_file():
+                return folder / index
+        single = folder / f"{stem}.{variant}.safetensors"
+        if single.is_file():
+            return single
+    return None
+
+
 def _weight_source(folder: Path) -> Path | None:
     """The safetensors source of one component subfolder: its index, its single file, or the folder.
 
@@ -154,8 +170,13 @@ def _class_name(folder: Path, listed: str) -> str:
     return listed
 
 
-def read_pipeline_folder(path: str | os.PathLike[str]) -> PipelineFolder:
-    """The pipeline class and components of the folder ``path`` from its ``model_index.json``."""
+def read_pipeline_folder(path: str | os.PathLike[str], variant: str | None = None) -> PipelineFolder:
+    """The pipeline class and components of the folder ``path`` from its ``model_index.json``.
+
+    ``variant`` (``"fp16"``) reads each component's files of that weight variant, as diffusers'
+    ``from_pretrained(variant=...)`` does: a component without them reads its plain files, and a
+    folder where no component has them is a `PlanError`.
+    """
     root = Path(path)
     index_file = root / MODEL_INDEX
     if not index_file.is_file():
@@ -169,6 +190,7 @@ def read_pipeline_folder(path: str | os.PathLike[str]) -> PipelineFolder:
     components: list[FolderComponent] = []
     values: list[tuple[str, object]] = []
     absent: list[str] = []
+    found_variant = False
     for name, entry in index.items():
         if name.startswith("_"):
             continue
@@ -182,7 +204,12 @@ def read_pipeline_folder(path: str | os.PathLike[str]) -> PipelineFolder:
         if not (isinstance(library, str) and isinstance(listed, str)):
             raise PlanError(f"{index_file}: component {name!r} is {entry!r}; expected [library, class name]")
         folder = root / name
-        source = _weight_source(folder) if folder.is_dir() else None
+        source = None
+        if folder.is_dir() and variant is not None:
+            source = _variant_source(folder, variant)
+            found_variant = found_variant or source is not None
+        if folder.is_dir() and source is None:
+            source = _weight_source(folder)
         components.append(
             FolderComponent(
                 name=name,
@@ -206,11 +233,17 @@ def read_pipeline_folder(path: str | os.PathLike[str]) -> PipelineFolder:
             "*.safetensors weights; torchferry reads safetensors only (re-save with save_pretrained, "
             "whose default is safetensors)"
         )
+    if variant is not None and not found_variant:
+        raise PlanError(
+            f"{root}: no component holds weights of variant {variant!r} (files such as "
+            f"{_WEIGHT_NAMES[0]}.{variant}.safetensors or model.{variant}.safetensors); drop variant= to "
+            "read the plain files, or fetch that variant"
+        )
     return found
 
 
 def pipeline_sources(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str], variant: str | None = None
 ) -> tuple[list[str], dict[str, str] | None, dict[str, str]] | None:
     """For the runtime's reader: ``(shard files, weight map or None, name prefix per file)``.
 
@@ -224,7 +257,7 @@ def pipeline_sources(
     prefixes: dict[str, str] = {}
     index: dict[str, str] = {}
     indexed = False
-    for comp in read_pipeline_folder(path).weighted:
+    for comp in read_pipeline_folder(path, variant).weighted:
         assert comp.source is not None
         sources = locate(comp.source)
         for shard in sources.files:
@@ -309,6 +342,7 @@ def from_pipeline_folder(
     block_attrs: Mapping[str, Sequence[str]] | None = None,
     *,
     declaration: Declaration | None = None,
+    variant: str | None = None,
 ) -> Topology:
     """Describe the diffusers pipeline folder ``path`` from its headers alone (no tensor data read).
 
@@ -316,9 +350,10 @@ def from_pipeline_folder(
     named from the pipeline root, its class from its ``config.json``. Kinds come from the pipeline
     class's registry entry, else from the component's class and name; block attributes from
     ``block_attrs[name]`` when given, else the registry of known classes, else guessed from the
-    tensor names. The declaration is ``declaration``, else the known pipeline class's.
+    tensor names. The declaration is ``declaration``, else the known pipeline class's. ``variant``
+    describes the files of that weight variant (see `read_pipeline_folder`).
     """
-    folder = read_pipeline_folder(path)
+    folder = read_pipeline_folder(path, variant)
     overrides = dict(block_attrs or {})
     unknown = sorted(set(overrides) - {c.name for c in folder.weighted})
     if unknown:
