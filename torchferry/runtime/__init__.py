@@ -15,6 +15,8 @@ from torchferry.runtime._claims import Claim as Claim
 from torchferry.runtime._claims import Watch as Watch
 from torchferry.runtime._claims import refuse_foreign as refuse_foreign
 from torchferry.runtime._comm import Comm as Comm
+from torchferry.runtime._devices import resolved as resolved
+from torchferry.runtime._devices import same_device as same_device
 from torchferry.runtime._engine import Engine, execute
 from torchferry.runtime._engine import stream_factory as stream_factory
 from torchferry.runtime._guard import SessionGuard as SessionGuard

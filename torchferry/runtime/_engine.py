@@ -50,6 +50,7 @@ from torchferry.policies import Placement, Schedule, layout
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger
+from torchferry.runtime._devices import resolved
 from torchferry.runtime._hooks import Driver, Hooks
 from torchferry.runtime._host import HostStore
 from torchferry.runtime._mover import Mover
@@ -108,7 +109,8 @@ class Engine(Mover):
     ) -> None:
         self.pipeline = pipeline
         self.plan = plan
-        self.device = torch.device(device)
+        # Why: resolved once (`cuda` -> `cuda:0`), so each check of where a tensor is compares like forms.
+        self.device = resolved(device)
         self.streams: StreamContext = stream_context(self.device) if STREAMS is None else STREAMS(self)
         self.ledger = Ledger()
         pin = pin_memory and self.device.type == "cuda" and torch.cuda.is_available()

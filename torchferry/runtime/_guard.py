@@ -65,6 +65,7 @@ from torch import nn
 from torchferry._errors import ExecutionError
 from torchferry.runtime._casting import Casting
 from torchferry.runtime._claims import REGISTRATIONS
+from torchferry.runtime._devices import same_device
 from torchferry.runtime._overrides import Overrides
 from torchferry.runtime._pack import Pack, PackState
 from torchferry.runtime._wrappers import holders
@@ -417,7 +418,7 @@ class SessionGuard:
         if (
             tuple(t.shape) != piece.shape
             or t.dtype != piece.dtype
-            or t.device not in (r.pack.host.device, self.engine.device)
+            or not (same_device(t.device, r.pack.host.device) or same_device(t.device, self.engine.device))
         ):
             return (
                 f"{r.name} holds {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device}, "

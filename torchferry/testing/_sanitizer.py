@@ -35,7 +35,7 @@ import attrs
 import torch
 
 from torchferry.policies import Op, format_marked, rest_unit
-from torchferry.runtime import DeviceBuffer, PackState, stream_factory
+from torchferry.runtime import DeviceBuffer, PackState, same_device, stream_factory
 from torchferry.topology import find_attr
 
 if TYPE_CHECKING:
@@ -206,13 +206,17 @@ class StreamSanitizer:
             for pack in engine.store.units[name].packs:
                 if pack.where is PackState.READY:
                     continue
-                tensor = next((t for t in pack.tensors if t.numel() and t.device == self.device), None)
+                tensor = self._first(pack.tensors)
                 if tensor is not None and tensor.untyped_storage().data_ptr() == base:
                     self._fail(
                         f"{when}, the tensors of {pack.name} point at a slot that {history.write.what} "
                         f"writes on the {history.write.stream} stream, and compute is not ordered after "
                         "that write (a read of them races it)"
                     )
+
+    def _first(self, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """The first non-empty tensor of ``tensors`` on the device, if any."""
+        return next((t for t in tensors if t.numel() and same_device(t.device, self.device)), None)
 
     # ------------------------------------------------------------------------ StreamContext
     def begin(self) -> None:
@@ -288,7 +292,7 @@ class StreamSanitizer:
             return
         buffers = self._buffers()
         for pack in self.engine.store.units[unit].packs:
-            tensor = next((t for t in pack.tensors if t.numel() and t.device == self.device), None)
+            tensor = self._first(pack.tensors)
             if tensor is None:
                 continue
             buffer = buffers.get(tensor.untyped_storage().data_ptr())

@@ -1,0 +1,151 @@
+"""What a GPU would do at the edges of the CUDA path, shown on a CPU: device spellings, refused pins,
+a device that fails to synchronize, a caller's stream changed between steps, a ready block loaded
+again, autocast's cast cache, user hooks that read weights, and slot alignment (issue 26)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import types
+
+import pytest
+import torch
+
+import torchferry
+from torchferry import OffloadWarning, topology
+from torchferry.runtime import resolved, same_device
+from torchferry.runtime._host import HostStore
+from torchferry.runtime._pinning import (
+    PAGE,
+    BookPinner,
+    CudaPinner,
+    HostMemory,
+    HostPinner,
+    _loaded,
+    last_error,
+)
+from torchferry.testing import toy
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(1, 16, 16, generator=g), torch.tensor([0.5]), torch.randn(1, 8, 32, generator=g)
+
+
+# ------------------------------------------------------------------------ 1. device spellings
+def test_every_spelling_of_a_device_resolves_to_what_its_tensors_report() -> None:
+    """``cuda`` resolves to ``cuda:0`` and ``meta:0`` or ``cpu:0`` to the index-less form their tensors
+    report, and `same_device` holds across spellings where ``==`` does not."""
+    assert torch.device("cuda:0") != torch.device("cuda")  # why one comparison helper is needed
+    assert resolved("cuda") == torch.device("cuda", 0)
+    assert resolved("meta:0") == torch.empty(0, device="meta").device == torch.device("meta")
+    assert resolved("cpu:0") == torch.device("cpu")
+    assert same_device(torch.device("cuda:0"), torch.device("cuda"))
+    assert not same_device(torch.device("cuda:1"), torch.device("cuda"))
+    assert same_device(torch.device("cpu"), torch.device("cpu:0"))
+    assert not same_device(torch.device("cpu"), torch.device("meta"))
+
+
+@torch.no_grad()
+def test_a_session_on_an_indexed_device_keeps_the_form_its_tensors_report() -> None:
+    """A session opened on ``cpu:0`` (as on ``cuda`` a GPU's tensors report ``cuda:0``) holds its device in
+    the form tensors report, and a tensor added on that device after opening runs where it is."""
+    p, ref = toy.build(0), toy.build(0)
+    extra = torch.full((32,), 0.5)
+    for pipe in (p, ref):
+        pipe.transformer.blocks[2].register_forward_hook(lambda m, a, out: out * m.extra)
+    ref.transformer.blocks[2].register_buffer("extra", extra.clone())
+    with torchferry.offload(p, strategy="model_level", device="cpu:0") as session:
+        assert session.engine.device == torch.device("cpu")
+        p.transformer.blocks[2].register_buffer("extra", extra.clone())
+        assert torch.equal(p.transformer(*_inputs()), ref.transformer(*_inputs()))
+
+
+# --------------------------------------------------------------------------- 2. refused pins
+class _FullRuntime:
+    """A CUDA runtime whose locked-memory limit is reached: every register fails and, as in the real
+    runtime, leaves its error as the last error until ``cudaGetLastError`` reads and clears it."""
+
+    def __init__(self) -> None:
+        self.last = 0
+        self.registers = 0
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        self.registers += 1
+        self.last = 2  # cudaErrorMemoryAllocation
+        return 2
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        raise AssertionError("nothing was registered")
+
+    def cudaGetLastError(self) -> int:  # noqa: N802
+        last, self.last = self.last, 0
+        return last
+
+
+def test_a_refused_pin_clears_the_runtime_error_before_falling_back_to_pageable_memory() -> None:
+    """A refused ``cudaHostRegister`` leaves no error set for the next kernel launch check to raise as its
+    own: the fallback to pageable memory warns once and the runtime's last error is clear."""
+    p = toy.build(0)
+    plan = topology.resolve(topology.discover(p), topology.OffloadConfig(strategy="layerwise"))
+    runtime = _FullRuntime()
+    with pytest.warns(OffloadWarning, match="could not pin a host buffer"):
+        prepared = HostStore.prepare(p, plan, pin=True, pinner=CudaPinner(runtime))
+    assert runtime.registers == 1 and runtime.last == 0
+    assert not prepared.memory.pinned
+    prepared.discard()
+
+
+def test_torch_without_a_cudaGetLastError_binding_clears_the_error_through_its_loaded_runtime() -> None:
+    """torch 2.11 binds no ``cudaGetLastError``: the one of the ``libcudart`` torch loaded is used (a
+    stand-in returning -1 where none is loaded, as with a CPU build); a binding that has it is used."""
+    bound = types.SimpleNamespace(cudaGetLastError=lambda: 0)
+    assert last_error(bound) is bound.cudaGetLastError
+    clear = last_error(types.SimpleNamespace())  # the 2.11 bindings, without it
+    if _loaded("libcudart.so"):
+        assert isinstance(clear, ctypes._CFuncPtr)
+        assert isinstance(clear(), int)
+    else:
+        assert clear() == -1
+
+
+def test_host_buffers_dropped_without_close_are_unregistered_before_they_are_unmapped() -> None:
+    """A store given up without ``close()`` (a session dropped) unregisters each pinned buffer when its
+    last tensor goes, before the pages are unmapped, so no registration outlives its memory."""
+    p = toy.build(0)
+    plan = topology.resolve(topology.discover(p), topology.OffloadConfig(strategy="layerwise"))
+    books = BookPinner()
+    store = HostStore.prepare(p, plan, pin=True, pinner=books).commit()
+    assert store.pinned and len(books.ranges) == len(store.packs)
+    del store, p
+    gc.collect()
+    assert books.ranges == {}
+
+
+class _DeadPinner(HostPinner):
+    """Keeps books like `BookPinner`, but its unregister fails for one buffer, as after a device died."""
+
+    def __init__(self) -> None:
+        self.books = BookPinner()
+        self.dead: int | None = None
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.books.register(ptr, nbytes)
+        self.dead = ptr if self.dead is None else self.dead
+
+    def unregister(self, ptr: int) -> None:
+        if ptr == self.dead:
+            raise RuntimeError("cudaHostUnregister returned 710")
+        self.books.unregister(ptr)
+
+
+def test_releasing_host_memory_goes_on_past_an_unregister_that_fails() -> None:
+    """An unregister that fails (a dead device) does not stop `HostMemory.close`: every other buffer is
+    unregistered and the failure is kept."""
+    pinner = _DeadPinner()
+    memory = HostMemory(pinner)
+    for name in ("a", "b", "c"):
+        memory.alloc(name, 3 * PAGE)
+    memory.close()
+    assert list(pinner.books.ranges) == [pinner.dead]
+    assert isinstance(memory.release_failure, RuntimeError)
