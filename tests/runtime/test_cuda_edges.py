@@ -4,16 +4,21 @@ again, autocast's cast cache, user hooks that read weights, and slot alignment (
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
+import re
 import types
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+from module_checks import hook_count, same_weights
 
 import torchferry
-from torchferry import OffloadWarning, topology
-from torchferry.runtime import resolved, same_device
+from torchferry import ExecutionError, OffloadWarning, topology
+from torchferry.runtime import PackState, resolved, same_device, stream_factory
 from torchferry.runtime._host import HostStore
 from torchferry.runtime._pinning import (
     PAGE,
@@ -24,7 +29,9 @@ from torchferry.runtime._pinning import (
     _loaded,
     last_error,
 )
+from torchferry.runtime._streams import CpuStreams, regrow
 from torchferry.testing import toy
+from torchferry.topology import PACK_ALIGN
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,15 +77,15 @@ class _FullRuntime:
         self.last = 0
         self.registers = 0
 
-    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
         self.registers += 1
         self.last = 2  # cudaErrorMemoryAllocation
         return 2
 
-    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+    def cudaHostUnregister(self, ptr: int) -> int:
         raise AssertionError("nothing was registered")
 
-    def cudaGetLastError(self) -> int:  # noqa: N802
+    def cudaGetLastError(self) -> int:
         last, self.last = self.last, 0
         return last
 
@@ -149,3 +156,128 @@ def test_releasing_host_memory_goes_on_past_an_unregister_that_fails() -> None:
     memory.close()
     assert list(pinner.books.ranges) == [pinner.dead]
     assert isinstance(memory.release_failure, RuntimeError)
+
+
+# ---------------------------------------------------------------------------- 9. slot alignment
+def test_slots_start_on_a_256_byte_boundary_on_the_cpu_too() -> None:
+    """Every slot and staged copy starts 256-byte aligned, freshly made or grown back after a step freed it
+    (the CPU allocator aligns to 64 only), so every weight a block runs with is 256-byte aligned."""
+    p, ref = toy.build(0), toy.build(0)
+    seen: list[int] = []
+
+    def inside(module: torch.nn.Module, args: object) -> None:
+        seen.extend(t.data_ptr() % PACK_ALIGN for t in module.parameters())
+
+    with torch.no_grad(), torchferry.offload(p, strategy="layerwise", prefetch_depth=2) as session:
+        for block in p.transformer.blocks:
+            block.register_forward_pre_hook(inside)  # after the engine's own: the block is in its slot
+        engine = session.engine
+        fresh = [engine.streams.transfer(n).data for n in range(1, 64)]
+        assert all(t.data_ptr() % PACK_ALIGN == 0 for t in fresh)
+        out = p("a cat")
+        slots = [buffer for _, buffer in engine.slots.slots.values()]
+        assert slots and all(b.data.data_ptr() % PACK_ALIGN == 0 for b in slots)
+        for buffer in slots:  # parked and grown back, as a step that does not use a slot does
+            buffer.data.untyped_storage().resize_(0)
+            regrow(buffer, 1000)
+            assert buffer.data.data_ptr() % PACK_ALIGN == 0 and buffer.data.numel() == 1000
+    assert torch.equal(out, ref("a cat"))
+    assert seen and set(seen) == {0}
+
+
+# ---------------------------------------------------------------------- 3. a device that died
+class _Dying:
+    """CPU streams on a device that dies: once ``dead``, `synchronize` raises, as CUDA does at every sync
+    after a device-side assert or an illegal address (a sticky error)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.inner = CpuStreams(device)
+        self.device = device
+        self.tracer = None
+        self.dead = False
+        self.syncs = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+        if self.dead:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@contextlib.contextmanager
+def _dying() -> Iterator[list[_Dying]]:
+    """Every engine built inside runs on `_Dying` streams, listed as they are made."""
+    made: list[_Dying] = []
+
+    def factory(engine: Any) -> Any:
+        made.append(_Dying(engine.device))
+        return made[-1]
+
+    before = stream_factory(factory)
+    try:
+        yield made
+    finally:
+        stream_factory(before)
+
+
+def _assert(message: str) -> Callable[..., None]:
+    def hook(module: torch.nn.Module, args: object) -> None:
+        raise RuntimeError(message)
+
+    return hook
+
+
+def _at_host(session: torchferry.Session) -> bool:
+    """Whether every tensor the session manages points at its host copy."""
+    return all(
+        pack.where is PackState.HOST
+        and all(t.data_ptr() == v.data_ptr() for t, v in zip(pack.tensors, pack.host_views, strict=True))
+        for pack in session.engine.store.packs.values()
+    )
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("strategy", ["layerwise", "model_level"])
+def test_after_the_device_dies_mid_step_every_weight_points_at_its_host_copy(strategy: str) -> None:
+    """A step that fails on a dead device (its synchronize raises) re-raises the caller's own error, not
+    the synchronize's, leaves every weight pointing at its intact host copy, and close() then gives the
+    pipeline back as it was before saying the device failed."""
+    p, ref = toy.build(0), toy.build(0)
+    with _dying() as made:
+        session = torchferry.offload(p, strategy=strategy)
+        p("a cat")
+        made[0].dead = True
+        handle = p.transformer.blocks[3].register_forward_pre_hook(_assert("device-side assert triggered"))
+        with pytest.raises(RuntimeError, match="device-side assert triggered"):
+            p("a cat")
+        handle.remove()
+        assert _at_host(session)
+        failed = "the device cpu failed (RuntimeError: CUDA error: an illegal memory access"
+        with pytest.raises(ExecutionError, match=re.escape(failed)):
+            session.close()
+    assert session.closed and hook_count(p) == 0
+    assert same_weights(p, ref)
+
+
+@torch.no_grad()
+def test_a_with_block_that_fails_on_a_dead_device_keeps_the_callers_exception() -> None:
+    """Leaving a ``with offload(...)`` block by the caller's exception on a dead device raises that
+    exception (close's own failure is a note on it), and every weight is back as it was."""
+    p, ref = toy.build(0), toy.build(0)
+    with (
+        _dying() as made,
+        pytest.raises(RuntimeError, match="device-side assert") as caught,
+        torchferry.offload(p, strategy="layerwise", prefetch_depth=2),
+    ):
+        p("a cat")
+        made[0].dead = True
+        p.transformer.blocks[5].register_forward_pre_hook(_assert("device-side assert triggered"))
+        p("a cat")
+    assert type(caught.value) is RuntimeError
+    notes = getattr(caught.value, "__notes__", None)  # Python 3.11 on
+    assert notes is None or any("the device cpu failed" in note for note in notes)
+    for block in p.transformer.blocks:
+        block._forward_pre_hooks.clear()
+    assert hook_count(p) == 0 and same_weights(p, ref)

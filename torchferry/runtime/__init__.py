@@ -31,6 +31,7 @@ from torchferry.runtime._steps import prove as prove
 from torchferry.runtime._streams import DeviceBuffer as DeviceBuffer
 from torchferry.runtime._streams import StreamContext as StreamContext
 from torchferry.runtime._streams import Timer as Timer
+from torchferry.runtime._streams import aligned_empty as aligned_empty
 from torchferry.runtime._trace import Span, StepTrace, Tracer
 
 __all__ = [

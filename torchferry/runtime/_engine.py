@@ -126,6 +126,8 @@ class Engine(Mover):
             )
         #: The weight-shard group's collectives, or ``None`` when nothing is all-gathered.
         self.comm = comm if world > 1 else None
+        #: What a synchronize of the device raised (see `synchronize`), or ``None`` while it works.
+        self.device_error: Exception | None = None
         sharding = None
         if self.comm is not None:
             self.comm.agree("the plan", plan.digest)
@@ -342,8 +344,27 @@ class Engine(Mover):
         self.tracer = self.streams.tracer = None
         self._tracing = None
 
+    def synchronize(self) -> bool:
+        """Block until every stream is idle; whether the device still works.
+
+        A synchronize that raises (a device-side assert or an illegal address: CUDA's sticky errors,
+        after which the context is dead) is kept in `device_error`, not raised: its device copies are
+        lost with the context, the host copies are not, and the recovery that called it (abort,
+        close) must still point every weight back at them. Once failed, the device is not asked again.
+        """
+        if self.device_error is not None:
+            return False
+        try:
+            self.streams.synchronize()
+        except Exception as exc:
+            self.device_error = exc
+            return False
+        return True
+
     def abort(self) -> None:
-        """Drop every device copy and point all weights at host memory: always safe, never loses one."""
+        """Drop every device copy and point all weights at host memory: always safe, never loses one
+        (a device that fails to synchronize is noted in `device_error`, and the weights go back all
+        the same)."""
         with _ordinary():
             self._abort()
 
@@ -354,7 +375,7 @@ class Engine(Mover):
             self._untrace()
             tracer.fail()
         if not self.broken:
-            self.streams.synchronize()
+            self.synchronize()
         self._drop_all()
         self._residency = ()
 
@@ -374,12 +395,21 @@ class Engine(Mover):
         self.abort()
         self._programs.clear()
         # After a failed collective a gather still queued may write the slots and the staging buffer
-        # one day, so their memory is kept, and no collective is tried (see [Note: failures] in `_comm`).
-        if not self.broken:
+        # one day, so their memory is kept, and no collective is tried (see [Note: failures] in `_comm`);
+        # a device that failed to synchronize is asked nothing more either.
+        if not self.broken and self.device_error is None:
             self._free()
             if gather:
                 self.gather_host()
         self.store.close()
+        if self.device_error is not None:
+            raise ExecutionError(
+                f"the device {self.device} failed ({type(self.device_error).__name__}: {self.device_error}); "
+                "its memory went with its context, and every weight was given back from its host copy "
+                "(no weight is lost; in-place writes into device copies since the last step are). CUDA "
+                "cannot be used again in this process: restart it (CUDA_LAUNCH_BLOCKING=1 names the "
+                "failing kernel)"
+            ) from self.device_error
         if self.store.sharded:
             names = [g.name for g in self.store.sharded]
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")

@@ -264,9 +264,8 @@ class SessionGuard:
             for r, version, then in zip(self._records, versions, self._versions, strict=True)
             if version != then and r.pack.shard is None
         ]
-        if not changed:
-            return
-        engine.streams.synchronize()
+        if not changed or not engine.synchronize():
+            return  # a device that failed to synchronize holds nothing that can be read back
         for r in changed:
             if self._problem(r) is None:
                 _write_back(r)

@@ -125,17 +125,20 @@ class Mover:
             program.pc = i
 
     def _drop_all(self) -> None:
-        """Release every acquired module, drop every staged copy and point every weight at host memory."""
-        self.guard.leaving_all()
-        for path in list(self.acquired):
-            self._release_module(path)
-        for name in list(self.staged):
-            self._drop_staged(name)
-        self.store.reset()
-        self.shards.clear()
-        self.transfers.clear()
-        self.occupants.clear()
-        self.placed.clear()
+        """Release every acquired module, drop every staged copy and point every weight at host memory
+        (whatever a release raises: host memory is where every weight can always go back to)."""
+        try:
+            self.guard.leaving_all()
+            for path in list(self.acquired):
+                self._release_module(path)
+        finally:
+            for name in list(self.staged):
+                self._drop_staged(name)
+            self.store.reset()
+            self.shards.clear()
+            self.transfers.clear()
+            self.occupants.clear()
+            self.placed.clear()
 
     def _free(self) -> None:
         """Give the slots' and the staging buffer's device memory back (nothing may still write them)."""

@@ -37,8 +37,55 @@ import attrs
 import torch
 
 from torchferry.policies import StreamName
+from torchferry.topology import PACK_ALIGN
 
-__all__ = ["CpuStreams", "CudaStreams", "DeviceBuffer", "StreamContext", "Timer", "stream_context"]
+__all__ = [
+    "CpuStreams",
+    "CudaStreams",
+    "DeviceBuffer",
+    "StreamContext",
+    "Timer",
+    "aligned_empty",
+    "regrow",
+    "stream_context",
+]
+
+
+def _pad(device: torch.device) -> int:
+    """Bytes a fresh buffer on ``device`` needs beyond its size to start on a `PACK_ALIGN` boundary:
+    none on CUDA (the caching allocator aligns every block to 512), else 256 (the CPU allocator aligns
+    to 64)."""
+    return 0 if device.type == "cuda" else PACK_ALIGN
+
+
+def _aligned(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The ``nbytes`` of ``raw`` (a flat ``uint8`` tensor over its whole storage) from its first
+    `PACK_ALIGN` boundary on."""
+    skip = -raw.untyped_storage().data_ptr() % PACK_ALIGN
+    return raw if skip == 0 and raw.numel() == nbytes else raw.narrow(0, skip, nbytes)
+
+
+def aligned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` fresh device bytes whose first byte is on a `PACK_ALIGN` (256-byte) boundary.
+
+    Every tensor of a pack sits at a multiple of 256 bytes from its pack's start (`topology.pack`),
+    so a slot whose base is aligned gives every tensor in it the same alignment on every device, as
+    the host buffers (page-aligned) do.
+    """
+    return _aligned(torch.empty(nbytes + _pad(device), dtype=torch.uint8, device=device), nbytes)
+
+
+def regrow(buffer: DeviceBuffer, nbytes: int) -> None:
+    """Give ``buffer`` (its storage shrunk to nothing while parked) ``nbytes`` bytes of memory again,
+    its first byte on a `PACK_ALIGN` boundary: where the new memory starts elsewhere relative to the
+    boundary (never on CUDA), ``buffer.data`` becomes a new view, so views cached on the old one miss."""
+    data = buffer.data
+    storage = data.untyped_storage()
+    storage.resize_(nbytes + _pad(data.device))
+    skip = -storage.data_ptr() % PACK_ALIGN
+    if data.storage_offset() != skip or data.numel() != nbytes:
+        fresh = torch.empty(0, dtype=torch.uint8, device=data.device)
+        buffer.data = fresh.set_(storage, skip, (nbytes,), (1,))
 
 
 @attrs.define(slots=True, eq=False)
@@ -132,7 +179,7 @@ class CpuStreams:
     def begin(self) -> None: ...
 
     def transfer(self, nbytes: int) -> DeviceBuffer:
-        return DeviceBuffer(data=torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        return DeviceBuffer(data=aligned_empty(nbytes, self.device))
 
     def copy_in(self, dst: DeviceBuffer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
         tracer = self.tracer
@@ -178,7 +225,7 @@ class CudaStreams:
 
     def transfer(self, nbytes: int) -> DeviceBuffer:
         with torch.cuda.stream(self.compute):
-            data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            data = aligned_empty(nbytes, self.device)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         return DeviceBuffer(data=data, ready=ready, free=None)
 

@@ -35,7 +35,7 @@ import attrs
 import torch
 
 from torchferry.policies import Op, format_marked, rest_unit
-from torchferry.runtime import DeviceBuffer, PackState, same_device, stream_factory
+from torchferry.runtime import DeviceBuffer, PackState, aligned_empty, same_device, stream_factory
 from torchferry.topology import find_attr
 
 if TYPE_CHECKING:
@@ -223,7 +223,7 @@ class StreamSanitizer:
         self._exposed("as the last step left them")
 
     def transfer(self, nbytes: int) -> DeviceBuffer:
-        return DeviceBuffer(data=torch.empty(nbytes, dtype=torch.uint8, device=self.device), ready=_Event())
+        return DeviceBuffer(data=aligned_empty(nbytes, self.device), ready=_Event())
 
     def copy_in(self, dst: DeviceBuffer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
         if dst.free is None:
