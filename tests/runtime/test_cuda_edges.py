@@ -12,12 +12,14 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from module_checks import hook_count, same_weights
 
 import torchferry
-from torchferry import ExecutionError, OffloadWarning, topology
+from torchferry import ExecutionError, OffloadWarning, runtime, topology
+from torchferry.policies import Op, Schedule, Slot
 from torchferry.runtime import PackState, resolved, same_device, stream_factory
 from torchferry.runtime._host import HostStore
 from torchferry.runtime._pinning import (
@@ -281,3 +283,86 @@ def test_a_with_block_that_fails_on_a_dead_device_keeps_the_callers_exception() 
     for block in p.transformer.blocks:
         block._forward_pre_hooks.clear()
     assert hook_count(p) == 0 and same_weights(p, ref)
+
+
+# ------------------------------------------------------------------- 8. user hooks read weights
+@torch.no_grad()
+def test_a_user_pre_hook_registered_before_opening_sees_the_weights_its_block_runs_with() -> None:
+    """A block's forward pre hook registered before the session opened runs after torchferry's own, so it
+    reads the block's weights in their slot (what the block computes with), not the host copy while
+    the block's copy is still in flight."""
+    p, ref = toy.build(0), toy.build(0)
+    engines: list[Any] = []
+    seen: list[bool] = []
+    looked: list[torch.Tensor] = []
+
+    def look(module: torch.nn.Module, args: object) -> None:
+        slots = {b.data.untyped_storage().data_ptr() for _, b in engines[0].slots.slots.values()}
+        seen.append(module.q.weight.untyped_storage().data_ptr() in slots)
+        looked.append(module.q.weight.detach().clone())
+
+    for block in p.transformer.blocks:
+        block.register_forward_pre_hook(look)
+    with torchferry.offload(p, strategy="layerwise", prefetch_depth=1) as session:
+        engines.append(session.engine)
+        out = p("a cat")
+    assert torch.equal(out, ref("a cat"))
+    assert seen and all(seen)
+    blocks = len(p.transformer.blocks)
+    assert all(torch.equal(w, ref.transformer.blocks[i % blocks].q.weight) for i, w in enumerate(looked))
+
+
+# --------------------------------------------------------------- 6. a ready block loaded again
+def _plan(p: toy.ToyPipeline) -> topology.Plan:
+    return topology.resolve(topology.discover(p), topology.OffloadConfig(strategy="layerwise"))
+
+
+def _again(schedule: Schedule, block: str, slot: str) -> Schedule:
+    """``schedule`` with ``block`` loaded again into ``slot`` right after its forward (before its evict),
+    and a third slot ``s2`` in its table."""
+    ops = list(schedule.ops)
+    evict = next(i for i, op in enumerate(ops) if op.kind == "evict" and op.unit == block)
+    size = schedule.slots[0].nbytes
+    load = Op(when="after", anchor=block, stream="copy", kind="load", unit=block, slot=slot, nbytes=size)
+    ops.insert(evict, load)
+    slots = [*schedule.slots, Slot(name="s2", nbytes=size)]
+    return attrs.evolve(schedule, ops=ops, slots=slots)
+
+
+def _bump(module: torch.nn.Module, args: object) -> None:
+    module.scale.add_(1)  # a buffer the forward writes in place (a running statistic, a counter)
+
+
+@torch.no_grad()
+def test_a_ready_block_loaded_again_into_its_slot_waits_for_its_reads_and_keeps_its_writes(
+    hand_ring: Callable[..., Schedule],
+) -> None:
+    """Loading a block again into its own slot after its forward orders the copy after that forward's
+    reads (the stream sanitizer sees it; before, the copy waited only on the slot's previous occupant)
+    and keeps what the forward wrote to its buffers there, as the plain run does."""
+    p, ref = toy.build(0), toy.build(0)
+    plan = _plan(p)
+    block = "transformer.blocks.2"
+    schedule = _again(hand_ring(plan), block, "s0")
+    for pipe in (p, ref):
+        pipe.transformer.blocks[2].register_forward_pre_hook(_bump)
+    with runtime.execute(schedule, p, plan, device="cpu"):
+        out = p.transformer(*_inputs())
+    assert torch.equal(out, ref.transformer(*_inputs()))
+    assert torch.equal(p.transformer.blocks[2].scale, ref.transformer.blocks[2].scale)
+    assert same_weights(p, ref)
+
+
+@torch.no_grad()
+def test_a_ready_block_loaded_again_into_another_slot_frees_the_one_it_left(
+    hand_ring: Callable[..., Schedule],
+) -> None:
+    """A block loaded again into another slot leaves the first one free: the next block the ring loads
+    there finds it free (before, the block stayed its occupant and that load raised)."""
+    p, ref = toy.build(0), toy.build(0)
+    plan = _plan(p)
+    schedule = _again(hand_ring(plan), "transformer.blocks.2", "s2")
+    with runtime.execute(schedule, p, plan, device="cpu") as engine:
+        out = p.transformer(*_inputs())
+        assert engine.occupants == {}
+    assert torch.equal(out, ref.transformer(*_inputs()))

@@ -164,6 +164,7 @@ class Mover:
                 f"load of {unit.name}: this rank holds only its shard of the block; the schedule must "
                 "load the shard and all-gather it (the distributed_layerwise policy does)"
             )
+        self._leave_first(unit, op)
         dst, views = pack.views(name, slot.data)
         self.streams.copy_in(slot, dst, pack.host)
         self._placed_in(unit, name, slot, views)
@@ -176,6 +177,15 @@ class Mover:
                 f"{op.kind} of {unit.name} into slot {op.slot} while {held.name} still occupies it"
             )
 
+    def _leave_first(self, unit: Unit, op: Op) -> None:
+        """``unit`` is loaded or gathered again while a slot holds it (`check` allows it): it leaves
+        that slot first, as at an evict, so the new copy is ordered after this unit's own reads (the
+        slot's ``free`` is recorded after them), what a forward wrote to its buffers there is kept,
+        its tensors point at the host copy until the next wait, and the slot it leaves, when another,
+        is free for its next occupant."""
+        if unit.name in self.transfers:
+            self._evict(unit, op)
+
     def _placed_in(self, unit: Unit, name: str, slot: DeviceBuffer, views: tuple[torch.Tensor, ...]) -> None:
         # The tensors move to ``views`` at the wait, once compute is ordered after the copy: until
         # then anything that reads them (a hook, a tied weight, the caller between steps) reads the
@@ -184,10 +194,6 @@ class Mover:
         # may write one), or every tensor when the engine bumped the pack's versions since its last
         # load (`Pack.rewatch`: the session guard then cannot tell an edit from that bump).
         pack = unit.packs[0]
-        if pack.where is _READY:
-            # Loaded again while on the device (`check` allows it): back at its host copy until the
-            # wait, as any pack in flight, so an evict before that wait leaves nothing in the slot.
-            pack.point(pack.host_views)
         pack.arriving = views
         if pack.rewatch:
             pack.rewatch = False
@@ -217,6 +223,7 @@ class Mover:
                 f"{'no shard' if held is None else 'the shard of ' + held.name}; load its shard first"
             )
         self._claim(unit, op)
+        self._leave_first(unit, op)
         pack = unit.packs[0]
         src = self.slots.get(op.src)
         slot = self.slots.get(op.slot)
