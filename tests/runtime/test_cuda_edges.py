@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import math
 import re
 import types
 from collections.abc import Callable, Iterator
@@ -18,9 +19,9 @@ import torch
 from module_checks import hook_count, same_weights
 
 import torchferry
-from torchferry import ExecutionError, OffloadWarning, runtime, topology
+from torchferry import ExecutionError, OffloadWarning, policies, runtime, topology
 from torchferry.policies import Op, Schedule, Slot
-from torchferry.runtime import PackState, resolved, same_device, stream_factory
+from torchferry.runtime import PackState, Tracer, resolved, same_device, stream_factory
 from torchferry.runtime._host import HostStore
 from torchferry.runtime._pinning import (
     PAGE,
@@ -366,3 +367,51 @@ def test_a_ready_block_loaded_again_into_another_slot_frees_the_one_it_left(
         out = p.transformer(*_inputs())
         assert engine.occupants == {}
     assert torch.equal(out, ref.transformer(*_inputs()))
+
+
+# --------------------------------------------------------------------- 4. where a trace starts
+class _FakeStream:
+    """A CUDA stream as the tracer sees it: ``at`` is when work enqueued on it now would run."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+
+class _FakeEvent:
+    """A timing CUDA event: recorded on a `_FakeStream`, it completes when that stream gets there."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = math.nan
+
+    def record(self, stream: _FakeStream) -> None:
+        self.at = stream.at
+
+    def elapsed_time(self, other: _FakeEvent) -> float:
+        return (other.at - self.at) * 1e3
+
+
+def test_a_traced_step_starts_when_compute_reaches_it_not_when_an_idle_stream_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA a traced step that begins while compute still runs 50 ms queued by an untraced step before
+    it measures its own 10 ms (the idle copy and comm streams reach their marks at once; the start was
+    taken from them), and a copy that ran before compute got there counts from the step's start."""
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    p = toy.build(0)
+    schedule = policies.layerwise(depth=1)(_plan(p), policies.Step(component="transformer"))
+    streams = types.SimpleNamespace(compute=_FakeStream(0.050), copy=_FakeStream(0.0), comm=_FakeStream(0.0))
+    tracer = Tracer("cuda", "transformer")
+    assert tracer.wants(schedule.step)
+    tracer.start(schedule, streams)
+    load = next(i for i, op in enumerate(schedule.ops) if op.kind == "load")
+    tracer.at(load, schedule.ops[load])
+    streams.copy.at = 0.045
+    begin = tracer.mark(streams.copy)
+    streams.copy.at = 0.055
+    tracer.span("copy", begin, tracer.mark(streams.copy), 1024)
+    streams.compute.at = 0.060
+    trace = tracer.stop()
+    assert trace.wall_s == pytest.approx(0.010)
+    (copy,) = trace.on("copy")
+    assert (copy.start_s, copy.end_s) == (0.0, pytest.approx(0.005))
