@@ -33,7 +33,8 @@ from torchferry.runtime._pinning import (
     last_error,
 )
 from torchferry.runtime._streams import CpuStreams, regrow
-from torchferry.testing import toy
+from torchferry.testing import StreamSanitizer, toy
+from torchferry.testing._sanitizer import caller_stream
 from torchferry.topology import PACK_ALIGN
 
 
@@ -415,3 +416,32 @@ def test_a_traced_step_starts_when_compute_reaches_it_not_when_an_idle_stream_do
     assert trace.wall_s == pytest.approx(0.010)
     (copy,) = trace.on("copy")
     assert (copy.start_s, copy.end_s) == (0.0, pytest.approx(0.005))
+
+
+# ------------------------------------------------------------- 5. the caller's stream changes
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"strategy": "model_level"},
+        {"strategy": "layerwise", "prefetch_depth": 2},
+        {"strategy": "layerwise", "resident_layers": 2},
+    ],
+    ids=["model_level", "layerwise d2", "resident set"],
+)
+def test_a_step_on_another_caller_stream_is_ordered_after_the_last_and_owns_its_memory(
+    options: dict[str, Any],
+) -> None:
+    """A call on another stream than the last (``torch.cuda.stream(s)`` around it) reads what the last
+    step left on the device only after it was made ready there, and every buffer the engine holds is
+    handed to the new stream, which the stream sanitizer's second compute stream checks."""
+    p, ref = toy.build(0), toy.build(0)
+    with torchferry.offload(p, **options) as session:
+        first = p("a cat")
+        with caller_stream("side"):
+            second = p("a cat")
+        third = p("a cat")
+        assert isinstance(session.engine.streams, StreamSanitizer)
+        assert session.engine.streams.compute == "compute"
+    expected = ref("a cat")
+    assert all(torch.equal(out, expected) for out in (first, second, third))

@@ -291,7 +291,7 @@ class Engine(Mover):
             if program.agreed is None:
                 program.agreed = schedule_text(schedule, self.plan)
             self.comm.agree(f"the schedule of step {step_name(schedule.step)}", program.agreed)
-        self.streams.begin()
+        self.streams.begin(self.buffers())
         self.slots.prepare(schedule.slots, occupied=self.placed.values(), used=program.slots)
         self.ledger.mark()
         program.pc = 0

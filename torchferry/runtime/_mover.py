@@ -12,7 +12,7 @@ close ([Note: the multi-rank engine] in `_engine` says how loads of shards and g
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import MethodType
 
 import torch
@@ -139,6 +139,16 @@ class Mover:
             self.transfers.clear()
             self.occupants.clear()
             self.placed.clear()
+
+    def buffers(self) -> Iterator[DeviceBuffer]:
+        """Every device buffer this mover holds: slots (parked ones too), staged copies, staging."""
+        for _, buffer in (*self.slots.slots.values(), *self.slots.parked.values()):
+            yield buffer
+        for held in self.staged.values():
+            for buffer, _ in held:
+                yield buffer
+        if self._staging is not None:
+            yield self._staging
 
     def _free(self) -> None:
         """Give the slots' and the staging buffer's device memory back (nothing may still write them)."""

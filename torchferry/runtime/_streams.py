@@ -17,6 +17,10 @@ Nothing on the host ever waits for the device: ordering is expressed only with e
   next writer, on another stream, could race a gather still writing it (write-after-write).
 - A gather (multi-rank) has the comm stream wait on the shard copy's event, all-gathers into the
   block slot and records that slot's ``ready`` event on the comm stream; the wait is the same.
+- A caller that runs a step on another stream than the last (``with torch.cuda.stream(s):``) gets
+  that stream adopted as compute, ordered after the old one, and every buffer the engine holds
+  handed to it (``record_stream``), so what the last step left ready is read after it was made
+  ready and no memory allocated on the old stream goes back to it while the new one reads it.
 - Staging gives a unit fresh memory allocated on the compute stream; the copy stream first waits on
   the compute stream (the fresh memory may be a block compute just released), copies, and the compute
   stream waits on that copy before anything later is enqueued.
@@ -30,7 +34,7 @@ one code path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, final
 
 import attrs
@@ -127,8 +131,15 @@ class StreamContext(Protocol):
     #: The tracer of the step being traced (see `Timer`), else ``None``: one check per copy.
     tracer: Timer | None
 
-    def begin(self) -> None:
-        """Called when a step starts: adopt the current stream as the compute stream."""
+    def begin(self, live: Iterable[DeviceBuffer]) -> None:
+        """Called when a step starts: adopt the current stream as the compute stream.
+
+        When it is another stream than the last step's (the caller switched streams between calls),
+        order it after that one (what the last step left on the device was made ready for the old
+        stream) and hand it ``live``, the device buffers the engine holds (their memory belongs to
+        the stream it was allocated on, which the allocator could give it back to while the new one
+        still reads it).
+        """
         ...
 
     def transfer(self, nbytes: int) -> DeviceBuffer:
@@ -176,7 +187,7 @@ class CpuStreams:
         self.device = device
         self.tracer: Timer | None = None
 
-    def begin(self) -> None: ...
+    def begin(self, live: Iterable[DeviceBuffer]) -> None: ...
 
     def transfer(self, nbytes: int) -> DeviceBuffer:
         return DeviceBuffer(data=aligned_empty(nbytes, self.device))
@@ -220,8 +231,15 @@ class CudaStreams:
         # Why: the compute stream is the caller's current stream, captured at each step's start.
         self.compute = torch.cuda.current_stream(device)
 
-    def begin(self) -> None:
-        self.compute = torch.cuda.current_stream(self.device)
+    def begin(self, live: Iterable[DeviceBuffer]) -> None:
+        current = torch.cuda.current_stream(self.device)
+        if current == self.compute:
+            return
+        current.wait_stream(self.compute)
+        for buffer in live:
+            if buffer.data.untyped_storage().nbytes():  # a parked slot grows back on the stream current then
+                buffer.data.record_stream(current)
+        self.compute = current
 
     def transfer(self, nbytes: int) -> DeviceBuffer:
         with torch.cuda.stream(self.compute):
