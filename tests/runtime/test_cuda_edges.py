@@ -445,3 +445,26 @@ def test_a_step_on_another_caller_stream_is_ordered_after_the_last_and_owns_its_
         assert session.engine.streams.compute == "compute"
     expected = ref("a cat")
     assert all(torch.equal(out, expected) for out in (first, second, third))
+
+
+# ----------------------------------------------------------------------- 7. autocast's cast cache
+def test_autocast_caches_no_cast_copy_of_a_streamed_weight_and_outputs_stay_exact() -> None:
+    """Under ``torch.autocast`` the cast cache (which would keep every streamed block's cast copy on the
+    device, keyed on the re-pointed weight) is off while a step runs and on again after it, a step that
+    raised included; outputs equal the plain autocast run's, which caches."""
+    p, ref = toy.build(0), toy.build(0)
+    seen: list[bool] = []
+    block = p.transformer.blocks[4]
+    block.register_forward_pre_hook(lambda m, a: seen.append(torch.is_autocast_cache_enabled()))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = ref("a cat")
+        with torchferry.offload(p, strategy="layerwise", prefetch_depth=2):
+            out = p("a cat")
+            assert torch.is_autocast_cache_enabled()
+            handle = p.transformer.blocks[6].register_forward_pre_hook(_assert("a failing step"))
+            with pytest.raises(RuntimeError, match="a failing step"):
+                p("a cat")
+            handle.remove()
+            assert torch.is_autocast_cache_enabled()
+    assert torch.equal(out, expected)
+    assert seen and not any(seen)

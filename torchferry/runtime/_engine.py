@@ -47,6 +47,7 @@ import torch
 
 from torchferry._errors import ExecutionError, OffloadWarning, PlanError
 from torchferry.policies import Placement, Schedule, layout
+from torchferry.runtime._autocast import CastCache
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger
@@ -145,6 +146,8 @@ class Engine(Mover):
         )
         # Why: a tracer waiting for the step it measures (see `Tracer`, `arm`); ``None``: nothing is traced.
         self._tracing: Tracer | None = None
+        # Why: autocast's cast cache is off while a step runs ([Note: autocast] in `_autocast`).
+        self._casts = CastCache()
 
     def _open(
         self,
@@ -300,6 +303,7 @@ class Engine(Mover):
         if self._tracing is not None and self._tracing.wants(schedule.step):
             self.tracer = self.streams.tracer = self._tracing
             self.tracer.start(schedule, self.streams)
+        self._casts.step_begins()
         return program
 
     def finish(self) -> None:
@@ -308,6 +312,7 @@ class Engine(Mover):
         if program is None:
             return
         self.program = None
+        self._casts.step_ends()
         schedule = program.schedule
         if program.pc < len(program.calls):
             self.abort()
@@ -370,6 +375,7 @@ class Engine(Mover):
 
     def _abort(self) -> None:
         self.program = None
+        self._casts.step_ends()
         tracer = self.tracer
         if tracer is not None:
             self._untrace()
