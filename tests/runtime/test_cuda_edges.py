@@ -468,3 +468,20 @@ def test_autocast_caches_no_cast_copy_of_a_streamed_weight_and_outputs_stay_exac
             assert torch.is_autocast_cache_enabled()
     assert torch.equal(out, expected)
     assert seen and not any(seen)
+
+
+@torch.no_grad()
+def test_execute_on_a_device_that_dies_keeps_the_callers_exception(hand_ring: Callable[..., Schedule]) -> None:
+    """`runtime.execute` whose body fails on a dead device raises the body's exception (the engine's close
+    then fails too, after giving every weight back), and the pipeline is as it was."""
+    p, ref = toy.build(0), toy.build(0)
+    plan = _plan(p)
+    with (
+        _dying() as made,
+        pytest.raises(RuntimeError, match="device-side assert") as caught,
+        runtime.execute(hand_ring(plan), p, plan, device="cpu"),
+    ):
+        made[0].dead = True
+        raise RuntimeError("CUDA error: device-side assert triggered")
+    assert type(caught.value) is RuntimeError
+    assert hook_count(p) == 0 and same_weights(p, ref)

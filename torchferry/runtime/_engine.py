@@ -470,6 +470,14 @@ def execute(
             runner.abort()
             raise
         runner.finish()
-    finally:
+    except BaseException as exc:
         if own:
-            runner.close()
+            try:
+                runner.close()
+            except Exception as also:  # the body's own exception is the one to see (a dead device)
+                note = getattr(exc, "add_note", None)
+                if note is not None:
+                    note(f"torchferry: closing the engine afterwards raised too: {also!r}")
+        raise
+    if own:
+        runner.close()
