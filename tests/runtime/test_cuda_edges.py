@@ -471,7 +471,9 @@ def test_autocast_caches_no_cast_copy_of_a_streamed_weight_and_outputs_stay_exac
 
 
 @torch.no_grad()
-def test_execute_on_a_device_that_dies_keeps_the_callers_exception(hand_ring: Callable[..., Schedule]) -> None:
+def test_execute_on_a_device_that_dies_keeps_the_callers_exception(
+    hand_ring: Callable[..., Schedule],
+) -> None:
     """`runtime.execute` whose body fails on a dead device raises the body's exception (the engine's close
     then fails too, after giving every weight back), and the pipeline is as it was."""
     p, ref = toy.build(0), toy.build(0)
