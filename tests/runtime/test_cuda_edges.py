@@ -487,3 +487,40 @@ def test_execute_on_a_device_that_dies_keeps_the_callers_exception(
         raise RuntimeError("CUDA error: device-side assert triggered")
     assert type(caught.value) is RuntimeError
     assert hook_count(p) == 0 and same_weights(p, ref)
+
+
+# ----------------------------------------------------------------------------- on a real GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_on_cuda_an_edit_of_a_weight_on_the_device_is_adopted_on_the_default_device() -> None:
+    """With ``device=None`` (``cuda``, whose tensors report ``cuda:0``) an in-place edit of a staged weight
+    between calls is adopted at the next step, not refused, and reaches the weights after close."""
+    p, ref = toy.build(0), toy.build(0)
+    with torchferry.offload(p, strategy="model_level"):
+        p("a cat")
+        weight = p.transformer.blocks[0].q.weight
+        assert weight.device == torch.device("cuda", torch.cuda.current_device())
+        weight.mul_(2)
+        ref.transformer.blocks[0].q.weight.mul_(2)
+        out = p("a cat").cpu()
+    assert torch.allclose(out, ref("a cat"), atol=1e-4, rtol=1e-4)
+    assert torch.equal(p.transformer.blocks[0].q.weight, ref.transformer.blocks[0].q.weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+@pytest.mark.parametrize("strategy", ["model_level", "layerwise"])
+def test_on_cuda_calls_on_another_stream_give_the_same_output(strategy: str) -> None:
+    """A call made on a side stream between calls on the default stream gives the same output."""
+    p = toy.build(0)
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torchferry.offload(p, strategy=strategy, device="cuda"):
+        first = p("a cat")
+        with torch.cuda.stream(side):
+            second = p("a cat")
+        torch.cuda.current_stream().wait_stream(side)
+        third = p("a cat")
+        torch.cuda.synchronize()
+    assert torch.equal(first, second) and torch.equal(first, third)
