@@ -412,9 +412,9 @@ class Engine(Mover):
             raise ExecutionError(
                 f"the device {self.device} failed ({type(self.device_error).__name__}: {self.device_error}); "
                 "its memory went with its context, and every weight was given back from its host copy "
-                "(no weight is lost; in-place writes into device copies since the last step are). CUDA "
-                "cannot be used again in this process: restart it (CUDA_LAUNCH_BLOCKING=1 names the "
-                "failing kernel)"
+                "(no weight is lost, only what was written in place into device copies since the last "
+                "step). CUDA cannot be used again in this process: restart it (CUDA_LAUNCH_BLOCKING=1 "
+                "names the failing kernel)"
             ) from self.device_error
         if self.store.sharded:
             names = [g.name for g in self.store.sharded]
