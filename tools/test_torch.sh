@@ -4,9 +4,10 @@
 #   tools/test_torch.sh [VERSION] [VENV]      # defaults: 2.11.0, .venv-torch-VERSION
 #
 # Builds (once) a virtual environment with torch==VERSION from the package index (on Linux that is
-# the CUDA build: several GB with its CUDA libraries, run on the CPU here) and every other package
-# at the release constraints.txt pins, installs this checkout into it, then runs ruff-free checks:
-# mypy when present and the whole pytest suite. Extra arguments after the second go to pytest.
+# the CUDA build: about 4.7 GB with its CUDA libraries; it runs on the CPU) and every other package
+# at the release constraints.txt pins (torchao, whose pinned release needs the newer torch, and so
+# the quant extra, left out), installs this checkout into it, then runs the whole pytest suite.
+# Arguments after the second go to pytest. docs/testing.md says when to run it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version="${1:-2.11.0}"
