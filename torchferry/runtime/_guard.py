@@ -102,7 +102,7 @@ def _write_back(r: _Record) -> bool:
     """Copy ``r``'s tensor into its host copy when it points elsewhere (a device copy, or the object
     a ``.data =`` gave it); whether it copied."""
     host = r.pack.host_views[r.index]
-    if _pointer(r.tensor) == _pointer(host):
+    if _pointer(r.tensor) == _pointer(host) or r.tensor.is_meta:  # meta (a test device) holds no bytes
         return False
     with torch.no_grad():
         host.copy_(r.tensor.detach())
