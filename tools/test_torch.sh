@@ -4,7 +4,7 @@
 #   tools/test_torch.sh [VERSION] [VENV]      # defaults: 2.11.0, .venv-torch-VERSION
 #
 # Builds (once) a virtual environment with torch==VERSION from the package index (on Linux that is
-# the CUDA build: about 4.7 GB with its CUDA libraries; it runs on the CPU) and every other package
+# the CUDA build: about 5 GB with its CUDA libraries; it runs on the CPU) and every other package
 # at the release constraints.txt pins (torchao, whose pinned release needs the newer torch, and so
 # the quant extra, left out), installs this checkout into it, then runs the whole pytest suite.
 # Arguments after the second go to pytest. docs/testing.md says when to run it.
