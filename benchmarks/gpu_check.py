@@ -84,7 +84,7 @@ from torchferry.testing import toy
 from torchferry.topology import PACK_ALIGN, Declaration, find_attr
 
 #: The whole run ends within this many seconds, subprocesses included (`Check.row` stops a row that
-#: runs past it and skips the rows after): under the 8 minutes a lent GPU machine gives one command.
+#: runs past it and skips the rows after): under 8 minutes, so a lent GPU machine's time fits a rerun.
 DEADLINE_S = 450.0
 STEP_TARGET = 0.05
 H2D_TARGET = 0.90
