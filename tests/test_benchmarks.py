@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,8 @@ def _run(script: str, *args: str, timeout: float = 120) -> str:
 
 
 def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
-    """gpu_check --quick on CPU skips only its CUDA rows, fails none, and every variant matches resident."""
+    """gpu_check --quick on CPU skips only its CUDA rows, fails none, every variant matches resident, and
+    the probes of the CUDA path and ordering-stress rows fire: inside blocks after their waits, in slots."""
     out = _run("gpu_check.py", "--quick", "--cpu", "--out", str(tmp_path))
     assert "no CUDA device (or --cpu): skipped" in out
     result = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -63,9 +64,7 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
     assert file_tier["identical"] is True and file_tier["direct"]["reader_modes"] == ["direct"]
     cuda_only = {
         "bandwidth",
-        "cuda path",
         "host syncs",
-        "ordering stress",
         "cuda sanitizer",
         "demo",
         "wan pipeline",
@@ -79,6 +78,14 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
         assert rows[name]["identical"] is True, name
     assert rows["exception mid-step"]["weights_identical"] is True
     assert rows["open close"]["pinned_bytes_after_close"] == 0
+    path = rows["cuda path"]
+    assert path["stream_context"] == "CpuStreams" and path["probe_fired"] is True
+    assert path["block_params_in_a_slot"] is True and path["block_params_256_aligned"] is True
+    stress = rows["ordering stress"]
+    calls = 3 * result["size"]["blocks"]
+    for depth in (1, 2):
+        assert stress[f"d{depth}_block_reads_checked"] == calls
+        assert stress[f"d{depth}_block_reads_exact"] is True
 
 
 def test_gpu_check_needs_only_torch_and_torchferry(tmp_path: Path) -> None:
@@ -214,32 +221,25 @@ def _cpu_check(tmp_path: Path) -> Any:
     return check
 
 
-def test_gpu_check_ordering_stress_logic_holds_on_cpu(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The CUDA-only ordering-stress row, run on the CPU without its injected sleeps, finds every output
-    identical and every weight of the blocks a call leaves in flight read as its own bytes after each call."""
-    gpu_check = _module("gpu_check")
-    monkeypatch.setattr(gpu_check, "delayed", lambda streams: contextlib.nullcontext())
+def test_gpu_check_ordering_stress_logic_holds_on_cpu(tmp_path: Path) -> None:
+    """The ordering-stress row, run on the CPU (no sleeps there), finds every output identical and every
+    weight each block's forward reads, checked inside the forward, its own bytes."""
     check = _cpu_check(tmp_path)
-    monkeypatch.setattr(check, "needs_cuda", lambda: None)
+    calls = 3 * check.size.blocks
     assert check.ordering_stress() == {
         "d1_identical": True,
-        "d1_reads_between_calls_exact": True,
+        "d1_block_reads_checked": calls,
+        "d1_block_reads_exact": True,
         "d2_identical": True,
-        "d2_reads_between_calls_exact": True,
+        "d2_block_reads_checked": calls,
+        "d2_block_reads_exact": True,
     }
 
 
-def test_gpu_check_ordering_stress_fails_on_weights_read_wrong(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The ordering-stress row fails, naming the read check, when a block in flight reads other bytes
-    after a call than it held before the session."""
-    gpu_check = _module("gpu_check")
-    monkeypatch.setattr(gpu_check, "delayed", lambda streams: contextlib.nullcontext())
+def test_gpu_check_ordering_stress_fails_on_weights_read_wrong(tmp_path: Path) -> None:
+    """The ordering-stress row fails, naming the read check, when a block's forward reads other bytes than
+    the block held before the session (here: a weight edited between calls)."""
     check = _cpu_check(tmp_path)
-    monkeypatch.setattr(check, "needs_cuda", lambda: None)
     weight = next(check.model.transformer.blocks[0].parameters())
     call = check.fn
 
@@ -252,9 +252,32 @@ def test_gpu_check_ordering_stress_fails_on_weights_read_wrong(
 
         return run
 
-    monkeypatch.setattr(check, "fn", spoiled)
-    with pytest.raises(AssertionError, match="d1_reads_between_calls_exact': False"):
+    check.fn = spoiled
+    with pytest.raises(AssertionError, match="d1_block_reads_exact': False"):
         check.ordering_stress()
+
+
+def test_gpu_check_keeps_one_deadline_for_the_whole_run(tmp_path: Path) -> None:
+    """A row still running at the run's deadline fails there (the timer stops it), rows after it are
+    skipped, and a subprocess gets no timeout beyond what is left."""
+    gpu_check = _module("gpu_check")
+    check = _cpu_check(tmp_path)
+    check.deadline = time.perf_counter() + 60
+    assert check.budget(300) == pytest.approx(55, abs=1)
+    check.deadline = time.perf_counter() + 0.5
+
+    def slow() -> dict[str, Any]:
+        time.sleep(5)
+        return {}
+
+    began = time.perf_counter()
+    entry = check.row("slow", slow)
+    assert entry["status"] == "FAILED" and entry["error"].startswith("Deadline: the run reached its")
+    assert time.perf_counter() - began < 4.5  # stopped, not slept out
+    assert check.row("after", lambda: {"ran": True})["status"] == "skipped"
+    with pytest.raises(gpu_check.Skip):
+        check.budget(300)
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["rows"]["after"]["status"] == "skipped"
 
 
 def test_host_tier_benchmark_runs_on_cpu(tmp_path: Path) -> None:

@@ -590,7 +590,17 @@ class Session:
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close(gather=self.gather_on_close and kind is None)
+        if value is None:
+            self.close(gather=self.gather_on_close)
+            return
+        try:
+            self.close()
+        except Exception as exc:
+            # The body's own exception is the one to see (a device that failed mid-step fails close
+            # too, after close has given every weight back): close's is noted on it, not raised.
+            note = getattr(value, "add_note", None)
+            if note is not None:
+                note(f"torchferry: closing the session afterwards raised too: {type(exc).__name__}: {exc}")
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -357,6 +357,9 @@ def test_a_pipeline_call_feeds_every_managed_module_on_the_session_device(build:
     assert type(pipe) is cls and pipe._execution_device == torch.device("cpu")  # given back at close
 
 
+# On meta (a test device) the failed step's abort cannot swap the weights back while the failing
+# frames still hold them, which torch reports as a warning; the call's own RuntimeError is what is checked.
+@pytest.mark.filterwarnings("ignore:module forward hook with ``always_call=True`` raised:UserWarning")
 def test_without_the_input_hooks_the_probe_sees_host_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     """The probe is a real check: with the session's input handling removed, CPU tensors reach the DiT."""
 

@@ -15,6 +15,8 @@ from torchferry.runtime._claims import Claim as Claim
 from torchferry.runtime._claims import Watch as Watch
 from torchferry.runtime._claims import refuse_foreign as refuse_foreign
 from torchferry.runtime._comm import Comm as Comm
+from torchferry.runtime._devices import resolved as resolved
+from torchferry.runtime._devices import same_device as same_device
 from torchferry.runtime._engine import Engine, execute
 from torchferry.runtime._engine import stream_factory as stream_factory
 from torchferry.runtime._guard import SessionGuard as SessionGuard
@@ -34,6 +36,7 @@ from torchferry.runtime._steps import prove as prove
 from torchferry.runtime._streams import DeviceBuffer as DeviceBuffer
 from torchferry.runtime._streams import StreamContext as StreamContext
 from torchferry.runtime._streams import Timer as Timer
+from torchferry.runtime._streams import aligned_empty as aligned_empty
 from torchferry.runtime._trace import Span, StepTrace, Tracer
 from torchferry.runtime._widen import keep_lists as keep_lists
 

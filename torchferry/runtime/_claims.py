@@ -37,6 +37,7 @@ import torch
 
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.runtime._casting import diffusers_cast
+from torchferry.runtime._devices import same_device
 from torchferry.topology import Plan, Topology, exact_cast, find_attr
 
 __all__ = ["Claims", "Watch", "called_outside", "enabled_offloaders", "offloader_enabled", "refuse_foreign"]
@@ -326,9 +327,7 @@ def _own(root: torch.nn.Module) -> Iterator[torch.Tensor]:
 
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:
-    if t.device.type != device.type:
-        return False
-    return device.index is None or t.device.index == device.index
+    return same_device(t.device, device)
 
 
 def called_outside(plan: Plan, path: str, where: str) -> ExecutionError:

@@ -8,7 +8,7 @@ import attrs
 
 from torchferry._errors import ExecutionError
 from torchferry.policies import Slot
-from torchferry.runtime._streams import DeviceBuffer, StreamContext
+from torchferry.runtime._streams import DeviceBuffer, StreamContext, regrow
 
 __all__ = ["Ledger", "SlotPool"]
 
@@ -85,7 +85,7 @@ class SlotPool:
         parked = self.parked.get(name)
         if parked is not None and parked[0].nbytes == slot.nbytes:
             transfer = parked[1]
-            transfer.data.untyped_storage().resize_(slot.nbytes)
+            regrow(transfer, slot.nbytes)
             transfer.free = None  # fresh memory: the next copy orders itself after compute instead
         else:
             transfer = self.streams.transfer(slot.nbytes)

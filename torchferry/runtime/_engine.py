@@ -47,9 +47,11 @@ import torch
 
 from torchferry._errors import ExecutionError, OffloadWarning, PlanError
 from torchferry.policies import Placement, Schedule, layout
+from torchferry.runtime._autocast import CastCache
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger
+from torchferry.runtime._devices import resolved
 from torchferry.runtime._hooks import Driver, Hooks
 from torchferry.runtime._host import HostStore
 from torchferry.runtime._mover import Mover
@@ -112,7 +114,8 @@ class Engine(Mover):
     ) -> None:
         self.pipeline = pipeline
         self.plan = plan
-        self.device = torch.device(device)
+        # Why: resolved once (`cuda` -> `cuda:0`), so each check of where a tensor is compares like forms.
+        self.device = resolved(device)
         self.streams: StreamContext = stream_context(self.device) if STREAMS is None else STREAMS(self)
         self.ledger = Ledger()
         pin = pin_memory and self.device.type == "cuda" and torch.cuda.is_available()
@@ -128,6 +131,8 @@ class Engine(Mover):
             )
         #: The weight-shard group's collectives, or ``None`` when nothing is all-gathered.
         self.comm = comm if world > 1 else None
+        #: What a synchronize of the device raised (see `synchronize`), or ``None`` while it works.
+        self.device_error: Exception | None = None
         sharding = None
         if self.comm is not None:
             self.comm.agree("the plan", plan.digest)
@@ -147,6 +152,8 @@ class Engine(Mover):
         )
         # Why: a tracer waiting for the step it measures (see `Tracer`, `arm`); ``None``: nothing is traced.
         self._tracing: Tracer | None = None
+        # Why: autocast's cast cache is off while a step runs ([Note: autocast] in `_autocast`).
+        self._casts = CastCache()
 
     def _open(
         self,
@@ -307,7 +314,7 @@ class Engine(Mover):
             if program.agreed is None:
                 program.agreed = schedule_text(schedule, self.plan)
             self.comm.agree(f"the schedule of step {step_name(schedule.step)}", program.agreed)
-        self.streams.begin()
+        self.streams.begin(self.buffers())
         self.slots.prepare(schedule.slots, occupied=self.placed.values(), used=program.slots)
         self.ledger.mark()
         program.pc = 0
@@ -316,6 +323,7 @@ class Engine(Mover):
         if self._tracing is not None and self._tracing.wants(schedule.step):
             self.tracer = self.streams.tracer = self._tracing
             self.tracer.start(schedule, self.streams)
+        self._casts.step_begins()
         return program
 
     def finish(self) -> None:
@@ -324,6 +332,7 @@ class Engine(Mover):
         if program is None:
             return
         self.program = None
+        self._casts.step_ends()
         schedule = program.schedule
         if program.pc < len(program.calls):
             self.abort()
@@ -360,19 +369,39 @@ class Engine(Mover):
         self.tracer = self.streams.tracer = None
         self._tracing = None
 
+    def synchronize(self) -> bool:
+        """Block until every stream is idle; whether the device still works.
+
+        A synchronize that raises (a device-side assert or an illegal address: CUDA's sticky errors,
+        after which the context is dead) is kept in `device_error`, not raised: its device copies are
+        lost with the context, the host copies are not, and the recovery that called it (abort,
+        close) must still point every weight back at them. Once failed, the device is not asked again.
+        """
+        if self.device_error is not None:
+            return False
+        try:
+            self.streams.synchronize()
+        except Exception as exc:
+            self.device_error = exc
+            return False
+        return True
+
     def abort(self) -> None:
-        """Drop every device copy and point all weights at host memory: always safe, never loses one."""
+        """Drop every device copy and point all weights at host memory: always safe, never loses one
+        (a device that fails to synchronize is noted in `device_error`, and the weights go back all
+        the same)."""
         with _ordinary():
             self._abort()
 
     def _abort(self) -> None:
         self.program = None
+        self._casts.step_ends()
         tracer = self.tracer
         if tracer is not None:
             self._untrace()
             tracer.fail()
         if not self.broken:
-            self.streams.synchronize()
+            self.synchronize()
         self._drop_all()
         self._residency = ()
 
@@ -392,12 +421,21 @@ class Engine(Mover):
         self.abort()
         self._programs.clear()
         # After a failed collective a gather still queued may write the slots and the staging buffer
-        # one day, so their memory is kept, and no collective is tried (see [Note: failures] in `_comm`).
-        if not self.broken:
+        # one day, so their memory is kept, and no collective is tried (see [Note: failures] in `_comm`);
+        # a device that failed to synchronize is asked nothing more either.
+        if not self.broken and self.device_error is None:
             self._free()
             if gather:
                 self.gather_host()
         self.store.close()
+        if self.device_error is not None:
+            raise ExecutionError(
+                f"the device {self.device} failed ({type(self.device_error).__name__}: {self.device_error}); "
+                "its memory went with its context, and every weight was given back from its host copy "
+                "(no weight is lost, only what was written in place into device copies since the last "
+                "step). CUDA cannot be used again in this process: restart it (CUDA_LAUNCH_BLOCKING=1 "
+                "names the failing kernel)"
+            ) from self.device_error
         if self.store.sharded:
             names = [g.name for g in self.store.sharded]
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
@@ -452,6 +490,14 @@ def execute(
             runner.abort()
             raise
         runner.finish()
-    finally:
+    except BaseException as exc:
         if own:
-            runner.close()
+            try:
+                runner.close()
+            except Exception as also:  # the body's own exception is the one to see (a dead device)
+                note = getattr(exc, "add_note", None)
+                if note is not None:
+                    note(f"torchferry: closing the engine afterwards raised too: {also!r}")
+        raise
+    if own:
+        runner.close()

@@ -67,6 +67,7 @@ from torch import nn
 from torchferry._errors import ExecutionError
 from torchferry.runtime._casting import Casting
 from torchferry.runtime._claims import REGISTRATIONS
+from torchferry.runtime._devices import same_device
 from torchferry.runtime._overrides import Overrides
 from torchferry.runtime._pack import Pack, PackState
 from torchferry.runtime._wrappers import holders
@@ -103,7 +104,7 @@ def _write_back(r: _Record) -> bool:
     """Copy ``r``'s tensor into its host copy when it points elsewhere (a device copy, or the object
     a ``.data =`` gave it); whether it copied."""
     host = r.pack.host_views[r.index]
-    if _pointer(r.tensor) == _pointer(host):
+    if _pointer(r.tensor) == _pointer(host) or r.tensor.is_meta:  # meta (a test device) holds no bytes
         return False
     with torch.no_grad():
         host.copy_(r.tensor.detach())
@@ -271,9 +272,8 @@ class SessionGuard:
             for r, version, then in zip(self._records, versions, self._versions, strict=True)
             if version != then and r.pack.shard is None
         ]
-        if not changed:
-            return
-        engine.streams.synchronize()
+        if not changed or not engine.synchronize():
+            return  # a device that failed to synchronize holds nothing that can be read back
         for r in changed:
             if self._problem(r) is None:
                 _write_back(r)
@@ -432,7 +432,7 @@ class SessionGuard:
         if (
             tuple(t.shape) != piece.shape
             or t.dtype != piece.dtype
-            or t.device not in (r.pack.host.device, self.engine.device)
+            or not (same_device(t.device, r.pack.host.device) or same_device(t.device, self.engine.device))
         ):
             return (
                 f"{r.name} holds {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device}, "

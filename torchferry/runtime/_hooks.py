@@ -274,12 +274,15 @@ class Hooks:
             handles: list[RemovableHandle] = []
             post: Callable[..., None] | None = None
             failed: Callable[..., None] | None = None
+            # Pre hooks go first (``prepend``): a user's pre hook, registered before the session opened
+            # or after, then sees the weights the module runs with (its wait has run), not its host copy
+            # while a copy is still in flight.
             if path in self._blocks and not top:
                 pre = self._block_hook(path, pack)
-                handles.append(module.register_forward_pre_hook(_opaque(pre)))
+                handles.append(module.register_forward_pre_hook(_opaque(pre), prepend=True))
             else:
                 pre, post = self._component_hooks(path, top)
-                handles.append(module.register_forward_pre_hook(_opaque(pre)))
+                handles.append(module.register_forward_pre_hook(_opaque(pre), prepend=True))
                 handles.append(module.register_forward_hook(_opaque(post)))
                 if top:
                     failed = self._failed_hook(path)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from torchferry.runtime._devices import resolved
 from torchferry.topology import find_attr
 
 __all__ = ["Inputs", "to_device"]
@@ -44,19 +45,12 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-def _session_device(device: torch.device) -> torch.device:
-    """``device`` as tensors report it (``cuda`` -> ``cuda:<current>``), so comparing it is exact."""
-    if device == torch.device("cuda") and torch.cuda.is_available():  # no index: the current device
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 class Inputs:
     """The session's input hooks on its top-level components and its pipeline's execution device."""
 
     def __init__(self, pipeline: Any, components: Iterable[str], device: torch.device) -> None:
         self.pipeline = pipeline
-        self.device = _session_device(device)
+        self.device = resolved(device)  # as tensors report it, so comparing it is exact
         self._handles: list[RemovableHandle] = []
         # Why: the pipeline's own class, restored at `remove`; ``None`` when it was not swapped.
         self._class: type | None = None

@@ -12,7 +12,7 @@ close ([Note: the multi-rank engine] in `_engine` says how loads of shards and g
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import MethodType
 
 import torch
@@ -125,19 +125,32 @@ class Mover:
             program.pc = i
 
     def _drop_all(self) -> None:
-        """Release every acquired module, drop every staged copy and point every weight at host memory."""
+        """Release every acquired module, drop every staged copy and point every weight at host memory
+        (whatever a release raises: host memory is where every weight can always go back to)."""
         if self.store.tier is not None:
             self.store.tier.settle()  # reads in flight finish first: their staging slots are free again
-        self.guard.leaving_all()
-        for path in list(self.acquired):
-            self._release_module(path)
-        for name in list(self.staged):
-            self._drop_staged(name)
-        self.store.reset()
-        self.shards.clear()
-        self.transfers.clear()
-        self.occupants.clear()
-        self.placed.clear()
+        try:
+            self.guard.leaving_all()
+            for path in list(self.acquired):
+                self._release_module(path)
+        finally:
+            for name in list(self.staged):
+                self._drop_staged(name)
+            self.store.reset()
+            self.shards.clear()
+            self.transfers.clear()
+            self.occupants.clear()
+            self.placed.clear()
+
+    def buffers(self) -> Iterator[DeviceBuffer]:
+        """Every device buffer this mover holds: slots (parked ones too), staged copies, staging."""
+        for _, buffer in (*self.slots.slots.values(), *self.slots.parked.values()):
+            yield buffer
+        for held in self.staged.values():
+            for buffer, _ in held:
+                yield buffer
+        if self._staging is not None:
+            yield self._staging
 
     def _free(self) -> None:
         """Give the slots' and the staging buffer's device memory back (nothing may still write them)."""
@@ -183,6 +196,7 @@ class Mover:
                 f"load of {unit.name}: this rank holds only its shard of the block; the schedule must "
                 "load the shard and all-gather it (the distributed_layerwise policy does)"
             )
+        self._leave_first(unit, op)
         dst, views = pack.views(name, slot.data)
         self.streams.copy_in(slot, dst, pack.host)
         self._placed_in(unit, name, slot, views)
@@ -195,6 +209,15 @@ class Mover:
                 f"{op.kind} of {unit.name} into slot {op.slot} while {held.name} still occupies it"
             )
 
+    def _leave_first(self, unit: Unit, op: Op) -> None:
+        """``unit`` is loaded or gathered again while a slot holds it (`check` allows it): it leaves
+        that slot first, as at an evict, so the new copy is ordered after this unit's own reads (the
+        slot's ``free`` is recorded after them), what a forward wrote to its buffers there is kept,
+        its tensors point at the host copy until the next wait, and the slot it leaves, when another,
+        is free for its next occupant."""
+        if unit.name in self.transfers:
+            self._evict(unit, op)
+
     def _placed_in(self, unit: Unit, name: str, slot: DeviceBuffer, views: tuple[torch.Tensor, ...]) -> None:
         # The tensors move to ``views`` at the wait, once compute is ordered after the copy: until
         # then anything that reads them (a hook, a tied weight, the caller between steps) reads the
@@ -203,10 +226,6 @@ class Mover:
         # may write one), or every tensor when the engine bumped the pack's versions since its last
         # load (`Pack.rewatch`: the session guard then cannot tell an edit from that bump).
         pack = unit.packs[0]
-        if pack.where is _READY:
-            # Loaded again while on the device (`check` allows it): back at its host copy until the
-            # wait, as any pack in flight, so an evict before that wait leaves nothing in the slot.
-            pack.point(pack.host_views)
         pack.arriving = views
         if pack.rewatch:
             pack.rewatch = False
@@ -253,6 +272,7 @@ class Mover:
                 f"{'no shard' if held is None else 'the shard of ' + held.name}; load its shard first"
             )
         self._claim(unit, op)
+        self._leave_first(unit, op)
         pack = unit.packs[0]
         src = self.slots.get(op.src)
         slot = self.slots.get(op.slot)

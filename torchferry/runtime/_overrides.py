@@ -58,7 +58,11 @@ class _Refusal:
 
 
 def _same_device(have: torch.device, want: torch.device) -> bool:
-    """Whether ``Tensor.to(want)`` keeps a tensor on ``have`` (an index-less CUDA device: the current)."""
+    """Whether ``Tensor.to(want)`` keeps a tensor on ``have`` (an index-less CUDA device: the current).
+
+    torch's own rule for returning the tensor itself, not `runtime.same_device` (where a tensor is):
+    ``Tensor.to("cpu:0")`` copies a tensor on ``cpu``.
+    """
     index: int | None = want.index
     if have.type != want.type:
         return False

@@ -30,10 +30,13 @@ same books without a device, so every line of the logic above runs in CPU tests.
 from __future__ import annotations
 
 import abc
+import contextlib
+import ctypes
 import mmap
 import warnings
-from collections.abc import Iterable
-from typing import Any, final
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, cast, final
 
 import attrs
 import torch
@@ -74,23 +77,84 @@ class HostPinner(abc.ABC):
 
 @final
 class CudaPinner(HostPinner):
-    """``cudaHostRegister`` / ``cudaHostUnregister`` through ``torch.cuda.cudart()``."""
+    """``cudaHostRegister`` / ``cudaHostUnregister`` through the CUDA runtime torch uses.
 
-    def __init__(self) -> None:
-        # Why: fetched at the first pin, so a CUDA runtime that cannot load is a refused pin (fallback).
-        self._cudart: Any = None
+    ``runtime`` (tests pass a fake) is an object with ``cudaHostRegister``, ``cudaHostUnregister`` and
+    ``cudaGetLastError``; by default `cuda_runtime` builds it at the first pin, so a CUDA runtime
+    that cannot load is a refused pin (the pageable fallback).
+    """
+
+    def __init__(self, runtime: Any = None) -> None:
+        self._cudart: Any = runtime
+
+    def _runtime(self) -> Any:
+        if self._cudart is None:
+            self._cudart = cuda_runtime()
+        return self._cudart
 
     def register(self, ptr: int, nbytes: int) -> None:
-        if self._cudart is None:
-            self._cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        code = self._cudart.cudaHostRegister(ptr, nbytes, 0)
+        cudart = self._runtime()
+        code = cudart.cudaHostRegister(ptr, nbytes, 0)
         if int(code) != 0:
+            # A refused register leaves the runtime's last error set, and the next kernel launch check
+            # (torch reads cudaGetLastError after every launch) would raise it as its own failure: the
+            # documented fallback to pageable memory would crash at the first kernel. Clear it now.
+            cudart.cudaGetLastError()
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes returned {code}")
 
     def unregister(self, ptr: int) -> None:
-        code = self._cudart.cudaHostUnregister(ptr)
+        cudart = self._runtime()
+        code = cudart.cudaHostUnregister(ptr)
         if int(code) != 0:
+            cudart.cudaGetLastError()
             raise RuntimeError(f"cudaHostUnregister returned {code}")
+
+
+class _Runtime:
+    """torch's CUDA runtime bindings, with ``cudaGetLastError`` (torch 2.11 binds none: see `last_error`)."""
+
+    def __init__(self, binding: Any) -> None:
+        self.cudaHostRegister = binding.cudaHostRegister
+        self.cudaHostUnregister = binding.cudaHostUnregister
+        self.cudaGetLastError = last_error(binding)
+
+
+def cuda_runtime() -> Any:
+    """The CUDA runtime calls `CudaPinner` makes, from ``torch.cuda.cudart()`` (which initialises CUDA)."""
+    return _Runtime(torch.cuda.cudart())  # type: ignore[no-untyped-call]
+
+
+def last_error(binding: Any) -> Callable[[], int]:
+    """``cudaGetLastError`` of the CUDA runtime instance torch calls (it returns and clears the error).
+
+    From torch's own bindings where they have it; else (torch 2.11 binds only a few calls) from the
+    ``libcudart`` shared library already loaded into this process, the same instance torch uses;
+    else (a runtime linked statically) a stand-in that clears nothing and returns -1.
+    """
+    bound = getattr(binding, "cudaGetLastError", None)
+    if bound is not None:
+        return cast("Callable[[], int]", bound)
+    for path in _loaded("libcudart.so"):
+        try:
+            function = ctypes.CDLL(path).cudaGetLastError
+        except (OSError, AttributeError):
+            continue
+        function.restype = ctypes.c_int
+        function.argtypes = []
+        return cast("Callable[[], int]", function)
+    return lambda: -1
+
+
+def _loaded(name: str) -> list[str]:
+    """Paths of the shared libraries mapped into this process whose file name starts with ``name``."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    found = dict.fromkeys(
+        line.split(maxsplit=5)[-1] for line in maps.splitlines() if name in line and "/" in line
+    )
+    return [path for path in found if Path(path).name.startswith(name)]
 
 
 @final
@@ -127,32 +191,62 @@ def warn_pageable(device: torch.device) -> None:
     )
 
 
-def _mapped(nbytes: int) -> torch.Tensor:
-    """``nbytes`` zeroed bytes at the start of a fresh anonymous mapping (whole pages)."""
+class _Region(mmap.mmap):
+    """An anonymous mapping that unregisters its pages before they are unmapped, however it dies.
+
+    A session dropped without ``close()`` leaves its buffers to the garbage collector (the pipeline's
+    tensors may still point at them): the mapping then goes with its last tensor, and unmapping
+    pages still registered with CUDA would leave the driver a registration over memory the process
+    may map again for something else. ``__del__`` runs before the pages are unmapped.
+    """
+
+    pinner: HostPinner | None = None
+    ptr: int = 0
+
+    def pin(self, pinner: HostPinner, ptr: int, nbytes: int) -> None:
+        pinner.register(ptr, nbytes)
+        self.pinner, self.ptr = pinner, ptr
+
+    def unpin(self) -> None:
+        pinner, self.pinner = self.pinner, None
+        if pinner is not None:
+            pinner.unregister(self.ptr)
+
+    def __del__(self) -> None:
+        # A finaliser cannot report a failure (the process may be shutting down): best effort.
+        with contextlib.suppress(Exception):
+            self.unpin()
+
+
+def _mapped(nbytes: int) -> tuple[torch.Tensor, _Region | None]:
+    """``nbytes`` zeroed bytes at the start of a fresh anonymous mapping (whole pages), and the mapping."""
     if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    region = mmap.mmap(-1, page_bytes(nbytes))
+        return torch.empty(0, dtype=torch.uint8), None
+    region = _Region(-1, page_bytes(nbytes))
     # The tensor keeps ``region`` alive; the pages are unmapped when its storage is freed.
-    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes), region
 
 
 class HostMemory:
     """The host store's buffers: allocated page-aligned, pinned when asked and possible, and freed.
 
     ``pinner`` is ``None`` for pageable memory. Each buffer is kept here under its group's name until
-    `release` (or `close`) unregisters it and drops it, so no buffer is unmapped while registered.
+    `release` (or `close`) unregisters it and drops it; a buffer dropped otherwise (the session
+    was never closed) unregisters itself before its pages are unmapped (`_Region`).
     """
 
     def __init__(self, pinner: HostPinner | None) -> None:
         self.pinner = pinner
-        # Why: group name -> its buffers and whether each is registered; the only owner of a pin.
-        self._held: dict[str, list[tuple[torch.Tensor, bool]]] = {}
+        # Why: group name -> its buffers and their mappings (which know whether they are registered).
+        self._held: dict[str, list[tuple[torch.Tensor, _Region | None]]] = {}
         self.pinned_bytes = 0
         #: Why pinning was given up (the first failure), or ``None``.
         self.failure: str | None = None
         #: Host memory of the buffers held now and at most so far (whole pages), for reports.
         self.held_bytes = 0
         self.peak_bytes = 0
+        #: The first unregister that failed while releasing (a device that died), or ``None``.
+        self.release_failure: Exception | None = None
 
     @property
     def pinned(self) -> bool:
@@ -169,13 +263,14 @@ class HostMemory:
         if not self.pinned:
             return
         assert self.pinner is not None
-        page = _mapped(PAGE)
+        page, region = _mapped(PAGE)
+        assert region is not None
         try:
-            self.pinner.register(page.data_ptr(), PAGE)
+            region.pin(self.pinner, page.data_ptr(), PAGE)
         except Exception as exc:
             self._give_up(f"{type(exc).__name__}: {exc}", PAGE)
             return
-        self.pinner.unregister(page.data_ptr())
+        region.unpin()
 
     def alloc(self, name: str, nbytes: int, *, pin: bool = True) -> torch.Tensor:
         """A zeroed buffer of ``nbytes`` for pack ``name``, page-aligned, pinned if pinning holds.
@@ -183,8 +278,8 @@ class HostMemory:
         ``pin=False`` leaves the pin for `pin` (after the buffer is filled). A refused pin unpins
         every buffer and turns pinning off for good, with one `OffloadWarning`.
         """
-        buffer = _mapped(nbytes)
-        self._held.setdefault(name, []).append((buffer, False))
+        buffer, region = _mapped(nbytes)
+        self._held.setdefault(name, []).append((buffer, region))
         self.held_bytes += page_bytes(nbytes)
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         if pin:
@@ -193,27 +288,23 @@ class HostMemory:
 
     def pin(self, name: str) -> None:
         """Page-lock pack ``name``'s buffers not yet pinned (nothing once pinning was given up)."""
-        held = self._held.get(name, [])
-        for i, (buffer, pinned) in enumerate(held):
-            if pinned or not buffer.numel() or not self.pinned:
+        for buffer, region in self._held.get(name, []):
+            if region is None or region.pinner is not None or not self.pinned:
                 continue
             assert self.pinner is not None
             nbytes = buffer.numel()
             try:
-                self.pinner.register(buffer.data_ptr(), page_bytes(nbytes))
+                region.pin(self.pinner, buffer.data_ptr(), page_bytes(nbytes))
             except Exception as exc:
                 self._give_up(f"{type(exc).__name__}: {exc}", nbytes)
                 return
-            held[i] = (buffer, True)
             self.pinned_bytes += page_bytes(nbytes)
 
     def _give_up(self, why: str, nbytes: int) -> None:
         self.failure = why
         for held in self._held.values():
-            for i, (buffer, pinned) in enumerate(held):
-                if pinned:
-                    self._unregister(buffer)
-                    held[i] = (buffer, False)
+            for buffer, region in held:
+                self._unregister(buffer, region)
         warnings.warn(
             f"torchferry: could not pin a host buffer of {nbytes} bytes ({why}); the session keeps its "
             "weights in pageable host memory instead, where every host-to-device copy is synchronous "
@@ -223,17 +314,25 @@ class HostMemory:
             stacklevel=2,
         )
 
-    def _unregister(self, buffer: torch.Tensor) -> None:
-        assert self.pinner is not None
-        self.pinner.unregister(buffer.data_ptr())
+    def _unregister(self, buffer: torch.Tensor, region: _Region | None) -> None:
+        if region is None or region.pinner is None:
+            return
         self.pinned_bytes -= page_bytes(buffer.numel())
+        region.unpin()
 
     def release(self, name: str) -> None:
-        """Unregister and drop group ``name``'s buffers (their pages go back to the OS once unused)."""
-        for buffer, pinned in self._held.pop(name, ()):
+        """Unregister and drop group ``name``'s buffers (their pages go back to the OS once unused).
+
+        An unregister that fails (a device whose context died) does not stop the others: the first
+        failure is kept in ``release_failure``.
+        """
+        for buffer, region in self._held.pop(name, ()):
             self.held_bytes -= page_bytes(buffer.numel())
-            if pinned:
-                self._unregister(buffer)
+            try:
+                self._unregister(buffer, region)
+            except Exception as exc:
+                if self.release_failure is None:
+                    self.release_failure = exc
 
     def close(self) -> None:
         """Release every buffer still held."""

@@ -17,6 +17,10 @@ Nothing on the host ever waits for the device: ordering is expressed only with e
   next writer, on another stream, could race a gather still writing it (write-after-write).
 - A gather (multi-rank) has the comm stream wait on the shard copy's event, all-gathers into the
   block slot and records that slot's ``ready`` event on the comm stream; the wait is the same.
+- A caller that runs a step on another stream than the last (``with torch.cuda.stream(s):``) gets
+  that stream adopted as compute, ordered after the old one, and every buffer the engine holds
+  handed to it (``record_stream``), so what the last step left ready is read after it was made
+  ready and no memory allocated on the old stream goes back to it while the new one reads it.
 - Staging gives a unit fresh memory allocated on the compute stream; the copy stream first waits on
   the compute stream (the fresh memory may be a block compute just released), copies, and the compute
   stream waits on that copy before anything later is enqueued.
@@ -35,15 +39,62 @@ one code path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, final
 
 import attrs
 import torch
 
 from torchferry.policies import StreamName
+from torchferry.topology import PACK_ALIGN
 
-__all__ = ["CpuStreams", "CudaStreams", "DeviceBuffer", "StreamContext", "Timer", "stream_context"]
+__all__ = [
+    "CpuStreams",
+    "CudaStreams",
+    "DeviceBuffer",
+    "StreamContext",
+    "Timer",
+    "aligned_empty",
+    "regrow",
+    "stream_context",
+]
+
+
+def _pad(device: torch.device) -> int:
+    """Bytes a fresh buffer on ``device`` needs beyond its size to start on a `PACK_ALIGN` boundary:
+    none on CUDA (the caching allocator aligns every block to 512), else 256 (the CPU allocator aligns
+    to 64)."""
+    return 0 if device.type == "cuda" else PACK_ALIGN
+
+
+def _aligned(raw: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The ``nbytes`` of ``raw`` (a flat ``uint8`` tensor over its whole storage) from its first
+    `PACK_ALIGN` boundary on."""
+    skip = -raw.untyped_storage().data_ptr() % PACK_ALIGN
+    return raw if skip == 0 and raw.numel() == nbytes else raw.narrow(0, skip, nbytes)
+
+
+def aligned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` fresh device bytes whose first byte is on a `PACK_ALIGN` (256-byte) boundary.
+
+    Every tensor of a pack sits at a multiple of 256 bytes from its pack's start (`topology.pack`),
+    so a slot whose base is aligned gives every tensor in it the same alignment on every device, as
+    the host buffers (page-aligned) do.
+    """
+    return _aligned(torch.empty(nbytes + _pad(device), dtype=torch.uint8, device=device), nbytes)
+
+
+def regrow(buffer: DeviceBuffer, nbytes: int) -> None:
+    """Give ``buffer`` (its storage shrunk to nothing while parked) ``nbytes`` bytes of memory again,
+    its first byte on a `PACK_ALIGN` boundary: where the new memory starts elsewhere relative to the
+    boundary (never on CUDA), ``buffer.data`` becomes a new view, so views cached on the old one miss."""
+    data = buffer.data
+    storage = data.untyped_storage()
+    storage.resize_(nbytes + _pad(data.device))
+    skip = -storage.data_ptr() % PACK_ALIGN
+    if data.storage_offset() != skip or data.numel() != nbytes:
+        fresh = torch.empty(0, dtype=torch.uint8, device=data.device)
+        buffer.data = fresh.set_(storage, skip, (nbytes,), (1,))
 
 
 @attrs.define(slots=True, eq=False)
@@ -85,8 +136,15 @@ class StreamContext(Protocol):
     #: The tracer of the step being traced (see `Timer`), else ``None``: one check per copy.
     tracer: Timer | None
 
-    def begin(self) -> None:
-        """Called when a step starts: adopt the current stream as the compute stream."""
+    def begin(self, live: Iterable[DeviceBuffer]) -> None:
+        """Called when a step starts: adopt the current stream as the compute stream.
+
+        When it is another stream than the last step's (the caller switched streams between calls),
+        order it after that one (what the last step left on the device was made ready for the old
+        stream) and hand it ``live``, the device buffers the engine holds (their memory belongs to
+        the stream it was allocated on, which the allocator could give it back to while the new one
+        still reads it).
+        """
         ...
 
     def transfer(self, nbytes: int) -> DeviceBuffer:
@@ -146,10 +204,10 @@ class CpuStreams:
         self.device = device
         self.tracer: Timer | None = None
 
-    def begin(self) -> None: ...
+    def begin(self, live: Iterable[DeviceBuffer]) -> None: ...
 
     def transfer(self, nbytes: int) -> DeviceBuffer:
-        return DeviceBuffer(data=torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        return DeviceBuffer(data=aligned_empty(nbytes, self.device))
 
     def copy_in(self, dst: DeviceBuffer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
         tracer = self.tracer
@@ -198,12 +256,19 @@ class CudaStreams:
         # Why: the compute stream is the caller's current stream, captured at each step's start.
         self.compute = torch.cuda.current_stream(device)
 
-    def begin(self) -> None:
-        self.compute = torch.cuda.current_stream(self.device)
+    def begin(self, live: Iterable[DeviceBuffer]) -> None:
+        current = torch.cuda.current_stream(self.device)
+        if current == self.compute:
+            return
+        current.wait_stream(self.compute)
+        for buffer in live:
+            if buffer.data.untyped_storage().nbytes():  # a parked slot grows back on the stream current then
+                buffer.data.record_stream(current)
+        self.compute = current
 
     def transfer(self, nbytes: int) -> DeviceBuffer:
         with torch.cuda.stream(self.compute):
-            data = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            data = aligned_empty(nbytes, self.device)
         ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         return DeviceBuffer(data=data, ready=ready, free=None)
 

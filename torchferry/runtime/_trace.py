@@ -43,8 +43,8 @@ __all__ = ["Span", "StepTrace", "Tracer"]
 class StepTrace:
     """What one traced step did and when: its spans, in start order, and its wall time.
 
-    ``wall_s`` runs from the step's start (on CUDA, when the first of its streams reached it) to its
-    end on the compute stream (on CUDA a prefetch for the next step may still be copying after it).
+    ``wall_s`` runs from the step's start (on CUDA, when the compute stream reached it) to its end on
+    the compute stream (on CUDA a prefetch for the next step may still be copying after it).
     ``clock`` says how it was measured: ``"cuda events"`` or ``"host clock"``; ``schedule`` is the
     schedule the step ran (a span's ``op`` indexes its ops).
     """
@@ -110,16 +110,15 @@ class Tracer:
     def start(self, schedule: Schedule, streams: StreamContext) -> None:
         """The traced step of ``schedule`` begins, on ``streams`` (its compute stream is adopted).
 
-        On CUDA the start is marked on all three streams: the step starts when the first of them
-        reaches it (a copy may begin while compute still finishes the previous step).
+        On CUDA the start is marked on the compute stream: the step starts when compute reaches it,
+        having finished what the steps before it queued. (An idle copy or comm stream would reach a
+        mark at once, while compute may still have a whole untraced step queued: a start taken from
+        them measured that backlog as this step's time.) Work of this step that another stream began
+        earlier, a copy overlapping the step before, counts from the start on.
         """
         self._schedule = schedule
         self._compute = getattr(streams, "compute", None)
-        if self.cuda:
-            others = (getattr(streams, "copy", None), getattr(streams, "comm", None))
-            self._start = [self.mark(stream) for stream in (self._compute, *others)]
-        else:
-            self._start = self.mark()
+        self._start = self.mark(self._compute) if self.cuda else self.mark()
 
     def at(self, index: int, op: Op) -> None:
         """Op ``index`` of the step is about to run."""
@@ -164,11 +163,10 @@ class Tracer:
         end = self.compute_mark()
         if self.cuda:
             torch.cuda.synchronize(self.device)
-            ref = self._start[0]
-            origin = min(float(ref.elapsed_time(mark)) for mark in self._start)
+            ref = self._start
 
             def seconds(mark: Any) -> float:
-                return (float(ref.elapsed_time(mark)) - origin) / 1e3
+                return max(float(ref.elapsed_time(mark)) / 1e3, 0.0)
 
         else:
             origin = float(self._start)

@@ -8,13 +8,19 @@ give, with one vector clock per stream:
 - every copy (copy stream), collective (comm stream), block forward (compute stream) and read of
   the file tier into a staging buffer (io stream: the reader threads) is an access that advances
   its stream's own entry; a load or stage from a staging buffer reads it on the copy stream;
+- the compute stream is the caller's: ``compute`` unless a test runs the pipeline inside
+  `caller_stream` (a second compute stream, as a caller's ``torch.cuda.stream(s)``), adopted at
+  each step's start as the CUDA context adopts the current stream;
 - an event records its stream's clock; waiting on it (`wait`, a copy ordered after ``free``, a
   collective after its source's ``ready``) merges that clock into the waiting stream's, as does a
   whole-stream wait (`fence`, `settle`, `synchronize`, a copy into fresh memory).
 
 Each device buffer (a slot, a staged unit's memory) and staging buffer keeps its last write (a load,
 a gather, a read) and the reads since (a gather reading a shard slot, a block running from its slot,
-a copy from a staging buffer). An access raises
+a copy from a staging buffer), and the compute streams
+the caching allocator knows it is used on (the one it was allocated on, and those the engine handed
+it to): a read on another compute stream could race the allocator giving the memory back to the
+first while it is still read. An access raises
 `StreamOrderError`, naming the schedule op, when a read is not ordered after the write it reads, or a
 write is not ordered after the buffer's previous write and the reads of the data it overwrites.
 Reads by blocks are seen through one global forward hook (it runs before the module's own hooks,
@@ -31,22 +37,40 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal, final
+from typing import TYPE_CHECKING, Any, final
 
 import attrs
 import torch
 
 from torchferry.policies import Op, format_marked, rest_unit
-from torchferry.runtime import DeviceBuffer, PackState, stream_factory
+from torchferry.runtime import DeviceBuffer, PackState, aligned_empty, same_device, stream_factory
 from torchferry.topology import find_attr
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from torchferry.runtime import Engine, Timer
 
-__all__ = ["StreamOrderError", "StreamSanitizer", "sanitize"]
+__all__ = ["StreamOrderError", "StreamSanitizer", "caller_stream", "sanitize"]
 
-Stream = Literal["copy", "comm", "compute", "io"]
+#: A stream's name: ``copy``, ``comm``, ``io`` (the file tier's reads), or a compute stream
+#: (``compute``, or one `caller_stream` names).
+Stream = str
 _STREAMS: tuple[Stream, ...] = ("copy", "comm", "compute", "io")
+#: The caller's current stream, as `caller_stream` sets it (the one entry: one thread runs the tests).
+_CALLER: list[Stream] = ["compute"]
+
+
+@contextlib.contextmanager
+def caller_stream(name: str) -> Iterator[None]:
+    """Run the body as a caller that made another stream current (``with torch.cuda.stream(s):``): steps
+    that start inside adopt compute stream ``compute:<name>``, and block forwards read on it."""
+    before = _CALLER[0]
+    _CALLER[0] = f"compute:{name}"
+    try:
+        yield
+    finally:
+        _CALLER[0] = before
 
 
 class StreamOrderError(AssertionError):
@@ -57,22 +81,19 @@ class StreamOrderError(AssertionError):
 class _Clock:
     """A vector clock: how far each stream had got, as seen from one stream or event."""
 
-    copy: int = 0
-    comm: int = 0
-    compute: int = 0
-    io: int = 0
+    times: dict[Stream, int] = attrs.field(factory=dict)
 
     def merge(self, other: _Clock) -> None:
-        self.copy = max(self.copy, other.copy)
-        self.comm = max(self.comm, other.comm)
-        self.compute = max(self.compute, other.compute)
-        self.io = max(self.io, other.io)
+        times = self.times
+        for stream, time in other.times.items():
+            if time > times.get(stream, 0):
+                times[stream] = time
 
     def snapshot(self) -> _Clock:
-        return _Clock(copy=self.copy, comm=self.comm, compute=self.compute, io=self.io)
+        return _Clock(dict(self.times))
 
     def seen(self, stream: Stream) -> int:
-        return int(getattr(self, stream))
+        return self.times.get(stream, 0)
 
 
 @attrs.define(slots=True, eq=False)
@@ -120,8 +141,12 @@ class StreamSanitizer:
         self.device: torch.device = engine.device
         self.tracer: Timer | None = None
         self._clocks: dict[Stream, _Clock] = {s: _Clock() for s in _STREAMS}
+        #: The compute stream adopted at the last step's start (the caller's then).
+        self.compute: Stream = _CALLER[0]
         # Why: each buffer's writes and reads, keyed by identity (a buffer outlives storage resizes).
         self._history: weakref.WeakKeyDictionary[DeviceBuffer, _History] = weakref.WeakKeyDictionary()
+        # Why: the compute streams the allocator knows each buffer is used on (see the module docstring).
+        self._users: weakref.WeakKeyDictionary[DeviceBuffer, set[Stream]] = weakref.WeakKeyDictionary()
         # Why: id(module) -> the unit whose weights its forward reads (blocks, component remainders).
         self._readers: dict[int, str] | None = None
         #: Accesses checked, and host waits for every stream (`synchronize`), for tests and figures.
@@ -129,23 +154,29 @@ class StreamSanitizer:
         self.synchronized = 0
 
     # ----------------------------------------------------------------------------- the clocks
+    def _clock(self, stream: Stream) -> _Clock:
+        clock = self._clocks.get(stream)
+        if clock is None:
+            clock = self._clocks[stream] = _Clock()
+        return clock
+
     def _tick(self, stream: Stream) -> int:
-        clock = self._clocks[stream]
+        clock = self._clock(stream)
         time = clock.seen(stream) + 1
-        setattr(clock, stream, time)
+        clock.times[stream] = time
         return time
 
     def _record(self, event: Any, stream: Stream) -> _Event:
         recorded = event if isinstance(event, _Event) else _Event()
-        recorded.clock = self._clocks[stream].snapshot()
+        recorded.clock = self._clock(stream).snapshot()
         return recorded
 
     def _wait_event(self, stream: Stream, event: Any) -> None:
         if isinstance(event, _Event):
-            self._clocks[stream].merge(event.clock)
+            self._clock(stream).merge(event.clock)
 
     def _wait_stream(self, stream: Stream, other: Stream) -> None:
-        self._clocks[stream].merge(self._clocks[other])
+        self._clock(stream).merge(self._clock(other))
 
     # -------------------------------------------------------------------------------- checks
     def _where(self) -> str:
@@ -164,7 +195,7 @@ class StreamSanitizer:
 
     def _write(self, buffer: DeviceBuffer, stream: Stream, what: str) -> None:
         history = self._history.setdefault(buffer, _History())
-        clock = self._clocks[stream]
+        clock = self._clock(stream)
         self.checked += 1
         last = history.write
         if last is not None and not _ordered(clock, last):
@@ -184,8 +215,15 @@ class StreamSanitizer:
     def _read(self, buffer: DeviceBuffer, stream: Stream, what: str) -> None:
         history = self._history.setdefault(buffer, _History())
         self.checked += 1
+        users = self._users.get(buffer) if stream not in ("copy", "comm", "io") else None  # compute streams
+        if users is not None and stream not in users:
+            self._fail(
+                f"{what} on the {stream} stream reads memory the caching allocator knows only on "
+                f"{' and '.join(sorted(users))}: freed, it may be handed to work there while this stream "
+                "still reads it (hand it to this stream: record_stream)"
+            )
         last = history.write
-        if last is not None and not _ordered(self._clocks[stream], last):
+        if last is not None and not _ordered(self._clock(stream), last):
             self._fail(
                 f"{what} on the {stream} stream reads bytes that {last.what} writes on the "
                 f"{last.stream} stream, and is not ordered after that write (read after write)"
@@ -201,7 +239,7 @@ class StreamSanitizer:
         hook, a tied weight, the caller between steps) would race that write. (A unit the engine took
         as waited for is checked where its block reads it, in `ran`.)"""
         engine = self.engine
-        clock = self._clocks["compute"]
+        clock = self._clock(self.compute)
         for name, buffer in engine.transfers.items():
             history = self._history.get(buffer)
             if history is None or history.write is None or _ordered(clock, history.write):
@@ -210,7 +248,7 @@ class StreamSanitizer:
             for pack in engine.store.units[name].packs:
                 if pack.where is PackState.READY:
                     continue
-                tensor = next((t for t in pack.tensors if t.numel() and t.device == self.device), None)
+                tensor = self._first(pack.tensors)
                 if tensor is not None and tensor.untyped_storage().data_ptr() == base:
                     self._fail(
                         f"{when}, the tensors of {pack.name} point at a slot that {history.write.what} "
@@ -218,16 +256,28 @@ class StreamSanitizer:
                         "that write (a read of them races it)"
                     )
 
+    def _first(self, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+        """The first non-empty tensor of ``tensors`` on the device, if any."""
+        return next((t for t in tensors if t.numel() and same_device(t.device, self.device)), None)
+
     # ------------------------------------------------------------------------ StreamContext
-    def begin(self) -> None:
+    def begin(self, live: Iterable[DeviceBuffer]) -> None:
+        current = _CALLER[0]
+        if current != self.compute:
+            self._wait_stream(current, self.compute)
+            for buffer in live:
+                self._users.setdefault(buffer, set()).add(current)
+            self.compute = current
         self._exposed("as the last step left them")
 
     def transfer(self, nbytes: int) -> DeviceBuffer:
-        return DeviceBuffer(data=torch.empty(nbytes, dtype=torch.uint8, device=self.device), ready=_Event())
+        buffer = DeviceBuffer(data=aligned_empty(nbytes, self.device), ready=_Event())
+        self._users[buffer] = {self.compute}
+        return buffer
 
     def copy_in(self, dst: DeviceBuffer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
         if dst.free is None:
-            self._wait_stream("copy", "compute")
+            self._wait_stream("copy", self.compute)
         else:
             self._wait_event("copy", dst.free)
         self._write(dst, "copy", self._where())
@@ -257,7 +307,7 @@ class StreamSanitizer:
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         self._wait_event("comm", src.ready)
         if dst.free is None:
-            self._wait_stream("comm", "compute")
+            self._wait_stream("comm", self.compute)
         else:
             self._wait_event("comm", dst.free)
         where = self._where()
@@ -272,18 +322,18 @@ class StreamSanitizer:
         src.free = self._record(src.free, "comm")
 
     def wait(self, transfer: DeviceBuffer) -> None:
-        self._wait_event("compute", transfer.ready)
+        self._wait_event(self.compute, transfer.ready)
 
     def release(self, transfer: DeviceBuffer) -> None:
-        transfer.free = self._record(transfer.free, "compute")
+        transfer.free = self._record(transfer.free, self.compute)
 
     def fence(self) -> None:
-        self._wait_stream("copy", "compute")
-        self._wait_stream("comm", "compute")
+        self._wait_stream("copy", self.compute)
+        self._wait_stream("comm", self.compute)
 
     def settle(self) -> None:
-        self._wait_stream("compute", "copy")
-        self._wait_stream("compute", "comm")
+        self._wait_stream(self.compute, "copy")
+        self._wait_stream(self.compute, "comm")
 
     def synchronize(self) -> None:
         self.synchronized += 1
@@ -308,12 +358,12 @@ class StreamSanitizer:
             return
         buffers = self._buffers()
         for pack in self.engine.store.units[unit].packs:
-            tensor = next((t for t in pack.tensors if t.numel() and t.device == self.device), None)
+            tensor = self._first(pack.tensors)
             if tensor is None:
                 continue
             buffer = buffers.get(tensor.untyped_storage().data_ptr())
             if buffer is not None:
-                self._read(buffer, "compute", f"the forward of {unit} (before {self._where()})")
+                self._read(buffer, _CALLER[0], f"the forward of {unit} (before {self._where()})")
 
     def _find_readers(self) -> dict[int, str]:
         engine = self.engine
