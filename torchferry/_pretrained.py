@@ -218,9 +218,11 @@ def from_pretrained(
             "from_pretrained() got both dtype= and torch_dtype=, two names for one dtype; pass dtype="
         )
     folder = resolve_folder(pretrained_model_name_or_path)
-    pipeline, options = _build_on_meta(pipeline_class, folder, dtype or torch_dtype, kwargs, variant)
+    pipeline, options, built = _build_on_meta(pipeline_class, folder, dtype or torch_dtype, kwargs, variant)
     _refuse_unknown(options)
-    return offload(pipeline, checkpoint=str(folder), checkpoint_variant=variant, **options)
+    return offload(
+        pipeline, checkpoint=str(folder), checkpoint_variant=variant, checkpoint_components=built, **options
+    )
 
 
 def _refuse_unknown(options: Mapping[str, Any]) -> None:
@@ -238,8 +240,9 @@ def _build_on_meta(
     torch_dtype: torch.dtype | None,
     kwargs: Mapping[str, Any],
     variant: str | None = None,
-) -> tuple[Any, dict[str, Any]]:
-    """The pipeline with every model parameter on meta, and the keywords left for `offload`."""
+) -> tuple[Any, dict[str, Any], list[str]]:
+    """The pipeline with every model parameter on meta, the keywords left for `offload`, and the
+    components built here (to fill from the folder; a component given by keyword keeps its weights)."""
     if not is_pipeline_folder(folder):
         raise PlanError(
             f"{folder}: no model_index.json, so this is not a diffusers pipeline folder; pass the folder "
@@ -258,6 +261,11 @@ def _build_on_meta(
     if "checkpoint" in options:
         raise PlanError(
             "from_pretrained(checkpoint=...): the checkpoint is the pipeline folder itself; drop checkpoint="
+        )
+    if "checkpoint_components" in options:
+        raise PlanError(
+            "from_pretrained(checkpoint_components=...): the components built from the folder fill from "
+            "it, and those given by keyword keep their own weights; drop checkpoint_components="
         )
     stored = {
         t.name: t.dtype for c in from_checkpoint(folder, variant=variant).components for t in c.all_tensors()
@@ -308,4 +316,5 @@ def _build_on_meta(
             f"{pipeline_class.__name__}(...) could not be built from {folder} ({type(exc).__name__}: {exc}); "
             "pass the missing components as keywords, as to its own from_pretrained"
         ) from None
-    return pipeline, options
+    built = [name for name, value in values.items() if name not in given and isinstance(value, nn.Module)]
+    return pipeline, options, built

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -164,6 +164,7 @@ def offload(
     checkpoint_prefix_map: Mapping[str, str] | None = None,
     checkpoint_variant: str | None = None,
     gather_on_close: bool = False,
+    checkpoint_components: Collection[str] | None = None,
     **config_options: Any,
 ) -> Session:
     """Take over ``pipeline``'s weights and stream them to ``device`` on the policy's schedule.
@@ -188,6 +189,9 @@ def offload(
       (missing, extra, mis-shaped or mis-typed tensors, damaged files). ``checkpoint_prefix_map``
       maps the pipeline's tensor-name prefixes to the checkpoint's (``{"transformer.": ""}``);
       ``checkpoint_variant`` (``"fp16"``) reads a pipeline folder's files of that weight variant.
+      ``checkpoint_components`` names the top-level components to fill from it (default: all); the
+      others keep the weights they hold, as without a checkpoint (`from_pretrained` passes the
+      components it built, so a component given by keyword is used as given).
     - ``strategy="distributed_layerwise"``: with an ``allgather`` transfer, every rank of
       ``process_group`` (default: the default group; never a new one) keeps 1/N of each streamed
       block and the ranks all-gather it; every rank must call `offload` alike (a collective). The
@@ -251,8 +255,15 @@ def offload(
 
         comm = Comm(group, target)
     session = Session(
-        pipeline, plan, chosen, device=target, comm=comm, prefix_map=checkpoint_prefix_map, chooser=chooser,
+        pipeline,
+        plan,
+        chosen,
+        device=target,
+        comm=comm,
+        prefix_map=checkpoint_prefix_map,
+        chooser=chooser,
         variant=checkpoint_variant,
+        checkpoint_components=checkpoint_components,
     )
     session.gather_on_close = gather_on_close
     return session
@@ -316,6 +327,7 @@ class Session:
         prefix_map: Mapping[str, str] | None = None,
         chooser: Chooser | None = None,
         variant: str | None = None,
+        checkpoint_components: Collection[str] | None = None,
     ) -> None:
         # Every top-level component's first schedule is proved before anything moves (`runtime.prove`).
         for top in plan.components:
@@ -333,6 +345,7 @@ class Session:
             prefix_map=prefix_map,
             driver=self,
             variant=variant,
+            checkpoint_components=checkpoint_components,
         )
         self._steps = Steps(plan, policy, index_free=policies.is_index_free(policy))
         self.schedules: dict[Step, Schedule] = self._steps.schedules

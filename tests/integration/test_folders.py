@@ -9,6 +9,7 @@ planned from the folder (`from_checkpoint`, ``torchferry plan``), opened from it
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -253,12 +254,13 @@ def test_from_pretrained_builds_every_model_on_meta(tmp_path: Path) -> None:
     from torchferry._pretrained import _build_on_meta
 
     folder = _save(_flux_pipeline(), tmp_path / "flux", True)
-    pipe, options = _build_on_meta(diffusers.FluxPipeline, folder, None, {"device": "cpu"})
+    pipe, options, built = _build_on_meta(diffusers.FluxPipeline, folder, None, {"device": "cpu"})
     assert options == {"device": "cpu"}
     for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
         params = list(getattr(pipe, name).parameters())
         assert params and all(p.is_meta for p in params), name
     assert pipe.tokenizer is None and pipe.tokenizer_2 is None
+    assert sorted(built) == ["text_encoder", "text_encoder_2", "transformer", "vae"]
 
 
 def test_from_pretrained_refuses_a_dtype_it_would_have_to_convert(tmp_path: Path) -> None:
@@ -293,6 +295,56 @@ def test_from_pretrained_takes_components_as_diffusers_does(tmp_path: Path) -> N
     with torchferry.from_pretrained(diffusers.WanPipeline, folder, vae=mine, device="cpu") as session:
         assert session.pipeline.vae is mine
         got = toy.run_wan(session.pipeline)
+    assert torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("name", ["transformer", "vae"])
+def test_from_pretrained_uses_a_component_given_by_keyword_as_given(tmp_path: Path, name: str) -> None:
+    """A component passed by keyword keeps its own weights (not the folder's), in the session and after."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
+    mine = getattr(toy.wan_pipeline(), name)
+    with torch.no_grad():
+        for t in mine.parameters():
+            t.mul_(1.5)
+    before = {k: v.clone() for k, v in mine.state_dict().items()}
+    reference = toy.wan_pipeline()
+    getattr(reference, name).load_state_dict(before)
+    expected = toy.run_wan(reference)
+    with torchferry.from_pretrained(
+        diffusers.WanPipeline, folder, device="cpu", strategy="layerwise", **{name: mine}
+    ) as session:
+        assert getattr(session.pipeline, name) is mine
+        got = toy.run_wan(session.pipeline)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+    after = mine.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_from_pretrained_takes_a_component_the_folder_lists_as_absent(tmp_path: Path) -> None:
+    """A component listed as [null, null] (transformer_2) that the caller passes is used, as in diffusers."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
+    assert json.loads((folder / "model_index.json").read_text())["transformer_2"] == [None, None]
+    second = toy.wan_pipeline().transformer
+    with torch.no_grad():
+        for t in second.parameters():
+            t.mul_(0.5)
+    plain = diffusers.WanPipeline.from_pretrained(
+        str(folder), tokenizer=None, transformer_2=copy.deepcopy(second), boundary_ratio=0.5
+    )
+    _own_memory(plain)
+    expected = toy.run_wan(plain)
+    with torchferry.from_pretrained(
+        diffusers.WanPipeline,
+        folder,
+        transformer_2=second,
+        boundary_ratio=0.5,
+        device="cpu",
+        strategy="layerwise",
+    ) as session:
+        assert session.pipeline.transformer_2 is second
+        got = toy.run_wan(session.pipeline)
+    assert torch.equal(got[0], expected[0])
     assert torch.equal(got[1], expected[1])
 
 

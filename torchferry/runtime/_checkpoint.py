@@ -322,6 +322,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         prefix_map: Mapping[str, str] | None = None,
         *,
         allow_extra: bool = False,
+        skip: tuple[str, ...] = (),
     ) -> None:
         """Raise one `PlanError` listing every way the checkpoint fails to hold ``expected``.
 
@@ -329,7 +330,8 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         tensor specs. Non-persistent buffers are not expected; a tied tensor is found under its owner
         name or any alias and counts once. Header problems of every opened file are reported first,
         then missing tensors and shape or dtype mismatches in model order, then (unless
-        ``allow_extra``) checkpoint tensors the model does not expect, sorted.
+        ``allow_extra``) checkpoint tensors the model does not expect, sorted, but for those under a
+        model name prefix in ``skip`` (components filled from the module instead).
         """
         self._check_open()
         problems = list(self.problems)
@@ -342,11 +344,12 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             # A pipeline folder's component the pipeline does not hold at all (loaded with vae=None) is
             # not extra: its subfolder is simply not used.
             used = {c for c in self.components if any(k.startswith(c) for k in claimed)}
+            skipped = tuple(self.key(p, prefix_map) for p in skip)
             problems.extend(
                 f"{self.entries[k].file}: tensor {k!r} is not expected by the model; remove it, map the "
                 f"model's names with prefix_map, or pass allow_extra=True"
                 for k in sorted(set(self.entries) - claimed)
-                if not self.components or any(k.startswith(c) for c in used)
+                if (not self.components or any(k.startswith(c) for c in used)) and not k.startswith(skipped)
             )
         if problems:
             self._fail(problems)

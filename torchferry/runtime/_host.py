@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from torchferry._errors import PlanError
-from torchferry.policies import rest_unit
+from torchferry.policies import rest_unit, unit_packs
 from torchferry.runtime._fill import (
     fill_from_module,
     group_specs,
@@ -103,6 +103,7 @@ class HostStore:
         sharding: Sharding | None = None,
         pinner: HostPinner | None = None,
         progress: Callable[[int, int], None] | None = None,
+        from_module: frozenset[str] = frozenset(),
     ) -> Prepared:
         """Check everything, allocate (and pin) every buffer and, from a checkpoint, read it, without
         touching the pipeline.
@@ -113,27 +114,48 @@ class HostStore:
         checkpoint] above and [Note: sharded packs] in `torchferry.runtime._pack`. A `Prepared` that
         is not committed must be `Prepared.discard`-ed. ``progress``, when given, is called once per
         pack as its buffer is filled (here from a checkpoint, else in `Prepared.commit`) with the
-        pack's bytes and the bytes of all packs.
+        pack's bytes and the bytes of all packs. ``from_module`` names top-level components whose
+        tensors come from the module even with a checkpoint (`offload`'s ``checkpoint_components``
+        leaves them out): only the others are validated against and read from ``reader``.
         """
         specs = group_specs(plan)
+        owners = {name: top.path for top in plan.components for name in unit_packs(plan, top.path)}
         lookup = _Lookup(pipeline)
         resolved = {name: [lookup.tensor(s) for s in pack] for name, pack in specs.items()}
         loose = _loose_specs(plan, specs)
         loose_live = [lookup.tensor(s) for s in loose]
+        read = set() if reader is None else {n for n in specs if owners[n] not in from_module}
+        loose_read = [reader is not None and _top(plan, s.name) not in from_module for s in loose]
         problems: list[str] = []
         meta: list[str] = []
+        unfilled: list[str] = []
         on_meta: list[str] = []
         unmanaged: list[str] = []
         for name, pack in specs.items():
-            _check(pack, resolved[name], problems, meta, on_meta)
-        _check(loose, loose_live, problems, meta, on_meta, missing_ok=True)
+            found: list[str] = []
+            _check(pack, resolved[name], problems, found, on_meta)
+            meta.extend(found)
+            if name not in read:
+                unfilled.extend(found)
+        for spec, live, filled in zip(loose, loose_live, loose_read, strict=True):
+            found = []
+            _check([spec], [live], problems, found, on_meta, missing_ok=True)
+            meta.extend(found)
+            if not filled:
+                unfilled.extend(found)
         _check_unmanaged(pipeline, plan, meta, unmanaged)
-        if meta and reader is None:
+        if unfilled:
+            why = (
+                "no checkpoint was given to fill them; pass checkpoint=<a .safetensors file, a folder of "
+                "them or an *.index.json> to torchferry.offload(...)"
+                if reader is None
+                else "their components are not among the checkpoint's (checkpoint_components); fill them "
+                "from the checkpoint"
+            )
             raise PlanError(
-                f"torchferry.offload cannot take over this pipeline: {len(meta)} tensor(s) are on the meta "
-                f"device ({_some(meta)}) and no checkpoint was given to fill them; pass checkpoint=<a "
-                ".safetensors file, a folder of them or an *.index.json> to torchferry.offload(...), or "
-                "load the weights into the pipeline on the CPU first"
+                f"torchferry.offload cannot take over this pipeline: {len(unfilled)} tensor(s) are on the "
+                f"meta device ({_some(unfilled)}) and {why}, or load the weights into the pipeline on the "
+                "CPU first"
             )
         if on_meta or unmanaged:
             raise PlanError(
@@ -158,7 +180,10 @@ class HostStore:
                 "torchferry.offload(...), and let the session place it on the device."
             )
         if reader is not None:
-            reader.validate(plan.topology)
+            expected = [
+                s for c in plan.topology.components if c.path not in from_module for s in c.all_tensors()
+            ]
+            reader.validate(expected, skip=tuple(f"{p}." for p in from_module))
         wrappers = {name: find_wrappers(pipeline, pack) for name, pack in specs.items()}
         check_wrappers(wrappers)
         layouts: dict[str, tuple[tuple[Piece, ...], int]] = {}
@@ -173,24 +198,26 @@ class HostStore:
             for name, (_, nbytes) in layouts.items():
                 start, end = shard_span(name, nbytes, sharding) or (0, nbytes)
                 # From the module, each pack is pinned in commit once filled (see [Note: exact pinning]).
-                buffers[name] = memory.alloc(name, end - start, pin=reader is not None)
+                buffers[name] = memory.alloc(name, end - start, pin=name in read)
             if reader is not None:
                 for name, pack in specs.items():
+                    if name not in read:
+                        continue
                     pieces, nbytes = layouts[name]
                     span = shard_span(name, nbytes, sharding)
                     read_pack(reader, pack, pieces, resolved[name], span, host=buffers[name])
                     if progress is not None:
                         progress(buffers[name].numel(), total)
-                for spec, live in zip(loose, loose_live, strict=True):
-                    loose_values.append(read_loose(reader, spec, live))
+                for spec, live, filled in zip(loose, loose_live, loose_read, strict=True):
+                    loose_values.append(read_loose(reader, spec, live) if filled else None)
         except BaseException:
             memory.close()
             raise
         return Prepared(
             pipeline=pipeline, plan=plan, sharding=sharding, specs=specs, live=resolved, layouts=layouts,
-            buffers=buffers, filled=reader is not None, memory=memory,
+            buffers=buffers, filled=frozenset(read), memory=memory,
             loose=list(zip(loose_live, loose_values, strict=True)) if reader is not None else [],
-            progress=None if reader is not None or progress is None else (progress, total),
+            progress=None if len(read) == len(specs) or progress is None else (progress, total),
             wrappers={k: v for k, v in wrappers.items() if v},
         )
 
@@ -246,9 +273,9 @@ class Prepared:
     specs: dict[str, list[TensorSpec]]
     live: dict[str, list[torch.Tensor | None]]
     layouts: dict[str, tuple[tuple[Piece, ...], int]]
-    #: Every pack's buffer, allocated (and pinned) already; read from the checkpoint if ``filled``.
+    #: Every pack's buffer, allocated (and pinned) already; those in ``filled`` read from the checkpoint.
     buffers: dict[str, torch.Tensor]
-    filled: bool
+    filled: frozenset[str]
     memory: HostMemory
     loose: list[tuple[torch.Tensor | None, torch.Tensor | None]]
     #: Told of each group `commit` fills from the module, with the bytes of all groups.
@@ -278,7 +305,7 @@ class Prepared:
             ordered, pieces = members[name]
             span = shard_span(name, nbytes, self.sharding)
             host = self.buffers[name]
-            if not self.filled:
+            if name not in self.filled:
                 fill_from_module(ordered, pieces, nbytes, span, host)
                 if self.progress is not None:
                     self.progress[0](host.numel(), self.progress[1])
@@ -292,7 +319,7 @@ class Prepared:
             with torch.no_grad():
                 for t, v in zip(ordered, views, strict=True):
                     t.data = v
-            if not self.filled:
+            if name not in self.filled:
                 # The module's own copy of this pack is dropped now: pinning here, not in prepare,
                 # keeps the open near the model plus one pack (a refusal falls back, never raises).
                 self.memory.pin(name)
@@ -389,6 +416,15 @@ def _loose_specs(plan: Plan, specs: Mapping[str, Sequence[TensorSpec]]) -> list[
     """Tensors of the topology no pack holds (on-demand components'): filled in place from a checkpoint."""
     covered = {s.name for specs_ in specs.values() for s in specs_}
     return [s for c in plan.topology.components for s in c.all_tensors() if s.name not in covered]
+
+
+def _top(plan: Plan, name: str) -> str:
+    """The top-level component of the plan whose tensor ``name`` is (``""`` for a bare model)."""
+    best = ""
+    for c in plan.components:
+        if c.path and (name == c.path or name.startswith(c.path + ".")) and len(c.path) > len(best):
+            best = c.path
+    return best
 
 
 def _span_bytes(name: str, nbytes: int, sharding: Sharding | None) -> int:
