@@ -1043,3 +1043,55 @@ def test_an_object_written_straight_into_a_module_table_is_refused_at_close() ->
         p.transformer(*args)
     session.close()
     assert p.transformer.blocks[5].fc1.weight is replacement
+
+
+# ------------------------------------------------------------- views of a weight taken before opening
+class CachedView(nn.Linear):
+    """Keeps a view of its own weight (its transpose) as a plain attribute, made once, as some caches do."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cached = self.weight.detach().t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.cached + self.bias
+
+
+@pytest.mark.parametrize("how", ["row view", "state_dict", "the tensor a parameter was made from", "a cache"])
+def test_a_view_of_a_weight_taken_before_opening_is_refused(how: str) -> None:
+    """A tensor sharing a weight's memory but not managed by the session is a PlanError at open, before
+    any change (the session would silently break the sharing: edits through one would miss the other)."""
+    p = toy.build(0)
+    weight = block(p).fc1.weight
+    kept: object
+    if how == "row view":
+        kept = weight[0]
+    elif how == "state_dict":
+        kept = p.state_dict()
+    elif how == "the tensor a parameter was made from":
+        kept = torch.randn(weight.shape)
+        block(p).fc1.weight = nn.Parameter(kept)
+    else:
+        replace_fc1(CachedView)(p)
+        kept = None
+    before = {n: (id(t), t.data_ptr()) for n, t in p.state_dict(keep_vars=True).items()}
+    with pytest.raises(torchferry.PlanError, match="share their memory with a tensor the session would not"):
+        session(p)
+    assert {n: (id(t), t.data_ptr()) for n, t in p.state_dict(keep_vars=True).items()} == before
+    del kept
+    if how != "a cache":
+        with session(p):  # the view dropped, the pipeline opens
+            run(p, inputs())
+
+
+def test_a_closed_session_kept_alive_does_not_block_the_next_one() -> None:
+    """The tensors a closed session gave back have memory of their own: a second session opens while the
+    first session object is still referenced."""
+    p, ref = pair()
+    args = inputs()
+    first = session(p)
+    run(p, args)
+    first.close()
+    with session(p):
+        assert torch.equal(run(p, args), run(ref, args))
+    assert first.closed

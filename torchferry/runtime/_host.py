@@ -48,7 +48,7 @@ from torchferry.runtime._fill import (
     read_loose,
     read_pack,
 )
-from torchferry.runtime._layouts import Layouts, aliased
+from torchferry.runtime._layouts import Layouts, aliased, shared_elsewhere
 from torchferry.runtime._pack import Pack, Piece, Sharding, Unit, shard_span
 from torchferry.runtime._pinning import CudaPinner, HostMemory, HostPinner
 from torchferry.runtime._wrappers import Wrapper, check_wrappers, find_wrappers, holders
@@ -179,6 +179,7 @@ class HostStore:
                 "build or load the pipeline on the CPU (or call pipeline.to('cpu')) before "
                 "torchferry.offload(...), and let the session place it on the device."
             )
+        _refuse_shared(specs, resolved, lookup)
         if reader is not None:
             expected = [
                 s for c in plan.topology.components if c.path not in from_module for s in c.all_tensors()
@@ -256,7 +257,9 @@ class HostStore:
             t.copy_(view)
             fresh.append(t)
         pack.point(fresh)
-        pack.host_views = tuple(fresh)
+        # Each tensor is its own host view now: no second tensor object is left on its storage (one
+        # would read as a view taken elsewhere when a session opens on the pipeline again).
+        pack.host_views = pack.tensors
         pack.host = torch.empty(0, dtype=torch.uint8)
         del self.packs[pack.name]
         self.memory.release(pack.name)
@@ -359,8 +362,11 @@ class _Lookup:
         self.pipeline = pipeline
 
     def tensor(self, spec: TensorSpec) -> torch.Tensor | None:
+        return self.find(spec.name)
+
+    def find(self, name: str) -> torch.Tensor | None:
         try:
-            t = find_attr(self.pipeline, spec.name)
+            t = find_attr(self.pipeline, name)
         except AttributeError:
             return None
         return t if isinstance(t, torch.Tensor) else None
@@ -406,6 +412,32 @@ def _check_unmanaged(pipeline: Any, plan: Plan, meta: list[str], unmanaged: list
         if t.is_meta and name not in known:
             meta.append(name)
             unmanaged.append(name)
+
+
+def _refuse_shared(
+    specs: Mapping[str, Sequence[TensorSpec]], live: Mapping[str, Sequence[torch.Tensor | None]], lookup: _Lookup
+) -> None:
+    """Raise `PlanError` when a tensor the store takes over shares its storage with one it does not."""
+    named: list[tuple[str, torch.Tensor]] = []
+    for name, pack in specs.items():
+        for spec, t in zip(pack, live[name], strict=True):
+            if t is None:
+                continue
+            named.append((spec.name, t))
+            for alias in spec.aliases:
+                other = lookup.find(alias)
+                if other is not None and other is not t:
+                    named.append((alias, other))
+    shared = shared_elsewhere(named)
+    if shared:
+        raise PlanError(
+            f"torchferry.offload cannot take over this pipeline: {len(shared)} tensor(s) share their memory "
+            f"with a tensor the session would not manage ({_some(shared)}): a view or alias of the weight "
+            "taken before opening (w[0], w.t(), a state_dict() kept from before, the tensor a parameter was "
+            "made from), by your code or cached by a module. The session gives every weight memory of its "
+            "own, so that tensor would silently stop sharing it (an edit through one would not reach the "
+            "other); drop it (del it, or keep a .clone()) before opening, or take it after opening"
+        )
 
 
 def _some(names: Sequence[str]) -> str:

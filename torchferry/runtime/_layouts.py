@@ -34,7 +34,7 @@ import torch
 
 from torchferry.topology import TensorSpec, find_attr
 
-__all__ = ["Layouts", "aliased", "dense"]
+__all__ = ["Layouts", "aliased", "dense", "shared_elsewhere"]
 
 _P = TypeVar("_P")
 
@@ -61,6 +61,49 @@ def aliased(
             out_tensors.append(other)
             out_pieces.append(piece)
     return out_tensors, out_pieces
+
+
+#: torch's count of the references to a storage (its tensors and Python storage objects); private.
+_USE_COUNT: Any = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def shared_elsewhere(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names (one per storage) of tensors in ``named`` whose storage another tensor also holds.
+
+    ``named`` is every tensor object a session is about to take over. Each tensor object holds one
+    reference to its storage; a storage with more references than the taken-over objects on it (and
+    the one Python storage object held here) is shared with a tensor the session does not manage: a
+    view or alias taken before opening (``w[0]``, ``w.t()``, ``state_dict()`` kept from before, the
+    tensor a parameter was made from), by the caller or cached by a module. Re-pointing the weight
+    at the session's host buffer would end that sharing silently (see [Note: as it was]). The base a
+    taken-over view was made from (``torch.arange(6).reshape(2, 3)`` registered as a buffer keeps its
+    ``_base``) counts as taken over. Cycles are collected once before anything is reported.
+    """
+    if _USE_COUNT is None:
+        return []
+
+    def count() -> list[str]:
+        found: dict[int, tuple[torch.UntypedStorage, set[int], str]] = {}
+        for name, t in named:
+            if t.device.type != "cpu" or t.is_meta:
+                continue
+            storage = t.untyped_storage()
+            if storage.nbytes() == 0:
+                continue
+            entry = found.setdefault(storage._cdata, (storage, set(), name))
+            entry[1].add(id(t))
+            base = t._base
+            if base is not None:
+                entry[1].add(id(base))
+        return [name for storage, ids, name in found.values() if _USE_COUNT(storage._cdata) - 1 > len(ids)]
+
+    suspects = count()
+    if suspects:
+        import gc
+
+        gc.collect()  # a view kept only by a reference cycle is not a view anyone holds
+        suspects = count()
+    return suspects
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
