@@ -47,7 +47,7 @@ from torchferry.topology import (
     read_pipeline_folder,
 )
 
-__all__ = ["from_pretrained", "resolve_folder"]
+__all__ = ["from_pretrained", "pipeline_on_meta", "resolve_folder"]
 
 
 def resolve_folder(model: str | os.PathLike[str]) -> Path:
@@ -232,6 +232,28 @@ def _refuse_unknown(options: Mapping[str, Any]) -> None:
     unknown = set(options) - fields - named - {"device_memory", "host_memory"}
     if unknown:
         raise PlanError(unknown_options("from_pretrained", unknown, fields))
+
+
+def pipeline_on_meta(folder: str | os.PathLike[str]) -> Any:
+    """The pipeline ``model_index.json`` names, built from ``folder`` as `from_pretrained` builds it
+    (every model on the meta device, in its stored dtypes), so a plan sees what a session would hold:
+    non-persistent buffers (RoPE tables) that no checkpoint stores included. Reads no weight data."""
+    path = resolve_folder(folder)
+    found = read_pipeline_folder(path)
+    try:
+        diffusers = importlib.import_module("diffusers")
+    except ImportError as exc:
+        raise PlanError(
+            f"{path}: building {found.pipeline_class} needs diffusers ({exc}); install it"
+        ) from None
+    cls = getattr(diffusers, found.pipeline_class, None)
+    if not isinstance(cls, type):
+        raise PlanError(
+            f"{path}: model_index.json names the pipeline class {found.pipeline_class!r}, which diffusers "
+            "does not have; upgrade diffusers"
+        )
+    pipeline, _, _ = _build_on_meta(cls, path, None, {})
+    return pipeline
 
 
 def _build_on_meta(

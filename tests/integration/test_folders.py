@@ -152,7 +152,8 @@ def test_plan_command_reads_a_pipeline_folder(tmp_path: Path, capsys: pytest.Cap
     folder = _save(toy.wan_pipeline(), tmp_path / "wan", True)
     assert main(["plan", str(folder), "--device-memory", "100KiB"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"{folder} (WanPipeline)\nsafetensors headers of the pipeline folder {folder}\n")
+    built = f"the pipeline folder {folder}, built on meta as from_pretrained builds it"
+    assert out.startswith(f"{folder} (WanPipeline)\n{built}")
     assert re.search(r"^transformer\s+dit\s+WanTransformer3DModel\s", out, re.MULTILINE)
     assert re.search(r"^text_encoder\s+encoder\s+UMT5EncoderModel\s", out, re.MULTILINE)
     assert re.search(r"^vae\s+vae\s+AutoencoderKLWan\s", out, re.MULTILINE)
@@ -163,6 +164,38 @@ def test_plan_command_reads_a_pipeline_folder(tmp_path: Path, capsys: pytest.Cap
         "UMT5EncoderModel",
         "AutoencoderKLWan",
     ]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_plan_and_session_agree_byte_for_byte_on_a_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sharded: bool
+) -> None:
+    """``torchferry plan FOLDER``'s layerwise peak (RoPE buffers, which no file stores, included) is the
+    budget from_pretrained's session runs in exactly: at that budget it runs, a byte less it refuses."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", sharded)
+    assert main(["plan", str(folder), "--device-memory", "1MiB", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["source"] == f"pipeline:{folder}"
+    peak = next(r["peak_device_bytes"] for r in doc["strategies"] if r["strategy"] == "layerwise")
+    assert peak == 186432  # the same for one file and for shards
+    options = {"device": "cpu", "strategy": "layerwise"}
+    with torchferry.from_pretrained(diffusers.WanPipeline, folder, device_memory=peak, **options) as session:
+        toy.run_wan(session.pipeline)
+        assert max(session.step_peaks.values()) == peak
+    with pytest.raises(PlanError, match=re.escape(f"({peak - 1}) (config.device_memory_bytes)")):
+        torchferry.from_pretrained(diffusers.WanPipeline, folder, device_memory=peak - 1, **options)
+
+
+def test_one_file_and_shards_of_one_pipeline_plan_the_same_bytes(tmp_path: Path) -> None:
+    """A pipeline saved as one file per component and as many shards gives one topology from its headers."""
+    pipe = toy.wan_pipeline()
+    single = topology.from_checkpoint(_save(pipe, tmp_path / "one", False))
+    sharded = topology.from_checkpoint(_save(pipe, tmp_path / "many", True))
+    assert single.components == sharded.components
+    found = topology.discover(pipe)
+    for mine, theirs in zip(single.components, found.components, strict=True):
+        # Packed as the session packs the module's tensors, byte for byte.
+        assert [b.nbytes for b in mine.blocks] == [b.nbytes for b in theirs.blocks]
 
 
 @pytest.mark.parametrize("sharded", [False, True])

@@ -404,7 +404,7 @@ def test_read_into_validates_before_touching_out(tmp_path: Path) -> None:
     problems = [
         f"{path}: tensor '{name}': dtype bfloat16 but the model expects float16 for '{name}'; convert the "
         "checkpoint (loading copies bytes and never converts dtypes)"
-        for name in ("blocks.0.proj.weight", "blocks.0.proj.bias")
+        for name in ("blocks.0.proj.bias", "blocks.0.proj.weight")  # layout order: by itemsize, then name
     ]
     with (
         CheckpointReader(path) as reader,

@@ -415,7 +415,9 @@ def _check_unmanaged(pipeline: Any, plan: Plan, meta: list[str], unmanaged: list
 
 
 def _refuse_shared(
-    specs: Mapping[str, Sequence[TensorSpec]], live: Mapping[str, Sequence[torch.Tensor | None]], lookup: _Lookup
+    specs: Mapping[str, Sequence[TensorSpec]],
+    live: Mapping[str, Sequence[torch.Tensor | None]],
+    lookup: _Lookup,
 ) -> None:
     """Raise `PlanError` when a tensor the store takes over shares its storage with one it does not."""
     named: list[tuple[str, torch.Tensor]] = []
