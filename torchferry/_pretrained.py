@@ -142,33 +142,32 @@ def _stored_dtypes(
 ) -> None:
     """Give every meta parameter the dtype its file stores (loading copies bytes, never converts),
     except under a module the library keeps in float32 at that dtype (`_kept_in_float32`): those are
-    float32 and read widened from their 16-bit files, as diffusers and transformers load them."""
-    done: dict[int, nn.Parameter] = {}
+    float32 and read widened from their 16-bit files, as diffusers and transformers load them.
+
+    A tied parameter (one object under several names) is stored under any one of its names; it is
+    given that name's dtype under every name, so the tie holds.
+    """
+    places: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
-        for attr, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            full = f"{name}.{module_name}.{attr}" if module_name else f"{name}.{attr}"
-            if id(param) in done:
-                module._parameters[attr] = done[id(param)]
-                continue
-            dtype_name = stored.get(full)
-            if dtype_name is None:
-                continue  # a tied alias stored under its other name, or missing: validated at offload
-            dtype = getattr(torch, dtype_name)
-            keep = _kept_in_float32(model, torch_dtype or dtype)
-            if dtype.is_floating_point and keep.intersection(full.split(".")[1:]):
-                dtype = torch.float32  # stored float32, or widened from 16 bits as it is read
-            elif torch_dtype is not None and dtype.is_floating_point and dtype != torch_dtype:
-                problems.append(f"{full} is stored as {dtype_name}")
-            if param.is_meta and param.dtype != dtype:
-                replaced = nn.Parameter(
-                    torch.empty(param.shape, dtype=dtype, device="meta"), param.requires_grad
-                )
+        for attr, param in module._parameters.items():
+            if param is not None:
+                full = f"{name}.{module_name}.{attr}" if module_name else f"{name}.{attr}"
+                places.setdefault(id(param), (param, []))[1].append((module, attr, full))
+    for param, where in places.values():
+        found = next(((full, stored[full]) for _, _, full in where if full in stored), None)
+        if found is None:
+            continue  # not in the files: validated (and reported) when the session opens
+        full, dtype_name = found
+        dtype = getattr(torch, dtype_name)
+        keep = _kept_in_float32(model, torch_dtype or dtype)
+        if dtype.is_floating_point and keep.intersection(full.split(".")[1:]):
+            dtype = torch.float32  # stored float32, or widened from 16 bits as it is read
+        elif torch_dtype is not None and dtype.is_floating_point and dtype != torch_dtype:
+            problems.append(f"{full} is stored as {dtype_name}")
+        if param.is_meta and param.dtype != dtype:
+            replaced = nn.Parameter(torch.empty(param.shape, dtype=dtype, device="meta"), param.requires_grad)
+            for module, attr, _ in where:
                 module._parameters[attr] = replaced
-                done[id(param)] = replaced
-            else:
-                done[id(param)] = param
     for module_name, module in model.named_modules():
         for attr, buf in list(module._buffers.items()):
             full = f"{name}.{module_name}.{attr}" if module_name else f"{name}.{attr}"

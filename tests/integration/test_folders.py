@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import torchferry
 from torchferry import PlanError, topology
@@ -278,6 +279,25 @@ def test_from_pretrained_flux_in_bfloat16(tmp_path: Path) -> None:
         pipe = session.pipeline
         assert pipe.transformer.transformer_blocks[0].attn.to_q.weight.dtype == torch.bfloat16
         got = _run_flux(pipe)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+
+
+def test_from_pretrained_keeps_a_tie_stored_under_its_later_name(tmp_path: Path) -> None:
+    """A tied pair the file stores under its later name (embed_tokens) loads in bf16, still tied."""
+    folder = _save(toy.wan_pipeline().to(torch.bfloat16), tmp_path / "wan", False)
+    options: dict[str, Any] = {"torch_dtype": torch.bfloat16, "device": "cpu", "strategy": "layerwise"}
+    with torchferry.from_pretrained(diffusers.WanPipeline, folder, **options) as session:
+        expected = toy.run_wan(session.pipeline)
+    file = folder / "text_encoder" / "model.safetensors"
+    state = load_file(str(file))
+    state["encoder.embed_tokens.weight"] = state.pop("shared.weight")
+    save_file(state, str(file), metadata={"format": "pt"})
+    with torchferry.from_pretrained(diffusers.WanPipeline, folder, **options) as session:
+        encoder = session.pipeline.text_encoder
+        assert encoder.shared.weight is encoder.encoder.embed_tokens.weight
+        assert encoder.shared.weight.dtype == torch.bfloat16
+        got = toy.run_wan(session.pipeline)
     assert torch.equal(got[0], expected[0])
     assert torch.equal(got[1], expected[1])
 
