@@ -171,9 +171,9 @@ def _stored_dtypes(
     for module_name, module in model.named_modules():
         for attr, buf in list(module._buffers.items()):
             full = f"{name}.{module_name}.{attr}" if module_name else f"{name}.{attr}"
-            dtype_name = stored.get(full)
-            if buf is not None and dtype_name is not None and str(buf.dtype) != f"torch.{dtype_name}":
-                module._buffers[attr] = buf.to(getattr(torch, dtype_name))
+            stored_as = stored.get(full)
+            if buf is not None and stored_as is not None and str(buf.dtype) != f"torch.{stored_as}":
+                module._buffers[attr] = buf.to(getattr(torch, stored_as))
 
 
 def from_pretrained(

@@ -1095,3 +1095,16 @@ def test_a_closed_session_kept_alive_does_not_block_the_next_one() -> None:
     with session(p):
         assert torch.equal(run(p, args), run(ref, args))
     assert first.closed
+
+
+def test_a_graph_kept_from_a_forward_with_grad_does_not_block_opening() -> None:
+    """What autograd saved of a forward with grad before opening (views of weights held by C++ alone) is
+    no view anyone can edit through: the session opens, and the old graph's backward still works."""
+    p, ref = pair()
+    args = inputs()
+    kept = p.transformer(*args)  # grad enabled: the graph saves weight.t() of each linear
+    assert kept.requires_grad
+    with session(p):
+        assert torch.equal(run(p, args), run(ref, args))
+    kept.sum().backward()
+    assert block(p).fc1.weight.grad is not None

@@ -236,16 +236,23 @@ class HostStore:
         goes, so its memory goes back to the OS (nothing stays cached). Sharded packs cannot be
         given back without their peers' shards: they keep their placeholders and stay in
         ``packs`` (host shards are never dropped) until `Pack.unshard` gives them their full
-        bytes and `give_back` or `close` runs again.
+        bytes and `give_back` or `close` runs again. A pack that fails to give its tensors back does
+        not stop the others: the first failure is raised once every pack has been tried.
         """
+        failure: Exception | None = None
         for name in list(self.packs):
             pack = self.packs[name]
-            if pack.shard is None:
-                self.give_back(pack)
-            else:
-                pack.to_host()
-                pack.forget_device()
+            try:
+                if pack.shard is None:
+                    self.give_back(pack)
+                else:
+                    pack.to_host()
+                    pack.forget_device()
+            except Exception as exc:
+                failure = failure or exc
         self.units.clear()
+        if failure is not None:
+            raise failure
 
     def give_back(self, pack: Pack) -> None:
         """Give ``pack``'s tensors storage of their own and drop the pack (it must hold full bytes)."""
