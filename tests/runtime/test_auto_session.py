@@ -138,6 +138,21 @@ def test_recalibration_switches_between_steps_once(caplog: pytest.LogCaptureFixt
     assert same_weights(p, ref)
 
 
+def test_steps_that_run_no_block_are_not_measured() -> None:
+    """Under auto, calls whose DiT steps skip every block (a TeaCache-like cache) measure nothing: the
+    calls after them run exactly, and a later call that runs the blocks is measured as usual."""
+    p, ref = toy.build(0), toy.build(0)
+    skip_all = {i: range(8) for i in range(6)}
+    with torchferry.offload(p, device="cpu") as session:
+        for _ in range(3):
+            assert torch.equal(p("a cat", steps=6, skip=skip_all), ref("a cat", steps=6, skip=skip_all))
+        assert not session.report().calibrated
+        assert session.report().measured_step_s == {}
+        assert torch.equal(p("a cat", steps=6), ref("a cat", steps=6))
+        report = session.report()
+    assert report.calibrated and report.block_s["transformer"] > 0
+
+
 def test_two_experts_keep_the_budget_at_every_step_including_the_switch() -> None:
     """On a two-expert toy under a tight budget every step, the one that prefetches the next expert
     included, stays within the budget, and outputs equal the plain run."""
