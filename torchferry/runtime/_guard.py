@@ -93,6 +93,16 @@ class _Record:
     holder: torch.Tensor
 
 
+def _under(path: str, roots: list[str]) -> bool:
+    """Whether module ``path`` is one of ``roots`` or inside one."""
+    return any(path == r or path.startswith(r + ".") for r in roots)
+
+
+def _under_any(component: Any, paths: list[str]) -> bool:
+    """Whether any of ``paths`` is inside the component (it streams some of its blocks)."""
+    return any(_under(p, [component.path]) for p in paths)
+
+
 def _pointer(t: torch.Tensor) -> int:
     return int(t.data_ptr())  # 0 on the meta device
 
@@ -132,16 +142,24 @@ class SessionGuard:
         seen: set[int] = set()
         roots: list[tuple[str, nn.Module]] = []
         on_demand = [c.path for c in plan.components if c.on_demand]
+        # The blocks of an on-demand component stream like any (its lifecycle moves the rest).
+        streamed = [b.path for top in plan.components if top.on_demand for c in top.walk() for b in c.blocks]
         if isinstance(pipeline, nn.Module):
             roots.append(("", pipeline))
         for top in plan.components:
             module = find_attr(pipeline, top.path)
             if not top.on_demand and isinstance(module, nn.Module):
                 roots.append((top.path, module))
+        roots.extend((path, find_attr(pipeline, path)) for path in streamed)
+        lifecycle: set[int] = set()
         for prefix, root in roots:
             for path, module in root.named_modules(prefix=prefix):
-                if id(module) in seen or any(path == o or path.startswith(o + ".") for o in on_demand):
-                    continue  # an on-demand component moves itself (load_to_device, offload_to_cpu)
+                if id(module) in seen:
+                    continue
+                if _under(path, on_demand):
+                    if not _under(path, streamed):
+                        continue  # an on-demand component moves itself (load_to_device, offload_to_cpu)
+                    lifecycle.add(id(module))
                 seen.add(id(module))
                 modules.append((path, module))
                 for table in (module._parameters, module._buffers):
@@ -185,7 +203,10 @@ class SessionGuard:
         # Why: what the session set on the objects it serves (rules 3-5), taken off at close.
         casting = Casting(pipeline, plan, [m for _, m in modules])  # layerwise casts (`_casting`)
         self._overrides = Overrides(engine.device, self.write_through, casting)
-        self._overrides.install(modules, set(managed) | wrapped)
+        self._overrides.install(modules, set(managed) | wrapped, frozenset(lifecycle))
+        self._overrides.lifecycles(
+            [find_attr(pipeline, c.path) for c in plan.components if c.on_demand and _under_any(c, streamed)]
+        )
         objects: list[tuple[str, object]] = [(p, m) for p, m in modules]
         if not isinstance(pipeline, nn.Module):
             objects.insert(0, ("", pipeline))
