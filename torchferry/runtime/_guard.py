@@ -29,6 +29,11 @@ docs/contract.md.
    into a module's ``_parameters`` or ``_buffers`` dict (no ``setattr``, no ``register_*``, so no
    registration hook) is seen only at a step after some registration, and at close: replace
    weights through ``setattr`` or ``load_state_dict`` during a session.
+   2b. A replacement made *during* a step (a forward's own ``self.inv_freq = ...``, as OmniGen's
+   rotary embedding does on every call) is the model's state, as in a plain run: when a step that
+   registered or assigned anything ends, its module slots are looked at, and a slot holding another
+   object is followed (`SessionGuard._follow`): the module keeps that object where the forward made
+   it, the tensor it replaced is no longer looked for there, and close moves the object to host.
 3. Moves and conversions. ``module.to(...)``, ``.half()``, ``.cuda()``, ``.to("meta")`` and every
    other conversion through ``nn.Module._apply`` on the pipeline or a managed module raise
    `ExecutionError` before anything is converted; close the session first. A ``.to()``, ``.cpu()``,
@@ -198,6 +203,11 @@ class SessionGuard:
         # Why: the registration count when the module slots were last seen in place (see `_changed`).
         REGISTRATIONS.install()
         self._registered = -1
+        # Why: the registration count when the running step began (``None`` between steps), so a
+        # step whose forward registered or assigned something has its module slots looked at.
+        self._began: int | None = None
+        # Why: the module slots a forward gave an object of its own (`_follow`), moved to host at close.
+        self._followed: list[tuple[dict[str, Any], str]] = []
         # Why: per residency (the units on the device between steps), their records' indices and tensors.
         self._resident: dict[tuple[str, ...], tuple[list[int], list[torch.Tensor]]] = {}
         # Why: what the session set on the objects it serves (rules 3-5), taken off at close.
@@ -228,6 +238,9 @@ class SessionGuard:
                     "of its own"
                 )
             self._owner, self._component = me, component
+        if self._began is not None:
+            self._follow()  # the step before never ended (a KeyboardInterrupt): its forward's own
+        self._began = REGISTRATIONS.count
         if self._refusal is not None:
             raise ExecutionError(self._refusal)
 
@@ -237,9 +250,29 @@ class SessionGuard:
 
     def left(self) -> None:
         """This thread's step is over (finished or aborted): record what it left, free the session."""
+        if self._began is not None and self._began != REGISTRATIONS.count:
+            self._follow()
+        self._began = None
         self._refresh()
         with self._lock:
             self._owner = None
+
+    def _follow(self) -> None:
+        """Module slots the step's forward gave another object (``self.inv_freq = ...`` on each call,
+        as OmniGen's rotary embedding does) hold the model's state from now on, as in a plain run: the
+        session stops managing the tensor that was there (rule 2b of the Note)."""
+        if self._in_place():
+            return
+        for r in self._records:
+            held = [table.get(key) is r.tensor for table, key in r.places]
+            if not all(held):
+                self._followed.extend(place for place, here in zip(r.places, held, strict=True) if not here)
+                r.places = tuple(place for place, here in zip(r.places, held, strict=True) if here)
+        slots = [(table, key, r.tensor) for r in self._records for table, key in r.places]
+        self._place_tables = [table for table, _, _ in slots]
+        self._place_keys = [key for _, key, _ in slots]
+        self._place_tensors = [t for _, _, t in slots]
+        self._registered = REGISTRATIONS.count
 
     # ------------------------------------------------------------------------------------ ranks
     def drain(self) -> None:
@@ -463,8 +496,16 @@ class SessionGuard:
             self.adopt(strict=False)
 
     def close(self) -> None:
-        """Adopt what can be adopted, then take every refusal and state_dict hook off the modules."""
+        """Adopt what can be adopted, then take every refusal and state_dict hook off the modules; a
+        tensor a forward assigned that is on the session device comes back to host memory, as every
+        weight does."""
         try:
             self.adopt(strict=False)
+            with torch.no_grad():
+                for table, key in self._followed:
+                    value = table.get(key)
+                    if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta"):
+                        value.data = value.data.to("cpu")
         finally:
+            self._followed.clear()
             self._overrides.remove()
