@@ -6,6 +6,7 @@ plain output bit for bit or is refused with a whole, located message before anyt
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any, ClassVar
 
@@ -16,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import torchferry
-from torchferry import ExecutionError, PlanError
+from torchferry import ExecutionError, OffloadWarning, PlanError
 from torchferry.topology import Declaration, discover
 
 
@@ -135,19 +136,47 @@ def test_float8_weights_stream() -> None:
     _streams_bit_identical(model)
 
 
-def test_inference_mode_parameters_are_refused_with_the_fix() -> None:
-    """Parameters made under inference mode are a PlanError that gives the fix; the fix then streams."""
+@pytest.mark.parametrize("strategy", ["none", "layerwise", "model_level"])
+def test_a_model_built_under_inference_mode_is_served(strategy: str) -> None:
+    """A model built under inference mode (as serving frameworks build them) streams to its plain output,
+    called in and out of inference mode; its parameters stay the same objects, ties included, and come
+    back as ordinary tensors with the same values."""
     torch.manual_seed(0)
     with torch.inference_mode():
         model = Model().eval()
-    with pytest.raises(PlanError) as caught:
+        model.proj_out.weight = model.proj_in.weight  # tied
+    named = dict(model.named_parameters(remove_duplicate=False))
+    before = {k: v.detach().clone() for k, v in named.items()}
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        expected = model(x)
+    warn = pytest.warns(OffloadWarning) if strategy == "model_level" else contextlib.nullcontext()
+    with warn, torchferry.offload(model, strategy=strategy, device="cpu"):
+        with torch.inference_mode():
+            assert torch.equal(model(x), expected)
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert all(after[k] is v for k, v in named.items())
+    assert model.proj_out.weight is model.proj_in.weight
+    assert not any(t.is_inference() for t in after.values())
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert type(after["blocks.0.linear.weight"]) is nn.Parameter
+
+
+def test_an_inference_tensor_held_elsewhere_is_refused_with_the_fix() -> None:
+    """An inference tensor something else holds (a weak reference) cannot be swapped in place: a PlanError
+    with the fix, before anything changes."""
+    import weakref
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = Model().eval()
+    held = weakref.ref(model.proj_in.weight)
+    refused = "were made under torch.inference_mode() and something else holds them"
+    with pytest.raises(PlanError, match=re.escape(refused)):
         torchferry.offload(model, strategy="none", device="cpu")
-    assert str(caught.value) == (
-        "Tensor 'proj_in.weight' was created under torch.inference_mode(), and an inference tensor can "
-        "never be re-pointed at torchferry's buffers outside it; build the model outside inference "
-        "mode, or give it ordinary tensors first, outside inference mode: "
-        "model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)"
-    )
+    assert model.proj_in.weight.is_inference() and held() is model.proj_in.weight
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     _streams_bit_identical(model)
 

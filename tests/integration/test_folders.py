@@ -351,6 +351,20 @@ def test_from_pretrained_takes_components_as_diffusers_does(tmp_path: Path) -> N
     assert torch.equal(got[1], expected[1])
 
 
+def test_a_wan_pipeline_built_under_inference_mode_streams_exactly() -> None:
+    """A WanPipeline built under torch.inference_mode() (as serving frameworks build them) runs a whole
+    call bit-exact under layerwise, its tied UMT5 embedding still one object."""
+    expected = toy.run_wan(toy.wan_pipeline())
+    with torch.inference_mode():
+        pipe = toy.wan_pipeline()
+    assert pipe.transformer.blocks[0].attn1.to_q.weight.is_inference()
+    with torchferry.offload(pipe, strategy="layerwise", device="cpu"), torch.inference_mode():
+        got = toy.run_wan(pipe)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+    assert pipe.text_encoder.shared.weight is pipe.text_encoder.encoder.embed_tokens.weight
+
+
 @pytest.mark.parametrize("name", ["transformer", "vae"])
 def test_from_pretrained_uses_a_component_given_by_keyword_as_given(tmp_path: Path, name: str) -> None:
     """A component passed by keyword keeps its own weights (not the folder's), in the session and after."""

@@ -22,6 +22,17 @@ so their identity and ties survive, then every tensor is re-pointed). Any failur
 leaves the pipeline exactly as it was. Checkpoint bytes are in row-major order; a tensor whose
 module stores it with other strides (a transposed weight) is rearranged into those strides.
 
+[Note: inference tensors]
+A pipeline built under ``torch.inference_mode()`` (as serving frameworks build them) holds inference
+tensors, which keep no version counter and can never again be re-pointed for good outside inference
+mode (``t.data = view`` leaves the tensor without one). `Prepared.commit` therefore turns each one it
+takes over into an ordinary tensor in place, once its bytes are in the host buffer: the Python
+object is kept (identity, class, attributes, so ties and references hold) and only the tensor under
+it is swapped, by `torch.utils.swap_tensors`, which checks first that nothing else holds it
+(`prepare` refuses one it could not swap, before anything changes). Values are bit-identical; the
+one change is that the weights given back at close are ordinary tensors (``is_inference()`` false),
+as a ``load_state_dict(..., assign=True)`` of clones outside inference mode would leave them.
+
 Non-persistent buffers (RoPE tables and the like) are not in checkpoints: their bytes come from the
 module, which must have computed them on the CPU. Build the pipeline under `meta_parameters()`
 (parameters on meta, buffers as the module makes them); a non-persistent buffer left on the meta
@@ -43,10 +54,12 @@ from torchferry.runtime._fill import (
     fill_from_module,
     group_specs,
     in_pack_order,
+    make_ordinary,
     materialise,
     pack_layout,
     read_loose,
     read_pack,
+    swappable,
 )
 from torchferry.runtime._layouts import Layouts, aliased, shared_elsewhere
 from torchferry.runtime._pack import Pack, Piece, Sharding, Unit, shard_span
@@ -180,6 +193,7 @@ class HostStore:
                 "torchferry.offload(...), and let the session place it on the device."
             )
         _refuse_shared(specs, resolved, lookup)
+        _refuse_unswappable(specs, resolved)
         if reader is not None:
             expected = [
                 s for c in plan.topology.components if c.path not in from_module for s in c.all_tensors()
@@ -322,6 +336,8 @@ class Prepared:
             for t in ordered:
                 if t.is_meta:
                     materialise(t)
+                elif t.is_inference():
+                    make_ordinary(t)
             if span is None:
                 views = tuple(p.view(host) for p in pieces)
             else:
@@ -446,6 +462,28 @@ def _refuse_shared(
             "made from), by your code or cached by a module. The session gives every weight memory of its "
             "own, so that tensor would silently stop sharing it (an edit through one would not reach the "
             "other); drop it (del it, or keep a .clone()) before opening, or take it after opening"
+        )
+
+
+def _refuse_unswappable(
+    specs: Mapping[str, Sequence[TensorSpec]], live: Mapping[str, Sequence[torch.Tensor | None]]
+) -> None:
+    """Raise `PlanError` for an inference tensor that cannot be made ordinary in place (see [Note:
+    inference tensors])."""
+    stuck = [
+        spec.name
+        for name, pack in specs.items()
+        for spec, t in zip(pack, live[name], strict=True)
+        if t is not None and not t.is_meta and t.is_inference() and not swappable(t)
+    ]
+    if stuck:
+        raise PlanError(
+            f"torchferry.offload cannot take over this pipeline: {len(stuck)} tensor(s) were made under "
+            f"torch.inference_mode() and something else holds them ({_some(stuck)}: a weak reference, or "
+            "the graph of a computation with them outside inference mode, such as a .clone() kept), so "
+            "they cannot be made ordinary tensors in place; drop that, or give the "
+            "model ordinary tensors first, outside inference mode: model.load_state_dict({k: v.clone() "
+            "for k, v in model.state_dict().items()}, assign=True)"
         )
 
 
