@@ -172,10 +172,11 @@ def offload(
     ``strategy`` defaults to ``"auto"``: the session picks strategy, depth and resident blocks that
     fit the budget (``device_memory=``, else the device's free memory at open less a margin for
     activations), measures this machine and re-chooses once calibrated (see `torchferry._auto`,
-    `Session.report`). A ``config``, a ``policy`` or a ring knob (``prefetch_depth=``) names the
-    policy instead. ``config`` (or ``strategy`` and any `OffloadConfig` field as a keyword) says what
-    to offload (a strategy name in its place is the strategy: ``offload(pipe, "layerwise")``);
-    ``policy`` replaces the strategy's built-in policy (its knobs then go to its factory: passing
+    `Session.report`). A ``config``, a ``policy`` or a ring knob (``prefetch_depth=``,
+    ``resident_layers=``) names the policy instead. ``config`` (or ``strategy`` and any
+    `OffloadConfig` field as a keyword) says what to offload (a strategy name in its place is the
+    strategy: ``offload(pipe, "layerwise")``); ``policy`` replaces the strategy's built-in policy
+    (its knobs then go to its factory: passing
     ``prefetch_depth`` or ``chunk_bytes`` with it is a `PlanError`); ``device`` defaults to CUDA when
     present. ``device_memory=`` is the device budget, in bytes or as ``"24GiB"``/``"80GB"``;
     ``host_memory=`` the host budget alike (`OffloadConfig.host_memory_bytes`: what does not fit
@@ -209,6 +210,8 @@ def offload(
             "another (torchferry.session_of(pipe).close() when you no longer hold the session)"
         )
     for budget_name, what in (("device_memory", "device"), ("host_memory", "host")):
+        if budget_name in config_options and config_options[budget_name] is None:
+            config_options = {k: v for k, v in config_options.items() if k != budget_name}  # the default
         if budget_name in config_options:
             if f"{budget_name}_bytes" in config_options:
                 raise PlanError(
@@ -288,25 +291,28 @@ def _is_auto(
 ) -> bool:
     """Whether the session chooses (``strategy="auto"``, the default when nothing else names a policy).
 
-    A config, a strategy, a policy or a ring knob (``prefetch_depth``, ``chunk_bytes``) names one;
-    ``strategy="auto"`` with a policy or a ring knob is a `PlanError` (auto picks the depth itself).
+    A config, a strategy, a policy or a ring knob (``prefetch_depth``, ``chunk_bytes``,
+    ``resident_layers``) names one; ``strategy="auto"`` with a policy or a ring knob is a `PlanError`
+    (auto picks the depth and the resident blocks itself: a knob given would raise the budget it needs
+    and then not be what it chose).
     """
     if strategy == "auto":
-        named = [k for k in ("prefetch_depth", "chunk_bytes") if k in options]
+        named = [k for k in _RING_KNOBS if k in options]
         if policy is not None:
             named.insert(0, "policy")
         if named:
             raise PlanError(
                 f"offload(strategy='auto') with {' and '.join(f'{k}=' for k in named)}: auto picks the "
-                "policy and its depth itself; drop them, or name the strategy (strategy='layerwise')"
+                "policy, its depth and its resident blocks itself; drop them, or name the strategy "
+                "(strategy='layerwise')"
             )
         return True
-    return (
-        strategy is None
-        and config is None
-        and policy is None
-        and not any(k in options for k in ("prefetch_depth", "chunk_bytes"))
-    )
+    chosen = config is not None or policy is not None or any(k in options for k in _RING_KNOBS)
+    return strategy is None and not chosen
+
+
+#: What a request may set that names a ring policy rather than leave the choice to auto.
+_RING_KNOBS = ("prefetch_depth", "chunk_bytes", "resident_layers")
 
 
 class Session:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -413,6 +414,75 @@ def test_from_pretrained_takes_a_component_the_folder_lists_as_absent(tmp_path: 
         got = toy.run_wan(session.pipeline)
     assert torch.equal(got[0], expected[0])
     assert torch.equal(got[1], expected[1])
+
+
+def test_from_pretrained_names_a_missing_or_broken_scheduler_or_tokenizer(tmp_path: Path) -> None:
+    """A scheduler subfolder that is gone, or a tokenizer's that is broken, is a PlanError naming the
+    component and the fix, not the library's raw OSError (which talks of connecting to the hub)."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
+    shutil.rmtree(folder / "scheduler")
+    with pytest.raises(PlanError) as gone:
+        torchferry.from_pretrained(diffusers.WanPipeline, folder, device="cpu")
+    assert str(gone.value) == (
+        f"component 'scheduler' (diffusers.FlowMatchEulerDiscreteScheduler) could not be loaded from "
+        f"{folder / 'scheduler'} (the subfolder does not exist); re-save or re-download the pipeline "
+        "(nothing is downloaded here), or pass the component yourself (from_pretrained(..., "
+        "scheduler=...), or scheduler=None to leave it out)"
+    )
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "T5TokenizerFast"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    (folder / "tokenizer").mkdir()
+    (folder / "tokenizer" / "tokenizer_config.json").write_text("{ not json")
+    with pytest.raises(PlanError) as broken:
+        torchferry.from_pretrained(diffusers.WanPipeline, folder, scheduler=scheduler, device="cpu")
+    where = f"could not be loaded from {folder / 'tokenizer'} (the subfolder is broken: "
+    assert str(broken.value).startswith(f"component 'tokenizer' (transformers.T5TokenizerFast) {where}")
+    with torchferry.from_pretrained(
+        diffusers.WanPipeline, folder, scheduler=scheduler, tokenizer=None, device="cpu"
+    ) as session:
+        assert session.pipeline.tokenizer is None
+
+
+def test_from_pretrained_takes_the_class_or_diffusion_pipeline_and_refuses_none(tmp_path: Path) -> None:
+    """``DiffusionPipeline`` builds the class model_index.json names, as in diffusers; ``None`` is a
+    PlanError saying which class to pass."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
+    expected = toy.run_wan(toy.wan_pipeline())
+    with torchferry.from_pretrained(diffusers.DiffusionPipeline, folder, device="cpu") as session:
+        assert isinstance(session.pipeline, diffusers.WanPipeline)
+        got = toy.run_wan(session.pipeline)
+    assert torch.equal(got[1], expected[1])
+    with pytest.raises(PlanError) as caught:
+        torchferry.from_pretrained(None, folder, device="cpu")
+    assert str(caught.value) == (
+        f"from_pretrained(None, {str(folder)!r}): the first argument is the pipeline class to build; "
+        f"{folder}'s model_index.json names WanPipeline (pass diffusers.WanPipeline, or "
+        "diffusers.DiffusionPipeline to build the class the folder names)"
+    )
+
+
+def test_from_pretrained_takes_torch_dtype_as_a_mapping(tmp_path: Path) -> None:
+    """``torch_dtype={'default': torch.float32}`` over a float32 folder loads; a dtype the files do not
+    store is refused saying both dtypes; a mapping naming no component is refused."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
+    expected = toy.run_wan(toy.wan_pipeline())
+    with torchferry.from_pretrained(
+        diffusers.WanPipeline, folder, torch_dtype={"default": torch.float32}, device="cpu"
+    ) as session:
+        assert torch.equal(toy.run_wan(session.pipeline)[1], expected[1])
+    with pytest.raises(PlanError, match=re.escape("is stored as float32, not bfloat16")) as asked:
+        torchferry.from_pretrained(
+            diffusers.WanPipeline, folder, torch_dtype={"transformer": torch.bfloat16}, device="cpu"
+        )
+    assert "text_encoder" not in str(asked.value)
+    with pytest.raises(PlanError) as unknown:
+        torchferry.from_pretrained(diffusers.WanPipeline, folder, torch_dtype={"unet": torch.float32})
+    assert str(unknown.value) == (
+        "from_pretrained(torch_dtype=...) has names no component of the folder ('unet'); map component "
+        "names (scheduler, text_encoder, transformer, vae) or 'default' to torch dtypes"
+    )
 
 
 def test_from_pretrained_finds_a_hub_id_in_the_local_cache(
