@@ -66,8 +66,9 @@ def test_offload_with_no_options_fits_the_cpu_default_and_is_bit_identical() -> 
 def test_device_memory_none_is_the_default() -> None:
     """``device_memory=None``, the documented default, is the same as not passing it (not a TypeError)."""
     p = toy.build(0)
-    with torchferry.offload(p, device="cpu", device_memory=None) as session:
+    with torchferry.offload(p, device="cpu", device_memory=None, host_memory=None) as session:
         assert session.report().budget == CPU_BUDGET
+        assert session.plan.config.host_memory_bytes is None
     with torchferry.offload(p, device="cpu", device_memory=None, device_memory_bytes=123_456) as session:
         assert session.plan.config.device_memory_bytes == 123_456
 
