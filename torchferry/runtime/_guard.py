@@ -263,12 +263,16 @@ class SessionGuard:
         session stops managing the tensor that was there (rule 2b of the Note)."""
         if self._in_place():
             return
+        followed: dict[tuple[int, str], tuple[dict[str, Any], str]] = {}
         for r in self._records:
-            held = [table.get(key) is r.tensor for table, key in r.places]
+            held = [table.get(key) is r.holder for table, key in r.places]
             if not all(held):
-                self._followed.extend(place for place, here in zip(r.places, held, strict=True) if not here)
+                for (table, key), here in zip(r.places, held, strict=True):
+                    if not here:
+                        followed[id(table), key] = (table, key)  # once, for a wrapper's inner tensors
                 r.places = tuple(place for place, here in zip(r.places, held, strict=True) if here)
-        slots = [(table, key, r.tensor) for r in self._records for table, key in r.places]
+        self._followed.extend(followed.values())
+        slots = [(table, key, r.holder) for r in self._records for table, key in r.places]
         self._place_tables = [table for table, _, _ in slots]
         self._place_keys = [key for _, key, _ in slots]
         self._place_tensors = [t for _, _, t in slots]
