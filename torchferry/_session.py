@@ -172,11 +172,10 @@ def offload(
     ``strategy`` defaults to ``"auto"``: the session picks strategy, depth and resident blocks that
     fit the budget (``device_memory=``, else the device's free memory at open less a margin for
     activations), measures this machine and re-chooses once calibrated (see `torchferry._auto`,
-    `Session.report`). A ``config``, a ``policy`` or a ring knob (``prefetch_depth=``,
-    ``resident_layers=``) names the policy instead. ``config`` (or ``strategy`` and any
-    `OffloadConfig` field as a keyword) says what to offload (a strategy name in its place is the
-    strategy: ``offload(pipe, "layerwise")``); ``policy`` replaces the strategy's built-in policy
-    (its knobs then go to its factory: passing
+    `Session.report`). A ``config``, a ``policy`` or a ring knob (``prefetch_depth=``) names the
+    policy instead. ``config`` (or ``strategy`` and any `OffloadConfig` field as a keyword) says what
+    to offload (a strategy name in its place is the strategy: ``offload(pipe, "layerwise")``);
+    ``policy`` replaces the strategy's built-in policy (its knobs then go to its factory: passing
     ``prefetch_depth`` or ``chunk_bytes`` with it is a `PlanError`); ``device`` defaults to CUDA when
     present. ``device_memory=`` is the device budget, in bytes or as ``"24GiB"``/``"80GB"``;
     ``host_memory=`` the host budget alike (`OffloadConfig.host_memory_bytes`: what does not fit
@@ -190,9 +189,8 @@ def offload(
       (missing, extra, mis-shaped or mis-typed tensors, damaged files). ``checkpoint_prefix_map``
       maps the pipeline's tensor-name prefixes to the checkpoint's (``{"transformer.": ""}``);
       ``checkpoint_variant`` (``"fp16"``) reads a pipeline folder's files of that weight variant.
-      ``checkpoint_components`` names the top-level components to fill from it (default: all); the
-      others keep the weights they hold, as without a checkpoint (`from_pretrained` passes the
-      components it built, so a component given by keyword is used as given).
+      ``checkpoint_components`` names the top-level components it fills (default: all); the others
+      keep their own weights (`from_pretrained` passes those it built).
     - ``strategy="distributed_layerwise"``: with an ``allgather`` transfer, every rank of
       ``process_group`` (default: the default group; never a new one) keeps 1/N of each streamed
       block and the ranks all-gather it; every rank must call `offload` alike (a collective). The
@@ -258,15 +256,8 @@ def offload(
 
         comm = Comm(group, target)
     session = Session(
-        pipeline,
-        plan,
-        chosen,
-        device=target,
-        comm=comm,
-        prefix_map=checkpoint_prefix_map,
-        chooser=chooser,
-        variant=checkpoint_variant,
-        checkpoint_components=checkpoint_components,
+        pipeline, plan, chosen, device=target, comm=comm, prefix_map=checkpoint_prefix_map, chooser=chooser,
+        variant=checkpoint_variant, checkpoint_components=checkpoint_components,
     )
     session.gather_on_close = gather_on_close
     return session
@@ -291,10 +282,8 @@ def _is_auto(
 ) -> bool:
     """Whether the session chooses (``strategy="auto"``, the default when nothing else names a policy).
 
-    A config, a strategy, a policy or a ring knob (``prefetch_depth``, ``chunk_bytes``,
-    ``resident_layers``) names one; ``strategy="auto"`` with a policy or a ring knob is a `PlanError`
-    (auto picks the depth and the resident blocks itself: a knob given would raise the budget it needs
-    and then not be what it chose).
+    A config, a strategy, a policy or a ring knob (`_RING_KNOBS`) names one; ``strategy="auto"`` with
+    a policy or a ring knob is a `PlanError` (auto picks the depth and resident blocks itself).
     """
     if strategy == "auto":
         named = [k for k in _RING_KNOBS if k in options]
@@ -311,7 +300,8 @@ def _is_auto(
     return strategy is None and not chosen
 
 
-#: What a request may set that names a ring policy rather than leave the choice to auto.
+#: What a request may set that names a ring policy rather than leave the choice to auto (a resident
+#: head given to auto would raise the budget its choice needs and then not be what it chose).
 _RING_KNOBS = ("prefetch_depth", "chunk_bytes", "resident_layers")
 
 
