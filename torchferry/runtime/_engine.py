@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -89,13 +89,37 @@ def _ordinary() -> contextlib.AbstractContextManager[None]:
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
+def _from_module(plan: Plan, fill: Collection[str] | None) -> frozenset[str]:
+    """The top-level components that keep their own weights although a checkpoint is given: those
+    ``fill`` (the components to read from the checkpoint; ``None``: all) leaves out."""
+    tops = [c.path for c in plan.components]
+    if fill is None:
+        return frozenset()
+    if isinstance(fill, str):
+        fill = (fill,)
+    if plan.config.checkpoint is None:
+        raise PlanError(
+            "checkpoint_components= says which components to fill from the checkpoint, and no "
+            "checkpoint= was given; pass checkpoint=, or drop checkpoint_components="
+        )
+    unknown = sorted(set(fill) - set(tops))
+    if unknown:
+        raise PlanError(
+            f"checkpoint_components names {', '.join(map(repr, unknown))}, which this plan has no top-level "
+            f"component for; its components are {', '.join(map(repr, tops)) or '(none)'}"
+        )
+    return frozenset(tops) - frozenset(fill)
+
+
 class Engine(Mover):
     """Carries out schedules for one plan on one pipeline; the only object that moves weights.
 
     Built from a pipeline on the CPU: every tensor the plan manages moves into the host store (see
     `HostStore`), so building raises `PlanError` before mutating anything when the pipeline cannot
     be served. ``driver``, when given, is told when a top-level component's forward starts and ends
-    (the session uses it to pick each step's schedule).
+    (the session uses it to pick each step's schedule). With a checkpoint, ``checkpoint_components``
+    names the top-level components filled from it (default: every one); the others keep the weights
+    they hold (read from the module, as without a checkpoint).
     """
 
     def __init__(
@@ -109,7 +133,9 @@ class Engine(Mover):
         prefix_map: Mapping[str, str] | None = None,
         driver: Driver | None = None,
         variant: str | None = None,
+        checkpoint_components: Collection[str] | None = None,
     ) -> None:
+        from_module = _from_module(plan, checkpoint_components)
         self.pipeline = pipeline
         self.plan = plan
         # Why: resolved once (`cuda` -> `cuda:0`), so each check of where a tensor is compares like forms.
@@ -135,7 +161,9 @@ class Engine(Mover):
         if self.comm is not None:
             self.comm.agree("the plan", plan.digest)
             sharding = Sharding(rank=self.comm.rank, world=world, names=layout(plan).allgather)
-        self.store = self._open(pipeline, plan, pin, sharding, prefix_map, variant=variant)
+        self.store = self._open(
+            pipeline, plan, pin, sharding, prefix_map, variant=variant, from_module=from_module
+        )
         super().__init__()  # the device tables, the slot pool, the staging buffer and the grad guard
         self._residency: tuple[Placement, ...] = ()
         # Why: the schedule that finished last, for inspection (what did the last step do?).
@@ -160,6 +188,7 @@ class Engine(Mover):
         prefix_map: Mapping[str, str] | None,
         *,
         variant: str | None = None,
+        from_module: frozenset[str] = frozenset(),
     ) -> HostStore:
         """Check, read and take over; with several ranks, only once every rank could do the first two."""
         with _ordinary():
@@ -179,7 +208,13 @@ class Engine(Mover):
                     )
                 with source as reader:
                     prepared = HostStore.prepare(
-                        pipeline, plan, pin=pin, reader=reader, sharding=sharding, progress=progress
+                        pipeline,
+                        plan,
+                        pin=pin,
+                        reader=reader,
+                        sharding=sharding,
+                        progress=progress,
+                        from_module=from_module,
                     )
             except Exception as exc:
                 failure = exc
