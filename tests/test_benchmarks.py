@@ -162,8 +162,6 @@ def test_scaling_quick_fits_every_slope(tmp_path: Path) -> None:
     for cost, slopes in result["slopes"].items():
         assert math.isfinite(slopes["blocks"]), cost
         assert math.isfinite(slopes["block_bytes"]), cost
-    # planning reads no tensor bytes, so its cost cannot grow with the block size
-    assert abs(result["slopes"]["schedule"]["block_bytes"]) < 0.3
 
 
 def test_loglog_slope_recovers_exponent() -> None:

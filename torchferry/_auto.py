@@ -235,6 +235,13 @@ def calibrate(
     )
 
 
+def _unmoved(compute: float, before: float) -> bool:
+    """Whether measured block compute stayed within `REMEASURE_MARGIN` of what a re-choice used."""
+    if before <= 0:
+        return compute <= 0
+    return abs(compute / before - 1) <= REMEASURE_MARGIN
+
+
 def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """``(a, b)`` with ``y ~ a + b x``, both at least 0; ``(0, y / x)`` when x never varies."""
     if not ys:
@@ -472,12 +479,18 @@ class Chooser:
         self._run = None
 
     def traced(self, trace: StepTrace) -> bool:
-        """One traced steady step: keep its figures, re-choose when they call for it (then ``True``)."""
+        """One traced steady step: keep its figures, re-choose when they call for it (then ``True``).
+
+        A step in which no block ran (a cache that skips the whole transformer, or a compiled forward
+        whose blocks no hook timed) measured nothing: it is not counted, and the next is traced.
+        """
         c = trace.component
+        figures = measure(trace, self.plan)
+        if not figures.block_s:
+            return False
         if c in self.measured and trace.schedule.policy == self.running_name:
             # The model was fitted to earlier steps only: what it predicts for this one is a real test.
             self.checks[c] = (self.predicted(c), trace.wall_s)
-        figures = measure(trace, self.plan)
         self.walls.setdefault(c, []).append(trace.wall_s)
         best = self.measured.get(c)
         if best is None or figures.wall_s < best.wall_s or best.policy != figures.policy:
@@ -485,7 +498,7 @@ class Chooser:
         # Compute does not depend on the schedule, so it is what a second re-choice is judged by.
         compute = sum(self.measured[c].block_s.values())
         before = self._chosen_at.get(c)
-        if before is not None and abs(compute / before - 1) <= REMEASURE_MARGIN:
+        if before is not None and _unmoved(compute, before):
             self.cost = self.calibrated()  # the model keeps learning; the choice stands
             return False
         self._chosen_at[c] = compute

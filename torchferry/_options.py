@@ -10,14 +10,27 @@ its torchferry equivalent (or the reason it has none) in the refusal.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
+import attrs
 import torch
 
 from torchferry._errors import PlanError
 from torchferry.topology import OffloadConfig
 
-__all__ = ["EQUIVALENTS", "check_variant", "positional", "require_cuda", "unknown_options"]
+__all__ = [
+    "DEVICE_TYPES",
+    "EQUIVALENTS",
+    "check_pipeline",
+    "check_variant",
+    "default_device",
+    "offload_config",
+    "positional",
+    "require_cuda",
+    "target_device",
+    "unknown_options",
+]
 
 #: A diffusers or accelerate keyword -> what torchferry does instead, as a sentence.
 EQUIVALENTS: dict[str, str] = {
@@ -121,3 +134,60 @@ def check_variant(variant: object, checkpoint: str | None) -> None:
             f"offload(checkpoint_variant={variant!r}) picks which files of the checkpoint to read, and "
             "no checkpoint= is given; pass the pipeline folder as checkpoint="
         )
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+#: Device types a session streams to; ``meta`` only for tests (see docs/contract.md).
+DEVICE_TYPES = ("cpu", "cuda", "meta")
+
+
+def check_pipeline(pipeline: Any) -> None:
+    """Refuse what cannot be a pipeline before anything else looks at it."""
+    from torch import nn
+
+    if isinstance(pipeline, nn.Module):
+        return
+    attributes = getattr(pipeline, "__dict__", None)
+    if isinstance(attributes, dict) and any(isinstance(v, nn.Module) for v in attributes.values()):
+        return
+    shown = repr(pipeline)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    raise PlanError(
+        f"torchferry.offload(pipeline): got {type(pipeline).__name__} {shown}, which is not a pipeline; "
+        "pass a torch.nn.Module or an object whose attributes are modules (a diffusers pipeline)"
+    )
+
+
+def target_device(device: torch.device | str | None) -> torch.device:
+    """The session's device, refused at `offload` unless its type is one torchferry streams to."""
+    if device is None:
+        return default_device()
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):
+        target = None
+    if target is None or target.type not in DEVICE_TYPES:
+        raise PlanError(
+            f"offload(device={device!r}): torchferry streams weights to 'cpu' or 'cuda' (with an index, "
+            "'cuda:1'); 'meta' is accepted for tests only (nothing is computed there); pass one of those"
+        )
+    require_cuda(target, device)
+    return target
+
+
+def offload_config(
+    config: OffloadConfig | None, strategy: str | None, options: Mapping[str, Any]
+) -> OffloadConfig:
+    """``config`` (defaults if none) with the strategy and keyword options applied; unknown ones refused."""
+    changes = dict(options)
+    if strategy is not None:
+        changes["strategy"] = strategy
+    fields = {f.name for f in attrs.fields(OffloadConfig)}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise PlanError(unknown_options("offload", unknown, fields))
+    base = config if config is not None else OffloadConfig()
+    return attrs.evolve(base, **changes) if changes else base

@@ -47,7 +47,7 @@ from torchferry.topology import (
     read_pipeline_folder,
 )
 
-__all__ = ["from_pretrained", "resolve_folder"]
+__all__ = ["from_pretrained", "pipeline_on_meta", "resolve_folder"]
 
 
 def resolve_folder(model: str | os.PathLike[str]) -> Path:
@@ -133,6 +133,41 @@ def _kept_in_float32(model: nn.Module, dtype: torch.dtype) -> frozenset[str]:
     return frozenset(names)
 
 
+#: What ``torch_dtype`` may be: one dtype, or diffusers' mapping of component name (or ``"default"``)
+#: to a dtype.
+TorchDtype = torch.dtype | Mapping[str, torch.dtype] | None
+
+
+def _dtypes(torch_dtype: TorchDtype, names: set[str]) -> Mapping[str, torch.dtype] | torch.dtype | None:
+    """``torch_dtype`` checked: a dtype, ``None``, or a mapping whose keys are component names (or
+    ``"default"``) and whose values are dtypes."""
+    if torch_dtype is None or isinstance(torch_dtype, torch.dtype):
+        return torch_dtype
+    if not isinstance(torch_dtype, Mapping):
+        raise PlanError(
+            f"from_pretrained(torch_dtype={torch_dtype!r}): torch_dtype is a torch.dtype, or a mapping of "
+            "component names (and 'default') to dtypes, as in diffusers"
+        )
+    wrong = [f"{k!r}: {v!r}" for k, v in torch_dtype.items() if not isinstance(v, torch.dtype)]
+    unknown = sorted(repr(k) for k in torch_dtype if k != "default" and k not in names)
+    if wrong or unknown:
+        what = f"values that are not dtypes ({', '.join(wrong)})" if wrong else ""
+        if unknown:
+            what += (" and " if what else "") + f"names no component of the folder ({', '.join(unknown)})"
+        raise PlanError(
+            f"from_pretrained(torch_dtype=...) has {what}; map component names ({', '.join(sorted(names))}) "
+            "or 'default' to torch dtypes"
+        )
+    return torch_dtype
+
+
+def _dtype_of(dtypes: Mapping[str, torch.dtype] | torch.dtype | None, name: str) -> torch.dtype | None:
+    """The dtype ``torch_dtype`` asks of component ``name`` (``None``: whatever the files store)."""
+    if dtypes is None or isinstance(dtypes, torch.dtype):
+        return dtypes
+    return dtypes.get(name, dtypes.get("default"))
+
+
 def _stored_dtypes(
     model: nn.Module,
     name: str,
@@ -142,47 +177,47 @@ def _stored_dtypes(
 ) -> None:
     """Give every meta parameter the dtype its file stores (loading copies bytes, never converts),
     except under a module the library keeps in float32 at that dtype (`_kept_in_float32`): those are
-    float32 and read widened from their 16-bit files, as diffusers and transformers load them."""
-    done: dict[int, nn.Parameter] = {}
+    float32 and read widened from their 16-bit files, as diffusers and transformers load them.
+
+    A tied parameter (one object under several names) is stored under any one of its names; it is
+    given that name's dtype under every name, so the tie holds.
+    """
+    places: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
-        for attr, param in list(module._parameters.items()):
-            if param is None:
-                continue
-            full = f"{name}.{module_name}.{attr}" if module_name else f"{name}.{attr}"
-            if id(param) in done:
-                module._parameters[attr] = done[id(param)]
-                continue
-            dtype_name = stored.get(full)
-            if dtype_name is None:
-                continue  # a tied alias stored under its other name, or missing: validated at offload
-            dtype = getattr(torch, dtype_name)
-            keep = _kept_in_float32(model, torch_dtype or dtype)
-            if dtype.is_floating_point and keep.intersection(full.split(".")[1:]):
-                dtype = torch.float32  # stored float32, or widened from 16 bits as it is read
-            elif torch_dtype is not None and dtype.is_floating_point and dtype != torch_dtype:
-                problems.append(f"{full} is stored as {dtype_name}")
-            if param.is_meta and param.dtype != dtype:
-                replaced = nn.Parameter(
-                    torch.empty(param.shape, dtype=dtype, device="meta"), param.requires_grad
-                )
+        for attr, param in module._parameters.items():
+            if param is not None:
+                full = f"{name}.{module_name}.{attr}" if module_name else f"{name}.{attr}"
+                places.setdefault(id(param), (param, []))[1].append((module, attr, full))
+    for param, where in places.values():
+        found = next(((full, stored[full]) for _, _, full in where if full in stored), None)
+        if found is None:
+            continue  # not in the files: validated (and reported) when the session opens
+        full, dtype_name = found
+        dtype = getattr(torch, dtype_name)
+        keep = _kept_in_float32(model, torch_dtype or dtype)
+        if dtype.is_floating_point and keep.intersection(full.split(".")[1:]):
+            dtype = torch.float32  # stored float32, or widened from 16 bits as it is read
+        elif torch_dtype is not None and dtype.is_floating_point and dtype != torch_dtype:
+            asked = str(torch_dtype).removeprefix("torch.")
+            problems.append(f"{full} is stored as {dtype_name}, not {asked}")
+        if param.is_meta and param.dtype != dtype:
+            replaced = nn.Parameter(torch.empty(param.shape, dtype=dtype, device="meta"), param.requires_grad)
+            for module, attr, _ in where:
                 module._parameters[attr] = replaced
-                done[id(param)] = replaced
-            else:
-                done[id(param)] = param
     for module_name, module in model.named_modules():
         for attr, buf in list(module._buffers.items()):
             full = f"{name}.{module_name}.{attr}" if module_name else f"{name}.{attr}"
-            dtype_name = stored.get(full)
-            if buf is not None and dtype_name is not None and str(buf.dtype) != f"torch.{dtype_name}":
-                module._buffers[attr] = buf.to(getattr(torch, dtype_name))
+            stored_as = stored.get(full)
+            if buf is not None and stored_as is not None and str(buf.dtype) != f"torch.{stored_as}":
+                module._buffers[attr] = buf.to(getattr(torch, stored_as))
 
 
 def from_pretrained(
     pipeline_class: Any,
     pretrained_model_name_or_path: str | os.PathLike[str],
     *,
-    torch_dtype: torch.dtype | None = None,
-    dtype: torch.dtype | None = None,
+    torch_dtype: TorchDtype = None,
+    dtype: TorchDtype = None,
     variant: str | None = None,
     **kwargs: Any,
 ) -> Session:
@@ -197,15 +232,18 @@ def from_pretrained(
     are built on the meta device from their configurations and filled from the files once, so host
     memory holds about one copy of the model (see the Note at the top of this module). Parameters
     take the dtypes the files store; ``dtype`` (or its older name ``torch_dtype``), when given, must
-    be that dtype (weights are copied, never converted). One exception, as in diffusers and
-    transformers: the modules a model class keeps in float32 (``_keep_in_fp32_modules``) are float32,
-    widened exactly from 16-bit files, under the same rule as their library's load (diffusers:
-    always; transformers: for float16, and its strict list for bfloat16 too), so the result equals
+    be that dtype (weights are copied, never converted); as in diffusers it may map component names
+    (and ``"default"``) to dtypes. One exception, as in diffusers and transformers: the modules a
+    model class keeps in float32 (``_keep_in_fp32_modules``) are float32, widened exactly from
+    16-bit files, under the same rule as their library's load (diffusers: always; transformers: for
+    float16, and its strict list for bfloat16 too), so the result equals
     ``Pipeline.from_pretrained(folder, dtype=...)`` bit for bit; without ``dtype`` the rule applies
     to the stored dtype. ``variant`` (``"fp16"``) reads each component's files of that weight
     variant, as diffusers' ``variant=`` does. Other diffusers keywords are refused with their
     torchferry equivalent (``low_cpu_mem_usage`` has none: loading is always low in host memory).
-    Returns the open `Session`; its ``pipeline`` is the pipeline, called as usual::
+    ``pipeline_class`` may be ``diffusers.DiffusionPipeline``, which builds the class
+    ``model_index.json`` names. Returns the open `Session`; its ``pipeline`` is the pipeline,
+    called as usual::
 
         with torchferry.from_pretrained(FluxPipeline, "black-forest-labs/FLUX.1-dev", device="cuda") as s:
             image = s.pipeline("a ferry at dawn").images[0]
@@ -218,9 +256,12 @@ def from_pretrained(
             "from_pretrained() got both dtype= and torch_dtype=, two names for one dtype; pass dtype="
         )
     folder = resolve_folder(pretrained_model_name_or_path)
-    pipeline, options = _build_on_meta(pipeline_class, folder, dtype or torch_dtype, kwargs, variant)
+    asked = dtype if dtype is not None else torch_dtype
+    pipeline, options, built = _build_on_meta(pipeline_class, folder, asked, kwargs, variant)
     _refuse_unknown(options)
-    return offload(pipeline, checkpoint=str(folder), checkpoint_variant=variant, **options)
+    return offload(
+        pipeline, checkpoint=str(folder), checkpoint_variant=variant, checkpoint_components=built, **options
+    )
 
 
 def _refuse_unknown(options: Mapping[str, Any]) -> None:
@@ -232,20 +273,72 @@ def _refuse_unknown(options: Mapping[str, Any]) -> None:
         raise PlanError(unknown_options("from_pretrained", unknown, fields))
 
 
+def pipeline_on_meta(folder: str | os.PathLike[str]) -> Any:
+    """The pipeline ``model_index.json`` names, built from ``folder`` as `from_pretrained` builds it
+    (every model on the meta device, in its stored dtypes), so a plan sees what a session would hold:
+    non-persistent buffers (RoPE tables) that no checkpoint stores included. Reads no weight data."""
+    path = resolve_folder(folder)
+    found = read_pipeline_folder(path)
+    try:
+        diffusers = importlib.import_module("diffusers")
+    except ImportError as exc:
+        raise PlanError(
+            f"{path}: building {found.pipeline_class} needs diffusers ({exc}); install it"
+        ) from None
+    cls = getattr(diffusers, found.pipeline_class, None)
+    if not isinstance(cls, type):
+        raise PlanError(
+            f"{path}: model_index.json names the pipeline class {found.pipeline_class!r}, which diffusers "
+            "does not have; upgrade diffusers"
+        )
+    pipeline, _, _ = _build_on_meta(cls, path, None, {})
+    return pipeline
+
+
+def _why(folder: Path, exc: Exception) -> str:
+    """Why a component's own ``from_pretrained`` failed on ``folder``, in a few words."""
+    if not folder.is_dir():
+        return "the subfolder does not exist"
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    said = said if len(said) <= 200 else said[:197] + "..."
+    return f"the subfolder is broken: {type(exc).__name__}: {said}"
+
+
+def _pipeline_class(given: Any, named: str, folder: Path) -> Any:
+    """The class to build: ``given``, or, for a base class of the one ``model_index.json`` names
+    (``DiffusionPipeline``), that one."""
+    if not isinstance(given, type):
+        raise PlanError(
+            f"from_pretrained({given!r}, {str(folder)!r}): the first argument is the pipeline class to "
+            f"build; {folder}'s model_index.json names {named} (pass diffusers.{named}, or "
+            "diffusers.DiffusionPipeline to build the class the folder names)"
+        )
+    if given.__name__ == named:
+        return given
+    try:
+        found = getattr(importlib.import_module("diffusers"), named, None)
+    except ImportError:
+        return given
+    return found if isinstance(found, type) and issubclass(found, given) else given
+
+
 def _build_on_meta(
     pipeline_class: Any,
     folder: Path,
-    torch_dtype: torch.dtype | None,
+    torch_dtype: TorchDtype,
     kwargs: Mapping[str, Any],
     variant: str | None = None,
-) -> tuple[Any, dict[str, Any]]:
-    """The pipeline with every model parameter on meta, and the keywords left for `offload`."""
+) -> tuple[Any, dict[str, Any], list[str]]:
+    """The pipeline with every model parameter on meta, the keywords left for `offload`, and the
+    components built here (to fill from the folder; a component given by keyword keeps its weights)."""
     if not is_pipeline_folder(folder):
         raise PlanError(
             f"{folder}: no model_index.json, so this is not a diffusers pipeline folder; pass the folder "
             "save_pretrained wrote (or a hub snapshot), or load a bare model and use torchferry.offload"
         )
     found = read_pipeline_folder(folder, variant)
+    pipeline_class = _pipeline_class(pipeline_class, found.pipeline_class, folder)
+    dtypes = _dtypes(torch_dtype, {c.name for c in found.components})
     signature = inspect.signature(pipeline_class.__init__)
     accepted = {
         n
@@ -258,6 +351,11 @@ def _build_on_meta(
     if "checkpoint" in options:
         raise PlanError(
             "from_pretrained(checkpoint=...): the checkpoint is the pipeline folder itself; drop checkpoint="
+        )
+    if "checkpoint_components" in options:
+        raise PlanError(
+            "from_pretrained(checkpoint_components=...): the components built from the folder fill from "
+            "it, and those given by keyword keep their own weights; drop checkpoint_components="
         )
     stored = {
         t.name: t.dtype for c in from_checkpoint(folder, variant=variant).components for t in c.all_tensors()
@@ -276,7 +374,7 @@ def _build_on_meta(
                     "save_pretrained (safetensors is its default) or pass the component yourself"
                 )
             model = _build_model(comp, cls)
-            _stored_dtypes(model, comp.name, stored, torch_dtype, problems)
+            _stored_dtypes(model, comp.name, stored, _dtype_of(dtypes, comp.name), problems)
             values[comp.name] = model
         else:
             loader = getattr(cls, "from_pretrained", None)
@@ -285,14 +383,21 @@ def _build_on_meta(
                     f"component {comp.name!r}: {comp.library}.{comp.index_class} has no from_pretrained; "
                     f"pass it yourself as from_pretrained(..., {comp.name}=...)"
                 )
-            values[comp.name] = loader(str(comp.folder))
+            try:
+                values[comp.name] = loader(str(comp.folder))
+            except Exception as exc:
+                raise PlanError(
+                    f"component {comp.name!r} ({comp.library}.{comp.index_class}) could not be loaded from "
+                    f"{comp.folder} ({_why(comp.folder, exc)}); re-save or re-download the pipeline (nothing "
+                    f"is downloaded here), or pass the component yourself (from_pretrained(..., "
+                    f"{comp.name}=...), or {comp.name}=None to leave it out)"
+                ) from None
     if problems:
         shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
         raise PlanError(
-            f"from_pretrained(dtype={torch_dtype}): {len(problems)} tensor(s) of {folder} are stored "
-            "in "
-            f"another dtype ({shown}); torchferry copies the stored bytes and never converts, so save the "
-            "pipeline in that dtype first (pipe.to(dtype).save_pretrained(...)) or drop dtype="
+            f"from_pretrained(dtype={torch_dtype}): {len(problems)} tensor(s) of {folder} are stored in "
+            f"another dtype than it asks ({shown}); torchferry copies the stored bytes and never converts, "
+            "so save the pipeline in that dtype first (pipe.to(dtype).save_pretrained(...)) or drop dtype="
         )
     for name in found.absent:
         if name in accepted and name not in given:
@@ -308,4 +413,5 @@ def _build_on_meta(
             f"{pipeline_class.__name__}(...) could not be built from {folder} ({type(exc).__name__}: {exc}); "
             "pass the missing components as keywords, as to its own from_pretrained"
         ) from None
-    return pipeline, options
+    built = [name for name, value in values.items() if name not in given and isinstance(value, nn.Module)]
+    return pipeline, options, built

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 from torchferry import _served, policies, runtime, topology
 from torchferry._auto import Chooser, SessionReport, default_budget, named_report
 from torchferry._errors import ExecutionError, PlanError
-from torchferry._options import check_variant, positional, require_cuda, unknown_options
+from torchferry._options import check_pipeline, check_variant, offload_config, positional, target_device
 from torchferry.policies import Placement, Policy, Schedule, Step
 from torchferry.runtime import (
     CLAIMS,
@@ -58,60 +58,6 @@ _POLICY_KNOBS = {
 def _policy_knobs(request: OffloadConfig) -> list[str]:
     """The policy knobs ``request`` sets away from their defaults (they configure a built-in policy)."""
     return [f"{k}={getattr(request, k)}" for k, dflt in _POLICY_KNOBS.items() if getattr(request, k) != dflt]
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-#: Device types a session streams to; ``meta`` only for tests (see docs/contract.md).
-DEVICE_TYPES = ("cpu", "cuda", "meta")
-
-
-def _check_pipeline(pipeline: Any) -> None:
-    """Refuse what cannot be a pipeline before anything else looks at it."""
-    from torch import nn
-
-    if isinstance(pipeline, nn.Module):
-        return
-    attributes = getattr(pipeline, "__dict__", None)
-    if isinstance(attributes, dict) and any(isinstance(v, nn.Module) for v in attributes.values()):
-        return
-    shown = repr(pipeline)
-    shown = shown if len(shown) <= 40 else shown[:37] + "..."
-    raise PlanError(
-        f"torchferry.offload(pipeline): got {type(pipeline).__name__} {shown}, which is not a pipeline; "
-        "pass a torch.nn.Module or an object whose attributes are modules (a diffusers pipeline)"
-    )
-
-
-def _device(device: torch.device | str | None) -> torch.device:
-    """The session's device, refused at `offload` unless its type is one torchferry streams to."""
-    if device is None:
-        return _default_device()
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError):
-        target = None
-    if target is None or target.type not in DEVICE_TYPES:
-        raise PlanError(
-            f"offload(device={device!r}): torchferry streams weights to 'cpu' or 'cuda' (with an index, "
-            "'cuda:1'); 'meta' is accepted for tests only (nothing is computed there); pass one of those"
-        )
-    require_cuda(target, device)
-    return target
-
-
-def _config(config: OffloadConfig | None, strategy: str | None, options: Mapping[str, Any]) -> OffloadConfig:
-    changes = dict(options)
-    if strategy is not None:
-        changes["strategy"] = strategy
-    fields = {f.name for f in attrs.fields(OffloadConfig)}
-    unknown = sorted(set(changes) - fields)
-    if unknown:
-        raise PlanError(unknown_options("offload", unknown, fields))
-    base = config if config is not None else OffloadConfig()
-    return attrs.evolve(base, **changes) if changes else base
 
 
 def _shard_group(request: OffloadConfig, process_group: Any) -> tuple[OffloadConfig, Any]:
@@ -166,6 +112,7 @@ def offload(
     spill: str | os.PathLike[str] | None = None,
     checkpoint_variant: str | None = None,
     gather_on_close: bool = False,
+    checkpoint_components: Collection[str] | None = None,
     **config_options: Any,
 ) -> Session:
     """Take over ``pipeline``'s weights and stream them to ``device`` on the policy's schedule.
@@ -190,6 +137,8 @@ def offload(
       (missing, extra, mis-shaped or mis-typed tensors, damaged files). ``checkpoint_prefix_map``
       maps the pipeline's tensor-name prefixes to the checkpoint's (``{"transformer.": ""}``);
       ``checkpoint_variant`` (``"fp16"``) reads a pipeline folder's files of that weight variant.
+      ``checkpoint_components`` names the top-level components it fills (default: all); the others
+      keep their own weights (`from_pretrained` passes those it built).
     - ``host_memory=``: the host budget (default: the machine's); what does not fit is read from the
       checkpoint on demand, or from ``spill=<a folder>`` written once (docs/host-memory.md).
     - ``strategy="distributed_layerwise"``: with an ``allgather`` transfer, every rank of
@@ -201,14 +150,16 @@ def offload(
       (a failed rank may never join), and ``close(gather=True)`` still works afterwards.
     """
     config, strategy = positional(config, strategy)
-    _check_pipeline(pipeline)
-    target = _device(device)
+    check_pipeline(pipeline)
+    target = target_device(device)
     if _served.serving(pipeline) is not None:
         raise ExecutionError(
             "this pipeline is already served by an open torchferry session; close() it before opening "
             "another (torchferry.session_of(pipe).close() when you no longer hold the session)"
         )
     for budget_name, what in (("device_memory", "device"), ("host_memory", "host")):
+        if budget_name in config_options and config_options[budget_name] is None:
+            config_options = {k: v for k, v in config_options.items() if k != budget_name}  # the default
         if budget_name in config_options:
             if f"{budget_name}_bytes" in config_options:
                 raise PlanError(
@@ -219,7 +170,7 @@ def offload(
             value = config_options.pop(budget_name)
             config_options[f"{budget_name}_bytes"] = topology.memory_bytes(value, f"{budget_name}")
     auto = _is_auto(config, strategy, policy, config_options)
-    request = _config(config, "layerwise" if auto else strategy, config_options)
+    request = offload_config(config, "layerwise" if auto else strategy, config_options)
     if policy is not None and _policy_knobs(request):
         raise PlanError(
             f"offload(policy=...) with {' and '.join(_policy_knobs(request))}: those knobs configure the "
@@ -257,7 +208,7 @@ def offload(
         comm = Comm(group, target)
     session = Session(
         pipeline, plan, chosen, device=target, comm=comm, prefix_map=checkpoint_prefix_map, chooser=chooser,
-        variant=checkpoint_variant, host=host,
+        variant=checkpoint_variant, host=host, checkpoint_components=checkpoint_components,
     )  # fmt: skip
     session.gather_on_close = gather_on_close
     return session
@@ -282,25 +233,27 @@ def _is_auto(
 ) -> bool:
     """Whether the session chooses (``strategy="auto"``, the default when nothing else names a policy).
 
-    A config, a strategy, a policy or a ring knob (``prefetch_depth``, ``chunk_bytes``) names one;
-    ``strategy="auto"`` with a policy or a ring knob is a `PlanError` (auto picks the depth itself).
+    A config, a strategy, a policy or a ring knob (`_RING_KNOBS`) names one; ``strategy="auto"`` with
+    a policy or a ring knob is a `PlanError` (auto picks the depth and resident blocks itself).
     """
     if strategy == "auto":
-        named = [k for k in ("prefetch_depth", "chunk_bytes") if k in options]
+        named = [k for k in _RING_KNOBS if k in options]
         if policy is not None:
             named.insert(0, "policy")
         if named:
             raise PlanError(
                 f"offload(strategy='auto') with {' and '.join(f'{k}=' for k in named)}: auto picks the "
-                "policy and its depth itself; drop them, or name the strategy (strategy='layerwise')"
+                "policy, its depth and its resident blocks itself; drop them, or name the strategy "
+                "(strategy='layerwise')"
             )
         return True
-    return (
-        strategy is None
-        and config is None
-        and policy is None
-        and not any(k in options for k in ("prefetch_depth", "chunk_bytes"))
-    )
+    chosen = config is not None or policy is not None or any(k in options for k in _RING_KNOBS)
+    return strategy is None and not chosen
+
+
+#: What a request may set that names a ring policy rather than leave the choice to auto (a resident
+#: head given to auto would raise the budget its choice needs and then not be what it chose).
+_RING_KNOBS = ("prefetch_depth", "chunk_bytes", "resident_layers")
 
 
 class Session:
@@ -322,6 +275,7 @@ class Session:
         chooser: Chooser | None = None,
         host: runtime.HostPlan | None = None,
         variant: str | None = None,
+        checkpoint_components: Collection[str] | None = None,
     ) -> None:
         # Host memory is proved (a spill written) first, then each top-level component's first schedule.
         self.host = host  # Why: the host budget and its source (`report`); ``None``: not planned here.
@@ -343,6 +297,7 @@ class Session:
             driver=self,
             tier=tier,
             variant=variant,
+            checkpoint_components=checkpoint_components,
         )
         self._steps = Steps(plan, policy, index_free=policies.is_index_free(policy))
         self.schedules: dict[Step, Schedule] = self._steps.schedules

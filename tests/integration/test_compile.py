@@ -11,6 +11,7 @@ import torch
 from tiny import WAN_TRANSFORMER
 
 import torchferry
+from torchferry.testing import toy
 
 diffusers = pytest.importorskip("diffusers")
 dynamo = pytest.importorskip("torch._dynamo")
@@ -98,3 +99,15 @@ def test_whole_model_compile_under_a_session(kind: str, caplog: pytest.LogCaptur
     assert len(graphs) == compiled
     assert "recompile_limit" not in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_auto_over_a_transformer_compiled_and_called_before_opening() -> None:
+    """A transformer compiled and called once before opening under auto runs every call exactly, though
+    the tracer times none of its blocks (the compiled forward's)."""
+    p, ref = toy.build(0), toy.build(0)
+    p.transformer = torch.compile(p.transformer, backend="eager")  # type: ignore[assignment]
+    expected = ref("a cat", steps=6)
+    assert torch.equal(p("a cat", steps=6), expected)
+    with torchferry.offload(p, device="cpu"):
+        for _ in range(3):
+            assert torch.equal(p("a cat", steps=6), expected)

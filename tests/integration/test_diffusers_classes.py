@@ -7,6 +7,7 @@ from structure. Layerwise must really offload (the step's peak device bytes belo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 from typing import Any
@@ -200,3 +201,21 @@ def test_unregistered_pipeline_call_is_bit_identical(strategy: str) -> None:
         assert torch.equal(_call_pixart(pipe), reference)
         assert session.peak_device_bytes > 0
     assert torch.equal(_call_pixart(pipe), reference)
+
+
+@pytest.mark.parametrize("strategy", ["layerwise", "model_level", "none"])
+def test_omnigen_whose_rotary_reassigns_inv_freq_runs_a_denoising_loop(strategy: str) -> None:
+    """OmniGen's rotary embedding assigns a new ``self.inv_freq`` on every forward: repeated forwards (a
+    denoising loop) run under every strategy, each equal to the plain one's."""
+    init, spec = zoo.ZOO["OmniGenTransformer2DModel"]
+    torch.manual_seed(0)
+    model = diffusers.OmniGenTransformer2DModel(**init).eval()
+    reference = _run(model, spec)
+    alone = (
+        pytest.warns(OffloadWarning, match=re.escape("has no encoder component"))
+        if strategy == "model_level"
+        else contextlib.nullcontext()
+    )
+    with alone, torchferry.offload(model, strategy=strategy, device="cpu"):
+        assert all(torch.equal(_run(model, spec), reference) for _ in range(3))
+    assert torch.equal(_run(model, spec), reference)

@@ -6,6 +6,7 @@ plain output bit for bit or is refused with a whole, located message before anyt
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any, ClassVar
 
@@ -16,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import torchferry
-from torchferry import ExecutionError, PlanError
+from torchferry import ExecutionError, OffloadWarning, PlanError
 from torchferry.topology import Declaration, discover
 
 
@@ -135,19 +136,47 @@ def test_float8_weights_stream() -> None:
     _streams_bit_identical(model)
 
 
-def test_inference_mode_parameters_are_refused_with_the_fix() -> None:
-    """Parameters made under inference mode are a PlanError that gives the fix; the fix then streams."""
+@pytest.mark.parametrize("strategy", ["none", "layerwise", "model_level"])
+def test_a_model_built_under_inference_mode_is_served(strategy: str) -> None:
+    """A model built under inference mode (as serving frameworks build them) streams to its plain output,
+    called in and out of inference mode; its parameters stay the same objects, ties included, and come
+    back as ordinary tensors with the same values."""
     torch.manual_seed(0)
     with torch.inference_mode():
         model = Model().eval()
-    with pytest.raises(PlanError) as caught:
+        model.proj_out.weight = model.proj_in.weight  # tied
+    named = dict(model.named_parameters(remove_duplicate=False))
+    before = {k: v.detach().clone() for k, v in named.items()}
+    x = torch.randn(2, 8)
+    with torch.inference_mode():
+        expected = model(x)
+    warn = pytest.warns(OffloadWarning) if strategy == "model_level" else contextlib.nullcontext()
+    with warn, torchferry.offload(model, strategy=strategy, device="cpu"):
+        with torch.inference_mode():
+            assert torch.equal(model(x), expected)
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert all(after[k] is v for k, v in named.items())
+    assert model.proj_out.weight is model.proj_in.weight
+    assert not any(t.is_inference() for t in after.values())
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert type(after["blocks.0.linear.weight"]) is nn.Parameter
+
+
+def test_an_inference_tensor_held_elsewhere_is_refused_with_the_fix() -> None:
+    """An inference tensor something else holds (a weak reference) cannot be swapped in place: a PlanError
+    with the fix, before anything changes."""
+    import weakref
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = Model().eval()
+    held = weakref.ref(model.proj_in.weight)
+    refused = "were made under torch.inference_mode() and something else holds them"
+    with pytest.raises(PlanError, match=re.escape(refused)):
         torchferry.offload(model, strategy="none", device="cpu")
-    assert str(caught.value) == (
-        "Tensor 'proj_in.weight' was created under torch.inference_mode(), and an inference tensor can "
-        "never be re-pointed at torchferry's buffers outside it; build the model outside inference "
-        "mode, or give it ordinary tensors first, outside inference mode: "
-        "model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)"
-    )
+    assert model.proj_in.weight.is_inference() and held() is model.proj_in.weight
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     _streams_bit_identical(model)
 
@@ -273,8 +302,9 @@ class _LifecycleEncoder(Model):
         """Stage back to the host."""
 
 
-def test_on_demand_encoder_with_block_stacks_is_refused_before_anything_moves() -> None:
-    """An encoder declared both on-demand and with block stacks is a PlanError naming both declarations."""
+def test_on_demand_encoder_with_block_stacks_streams_its_blocks() -> None:
+    """An encoder declared both on-demand and with block stacks (MiniMax-H3's shape) streams its blocks
+    in a ring, its own lifecycle around each forward, to the plain output."""
 
     class Pipe:
         _dit_modules: ClassVar[list[str]] = ["transformer"]
@@ -288,14 +318,18 @@ def test_on_demand_encoder_with_block_stacks_is_refused_before_anything_moves() 
             self.transformer = Model()
             self.text_encoder = _LifecycleEncoder()
 
+    torch.manual_seed(0)
     pipe = Pipe()
     before = _weights(pipe.text_encoder)
-    with pytest.raises(PlanError) as caught:
-        torchferry.offload(pipe, strategy="layerwise", device="cpu")
-    assert str(caught.value) == (
-        "Encoder 'text_encoder' is declared both on-demand (Declaration.on_demand_component_paths: the "
-        "pipeline moves it whole with load_to_device/offload_to_cpu) and with block stacks "
-        "(Declaration.encoder_block_attrs['text_encoder']: torchferry streams its blocks); a loaded "
-        "encoder is moved one way only, so remove it from one of the two"
-    )
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected = pipe.text_encoder(x)
+    with torchferry.offload(pipe, strategy="layerwise", device="cpu") as session:
+        encoder = session.plan.component("text_encoder")
+        assert encoder.on_demand and len(encoder.blocks) == 4
+        with torch.no_grad():
+            assert torch.equal(pipe.text_encoder(x), expected)
+        steps = [s for step, s in session.schedules.items() if step.component == "text_encoder"]
+        kinds = {op.kind for s in steps for op in s.ops}
+        assert {"acquire", "load", "wait", "release"} <= kinds
     assert all(torch.equal(v, _weights(pipe.text_encoder)[k]) for k, v in before.items())

@@ -9,13 +9,16 @@ planned from the folder (`from_checkpoint`, ``torchferry plan``), opened from it
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import torchferry
 from torchferry import PlanError, topology
@@ -151,7 +154,8 @@ def test_plan_command_reads_a_pipeline_folder(tmp_path: Path, capsys: pytest.Cap
     folder = _save(toy.wan_pipeline(), tmp_path / "wan", True)
     assert main(["plan", str(folder), "--device-memory", "100KiB"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"{folder} (WanPipeline)\nsafetensors headers of the pipeline folder {folder}\n")
+    built = f"the pipeline folder {folder}, built on meta as from_pretrained builds it"
+    assert out.startswith(f"{folder} (WanPipeline)\n{built}")
     assert re.search(r"^transformer\s+dit\s+WanTransformer3DModel\s", out, re.MULTILINE)
     assert re.search(r"^text_encoder\s+encoder\s+UMT5EncoderModel\s", out, re.MULTILINE)
     assert re.search(r"^vae\s+vae\s+AutoencoderKLWan\s", out, re.MULTILINE)
@@ -162,6 +166,38 @@ def test_plan_command_reads_a_pipeline_folder(tmp_path: Path, capsys: pytest.Cap
         "UMT5EncoderModel",
         "AutoencoderKLWan",
     ]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_plan_and_session_agree_byte_for_byte_on_a_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sharded: bool
+) -> None:
+    """``torchferry plan FOLDER``'s layerwise peak (RoPE buffers, which no file stores, included) is the
+    budget from_pretrained's session runs in exactly: at that budget it runs, a byte less it refuses."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", sharded)
+    assert main(["plan", str(folder), "--device-memory", "1MiB", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["source"] == f"pipeline:{folder}"
+    peak = next(r["peak_device_bytes"] for r in doc["strategies"] if r["strategy"] == "layerwise")
+    assert peak == 186432  # the same for one file and for shards
+    options = {"device": "cpu", "strategy": "layerwise"}
+    with torchferry.from_pretrained(diffusers.WanPipeline, folder, device_memory=peak, **options) as session:
+        toy.run_wan(session.pipeline)
+        assert max(session.step_peaks.values()) == peak
+    with pytest.raises(PlanError, match=re.escape(f"({peak - 1}) (config.device_memory_bytes)")):
+        torchferry.from_pretrained(diffusers.WanPipeline, folder, device_memory=peak - 1, **options)
+
+
+def test_one_file_and_shards_of_one_pipeline_plan_the_same_bytes(tmp_path: Path) -> None:
+    """A pipeline saved as one file per component and as many shards gives one topology from its headers."""
+    pipe = toy.wan_pipeline()
+    single = topology.from_checkpoint(_save(pipe, tmp_path / "one", False))
+    sharded = topology.from_checkpoint(_save(pipe, tmp_path / "many", True))
+    assert single.components == sharded.components
+    found = topology.discover(pipe)
+    for mine, theirs in zip(single.components, found.components, strict=True):
+        # Packed as the session packs the module's tensors, byte for byte.
+        assert [b.nbytes for b in mine.blocks] == [b.nbytes for b in theirs.blocks]
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -248,17 +284,37 @@ def test_from_pretrained_flux_in_bfloat16(tmp_path: Path) -> None:
     assert torch.equal(got[1], expected[1])
 
 
+def test_from_pretrained_keeps_a_tie_stored_under_its_later_name(tmp_path: Path) -> None:
+    """A tied pair the file stores under its later name (embed_tokens) loads in bf16, still tied."""
+    folder = _save(toy.wan_pipeline().to(torch.bfloat16), tmp_path / "wan", False)
+    options: dict[str, Any] = {"torch_dtype": torch.bfloat16, "device": "cpu", "strategy": "layerwise"}
+    with torchferry.from_pretrained(diffusers.WanPipeline, folder, **options) as session:
+        expected = toy.run_wan(session.pipeline)
+    file = folder / "text_encoder" / "model.safetensors"
+    state = load_file(str(file))
+    state["encoder.embed_tokens.weight"] = state.pop("shared.weight")
+    save_file(state, str(file), metadata={"format": "pt"})
+    with torchferry.from_pretrained(diffusers.WanPipeline, folder, **options) as session:
+        encoder = session.pipeline.text_encoder
+        assert encoder.shared.weight is encoder.encoder.embed_tokens.weight
+        assert encoder.shared.weight.dtype == torch.bfloat16
+        got = toy.run_wan(session.pipeline)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+
+
 def test_from_pretrained_builds_every_model_on_meta(tmp_path: Path) -> None:
     """Before the session reads the files, every parameter of every model component is on meta."""
     from torchferry._pretrained import _build_on_meta
 
     folder = _save(_flux_pipeline(), tmp_path / "flux", True)
-    pipe, options = _build_on_meta(diffusers.FluxPipeline, folder, None, {"device": "cpu"})
+    pipe, options, built = _build_on_meta(diffusers.FluxPipeline, folder, None, {"device": "cpu"})
     assert options == {"device": "cpu"}
     for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
         params = list(getattr(pipe, name).parameters())
         assert params and all(p.is_meta for p in params), name
     assert pipe.tokenizer is None and pipe.tokenizer_2 is None
+    assert sorted(built) == ["text_encoder", "text_encoder_2", "transformer", "vae"]
 
 
 def test_from_pretrained_refuses_a_dtype_it_would_have_to_convert(tmp_path: Path) -> None:
@@ -294,6 +350,139 @@ def test_from_pretrained_takes_components_as_diffusers_does(tmp_path: Path) -> N
         assert session.pipeline.vae is mine
         got = toy.run_wan(session.pipeline)
     assert torch.equal(got[1], expected[1])
+
+
+def test_a_wan_pipeline_built_under_inference_mode_streams_exactly() -> None:
+    """A WanPipeline built under torch.inference_mode() (as serving frameworks build them) runs a whole
+    call bit-exact under layerwise, its tied UMT5 embedding still one object."""
+    expected = toy.run_wan(toy.wan_pipeline())
+    with torch.inference_mode():
+        pipe = toy.wan_pipeline()
+    assert pipe.transformer.blocks[0].attn1.to_q.weight.is_inference()
+    with torchferry.offload(pipe, strategy="layerwise", device="cpu"), torch.inference_mode():
+        got = toy.run_wan(pipe)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+    assert pipe.text_encoder.shared.weight is pipe.text_encoder.encoder.embed_tokens.weight
+
+
+@pytest.mark.parametrize("name", ["transformer", "vae"])
+def test_from_pretrained_uses_a_component_given_by_keyword_as_given(tmp_path: Path, name: str) -> None:
+    """A component passed by keyword keeps its own weights (not the folder's), in the session and after."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
+    mine = getattr(toy.wan_pipeline(), name)
+    with torch.no_grad():
+        for t in mine.parameters():
+            t.mul_(1.5)
+    before = {k: v.clone() for k, v in mine.state_dict().items()}
+    reference = toy.wan_pipeline()
+    getattr(reference, name).load_state_dict(before)
+    expected = toy.run_wan(reference)
+    with torchferry.from_pretrained(
+        diffusers.WanPipeline, folder, device="cpu", strategy="layerwise", **{name: mine}
+    ) as session:
+        assert getattr(session.pipeline, name) is mine
+        got = toy.run_wan(session.pipeline)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+    after = mine.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
+
+
+def test_from_pretrained_takes_a_component_the_folder_lists_as_absent(tmp_path: Path) -> None:
+    """A component listed as [null, null] (transformer_2) that the caller passes is used, as in diffusers."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
+    assert json.loads((folder / "model_index.json").read_text())["transformer_2"] == [None, None]
+    second = toy.wan_pipeline().transformer
+    with torch.no_grad():
+        for t in second.parameters():
+            t.mul_(0.5)
+    plain = diffusers.WanPipeline.from_pretrained(
+        str(folder), tokenizer=None, transformer_2=copy.deepcopy(second), boundary_ratio=0.5
+    )
+    _own_memory(plain)
+    expected = toy.run_wan(plain)
+    with torchferry.from_pretrained(
+        diffusers.WanPipeline,
+        folder,
+        transformer_2=second,
+        boundary_ratio=0.5,
+        device="cpu",
+        strategy="layerwise",
+    ) as session:
+        assert session.pipeline.transformer_2 is second
+        got = toy.run_wan(session.pipeline)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+
+
+def test_from_pretrained_names_a_missing_or_broken_scheduler_or_tokenizer(tmp_path: Path) -> None:
+    """A scheduler subfolder that is gone, or a tokenizer's that is broken, is a PlanError naming the
+    component and the fix, not the library's raw OSError (which talks of connecting to the hub)."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
+    shutil.rmtree(folder / "scheduler")
+    with pytest.raises(PlanError) as gone:
+        torchferry.from_pretrained(diffusers.WanPipeline, folder, device="cpu")
+    assert str(gone.value) == (
+        f"component 'scheduler' (diffusers.FlowMatchEulerDiscreteScheduler) could not be loaded from "
+        f"{folder / 'scheduler'} (the subfolder does not exist); re-save or re-download the pipeline "
+        "(nothing is downloaded here), or pass the component yourself (from_pretrained(..., "
+        "scheduler=...), or scheduler=None to leave it out)"
+    )
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "T5TokenizerFast"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    (folder / "tokenizer").mkdir()
+    (folder / "tokenizer" / "tokenizer_config.json").write_text("{ not json")
+    with pytest.raises(PlanError) as broken:
+        torchferry.from_pretrained(diffusers.WanPipeline, folder, scheduler=scheduler, device="cpu")
+    where = f"could not be loaded from {folder / 'tokenizer'} (the subfolder is broken: "
+    assert str(broken.value).startswith(f"component 'tokenizer' (transformers.T5TokenizerFast) {where}")
+    with torchferry.from_pretrained(
+        diffusers.WanPipeline, folder, scheduler=scheduler, tokenizer=None, device="cpu"
+    ) as session:
+        assert session.pipeline.tokenizer is None
+
+
+def test_from_pretrained_takes_the_class_or_diffusion_pipeline_and_refuses_none(tmp_path: Path) -> None:
+    """``DiffusionPipeline`` builds the class model_index.json names, as in diffusers; ``None`` is a
+    PlanError saying which class to pass."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
+    expected = toy.run_wan(toy.wan_pipeline())
+    with torchferry.from_pretrained(diffusers.DiffusionPipeline, folder, device="cpu") as session:
+        assert isinstance(session.pipeline, diffusers.WanPipeline)
+        got = toy.run_wan(session.pipeline)
+    assert torch.equal(got[1], expected[1])
+    with pytest.raises(PlanError) as caught:
+        torchferry.from_pretrained(None, folder, device="cpu")
+    assert str(caught.value) == (
+        f"from_pretrained(None, {str(folder)!r}): the first argument is the pipeline class to build; "
+        f"{folder}'s model_index.json names WanPipeline (pass diffusers.WanPipeline, or "
+        "diffusers.DiffusionPipeline to build the class the folder names)"
+    )
+
+
+def test_from_pretrained_takes_torch_dtype_as_a_mapping(tmp_path: Path) -> None:
+    """``torch_dtype={'default': torch.float32}`` over a float32 folder loads; a dtype the files do not
+    store is refused saying both dtypes; a mapping naming no component is refused."""
+    folder = _save(toy.wan_pipeline(), tmp_path / "wan", False)
+    expected = toy.run_wan(toy.wan_pipeline())
+    with torchferry.from_pretrained(
+        diffusers.WanPipeline, folder, torch_dtype={"default": torch.float32}, device="cpu"
+    ) as session:
+        assert torch.equal(toy.run_wan(session.pipeline)[1], expected[1])
+    with pytest.raises(PlanError, match=re.escape("is stored as float32, not bfloat16")) as asked:
+        torchferry.from_pretrained(
+            diffusers.WanPipeline, folder, torch_dtype={"transformer": torch.bfloat16}, device="cpu"
+        )
+    assert "text_encoder" not in str(asked.value)
+    with pytest.raises(PlanError) as unknown:
+        torchferry.from_pretrained(diffusers.WanPipeline, folder, torch_dtype={"unet": torch.float32})
+    assert str(unknown.value) == (
+        "from_pretrained(torch_dtype=...) has names no component of the folder ('unet'); map component "
+        "names (scheduler, text_encoder, transformer, vae) or 'default' to torch dtypes"
+    )
 
 
 def test_from_pretrained_finds_a_hub_id_in_the_local_cache(

@@ -497,6 +497,9 @@ def test_close_gives_back_strides_offsets_and_shared_storage() -> None:
     blocks[1].weight = nn.Parameter(base[:64].view(8, 8))
     blocks[2].weight = nn.Parameter(base[80:144].view(8, 8))
     blocks[3].weight = nn.Parameter(torch.randn(8, 8).t())
+    # The tensors the parameters were made from would share their memory from outside the session
+    # (refused at open, see the contract): only the parameters keep the storages now.
+    del wide, base
 
     def layout() -> list[tuple[tuple[int, ...], int, int]]:
         tensors = [blocks[0].bias, *(b.weight for b in blocks[1:])]

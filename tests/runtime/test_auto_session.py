@@ -63,6 +63,16 @@ def test_offload_with_no_options_fits_the_cpu_default_and_is_bit_identical() -> 
     assert same_weights(p, ref) and hook_count(p) == 0
 
 
+def test_device_memory_none_is_the_default() -> None:
+    """``device_memory=None``, the documented default, is the same as not passing it (not a TypeError)."""
+    p = toy.build(0)
+    with torchferry.offload(p, device="cpu", device_memory=None, host_memory=None) as session:
+        assert session.report().budget == CPU_BUDGET
+        assert session.plan.config.host_memory_bytes is None
+    with torchferry.offload(p, device="cpu", device_memory=None, device_memory_bytes=123_456) as session:
+        assert session.plan.config.device_memory_bytes == 123_456
+
+
 def test_explicit_config_keeps_the_layerwise_default() -> None:
     """A config names its own strategy (OffloadConfig defaults to layerwise): nothing is chosen."""
     p = toy.build(0)
@@ -80,11 +90,29 @@ def test_auto_with_ring_knobs_is_refused() -> None:
     with pytest.raises(
         PlanError,
         match=re.escape(
-            "offload(strategy='auto') with prefetch_depth=: auto picks the policy and its depth itself; "
-            "drop them, or name the strategy (strategy='layerwise')"
+            "offload(strategy='auto') with prefetch_depth=: auto picks the policy, its depth and its "
+            "resident blocks itself; drop them, or name the strategy (strategy='layerwise')"
         ),
     ):
         torchferry.offload(toy.build(0), strategy="auto", device="cpu", prefetch_depth=2)
+
+
+def test_resident_layers_name_the_strategy_or_are_refused_with_auto() -> None:
+    """resident_layers= alone names the layerwise plan it configures (kept, within the budget that plan
+    needs); with strategy='auto' it is refused, since auto picks resident blocks itself."""
+    p, ref = toy.build(0), toy.build(0)
+    with torchferry.offload(p, device="cpu", resident_layers=3) as session:
+        assert torch.equal(p("a cat"), ref("a cat"))
+        assert session.report().choice is None
+        assert [s.resident_head for s in session.plan.component("transformer").stacks] == [3]
+        assert session.policy.name == "layerwise(depth=1)"  # type: ignore[attr-defined]
+    with pytest.raises(PlanError) as caught:
+        torchferry.offload(p, strategy="auto", device="cpu", resident_layers=3)
+    assert str(caught.value) == (
+        "offload(strategy='auto') with resident_layers=: auto picks the policy, its depth and its "
+        "resident blocks itself; drop them, or name the strategy (strategy='layerwise')"
+    )
+    assert hook_count(p) == 0 and same_weights(p, ref)
 
 
 def _record(session: torchferry.Session, module: torch.nn.Module, into: list[str]) -> Any:
@@ -136,6 +164,21 @@ def test_recalibration_switches_between_steps_once(caplog: pytest.LogCaptureFixt
     assert "(not yet measured)" in lines[2]
     assert all(line.startswith(f"torchferry: auto: {seen[-1]} {within}; ") for line in lines[3:])
     assert same_weights(p, ref)
+
+
+def test_steps_that_run_no_block_are_not_measured() -> None:
+    """Under auto, calls whose DiT steps skip every block (a TeaCache-like cache) measure nothing: the
+    calls after them run exactly, and a later call that runs the blocks is measured as usual."""
+    p, ref = toy.build(0), toy.build(0)
+    skip_all = {i: range(8) for i in range(6)}
+    with torchferry.offload(p, device="cpu") as session:
+        for _ in range(3):
+            assert torch.equal(p("a cat", steps=6, skip=skip_all), ref("a cat", steps=6, skip=skip_all))
+        assert not session.report().calibrated
+        assert session.report().measured_step_s == {}
+        assert torch.equal(p("a cat", steps=6), ref("a cat", steps=6))
+        report = session.report()
+    assert report.calibrated and report.block_s["transformer"] > 0
 
 
 def test_two_experts_keep_the_budget_at_every_step_including_the_switch() -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 import torchferry.runtime._checkpoint as checkpoint_module
 from torchferry import ExecutionError, PlanError
-from torchferry.runtime._checkpoint import CheckpointReader
+from torchferry.runtime._checkpoint import MAX_LISTED, CheckpointReader
 from torchferry.topology import (
     Block,
     Component,
@@ -271,6 +271,29 @@ def test_validate_lists_missing_extra_shape_and_dtype_problems_at_once(tmp_path:
         reader.validate(specs)
 
 
+def test_a_checkpoint_with_very_many_unexpected_tensors_lists_a_few(tmp_path: Path) -> None:
+    """Tens of thousands of unexpected tensors make one short PlanError: the other problems first,
+    then the first unexpected tensors, MAX_LISTED lines in all, and a count of the rest."""
+    path = tmp_path / "m.safetensors"
+    extra = 30_000
+    save_file({"a": torch.zeros(2, 3), **{f"stray.{i:05d}": torch.zeros(1) for i in range(extra)}}, str(path))
+    specs = [TensorSpec(name="a", shape=(3, 2), dtype="float32")]
+    with CheckpointReader(path) as reader, pytest.raises(PlanError) as caught:
+        reader.validate(specs)
+    text = str(caught.value)
+    lines = text.splitlines()
+    count = f"{extra + 1} problems (nothing was read or changed):"
+    assert lines[0] == f"checkpoint {path} cannot fill the expected tensors; {count}"
+    assert len(lines) == 1 + MAX_LISTED + 1 and len(text) < 5000
+    assert lines[1].startswith(f"  - {path}: tensor 'a': shape [2, 3] but the model expects [3, 2]")
+    assert lines[2] == (
+        f"  - {path}: tensor 'stray.00000' is not expected by the model; remove it, map the model's names "
+        "with prefix_map, or pass allow_extra=True"
+    )
+    rest = extra - (MAX_LISTED - 1)
+    assert lines[-1] == f"  - ... and {rest} more, {rest} of them tensors the model does not expect"
+
+
 def test_allow_extra_accepts_a_checkpoint_holding_more(tmp_path: Path) -> None:
     """With allow_extra, tensors the model does not expect are not problems."""
     path = tmp_path / "m.safetensors"
@@ -404,7 +427,7 @@ def test_read_into_validates_before_touching_out(tmp_path: Path) -> None:
     problems = [
         f"{path}: tensor '{name}': dtype bfloat16 but the model expects float16 for '{name}'; convert the "
         "checkpoint (loading copies bytes and never converts dtypes)"
-        for name in ("blocks.0.proj.weight", "blocks.0.proj.bias")
+        for name in ("blocks.0.proj.bias", "blocks.0.proj.weight")  # layout order: by itemsize, then name
     ]
     with (
         CheckpointReader(path) as reader,

@@ -69,6 +69,40 @@ def test_meta_built_pipeline_runs_bit_identical(tmp_path: Path, form: str, two_e
     assert hook_count(p) == 0
 
 
+def test_checkpoint_components_fill_only_those_components(tmp_path: Path) -> None:
+    """checkpoint_components= fills the named components from the file; the others keep their own weights."""
+    path = _save(tmp_path, "file")
+    p = toy.build_empty()
+    mine = toy.build(1).transformer  # weights of another seed, not the checkpoint's
+    p.transformer = mine
+    expected = toy.build(0)
+    expected.transformer = toy.build(1).transformer
+    only = ["text_encoder", "vae"]
+    with torchferry.offload(p, strategy="none", device="cpu", checkpoint=path, checkpoint_components=only):
+        assert torch.equal(p("a cat"), expected("a cat"))
+    assert same_weights(p, expected)
+
+
+def test_checkpoint_components_are_checked_before_anything_moves(tmp_path: Path) -> None:
+    """An unknown name, a meta component left out, or no checkpoint is a PlanError; nothing is touched."""
+    path = _save(tmp_path, "file")
+    p = toy.build_empty()
+    before = _snapshot(p)
+    options: dict[str, Any] = {"strategy": "layerwise", "device": "cpu"}
+    with pytest.raises(PlanError) as unknown:
+        torchferry.offload(p, checkpoint=path, checkpoint_components=["dit"], **options)
+    assert str(unknown.value) == (
+        "checkpoint_components names 'dit', which this plan has no top-level component for; its components "
+        "are 'transformer', 'text_encoder', 'vae'"
+    )
+    with pytest.raises(PlanError, match=re.escape("tensor(s) are on the meta device (transformer.")) as left:
+        torchferry.offload(p, checkpoint=path, checkpoint_components=["vae"], **options)
+    assert "their components are not among the checkpoint's (checkpoint_components)" in str(left.value)
+    with pytest.raises(PlanError, match=re.escape("and no checkpoint= was given")):
+        torchferry.offload(toy.build(0), checkpoint_components=["vae"], **options)
+    assert _snapshot(p) == before
+
+
 def test_meta_parameters_keep_buffers_and_ties() -> None:
     """Under meta_parameters parameters go to meta with their strides, buffers are computed, ties stay."""
     with torchferry.meta_parameters():

@@ -13,7 +13,7 @@ from module_checks import hook_count, same_weights
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchferry
-from torchferry import ExecutionError, PlanError, policies, topology
+from torchferry import ExecutionError, OffloadWarning, PlanError, policies, topology
 from torchferry.testing import toy
 from torchferry.topology import Plan
 
@@ -72,6 +72,42 @@ def test_on_demand_component_uses_its_lifecycle() -> None:
             op.kind for step, sched in s.schedules.items() if step.component == "vae" for op in sched.ops
         ]
     assert "acquire" in kinds and "release" in kinds
+    assert same_weights(p, ref)
+
+
+def test_a_lifecycle_that_fails_while_a_failed_step_recovers_leaves_the_session_usable() -> None:
+    """The VAE's forward fails and its own offload_to_cpu then fails too during recovery: the forward's
+    error is raised, the lifecycle's is an OffloadWarning, and the very next call is exact."""
+    decl = topology.Declaration(
+        resident_dit_paths={"transformer"},
+        encoder_block_attrs={"text_encoder": ("blocks",)},
+        on_demand_component_paths={"vae"},
+    )
+    p, ref = toy.build(0), toy.build(0)
+    expected = ref("a cat")
+    failing = {"forward": False, "offload": False}
+    decode, offload = p.vae.decode, p.vae.offload_to_cpu
+
+    def flaky_decode(latents: torch.Tensor) -> torch.Tensor:
+        if failing.pop("forward", False):
+            raise ValueError("decode failed")
+        return decode(latents)
+
+    def flaky_offload() -> None:
+        if failing.pop("offload", False):
+            raise RuntimeError("offload failed")
+        offload()
+
+    p.vae.decode = flaky_decode  # type: ignore[method-assign]
+    p.vae.offload_to_cpu = flaky_offload  # type: ignore[method-assign]
+    options: dict[str, Any] = {"declaration": decl, "components": {"dit", "vae"}}
+    with torchferry.offload(p, strategy="layerwise", device="cpu", **options):
+        assert torch.equal(p("a cat"), expected)
+        failing.update(forward=True, offload=True)
+        warned = r"offload_to_cpu\(\) of 'vae' raised RuntimeError: offload failed"
+        with pytest.raises(ValueError, match="decode failed"), pytest.warns(OffloadWarning, match=warned):
+            p("a cat")
+        assert torch.equal(p("a cat"), expected)
     assert same_weights(p, ref)
 
 

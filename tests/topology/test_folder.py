@@ -157,6 +157,41 @@ def test_a_folder_without_safetensors_is_refused(tmp_path: Path) -> None:
     )
 
 
+def test_a_stray_safetensors_beside_a_scheduler_is_no_model(tmp_path: Path) -> None:
+    """A *.safetensors file in the scheduler's (or a tokenizer's) subfolder is not a second DiT: those
+    components hold no weights, as diffusers, loading them with their own from_pretrained, treats them."""
+    root = folder_of("wan2.1-t2v-1.3b", tmp_path / "wan")
+    clean = topology.from_checkpoint(root)
+    index = json.loads((root / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "T5TokenizerFast"]
+    (root / "model_index.json").write_text(json.dumps(index))
+    for name in ("scheduler", "tokenizer"):
+        write_header_only(root / name / "stray.safetensors", {"blocks.0.w": ((64, 64), "float32")})
+    topo = topology.from_checkpoint(root)
+    assert [c.path for c in topo.components] == ["transformer", "text_encoder", "vae"]
+    assert topo.components == clean.components
+    found = topology.read_pipeline_folder(root)
+    assert [c.name for c in found.components if c.source is None] == ["scheduler", "tokenizer"]
+
+
+@pytest.mark.parametrize("name", ["../outside", "/abs", "sub/dir", ""])
+def test_a_component_named_outside_the_folder_is_refused(tmp_path: Path, name: str) -> None:
+    """A model_index.json component whose name is no attribute name (``../outside``) would be read from
+    outside the folder: refused, as an index shard named with ``..`` is."""
+    root = tiny_folder(tmp_path / "tiny")
+    write_header_only(tmp_path / "outside" / "diffusion_pytorch_model.safetensors", {"w": ((2,), "float32")})
+    index = json.loads((root / "model_index.json").read_text())
+    index[name] = ["diffusers", "TinyTransformer"]
+    (root / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(PlanError) as info:
+        topology.from_checkpoint(root)
+    assert str(info.value) == (
+        f"{root / 'model_index.json'}: component {name!r} is not an attribute name, and a component's "
+        "subfolder is named after it, inside the pipeline folder (a name with '..' or a path separator "
+        "would be read from elsewhere, as an index shard named so is refused); fix model_index.json"
+    )
+
+
 def test_several_weight_sets_without_a_plain_name_are_refused(tmp_path: Path) -> None:
     """Two variant files (fp16 and bf16) with no plain one are ambiguous: the error names them."""
     root = tiny_folder(tmp_path / "tiny")

@@ -1,14 +1,18 @@
 """What `torchferry plan` reads: the model its argument names, and a resolution written as text.
 
 A model is a known id, a hub id (its snapshot in the local cache), a diffusers pipeline folder or a
-checkpoint, always read through headers and shipped specs, never its data.
+checkpoint, always read through headers, shipped specs or a pipeline built on the meta device, never
+its data.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Sequence
+
+import attrs
 
 from torchferry import topology
 from torchferry._errors import PlanError
@@ -62,9 +66,31 @@ def _known_candidates() -> dict[str, Topology]:
     return {m: topology.known_topology(m) for m in (*topology.KNOWN_MODELS, *topology.KNOWN_ALIASES)}
 
 
+def _built(path: str) -> Topology | None:
+    """The topology of the folder's pipeline built on the meta device as `from_pretrained` builds it
+    (what a session holds: non-persistent buffers included), or ``None`` when it cannot be built here
+    (diffusers missing, a class it lacks, a component it cannot build on meta)."""
+    from torchferry._pretrained import pipeline_on_meta
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the models' own warnings while building; not the plan's
+            pipeline = pipeline_on_meta(path)
+        topo = topology.discover(pipeline)
+    except Exception:  # planning falls back to the headers alone, and the report says so
+        return None
+    named = topology.read_pipeline_folder(path).pipeline_class
+    return attrs.evolve(topo, source=f"pipeline:{path}", pipeline_class=named)
+
+
 def _pipeline_folder(path: str, hub_id: str | None) -> tuple[Topology, KnownModel | None]:
-    """A pipeline folder's topology, and the known model whose DiT shapes it has (or its hub id names)."""
-    topo = topology.from_pipeline_folder(path)
+    """A pipeline folder's topology, and the known model whose DiT shapes it has (or its hub id names).
+
+    The topology is the pipeline built on the meta device (`_built`), so the plan counts what the
+    session will hold byte for byte; when that cannot be built, the folder's headers alone, which
+    lack the buffers a model computes instead of storing.
+    """
+    topo = _built(path) or topology.from_pipeline_folder(path)
     match = topology.known_match(topo, _known_candidates())
     if match is None and hub_id is not None:
         match = topology.hub_model_id(hub_id)

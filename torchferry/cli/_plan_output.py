@@ -43,8 +43,14 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
         where = f"known model; tensor shapes from the published config of {report.hf_repo}"
     elif kind == "checkpoint":
         where = f"safetensors headers of {where}"
-    elif kind == "folder":
-        where = f"safetensors headers of the pipeline folder {where}"
+    elif kind in ("folder", "pipeline"):
+        if kind == "pipeline":
+            where = f"the pipeline folder {where}, built on meta as from_pretrained builds it (no data read)"
+        else:
+            where = (
+                f"safetensors headers of the pipeline folder {where} (its pipeline could not be built "
+                "here, so buffers the model computes, such as RoPE tables, are not counted)"
+            )
         if report.known_id:
             where += f"\n(its DiT has the shapes of the known model {report.known_id}, whose FLOPs are known)"
     title = f"{report.model}" + (f" ({report.pipeline_class})" if report.pipeline_class else "")

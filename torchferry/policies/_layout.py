@@ -197,8 +197,9 @@ def pack_table(plan: Plan) -> tuple[tuple[str, tuple[TensorSpec, ...]], ...]:
     """Pack name -> tensors, in plan order: each block, each component's remainder, then each
     top-level component's leftovers (``<top>:extra``); a tensor is in the first pack that names it.
 
-    Tensors of on-demand components are left to the component's own lifecycle and get no pack.
-    The host store allocates one buffer per pack (`group_specs`), `tiers` places each in host
+    Tensors of on-demand components are left to the component's own lifecycle and get no pack, but
+    for their blocks (an on-demand encoder with block stacks streams those in rings; its lifecycle
+    moves the rest). The host store allocates one buffer per pack (`group_specs`), `tiers` places each in host
     memory or the file tier, so both read this one table.
     """
     table: list[tuple[str, tuple[TensorSpec, ...]]] = []
@@ -212,6 +213,9 @@ def pack_table(plan: Plan) -> tuple[tuple[str, tuple[TensorSpec, ...]], ...]:
 
     for top in plan.components:
         if top.on_demand:
+            for c in top.walk():
+                for block in c.blocks:
+                    add(block.path, block.tensors)
             continue
         for c in top.walk():
             add(rest_unit(c.path), c.tensors)

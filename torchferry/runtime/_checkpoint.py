@@ -51,6 +51,7 @@ from torchferry.topology import (
 )
 
 __all__ = [
+    "MAX_LISTED",
     "SAFETENSORS_DTYPES",
     "WINDOW_BYTES",
     "CheckpointReader",
@@ -66,6 +67,8 @@ WINDOW_BYTES = 16 * 2**20
 WIDENED_FROM = ("float16", "bfloat16")
 #: A copy's source: a file, bytes already in memory (a widened tensor), or ``None`` (keep the bytes).
 _Source: TypeAlias = "str | torch.Tensor | None"
+#: The most problems one `PlanError` lists, one line each; a last line counts the rest.
+MAX_LISTED = 20
 
 _RESAVE = "re-save or re-download the file"
 
@@ -325,12 +328,27 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             "could not be read (see above)"
         ]
 
-    def _fail(self, problems: list[str]) -> NoReturn:
+    def _fail(self, problems: list[str], extra: Sequence[str] = ()) -> NoReturn:
+        """Raise the `PlanError` listing ``problems``, then the ``extra`` checkpoint keys the model
+        does not expect, at most `MAX_LISTED` lines in all (a count says how many more there are)."""
         problems = list(dict.fromkeys(problems))  # one problem can concern several tensors
-        lines = "\n".join(f"  - {p}" for p in problems)
+        total = len(problems) + len(extra)
+        shown = problems[:MAX_LISTED]
+        for k in extra[: MAX_LISTED - len(shown)]:
+            shown.append(
+                f"{self.entries[k].file}: tensor {k!r} is not expected by the model; remove it, map the "
+                "model's names with prefix_map, or pass allow_extra=True"
+            )
+        lines = "\n".join(f"  - {p}" for p in shown)
+        if total > len(shown):
+            unexpected = len(extra) - max(0, len(shown) - len(problems))
+            more = f"{total - len(shown)} more"
+            if unexpected:
+                more += f", {unexpected} of them tensors the model does not expect"
+            lines += f"\n  - ... and {more}"
         raise PlanError(
             f"checkpoint {self.path} cannot fill the expected tensors; "
-            f"{_plural(len(problems), 'problem')} (nothing was read or changed):\n{lines}"
+            f"{_plural(total, 'problem')} (nothing was read or changed):\n{lines}"
         )
 
     def validate(
@@ -339,6 +357,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         prefix_map: Mapping[str, str] | None = None,
         *,
         allow_extra: bool = False,
+        skip: tuple[str, ...] = (),
     ) -> None:
         """Raise one `PlanError` listing every way the checkpoint fails to hold ``expected``.
 
@@ -346,7 +365,8 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         tensor specs. Non-persistent buffers are not expected; a tied tensor is found under its owner
         name or any alias and counts once. Header problems of every opened file are reported first,
         then missing tensors and shape or dtype mismatches in model order, then (unless
-        ``allow_extra``) checkpoint tensors the model does not expect, sorted.
+        ``allow_extra``) checkpoint tensors the model does not expect, sorted, but for those under a
+        model name prefix in ``skip`` (components filled from the module instead).
         """
         self._check_open()
         problems = list(self.problems)
@@ -358,15 +378,17 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         if not allow_extra:
             # A pipeline folder's component the pipeline does not hold at all (loaded with vae=None) is
             # not extra: its subfolder is simply not used.
-            used = {c for c in self.components if any(k.startswith(c) for k in claimed)}
-            problems.extend(
-                f"{self.entries[k].file}: tensor {k!r} is not expected by the model; remove it, map the "
-                f"model's names with prefix_map, or pass allow_extra=True"
-                for k in sorted(set(self.entries) - claimed)
-                if not self.components or any(k.startswith(c) for c in used)
+            used = tuple(c for c in self.components if any(k.startswith(c) for k in claimed))
+            skipped = tuple(self.key(p, prefix_map) for p in skip)
+            extra = sorted(
+                k
+                for k in set(self.entries) - claimed
+                if (not self.components or k.startswith(used)) and not k.startswith(skipped)
             )
-        if problems:
-            self._fail(problems)
+        else:
+            extra = []
+        if problems or extra:
+            self._fail(problems, extra)
 
     # -- reads ---------------------------------------------------------------------------------------
 

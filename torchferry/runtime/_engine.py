@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -90,13 +90,37 @@ def _ordinary() -> contextlib.AbstractContextManager[None]:
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
+def _from_module(plan: Plan, fill: Collection[str] | None) -> frozenset[str]:
+    """The top-level components that keep their own weights although a checkpoint is given: those
+    ``fill`` (the components to read from the checkpoint; ``None``: all) leaves out."""
+    tops = [c.path for c in plan.components]
+    if fill is None:
+        return frozenset()
+    if isinstance(fill, str):
+        fill = (fill,)
+    if plan.config.checkpoint is None:
+        raise PlanError(
+            "checkpoint_components= says which components to fill from the checkpoint, and no "
+            "checkpoint= was given; pass checkpoint=, or drop checkpoint_components="
+        )
+    unknown = sorted(set(fill) - set(tops))
+    if unknown:
+        raise PlanError(
+            f"checkpoint_components names {', '.join(map(repr, unknown))}, which this plan has no top-level "
+            f"component for; its components are {', '.join(map(repr, tops)) or '(none)'}"
+        )
+    return frozenset(tops) - frozenset(fill)
+
+
 class Engine(Mover):
     """Carries out schedules for one plan on one pipeline; the only object that moves weights.
 
     Built from a pipeline on the CPU: every tensor the plan manages moves into the host store (see
     `HostStore`), so building raises `PlanError` before mutating anything when the pipeline cannot
     be served. ``driver``, when given, is told when a top-level component's forward starts and ends
-    (the session uses it to pick each step's schedule).
+    (the session uses it to pick each step's schedule). With a checkpoint, ``checkpoint_components``
+    names the top-level components filled from it (default: every one); the others keep the weights
+    they hold (read from the module, as without a checkpoint).
     """
 
     def __init__(
@@ -111,7 +135,9 @@ class Engine(Mover):
         driver: Driver | None = None,
         tier: TierLayout | None = None,
         variant: str | None = None,
+        checkpoint_components: Collection[str] | None = None,
     ) -> None:
+        from_module = _from_module(plan, checkpoint_components)
         self.pipeline = pipeline
         self.plan = plan
         # Why: resolved once (`cuda` -> `cuda:0`), so each check of where a tensor is compares like forms.
@@ -138,7 +164,8 @@ class Engine(Mover):
             self.comm.agree("the plan", plan.digest)
             sharding = Sharding(rank=self.comm.rank, world=world, names=layout(plan).allgather)
         self.store = self._open(
-            pipeline, plan, pin=pin, sharding=sharding, prefix_map=prefix_map, tier=tier, variant=variant
+            pipeline, plan, pin=pin, sharding=sharding, prefix_map=prefix_map, tier=tier, variant=variant,
+            from_module=from_module,
         )
         super().__init__()  # the device tables, the slot pool, the staging buffer and the grad guard
         self._residency: tuple[Placement, ...] = ()
@@ -165,6 +192,7 @@ class Engine(Mover):
         prefix_map: Mapping[str, str] | None,
         tier: TierLayout | None,
         variant: str | None = None,
+        from_module: frozenset[str] = frozenset(),
     ) -> HostStore:
         """Check, read and take over; with several ranks, only once every rank could do the first two."""
         with _ordinary():
@@ -184,10 +212,11 @@ class Engine(Mover):
                         widen=kept_in_float32(pipeline, plan.topology),
                     )
                     readers.append(reader)
-                request = tier_request(plan, tier, reader, readers, prefix_map)
+                request = tier_request(plan, tier, reader, readers, prefix_map, from_module=from_module)
                 prepared = HostStore.prepare(
-                    pipeline, plan, pin=pin, reader=reader, sharding=sharding, progress=progress, tier=request
-                )
+                    pipeline, plan, pin=pin, reader=reader, sharding=sharding, progress=progress,
+                    tier=request, from_module=from_module,
+                )  # fmt: skip
             except Exception as exc:
                 failure = exc
             finally:

@@ -5,7 +5,8 @@ in `torchferry.runtime._host` for when each happens).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,10 +26,12 @@ __all__ = [
     "footprint",
     "group_specs",
     "in_pack_order",
+    "make_ordinary",
     "materialise",
     "pack_layout",
     "read_loose",
     "read_pack",
+    "swappable",
 ]
 
 
@@ -150,3 +153,35 @@ def materialise(t: torch.Tensor) -> None:
     if isinstance(t, nn.Parameter):
         fresh = nn.Parameter(fresh, requires_grad=t.requires_grad)
     torch.utils.swap_tensors(t, fresh)  # type: ignore[no-untyped-call]
+
+
+def swappable(t: torch.Tensor) -> bool:
+    """Whether `make_ordinary` can swap ``t`` in place: no weak reference to it, and no other owner of
+    its tensor than its Python object and, for a leaf, its gradient accumulator (what
+    `torch.utils.swap_tensors` checks before it swaps)."""
+    if weakref.getweakrefs(t):
+        return False
+    count: Callable[[], int] = t._use_count  # type: ignore[attr-defined]
+    if count() == 1:
+        return True
+    if count() != 2 or not t.is_leaf or not t.requires_grad:
+        return False
+    try:
+        node = torch.autograd.graph.get_gradient_edge(t).node
+    except (AttributeError, RuntimeError):  # an inference tensor has no gradient edge to find
+        return False
+    return node is not None and count() == 2
+
+
+def make_ordinary(t: torch.Tensor) -> None:
+    """Turn inference tensor ``t`` into an empty ordinary CPU tensor in place, keeping the Python object
+    (its identity, class and attributes: ties and references hold); `Prepared.commit` points it at its
+    host view next. See [Note: inference tensors] in `torchferry.runtime._host`."""
+    fresh = torch.empty(0, dtype=t.dtype)
+    if isinstance(t, nn.Parameter):
+        fresh = nn.Parameter(fresh, requires_grad=t.requires_grad)
+    cls = type(t)
+    torch.utils.swap_tensors(t, fresh)  # type: ignore[no-untyped-call]
+    # swap_tensors swaps the classes and attributes too: give the object its own back.
+    t.__class__, fresh.__class__ = cls, type(t)
+    t.__dict__, fresh.__dict__ = fresh.__dict__, t.__dict__

@@ -30,6 +30,11 @@ docs/contract.md.
    into a module's ``_parameters`` or ``_buffers`` dict (no ``setattr``, no ``register_*``, so no
    registration hook) is seen only at a step after some registration, and at close: replace
    weights through ``setattr`` or ``load_state_dict`` during a session.
+   2b. A replacement made *during* a step (a forward's own ``self.inv_freq = ...``, as OmniGen's
+   rotary embedding does on every call) is the model's state, as in a plain run: when a step that
+   registered or assigned anything ends, its module slots are looked at, and a slot holding another
+   object is followed (`SessionGuard._follow`): the module keeps that object where the forward made
+   it, the tensor it replaced is no longer looked for there, and close moves the object to host.
 3. Moves and conversions. ``module.to(...)``, ``.half()``, ``.cuda()``, ``.to("meta")`` and every
    other conversion through ``nn.Module._apply`` on the pipeline or a managed module raise
    `ExecutionError` before anything is converted; close the session first. A ``.to()``, ``.cpu()``,
@@ -96,6 +101,16 @@ class _Record:
     holder: torch.Tensor
 
 
+def _under(path: str, roots: list[str]) -> bool:
+    """Whether module ``path`` is one of ``roots`` or inside one."""
+    return any(path == r or path.startswith(r + ".") for r in roots)
+
+
+def _under_any(component: Any, paths: list[str]) -> bool:
+    """Whether any of ``paths`` is inside the component (it streams some of its blocks)."""
+    return any(_under(p, [component.path]) for p in paths)
+
+
 def _pointer(t: torch.Tensor) -> int:
     return int(t.data_ptr())  # 0 on the meta device
 
@@ -141,16 +156,24 @@ class SessionGuard:
         seen: set[int] = set()
         roots: list[tuple[str, nn.Module]] = []
         on_demand = [c.path for c in plan.components if c.on_demand]
+        # The blocks of an on-demand component stream like any (its lifecycle moves the rest).
+        streamed = [b.path for top in plan.components if top.on_demand for c in top.walk() for b in c.blocks]
         if isinstance(pipeline, nn.Module):
             roots.append(("", pipeline))
         for top in plan.components:
             module = find_attr(pipeline, top.path)
             if not top.on_demand and isinstance(module, nn.Module):
                 roots.append((top.path, module))
+        roots.extend((path, find_attr(pipeline, path)) for path in streamed)
+        lifecycle: set[int] = set()
         for prefix, root in roots:
             for path, module in root.named_modules(prefix=prefix):
-                if id(module) in seen or any(path == o or path.startswith(o + ".") for o in on_demand):
-                    continue  # an on-demand component moves itself (load_to_device, offload_to_cpu)
+                if id(module) in seen:
+                    continue
+                if _under(path, on_demand):
+                    if not _under(path, streamed):
+                        continue  # an on-demand component moves itself (load_to_device, offload_to_cpu)
+                    lifecycle.add(id(module))
                 seen.add(id(module))
                 modules.append((path, module))
                 for table in (module._parameters, module._buffers):
@@ -189,12 +212,20 @@ class SessionGuard:
         # Why: the registration count when the module slots were last seen in place (see `_changed`).
         REGISTRATIONS.install()
         self._registered = -1
+        # Why: the registration count when the running step began (``None`` between steps), so a
+        # step whose forward registered or assigned something has its module slots looked at.
+        self._began: int | None = None
+        # Why: the module slots a forward gave an object of its own (`_follow`), moved to host at close.
+        self._followed: list[tuple[dict[str, Any], str]] = []
         # Why: per residency (the units on the device between steps), their records' indices and tensors.
         self._resident: dict[tuple[str, ...], tuple[list[int], list[torch.Tensor]]] = {}
         # Why: what the session set on the objects it serves (rules 3-5), taken off at close.
         casting = Casting(pipeline, plan, [m for _, m in modules])  # layerwise casts (`_casting`)
         self._overrides = Overrides(engine.device, self.write_through, casting)
-        self._overrides.install(modules, set(managed) | wrapped)
+        self._overrides.install(modules, set(managed) | wrapped, frozenset(lifecycle))
+        self._overrides.lifecycles(
+            [find_attr(pipeline, c.path) for c in plan.components if c.on_demand and _under_any(c, streamed)]
+        )
         objects: list[tuple[str, object]] = [(p, m) for p, m in modules]
         if not isinstance(pipeline, nn.Module):
             objects.insert(0, ("", pipeline))
@@ -216,6 +247,9 @@ class SessionGuard:
                     "of its own"
                 )
             self._owner, self._component = me, component
+        if self._began is not None:
+            self._follow()  # the step before never ended (a KeyboardInterrupt): its forward's own
+        self._began = REGISTRATIONS.count
         if self._refusal is not None:
             raise ExecutionError(self._refusal)
 
@@ -225,9 +259,33 @@ class SessionGuard:
 
     def left(self) -> None:
         """This thread's step is over (finished or aborted): record what it left, free the session."""
+        if self._began is not None and self._began != REGISTRATIONS.count:
+            self._follow()
+        self._began = None
         self._refresh()
         with self._lock:
             self._owner = None
+
+    def _follow(self) -> None:
+        """Module slots the step's forward gave another object (``self.inv_freq = ...`` on each call,
+        as OmniGen's rotary embedding does) hold the model's state from now on, as in a plain run: the
+        session stops managing the tensor that was there (rule 2b of the Note)."""
+        if self._in_place():
+            return
+        followed: dict[tuple[int, str], tuple[dict[str, Any], str]] = {}
+        for r in self._records:
+            held = [table.get(key) is r.holder for table, key in r.places]
+            if not all(held):
+                for (table, key), here in zip(r.places, held, strict=True):
+                    if not here:
+                        followed[id(table), key] = (table, key)  # once, for a wrapper's inner tensors
+                r.places = tuple(place for place, here in zip(r.places, held, strict=True) if here)
+        self._followed.extend(followed.values())
+        slots = [(table, key, r.holder) for r in self._records for table, key in r.places]
+        self._place_tables = [table for table, _, _ in slots]
+        self._place_keys = [key for _, key, _ in slots]
+        self._place_tensors = [t for _, _, t in slots]
+        self._registered = REGISTRATIONS.count
 
     # ------------------------------------------------------------------------------------ ranks
     def drain(self) -> None:
@@ -464,8 +522,16 @@ class SessionGuard:
             self.adopt(strict=False)
 
     def close(self) -> None:
-        """Adopt what can be adopted, then take every refusal and state_dict hook off the modules."""
+        """Adopt what can be adopted, then take every refusal and state_dict hook off the modules; a
+        tensor a forward assigned that is on the session device comes back to host memory, as every
+        weight does."""
         try:
             self.adopt(strict=False)
+            with torch.no_grad():
+                for table, key in self._followed:
+                    value = table.get(key)
+                    if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta"):
+                        value.data = value.data.to("cpu")
         finally:
+            self._followed.clear()
             self._overrides.remove()

@@ -22,6 +22,17 @@ so their identity and ties survive, then every tensor is re-pointed). Any failur
 leaves the pipeline exactly as it was. Checkpoint bytes are in row-major order; a tensor whose
 module stores it with other strides (a transposed weight) is rearranged into those strides.
 
+[Note: inference tensors]
+A pipeline built under ``torch.inference_mode()`` (as serving frameworks build them) holds inference
+tensors, which keep no version counter and can never again be re-pointed for good outside inference
+mode (``t.data = view`` leaves the tensor without one). `Prepared.commit` therefore turns each one it
+takes over into an ordinary tensor in place, once its bytes are in the host buffer: the Python
+object is kept (identity, class, attributes, so ties and references hold) and only the tensor under
+it is swapped, by `torch.utils.swap_tensors`, which checks first that nothing else holds it
+(`prepare` refuses one it could not swap, before anything changes). Values are bit-identical; the
+one change is that the weights given back at close are ordinary tensors (``is_inference()`` false),
+as a ``load_state_dict(..., assign=True)`` of clones outside inference mode would leave them.
+
 Non-persistent buffers (RoPE tables and the like) are not in checkpoints: their bytes come from the
 module, which must have computed them on the CPU. Build the pipeline under `meta_parameters()`
 (parameters on meta, buffers as the module makes them); a non-persistent buffer left on the meta
@@ -38,17 +49,19 @@ import torch
 from torch import nn
 
 from torchferry._errors import PlanError
-from torchferry.policies import rest_unit
+from torchferry.policies import rest_unit, unit_packs
 from torchferry.runtime._fill import (
     fill_from_module,
     group_specs,
     in_pack_order,
+    make_ordinary,
     materialise,
     pack_layout,
     read_loose,
     read_pack,
+    swappable,
 )
-from torchferry.runtime._layouts import Layouts, aliased
+from torchferry.runtime._layouts import Layouts, aliased, shared_elsewhere
 from torchferry.runtime._pack import Pack, Piece, Sharding, Unit, shard_span
 from torchferry.runtime._pinning import CudaPinner, HostMemory, HostPinner, page_bytes
 from torchferry.runtime._wrappers import Wrapper, check_wrappers, find_wrappers, holders
@@ -124,6 +137,7 @@ class HostStore:
         pinner: HostPinner | None = None,
         progress: Callable[[int, int], None] | None = None,
         tier: TierRequest | None = None,
+        from_module: frozenset[str] = frozenset(),
     ) -> Prepared:
         """Check everything, allocate (and pin) every buffer and, from a checkpoint, read it, without
         touching the pipeline.
@@ -136,28 +150,51 @@ class HostStore:
         pack as its buffer is filled (here from a checkpoint, else in `Prepared.commit`) with the
         pack's bytes and the bytes of all packs. ``tier`` lays out a file tier: its packs get no
         buffer and are read from ``tier.source`` on demand (see [Note: the file tier] in `_tiers`).
+        ``from_module`` names top-level components whose tensors come from the module even with a
+        checkpoint (`offload`'s ``checkpoint_components`` leaves them out): only the others are
+        validated against and read from ``reader``.
         """
         specs = group_specs(plan)
         filed = frozenset() if tier is None else tier.packs
+        owners = {name: top.path for top in plan.components for name in unit_packs(plan, top.path)}
         lookup = _Lookup(pipeline)
         resolved = {name: [lookup.tensor(s) for s in pack] for name, pack in specs.items()}
         loose = _loose_specs(plan, specs)
         loose_live = [lookup.tensor(s) for s in loose]
+        read = set() if reader is None else {n for n in specs if owners[n] not in from_module}
+        loose_read = [reader is not None and _top(plan, s.name) not in from_module for s in loose]
         problems: list[str] = []
         meta: list[str] = []
+        unfilled: list[str] = []
         on_meta: list[str] = []
         unmanaged: list[str] = []
         for name, pack in specs.items():
-            # A file-tier pack's meta tensors are filled from its source, whatever fills the rest.
-            _check(pack, resolved[name], problems, [] if name in filed else meta, on_meta)
-        _check(loose, loose_live, problems, meta, on_meta, missing_ok=True)
+            found: list[str] = []
+            _check(pack, resolved[name], problems, found, on_meta)
+            if name in filed:
+                continue  # a file-tier pack's meta tensors are filled from its source
+            meta.extend(found)
+            if name not in read:
+                unfilled.extend(found)
+        for spec, live, filled in zip(loose, loose_live, loose_read, strict=True):
+            found = []
+            _check([spec], [live], problems, found, on_meta, missing_ok=True)
+            meta.extend(found)
+            if not filled:
+                unfilled.extend(found)
         _check_unmanaged(pipeline, plan, meta, unmanaged)
-        if meta and reader is None:
+        if unfilled:
+            why = (
+                "no checkpoint was given to fill them; pass checkpoint=<a .safetensors file, a folder of "
+                "them or an *.index.json> to torchferry.offload(...)"
+                if reader is None
+                else "their components are not among the checkpoint's (checkpoint_components); fill them "
+                "from the checkpoint"
+            )
             raise PlanError(
-                f"torchferry.offload cannot take over this pipeline: {len(meta)} tensor(s) are on the meta "
-                f"device ({_some(meta)}) and no checkpoint was given to fill them; pass checkpoint=<a "
-                ".safetensors file, a folder of them or an *.index.json> to torchferry.offload(...), or "
-                "load the weights into the pipeline on the CPU first"
+                f"torchferry.offload cannot take over this pipeline: {len(unfilled)} tensor(s) are on the "
+                f"meta device ({_some(unfilled)}) and {why}, or load the weights into the pipeline on the "
+                "CPU first"
             )
         if on_meta or unmanaged:
             raise PlanError(
@@ -181,8 +218,13 @@ class HostStore:
                 "build or load the pipeline on the CPU (or call pipeline.to('cpu')) before "
                 "torchferry.offload(...), and let the session place it on the device."
             )
+        _refuse_shared(specs, resolved, lookup)
+        _refuse_unswappable(specs, resolved)
         if reader is not None:
-            reader.validate(plan.topology)
+            expected = [
+                s for c in plan.topology.components if c.path not in from_module for s in c.all_tensors()
+            ]
+            reader.validate(expected, skip=tuple(f"{p}." for p in from_module))
         wrappers = {name: find_wrappers(pipeline, pack) for name, pack in specs.items()}
         check_wrappers(wrappers)
         layouts: dict[str, tuple[tuple[Piece, ...], int]] = {}
@@ -206,18 +248,18 @@ class HostStore:
                     continue
                 start, end = shard_span(name, nbytes, sharding) or (0, nbytes)
                 # From the module, each pack is pinned in commit once filled (see [Note: exact pinning]).
-                buffers[name] = memory.alloc(name, end - start, pin=reader is not None)
+                buffers[name] = memory.alloc(name, end - start, pin=name in read)
             if reader is not None:
                 for name, pack in specs.items():
-                    if name in filed:
+                    if name in filed or name not in read:
                         continue
                     pieces, nbytes = layouts[name]
                     span = shard_span(name, nbytes, sharding)
                     read_pack(reader, pack, pieces, resolved[name], span, host=buffers[name])
                     if progress is not None:
                         progress(buffers[name].numel(), total)
-                for spec, live in zip(loose, loose_live, strict=True):
-                    loose_values.append(read_loose(reader, spec, live))
+                for spec, live, filled in zip(loose, loose_live, loose_read, strict=True):
+                    loose_values.append(read_loose(reader, spec, live) if filled else None)
         except BaseException:
             if files is not None:
                 files.close()
@@ -225,9 +267,9 @@ class HostStore:
             raise
         return Prepared(
             pipeline=pipeline, plan=plan, sharding=sharding, specs=specs, live=resolved, layouts=layouts,
-            buffers=buffers, filled=reader is not None, memory=memory, tier=files,
+            buffers=buffers, filled=frozenset(read - filed), memory=memory, tier=files,
             loose=list(zip(loose_live, loose_values, strict=True)) if reader is not None else [],
-            progress=None if reader is not None or progress is None else (progress, total),
+            progress=None if len(read) == len(specs) or progress is None else (progress, total),
             wrappers={k: v for k, v in wrappers.items() if v},
         )
 
@@ -245,18 +287,25 @@ class HostStore:
         goes, so its memory goes back to the OS (nothing stays cached). Sharded packs cannot be
         given back without their peers' shards: they keep their placeholders and stay in
         ``packs`` (host shards are never dropped) until `Pack.unshard` gives them their full
-        bytes and `give_back` or `close` runs again.
+        bytes and `give_back` or `close` runs again. A pack that fails to give its tensors back does
+        not stop the others: the first failure is raised once every pack has been tried.
         """
+        failure: Exception | None = None
         for name in list(self.packs):
             pack = self.packs[name]
-            if pack.shard is None:
-                self.give_back(pack)
-            else:
-                pack.to_host()
-                pack.forget_device()
+            try:
+                if pack.shard is None:
+                    self.give_back(pack)
+                else:
+                    pack.to_host()
+                    pack.forget_device()
+            except Exception as exc:
+                failure = failure or exc
         self.units.clear()
         if self.tier is not None:
             self.tier.close()
+        if failure is not None:
+            raise failure
 
     def give_back(self, pack: Pack) -> None:
         """Give ``pack``'s tensors storage of their own and drop the pack (it must hold full bytes)."""
@@ -272,7 +321,9 @@ class HostStore:
             t.copy_(view)
             fresh.append(t)
         pack.point(fresh)
-        pack.host_views = tuple(fresh)
+        # Each tensor is its own host view now: no second tensor object is left on its storage (one
+        # would read as a view taken elsewhere when a session opens on the pipeline again).
+        pack.host_views = pack.tensors
         pack.host = torch.empty(0, dtype=torch.uint8)
         del self.packs[pack.name]
         self.memory.release(pack.name)
@@ -289,9 +340,9 @@ class Prepared:
     specs: dict[str, list[TensorSpec]]
     live: dict[str, list[torch.Tensor | None]]
     layouts: dict[str, tuple[tuple[Piece, ...], int]]
-    #: Every pack's buffer, allocated (and pinned) already; read from the checkpoint if ``filled``.
+    #: Every pack's buffer, allocated (and pinned) already; those in ``filled`` read from the checkpoint.
     buffers: dict[str, torch.Tensor]
-    filled: bool
+    filled: frozenset[str]
     memory: HostMemory
     loose: list[tuple[torch.Tensor | None, torch.Tensor | None]]
     #: Told of each group `commit` fills from the module, with the bytes of all groups.
@@ -326,13 +377,15 @@ class Prepared:
             span = shard_span(name, nbytes, self.sharding)
             filed = self.tier is not None and name in self.tier.reads
             host = self.buffers.get(name, _EMPTY)
-            if not self.filled and not filed:
+            if name not in self.filled and not filed:
                 fill_from_module(ordered, pieces, nbytes, span, host)
                 if self.progress is not None:
                     self.progress[0](host.numel(), self.progress[1])
             for t in ordered:
                 if t.is_meta:
                     materialise(t)
+                elif t.is_inference():
+                    make_ordinary(t)
             if span is None and filed:
                 assert self.tier is not None
                 views = self.tier.host_views(name, pieces)
@@ -343,7 +396,7 @@ class Prepared:
             with torch.no_grad():
                 for t, v in zip(ordered, views, strict=True):
                     t.data = v
-            if not self.filled and not filed:
+            if name not in self.filled and not filed:
                 # The module's own copy of this pack is dropped now: pinning here, not in prepare,
                 # keeps the open near the model plus one pack (a refusal falls back, never raises).
                 self.memory.pin(name)
@@ -388,8 +441,11 @@ class _Lookup:
         self.pipeline = pipeline
 
     def tensor(self, spec: TensorSpec) -> torch.Tensor | None:
+        return self.find(spec.name)
+
+    def find(self, name: str) -> torch.Tensor | None:
         try:
-            t = find_attr(self.pipeline, spec.name)
+            t = find_attr(self.pipeline, name)
         except AttributeError:
             return None
         return t if isinstance(t, torch.Tensor) else None
@@ -437,6 +493,56 @@ def _check_unmanaged(pipeline: Any, plan: Plan, meta: list[str], unmanaged: list
             unmanaged.append(name)
 
 
+def _refuse_shared(
+    specs: Mapping[str, Sequence[TensorSpec]],
+    live: Mapping[str, Sequence[torch.Tensor | None]],
+    lookup: _Lookup,
+) -> None:
+    """Raise `PlanError` when a tensor the store takes over shares its storage with one it does not."""
+    named: list[tuple[str, torch.Tensor]] = []
+    for name, pack in specs.items():
+        for spec, t in zip(pack, live[name], strict=True):
+            if t is None:
+                continue
+            named.append((spec.name, t))
+            for alias in spec.aliases:
+                other = lookup.find(alias)
+                if other is not None and other is not t:
+                    named.append((alias, other))
+    shared = shared_elsewhere(named)
+    if shared:
+        raise PlanError(
+            f"torchferry.offload cannot take over this pipeline: {len(shared)} tensor(s) share their memory "
+            f"with a tensor the session would not manage ({_some(shared)}): a view or alias of the weight "
+            "taken before opening (w[0], w.t(), a state_dict() kept from before, the tensor a parameter was "
+            "made from), by your code or cached by a module. The session gives every weight memory of its "
+            "own, so that tensor would silently stop sharing it (an edit through one would not reach the "
+            "other); drop it (del it, or keep a .clone()) before opening, or take it after opening"
+        )
+
+
+def _refuse_unswappable(
+    specs: Mapping[str, Sequence[TensorSpec]], live: Mapping[str, Sequence[torch.Tensor | None]]
+) -> None:
+    """Raise `PlanError` for an inference tensor that cannot be made ordinary in place (see [Note:
+    inference tensors])."""
+    stuck = [
+        spec.name
+        for name, pack in specs.items()
+        for spec, t in zip(pack, live[name], strict=True)
+        if t is not None and not t.is_meta and t.is_inference() and not swappable(t)
+    ]
+    if stuck:
+        raise PlanError(
+            f"torchferry.offload cannot take over this pipeline: {len(stuck)} tensor(s) were made under "
+            f"torch.inference_mode() and something else holds them ({_some(stuck)}: a weak reference, or "
+            "the graph of a computation with them outside inference mode, such as a .clone() kept), so "
+            "they cannot be made ordinary tensors in place; drop that, or give the "
+            "model ordinary tensors first, outside inference mode: model.load_state_dict({k: v.clone() "
+            "for k, v in model.state_dict().items()}, assign=True)"
+        )
+
+
 def _some(names: Sequence[str]) -> str:
     return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
@@ -445,6 +551,15 @@ def _loose_specs(plan: Plan, specs: Mapping[str, Sequence[TensorSpec]]) -> list[
     """Tensors of the topology no pack holds (on-demand components'): filled in place from a checkpoint."""
     covered = {s.name for specs_ in specs.values() for s in specs_}
     return [s for c in plan.topology.components for s in c.all_tensors() if s.name not in covered]
+
+
+def _top(plan: Plan, name: str) -> str:
+    """The top-level component of the plan whose tensor ``name`` is (``""`` for a bare model)."""
+    best = ""
+    for c in plan.components:
+        if c.path and (name == c.path or name.startswith(c.path + ".")) and len(c.path) > len(best):
+            best = c.path
+    return best
 
 
 def _span_bytes(name: str, nbytes: int, sharding: Sharding | None) -> int:

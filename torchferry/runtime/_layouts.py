@@ -34,7 +34,7 @@ import torch
 
 from torchferry.topology import TensorSpec, find_attr
 
-__all__ = ["Layouts", "aliased", "dense"]
+__all__ = ["Layouts", "aliased", "dense", "shared_elsewhere"]
 
 _P = TypeVar("_P")
 
@@ -61,6 +61,72 @@ def aliased(
             out_tensors.append(other)
             out_pieces.append(piece)
     return out_tensors, out_pieces
+
+
+#: torch's count of the references to a storage (its tensors and Python storage objects); private.
+_USE_COUNT: Any = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def shared_elsewhere(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names (one per storage) of tensors in ``named`` whose storage another tensor also holds.
+
+    ``named`` is every tensor object a session is about to take over. A view or alias of one taken
+    before opening (``w[0]``, ``w.t()``, ``state_dict()`` kept from before, the tensor a parameter
+    was made from), by the caller or cached by a module, would silently stop sharing its memory once
+    the weight is re-pointed at the session's host buffer (see [Note: as it was]). Each tensor holds
+    one reference to its storage, so a storage with more references than the taken-over tensors on
+    it (and the base a registered view was made from: ``torch.arange(6).reshape(2, 3)`` keeps its
+    ``_base``) is a suspect, at no cost for the others. A suspect is reported when a Python tensor
+    object the session does not take over is found on it among every object the garbage collector
+    tracks (after one collection, so a view kept only by a cycle is not one); references held by
+    C++ alone (what autograd saved of a forward run with grad) read the weight's memory as it was
+    and are left alone.
+    """
+    if _USE_COUNT is None:
+        return []
+    found: dict[int, tuple[torch.UntypedStorage, set[int], str]] = {}
+    for name, t in named:
+        if t.device.type != "cpu" or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            continue
+        entry = found.setdefault(storage._cdata, (storage, set(), name))
+        entry[1].add(id(t))
+        base = t._base
+        if base is not None:
+            entry[1].add(id(base))
+
+    def suspects() -> dict[int, str]:
+        return {key: name for key, (s, ids, name) in found.items() if _USE_COUNT(s._cdata) - 1 > len(ids)}
+
+    suspected = suspects()
+    if not suspected:
+        return []
+    import gc
+
+    gc.collect()
+    suspected = suspects()
+    if not suspected:
+        return []
+    taken = {i for _, ids, _ in found.values() for i in ids}
+    shared: dict[int, str] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and id(obj) not in taken:  # type(): no __class__ lookups
+            key = _storage_of(obj)
+            if key in suspected:
+                shared[key] = suspected[key]
+    return list(shared.values())
+
+
+def _storage_of(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage object (``_cdata``) for a plain CPU tensor, else ``None``."""
+    try:
+        if t.device.type != "cpu" or t.is_meta:
+            return None
+        return int(t.untyped_storage()._cdata)
+    except Exception:  # a wrapper subclass, a fake tensor: no storage of its own to share
+        return None
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -150,5 +216,31 @@ def _rebuild(storage: _Storage) -> None:
     with torch.no_grad():
         for t, offset, shape, stride in storage.tensors:
             view = torch.empty(0, dtype=t.dtype).set_(fresh, offset, shape, stride)
-            view.copy_(t.data)
+            if _overlapping(shape, stride):
+                _scatter(view, t.data, offset)
+            else:
+                view.copy_(t.data)
             t.data = view
+
+
+def _overlapping(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether two elements of a tensor of ``shape`` and ``stride`` may share a memory location
+    (an ``expand``-ed buffer, stride 0): ``copy_`` refuses to write such a tensor."""
+    extent = 1
+    for s, n in sorted((s, n) for s, n in zip(stride, shape, strict=True) if n != 1):
+        if s < extent:
+            return True
+        extent = s * (n - 1) + extent
+    return False
+
+
+def _scatter(view: torch.Tensor, values: torch.Tensor, offset: int) -> None:
+    """Write ``values`` into ``view``, whose elements overlap, one memory location at a time."""
+    index = torch.full((), offset, dtype=torch.int64)
+    for dim, (n, s) in enumerate(zip(view.shape, view.stride(), strict=True)):
+        shape = [1] * view.dim()
+        shape[dim] = n
+        index = index + (torch.arange(n, dtype=torch.int64) * s).view(shape)
+    size = view.untyped_storage().nbytes() // view.element_size()
+    flat = torch.empty(0, dtype=view.dtype).set_(view.untyped_storage(), 0, (size,), (1,))
+    flat[index.reshape(-1)] = values.reshape(-1).to(view.dtype)

@@ -12,12 +12,13 @@ close ([Note: the multi-rank engine] in `_engine` says how loads of shards and g
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Iterator
 from types import MethodType
 
 import torch
 
-from torchferry._errors import ExecutionError
+from torchferry._errors import ExecutionError, OffloadWarning
 from torchferry.policies import DEVICE, OP_KINDS, Op
 from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger, SlotPool
@@ -125,14 +126,30 @@ class Mover:
             program.pc = i
 
     def _drop_all(self) -> None:
-        """Release every acquired module, drop every staged copy and point every weight at host memory
-        (whatever a release raises: host memory is where every weight can always go back to)."""
+        """Release every acquired module, drop every staged copy and point every weight at host memory.
+
+        Reads in flight finish first (their staging slots are free again). Recovery cannot stop
+        half-way: a component's own ``offload_to_cpu`` that raises here (while a failed step is
+        abandoned, or the session closes) is an `OffloadWarning`, and everything else is dropped all
+        the same, so the next step starts from an empty device; whatever else raises, host memory is
+        where every weight can always go back to.
+        """
         if self.store.tier is not None:
-            self.store.tier.settle()  # reads in flight finish first: their staging slots are free again
+            self.store.tier.settle()
         try:
             self.guard.leaving_all()
             for path in list(self.acquired):
-                self._release_module(path)
+                try:
+                    self._release_module(path)
+                except Exception as exc:
+                    warnings.warn(
+                        f"torchferry: offload_to_cpu() of {path!r} raised {type(exc).__name__}: {exc} "
+                        "while the session dropped its device copies; everything else was dropped and the "
+                        f"session is usable, but {path!r} may still hold the device memory its lifecycle "
+                        "did not free",
+                        OffloadWarning,
+                        stacklevel=2,
+                    )
         finally:
             for name in list(self.staged):
                 self._drop_staged(name)

@@ -57,6 +57,50 @@ class _Refusal:
         raise ExecutionError(self.message)
 
 
+@attrs.define
+class _Moving:
+    """How many lifecycle calls (``load_to_device``/``offload_to_cpu``) of served components run now."""
+
+    depth: int = 0
+
+
+class _Lifecycle:
+    """An on-demand component's ``load_to_device`` or ``offload_to_cpu``, run with `_Moving` raised, so
+    the blocks the session streams for it stay where the session keeps them (`_SkippedApply`)."""
+
+    def __init__(self, method: Callable[..., Any], moving: _Moving) -> None:
+        self.method = method
+        self.moving = moving
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The method's own signature (the engine asks whether ``load_to_device`` takes a device)."""
+        return inspect.signature(self.method)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.moving.depth += 1
+        try:
+            return self.method(*args, **kwargs)
+        finally:
+            self.moving.depth -= 1
+
+
+class _SkippedApply(_Refusal):
+    """``_apply`` of a block the session streams for an on-demand component: inside that component's
+    own lifecycle call (its ``.to(device)``) the block is left as it is, since the session moves its
+    weights; anywhere else the conversion is refused, as on every served module."""
+
+    def __init__(self, message: str, module: nn.Module, moving: _Moving) -> None:
+        super().__init__(message)
+        self.module = module
+        self.moving = moving
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.moving.depth:
+            return self.module
+        raise ExecutionError(self.message)
+
+
 def _same_device(have: torch.device, want: torch.device) -> bool:
     """Whether ``Tensor.to(want)`` keeps a tensor on ``have`` (an index-less CUDA device: the current).
 
@@ -206,10 +250,16 @@ class Overrides:
         self._handles: list[RemovableHandle] = []
         # Why: the objects given write-through methods (rule 5) and the names, removed at close.
         self._wrapped: list[tuple[object, str]] = []
+        # Why: raised while an on-demand component's own lifecycle call runs (see `_SkippedApply`).
+        self._moving = _Moving()
 
-    def install(self, modules: list[tuple[str, nn.Module]], managed: set[int]) -> None:
+    def install(
+        self, modules: list[tuple[str, nn.Module]], managed: set[int], lifecycle: frozenset[int] = frozenset()
+    ) -> None:
         """Set the refusals and conversions on every served module (``modules``, with their paths),
-        and a ``state_dict`` hook on each that holds a managed tensor (an ``id`` in ``managed``)."""
+        and a ``state_dict`` hook on each that holds a managed tensor (an ``id`` in ``managed``).
+        Modules whose ``id`` is in ``lifecycle`` (the streamed blocks of on-demand components) are
+        left alone by their component's own lifecycle calls (see `lifecycles`)."""
         self._modules.extend(modules)
         for path, module in modules:
             where = f"{path!r}" if path else "the pipeline"
@@ -227,7 +277,10 @@ class Overrides:
                 ),
             }
             for attr, message in refusals.items():
-                object.__setattr__(module, attr, _Refusal(message))
+                refusal = _Refusal(message)
+                if attr == "_apply" and id(module) in lifecycle:
+                    refusal = _SkippedApply(message, module, self._moving)
+                object.__setattr__(module, attr, refusal)
             for name in _CONVERSIONS:
                 object.__setattr__(module, name, _Conversion(module, name, self.device, self.casting))
             owned = [
@@ -270,6 +323,17 @@ class Overrides:
                 state._torchferry_copies = copies  # type: ignore[attr-defined]
 
         return hook
+
+    def lifecycles(self, components: list[nn.Module]) -> None:
+        """Wrap ``load_to_device``/``offload_to_cpu`` of each on-demand component whose blocks the
+        session streams: whoever calls them (the pipeline around its encode, or the session's own
+        acquire and release), its streamed blocks stay where the session keeps them."""
+        for module in components:
+            for name in ("load_to_device", "offload_to_cpu"):
+                method = getattr(module, name, None)
+                if callable(method) and not isinstance(method, _Lifecycle):
+                    object.__setattr__(module, name, _Lifecycle(method, self._moving))
+                    self._wrapped.append((module, name))
 
     def wrap(self, objects: list[tuple[str, object]]) -> None:
         """Wrap the weight-editing methods (rule 5) of each of ``objects`` (with their paths)."""

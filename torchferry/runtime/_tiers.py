@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
-from torchferry.policies import tiers
+from torchferry.policies import tiers, unit_packs
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._pack import Pack, Piece, Sharding, contiguous_strides, shard_span
 from torchferry.runtime._pinning import HostMemory, page_bytes
@@ -98,17 +98,18 @@ def tier_request(
     checkpoint: CheckpointReader | None,
     opened: list[CheckpointReader],
     prefix_map: Mapping[str, str] | None,
+    *,
+    from_module: frozenset[str] = frozenset(),
 ) -> TierRequest | None:
     """The host store's file tier for ``plan`` (`policies.tiers`, unless ``layout`` names one; ``None``:
     no file tier): read from ``layout.source`` when it names a spill (a reader opened for it is
     appended to ``opened``), else from ``checkpoint``; an in-memory pipeline without a spill cannot
-    have one (`PlanError`)."""
+    have one, nor can a component whose own weights are kept (``from_module``) be read from the
+    checkpoint (`PlanError`)."""
     layout = layout or TierLayout()
     chosen = tiers(plan)
     packs = chosen.file if layout.packs is None else layout.packs
-    staging = (
-        tuple((s.name, s.nbytes) for s in chosen.staging) if layout.staging is None else layout.staging
-    )
+    staging = tuple((s.name, s.nbytes) for s in chosen.staging) if layout.staging is None else layout.staging
     if not packs:
         return None
     source = checkpoint
@@ -124,6 +125,21 @@ def tier_request(
             "checkpoint=<its safetensors> to read them from, spill=<a folder> to write them there once "
             "and read them back, or raise host_memory="
         )
+    if layout.source is None and from_module:
+        own = sorted(
+            {
+                top.path
+                for top in plan.components
+                if top.path in from_module and packs & set(unit_packs(plan, top.path))
+            }
+        )
+        if own:
+            raise PlanError(
+                f"the plan keeps packs of {', '.join(map(repr, own))} in the file tier, read on demand from "
+                "the checkpoint, but those components keep their own weights (given by keyword, or left out "
+                "of checkpoint_components), which the checkpoint does not hold; raise host_memory=, or fill "
+                "them from the checkpoint"
+            )
     return TierRequest(
         packs=frozenset(packs),
         staging=staging,

@@ -55,6 +55,10 @@ MODEL_INDEX = "model_index.json"
 _NUMBERED = re.compile(r"^(.+?)\.(\d+)\.")
 # The weight file names diffusers and transformers write, without a variant (``.fp16``) infix.
 _WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
+#: How the classes of components that hold no weights end (schedulers, tokenizers, processors): a
+#: stray ``*.safetensors`` in their subfolder is not a model of the pipeline, as diffusers, which
+#: loads them with their own ``from_pretrained``, never reads it either.
+_NO_WEIGHTS = ("Scheduler", "Tokenizer", "TokenizerFast", "Processor", "FeatureExtractor")
 
 
 @attrs.frozen(kw_only=True)
@@ -197,6 +201,12 @@ def read_pipeline_folder(path: str | os.PathLike[str], variant: str | None = Non
         if not (isinstance(entry, list) and len(entry) == 2):
             values.append((name, entry))
             continue
+        if not name.isidentifier():
+            raise PlanError(
+                f"{index_file}: component {name!r} is not an attribute name, and a component's subfolder "
+                "is named after it, inside the pipeline folder (a name with '..' or a path separator "
+                "would be read from elsewhere, as an index shard named so is refused); fix model_index.json"
+            )
         library, listed = entry
         if library is None or listed is None:
             absent.append(name)
@@ -205,10 +215,11 @@ def read_pipeline_folder(path: str | os.PathLike[str], variant: str | None = Non
             raise PlanError(f"{index_file}: component {name!r} is {entry!r}; expected [library, class name]")
         folder = root / name
         source = None
-        if folder.is_dir() and variant is not None:
+        weighs = folder.is_dir() and not listed.endswith(_NO_WEIGHTS)
+        if weighs and variant is not None:
             source = _variant_source(folder, variant)
             found_variant = found_variant or source is not None
-        if folder.is_dir() and source is None:
+        if weighs and source is None:
             source = _weight_source(folder)
         components.append(
             FolderComponent(

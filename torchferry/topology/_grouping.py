@@ -28,7 +28,9 @@ def component_from_entries(
 
     A DiT's blocks form one ring, attributes in order and indices numerically; an encoder's
     attributes are a ring each, and one with fewer than two blocks is a problem of the component
-    (its tensors stay in the remainder). The remainder is in file order.
+    (its tensors stay in the remainder). Tensors are in name order, in blocks and the remainder
+    alike, so one model saved as one file or as shards is one topology (and `pack` lays each buffer
+    out by itemsize and name, as for a discovered model: the bytes a plan counts are the session's).
     """
     blocks: dict[tuple[str, int], list[HeaderEntry]] = {}
     rest: list[HeaderEntry] = []
@@ -45,7 +47,7 @@ def component_from_entries(
             rest.append(entry)
 
     def block(attr: str, index: int) -> Block:
-        tensors = [_spec(e) for e in blocks[attr, index]]
+        tensors = [_spec(e) for e in sorted(blocks[attr, index], key=lambda e: e.name)]
         return Block(path=join_path(prefix, f"{attr}.{index}"), tensors=tensors)
 
     def ring(names: tuple[str, ...]) -> Stack:
@@ -65,7 +67,7 @@ def component_from_entries(
                 rest.extend(e for k, es in blocks.items() if k[0] == attr for e in es)
     elif blocks:
         stacks.append(ring(attrs_))
-    rest.sort(key=lambda e: (e.file, e.begin))
+    rest.sort(key=lambda e: e.name)
     return Component(
         path=prefix,
         kind=kind,

@@ -182,13 +182,15 @@ PACK_ALIGN = 256
 def pack(tensors: Iterable[TensorSpec]) -> tuple[tuple[TensorSpec, int], ...]:
     """The flat-buffer layout shared by host buffers, device slots and checkpoint readers.
 
-    Tensors are laid out by itemsize, largest first, keeping their order within one itemsize, each
-    starting at the next multiple of `PACK_ALIGN` (256) bytes: the CUDA caching allocator hands out
+    Tensors are laid out by itemsize, largest first, then by name, each starting at the next multiple
+    of `PACK_ALIGN` (256) bytes, so a layout depends on the tensors alone, never on the order a module
+    registered them or a file stored them (a plan from a checkpoint's headers and a session over the
+    module agree byte for byte, whatever the file's order). The CUDA caching allocator hands out
     512-byte aligned blocks, so every tensor view into a slot starts on a 256-byte boundary, as its
     own allocation would, and the same kernels run as on a resident model. The buffer is
     `packed_nbytes` long: the tensors' bytes and the padding between them (zeros).
     """
-    ordered = sorted(tensors, key=lambda t: -t.itemsize)
+    ordered = sorted(tensors, key=lambda t: (-t.itemsize, t.name))
     placed: list[tuple[TensorSpec, int]] = []
     offset = 0
     for t in ordered:

@@ -61,21 +61,6 @@ def _walk(module: nn.Module, prefix: str, stop: frozenset[int]) -> Iterator[_Fou
     yield from visit(module, prefix)
 
 
-def _check_plain(name: str, tensor: torch.Tensor) -> None:
-    """Refuse a tensor torchferry cannot re-point: an inference tensor.
-
-    Wrapper subclasses never get here: `inner_tensors` has replaced them by their inner tensors (or
-    refused them, naming their class).
-    """
-    if tensor.is_inference():
-        raise PlanError(
-            f"Tensor {name!r} was created under torch.inference_mode(), and an inference tensor can "
-            "never be re-pointed at torchferry's buffers outside it; build the model outside "
-            "inference mode, or give it ordinary tensors first, outside inference mode: "
-            "model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)"
-        )
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -176,7 +161,6 @@ def _occurrences(skeletons: list[Skeleton], component_ids: frozenset[int]) -> li
         nonlocal seq
         for found, whole, buffer, persistent in _walk(root, prefix, stop):
             for name, tensor in inner_tensors(found, whole):  # a wrapper's inner tensors (see _wrapped)
-                _check_plain(name, tensor)
                 occurrences.append(
                     _Occurrence(
                         rank=(index, category, seq), owner=owner, component=index, name=name, tensor=tensor,

@@ -21,8 +21,9 @@ The rules, in the order they are applied (messages name the component, what was 
 8. Encoder block problems are errors when explicit or all-gathering, warnings otherwise; a selected
    encoder needs a streamable plan or a lifecycle when explicit; an on-demand encoder without
    blocks cannot all-gather.
-9. A component declared on-demand needs ``load_to_device`` and ``offload_to_cpu``; a loaded
-   (not stub) encoder cannot be both on-demand and streamed by its block stacks.
+9. A component declared on-demand needs ``load_to_device`` and ``offload_to_cpu``. An encoder
+   both on-demand and with block stacks (MiniMax-H3's text encoder) is served as the seed serves
+   it: its blocks stream in rings, and its non-block state follows its own lifecycle calls.
 10. Legacy layerwise offload with no DiT is a complete no-op with a ``skip_reason``.
 11. Every streamed block has exactly one owner (checked last).
 12. Model-level offload (not explicit) that would swap nothing warns: no DiT (nothing moves), or
@@ -333,14 +334,6 @@ class _Resolver:
         on_demand = encoder.path in declaration.on_demand_component_paths
         if on_demand:
             self.on_demand_lifecycle(encoder)
-            if encoder.stacks and not encoder.stub:
-                self.errors.append(
-                    f"Encoder {encoder.path!r} is declared both on-demand (Declaration."
-                    "on_demand_component_paths: the pipeline moves it whole with load_to_device/"
-                    "offload_to_cpu) and with block stacks (Declaration.encoder_block_attrs"
-                    f"[{encoder.path!r}]: torchferry streams its blocks); a loaded encoder is moved one way "
-                    "only, so remove it from one of the two"
-                )
         group = config.dp_size if config.uses_allgather("text_encoder") else 1
         if group > 1 and encoder.path not in declaration.encoder_dlo_weight_replication:
             self.errors.append(
