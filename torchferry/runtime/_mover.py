@@ -267,6 +267,7 @@ class Mover:
             return
         self._claim(unit, op)
         staging, data = self.store.tier.take(pack, op.src)
+        self._leave_first(unit, op)  # loaded again while a slot holds it: as `_load` does
         dst, views = pack.views(op.slot, slot.data)
         self.streams.copy_staged(slot, dst, staging, data)
         self._placed_in(unit, op.slot, slot, views)
@@ -415,32 +416,41 @@ class Mover:
         if unit.name in self.staged:
             self._drop_staged(unit.name)
         tier = self.store.tier
-        held = []
+        held: list[tuple[DeviceBuffer, int]] = []
         first = True
-        for pack in unit.packs:
-            transfer = self.streams.transfer(pack.nbytes)
-            self.ledger.add(pack.nbytes)
-            if pack.in_file and tier is not None and op.src is not None:
-                # A unit of several packs goes through its staging slot one pack at a time: the read
-                # op brought the first, each later one is read once the copy before it drained.
-                if not first:
-                    tier.issue(pack, op.src, self.streams.before_read(tier.slot(op.src).buffer))
-                first = False
-                staging, data = tier.take(pack, op.src)
-                self.streams.copy_staged(transfer, transfer.data, staging, data)
-            elif pack.in_file:
-                raise ExecutionError(
-                    f"stage of {unit.name}: {pack.name} is in the file tier (no host copy), so it is "
-                    "staged from the staging slot its read fills (stage ... from tK)"
-                )
-            else:
-                self.streams.copy_in(transfer, transfer.data, pack.host)
-            self.streams.wait(transfer)
-            pack.point(tuple(p.view(transfer.data) for p in pack.pieces))
-            if pack.buffers:
-                pack.arrived()
-            pack.where = PackState.READY
-            held.append((transfer, pack.nbytes))
+        try:
+            for pack in unit.packs:
+                read = None
+                if pack.in_file:
+                    if tier is None or op.src is None:
+                        raise ExecutionError(
+                            f"stage of {unit.name}: {pack.name} is in the file tier (no host copy), so it is "
+                            "staged from the staging slot its read fills (stage ... from tK)"
+                        )
+                    # A unit of several packs goes through its staging slot one pack at a time: the read
+                    # op brought the first, each later one is read once the copy before it drained.
+                    if not first:
+                        tier.issue(pack, op.src, self.streams.before_read(tier.slot(op.src).buffer))
+                    first = False
+                    read = tier.take(pack, op.src)  # before any device memory is counted: it may fail
+                transfer = self.streams.transfer(pack.nbytes)
+                self.ledger.add(pack.nbytes)
+                held.append((transfer, pack.nbytes))
+                if read is not None:
+                    self.streams.copy_staged(transfer, transfer.data, *read)
+                else:
+                    self.streams.copy_in(transfer, transfer.data, pack.host)
+                self.streams.wait(transfer)
+                pack.point(tuple(p.view(transfer.data) for p in pack.pieces))
+                if pack.buffers:
+                    pack.arrived()
+                pack.where = PackState.READY
+        except BaseException:
+            # Nothing of the unit is staged: the copies made so far go (the abort that follows points
+            # their packs back at the host), and so do their bytes on the ledger.
+            for _, nbytes in held:
+                self.ledger.sub(nbytes)
+            raise
         self.staged[unit.name] = tuple(held)
         self.placed[unit.name] = DEVICE
 

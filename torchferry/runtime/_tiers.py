@@ -32,7 +32,7 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
-from torchferry.policies import tiers, unit_packs
+from torchferry.policies import format_bytes, pack_bytes, tiers, unit_packs
 from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._pack import Pack, Piece, Sharding, contiguous_strides, shard_span
 from torchferry.runtime._pinning import HostMemory, page_bytes
@@ -126,26 +126,37 @@ def tier_request(
             "and read them back, or raise host_memory="
         )
     if layout.source is None and from_module:
-        own = sorted(
-            {
-                top.path
-                for top in plan.components
-                if top.path in from_module and packs & set(unit_packs(plan, top.path))
-            }
-        )
-        if own:
-            raise PlanError(
-                f"the plan keeps packs of {', '.join(map(repr, own))} in the file tier, read on demand from "
-                "the checkpoint, but those components keep their own weights (given by keyword, or left out "
-                "of checkpoint_components), which the checkpoint does not hold; raise host_memory=, or fill "
-                "them from the checkpoint"
-            )
+        _refuse_own(plan, packs, from_module)
     return TierRequest(
         packs=frozenset(packs),
         staging=staging,
         source=source,
         cache_bytes=layout.cache_bytes,
         prefix_map=prefix_map,
+    )
+
+
+def _refuse_own(plan: Plan, packs: frozenset[str], from_module: frozenset[str]) -> None:
+    """`PlanError` when file-tier ``packs`` belong to components that keep their own weights: the
+    checkpoint does not hold those bytes, so nothing could read them back."""
+    own: dict[str, list[str]] = {}
+    for top in plan.components:
+        theirs = sorted(packs & set(unit_packs(plan, top.path)), key=_natural)
+        if top.path in from_module and theirs:
+            own[top.path] = theirs
+    if not own:
+        return
+    names = [n for theirs in own.values() for n in theirs]
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    size = format_bytes(sum(pack_bytes(plan, n) for n in names), exact=False)
+    tops = " and ".join(map(repr, own))
+    it, its, keeps = ("it", "its", "keeps its") if len(own) == 1 else ("them", "their", "keep their")
+    raise PlanError(
+        f"the host budget leaves {len(names)} pack(s) of {tops} ({shown}; {size}) in the file tier, read on "
+        f"demand from the checkpoint, but {tops} {keeps} own weights (passed by keyword, or left out of "
+        f"checkpoint_components=), which are not the checkpoint's; raise host_memory= so {its} packs stay "
+        f"in host memory, or fill {it} from the checkpoint (name {it} in checkpoint_components=, or do not "
+        f"pass {it} by keyword)"
     )
 
 
@@ -302,6 +313,11 @@ class FileTier:
                 f"read of {pack.name} into staging slot {slot}, which still holds the read of "
                 f"{staging.pack.name if staging.pack is not None else 'another pack'} that no load took"
             )
+        if staging.ticket is not None:
+            # The same pack read again before a load took the first read: that read finishes (or
+            # raises its error here) before the second one writes the slot.
+            ticket, staging.ticket, staging.pack = staging.ticket, None, None
+            ticket.wait()
         staging.pack, staging.ticket = pack, self.reader.submit(read, staging.buffer.data, before)
 
     def take(self, pack: Pack, slot: str) -> tuple[DeviceBuffer, torch.Tensor]:
