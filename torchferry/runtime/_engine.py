@@ -18,7 +18,8 @@ the ranks agree first: when the engine opens, on the plan (then on whether every
 rank whose checkpoint is bad fails alone, the others fail with it, and nothing is changed
 anywhere), and before every step that issues collectives, on its schedule's text. A disagreement
 raises `ExecutionError` on every rank at once. Teardown needs no collective: `close` leaves sharded
-tensors as placeholders unless asked to gather them (`close(gather=True)`, a collective).
+tensors as placeholders unless asked to gather them (`close(gather=True)`, a collective); a sharded
+block of the file tier needs no peer (every rank has the file) and comes back as views of it.
 
 [Note: inference mode]
 The engine's own tensors (host buffers, device slots, staged copies, the views parameters point at,
@@ -431,7 +432,7 @@ class Engine(Mover):
             tracer.fail()
         if not self.broken:
             self.synchronize()
-        self._drop_all()
+        self._drop_all(wait=not self.broken)
         self._residency = ()
 
     def close(self, *, gather: bool = False) -> None:
@@ -440,7 +441,9 @@ class Engine(Mover):
         Tensors of blocks this rank holds only a shard of stay placeholders (shape ``(0,)``), and
         their host shards are kept, unless ``gather`` is true: then every rank of the weight-shard
         group must call it (a collective), and full host copies are re-assembled first. `gather_host`
-        does the same later, after a plain close.
+        does the same later, after a plain close. File-tier blocks come back as views of the file
+        either way. The host store (with the file tier's reader and staging slots) closes whatever
+        else fails.
         """
         with _ordinary():
             self._close(gather)
@@ -452,11 +455,13 @@ class Engine(Mover):
         # After a failed collective a gather still queued may write the slots and the staging buffer
         # one day, so their memory is kept, and no collective is tried (see [Note: failures] in `_comm`);
         # a device that failed to synchronize is asked nothing more either.
-        if not self.broken and self.device_error is None:
-            self._free()
-            if gather:
-                self.gather_host()
-        self.store.close()
+        try:
+            if not self.broken and self.device_error is None:
+                self._free()
+                if gather:
+                    self.gather_host()
+        finally:  # the reader threads, the checkpoint's descriptors and the staging slots always go
+            self.store.close(broken=self.broken)
         if self.device_error is not None:
             raise ExecutionError(
                 f"the device {self.device} failed ({type(self.device_error).__name__}: {self.device_error}); "
@@ -488,7 +493,10 @@ class Engine(Mover):
 
     def _gather_host(self, comm: Comm) -> None:
         for pack in self.store.sharded:
-            pack.unshard(comm.gather_host(pack.host, pack.name))
+            if pack.in_file:  # every rank has the file: no collective (the same packs on every rank)
+                self.store.unshard_from_file(pack)
+            else:
+                pack.unshard(comm.gather_host(pack.host, pack.name))
             self.store.give_back(pack)
 
 

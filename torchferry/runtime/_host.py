@@ -107,8 +107,7 @@ class HostStore:
     @property
     def tier_bytes(self) -> int:
         """Bytes the file tier holds (staging slots, bounce and scratch buffers, kept buffers)."""
-        tier = self.tier
-        if tier is None:
+        if (tier := self.tier) is None:
             return 0
         staging = sum(s.buffer.data.numel() for s in tier.staging.values())
         return staging + tier.reader.bounce_bytes + tier.reader.scratch_bytes + tier.kept_bytes
@@ -279,7 +278,7 @@ class HostStore:
             pack.to_host()
             pack.forget_device()
 
-    def close(self) -> None:
+    def close(self, *, broken: bool = False) -> None:
         """Give every tensor ordinary storage of its own again, bit-identical, strides kept.
 
         Pack by pack, each host buffer dropped as soon as its tensors have their own copies, so
@@ -287,13 +286,16 @@ class HostStore:
         goes, so its memory goes back to the OS (nothing stays cached). Sharded packs cannot be
         given back without their peers' shards: they keep their placeholders and stay in
         ``packs`` (host shards are never dropped) until `Pack.unshard` gives them their full
-        bytes and `give_back` or `close` runs again. A pack that fails to give its tensors back does
-        not stop the others: the first failure is raised once every pack has been tried.
+        bytes and `give_back` or `close` runs again (a file-tier one needs no peer: `unshard_from_file`).
+        A pack that fails to give its tensors back does not stop the others: the first failure is
+        raised once every pack has been tried. ``broken``: see `FileTier.close`.
         """
         failure: Exception | None = None
         for name in list(self.packs):
             pack = self.packs[name]
             try:
+                if pack.shard is not None and pack.in_file:
+                    self.unshard_from_file(pack)
                 if pack.shard is None:
                     self.give_back(pack)
                 else:
@@ -303,9 +305,18 @@ class HostStore:
                 failure = failure or exc
         self.units.clear()
         if self.tier is not None:
-            self.tier.close()
+            self.tier.close(broken=broken)
         if failure is not None:
             raise failure
+
+    def unshard_from_file(self, pack: Pack) -> None:
+        """Point sharded file-tier ``pack`` at views of the whole pack in the file (every rank has it)."""
+        assert self.tier is not None and pack.in_file
+        pack.to_host()
+        pack.forget_device()
+        pack.host_views = self.tier.host_views(pack.name, pack.pieces)
+        pack.shard = None
+        pack.point(pack.host_views)
 
     def give_back(self, pack: Pack) -> None:
         """Give ``pack``'s tensors storage of their own and drop the pack (it must hold full bytes)."""

@@ -125,17 +125,18 @@ class Mover:
             i += 1
             program.pc = i
 
-    def _drop_all(self) -> None:
+    def _drop_all(self, *, wait: bool = True) -> None:
         """Release every acquired module, drop every staged copy and point every weight at host memory.
 
-        Reads in flight finish first (their staging slots are free again). Recovery cannot stop
+        Reads in flight finish first (their staging slots are free again; ``wait=False``, after a
+        failed collective, they are given up instead: see `FileTier.settle`). Recovery cannot stop
         half-way: a component's own ``offload_to_cpu`` that raises here (while a failed step is
         abandoned, or the session closes) is an `OffloadWarning`, and everything else is dropped all
         the same, so the next step starts from an empty device; whatever else raises, host memory is
         where every weight can always go back to.
         """
         if self.store.tier is not None:
-            self.store.tier.settle()
+            self.store.tier.settle(wait=wait)
         try:
             self.guard.leaving_all()
             for path in list(self.acquired):

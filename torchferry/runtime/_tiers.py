@@ -197,6 +197,8 @@ class FileTier:
         self.staging = staging
         #: Bytes of the module's non-persistent buffers kept for file-tier packs.
         self.kept_bytes = kept
+        #: Reads given up while the weight-shard group was broken (`settle` with ``wait=False``).
+        self.abandoned: list[Ticket] = []
 
     @property
     def packs(self) -> frozenset[str]:
@@ -333,24 +335,51 @@ class FileTier:
         ticket.wait()
         return staging.buffer, staging.buffer.data.narrow(0, 0, ticket.read.nbytes)
 
-    def settle(self) -> None:
-        """Wait for every read in flight and forget it (a step aborted: the slots are free again)."""
+    def settle(self, *, wait: bool = True) -> None:
+        """Wait for every read in flight and forget it (a step aborted: the slots are free again).
+
+        ``wait=False`` (the weight-shard group is broken): a read may be blocked for good on the drain
+        of a copy queued behind a collective that never completes, so nothing is waited for; reads
+        not yet started are cancelled, and those running are left to `abandoned`.
+        """
         for staging in self.staging.values():
             ticket, staging.ticket, staging.pack = staging.ticket, None, None
-            if ticket is not None:
-                # The step that issued it failed or was dropped: nothing reads these bytes.
-                with contextlib.suppress(ExecutionError):
-                    ticket.wait()
+            if ticket is None:
+                continue
+            if not wait:
+                for future in ticket.futures:
+                    future.cancel()
+                self.abandoned.append(ticket)
+                continue
+            # The step that issued it failed or was dropped: nothing reads these bytes.
+            with contextlib.suppress(ExecutionError):
+                ticket.wait()
 
-    def close(self) -> None:
+    def close(self, *, broken: bool = False) -> None:
         """Wait for reads in flight, stop the reader, free the staging slots and close the source;
-        the views stay (their mappings hold the files)."""
-        self.settle()
+        the views stay (their mappings hold the files).
+
+        ``broken`` (a collective of the weight-shard group failed): a copy from a staging slot may
+        still be queued on the device, behind the collective, so the slots stay mapped and pinned
+        for the life of the process (`_KEPT`), as the engine keeps its device slots then; nothing is
+        waited for, and while an abandoned read still runs the reader and the source stay open too.
+        """
+        self.settle(wait=not broken)
+        if broken:
+            _KEPT.extend(self.staging.values())
+            if not all(t.done for t in self.abandoned):
+                return
         self.reader.close()
-        for slot in self.staging:
-            self.memory.release(f"staging {slot}")
-        self.staging.clear()
+        if not broken:
+            for slot in self.staging:
+                self.memory.release(f"staging {slot}")
+            self.staging.clear()
         self.source.close()
+
+
+#: Staging slots of file tiers closed while their weight-shard group was broken: they stay mapped and
+#: registered (a copy queued on the device may still read them), so nothing here is ever dropped.
+_KEPT: list[_Staging] = []
 
 
 def _views(
