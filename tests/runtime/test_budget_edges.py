@@ -224,3 +224,13 @@ def test_spill_keeps_a_complete_identical_file_and_rewrites_others(tmp_path: Pat
     with CheckpointReader(index) as reader:
         got = reader.read_tensor("transformer.blocks.7.fc1.weight")
     assert torch.equal(got, pipe.transformer.blocks[7].fc1.weight)
+
+
+def test_reader_threads_take_the_session_device() -> None:
+    """On CUDA the reader pool's threads start with torch.cuda.set_device of the session's device (so
+    their drain waits bind no other GPU's context); elsewhere they are plain threads."""
+    from torchferry.runtime._reader import thread_setup
+
+    setup = thread_setup(torch.device("cuda", 3))
+    assert setup == {"initializer": torch.cuda.set_device, "initargs": (torch.device("cuda", 3),)}
+    assert thread_setup(torch.device("cpu")) == {} and thread_setup(None) == {}
