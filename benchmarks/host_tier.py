@@ -280,6 +280,34 @@ def overlap(checkpoint: Path, shape: dict[str, int], budget: int, rounds: int) -
 
 
 # ------------------------------------------------------------------------------ the gpu_check row
+def _other_gpu_contexts(device: torch.device) -> list[int] | None:
+    """Indices of GPUs other than ``device`` on which this process holds a CUDA context (from
+    ``nvidia-smi``); ``None`` with fewer than two GPUs or no ``nvidia-smi`` (nothing to check)."""
+    import subprocess
+
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        return None
+    try:
+        gpus = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout  # fmt: skip
+        apps = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    index = {u.strip(): int(i) for i, u in (line.split(",", 1) for line in gpus.splitlines() if "," in line)}
+    mine = device.index if device.index is not None else torch.cuda.current_device()
+    found = set()
+    for line in apps.splitlines():
+        pid, _, uuid = line.partition(",")
+        if pid.strip() == str(os.getpid()) and index.get(uuid.strip(), mine) != mine:
+            found.add(index[uuid.strip()])
+    return sorted(found)
+
+
 def gpu_row(check: Any) -> dict[str, Any]:
     """gpu_check's file-tier row: the DiT opened from a checkpoint with a third of it in host memory,
     read from the drive (O_DIRECT, page cache dropped) into pinned staging slots and copied to the
@@ -324,13 +352,15 @@ def gpu_row(check: Any) -> dict[str, Any]:
                 if tier is None:
                     raise RuntimeError("no pack went to the file tier")
 
-                def run(pipe: Any = pipe, mode: str = mode) -> torch.Tensor:
-                    if mode == "direct":
-                        drop_cache([str(path)])
+                def run(pipe: Any = pipe) -> torch.Tensor:
                     with torch.no_grad():
                         out: torch.Tensor = pipe(*inputs)
                     return out
 
+                # Once, before timing, and only for buffered reads (O_DIRECT bypasses the page cache):
+                # a drop inside the timed step would leave the device idle and count as read time.
+                if mode == "buffered":
+                    drop_cache([str(path)])
                 before = tier.reader.bytes_read
                 stats, out = gpu_check.time_steps(run, size, check.device)
                 per_step = (tier.reader.bytes_read - before) / (size.warmup + size.steps)
@@ -345,13 +375,19 @@ def gpu_row(check: Any) -> dict[str, Any]:
                     "reader_modes": sorted(set(tier.reader.modes.values())),
                     "copy_busy_s": trace.busy_s("copy"),
                     "achieved_h2d_bytes_per_s": (
-                        sum(op.nbytes for op in trace.schedule.ops if op.kind == "load")
+                        sum(op.nbytes for op in trace.schedule.ops if op.kind in ("load", "stage"))
                         / trace.busy_s("copy")
                         if trace.busy_s("copy") > 0
                         else None
                     ),
                     "pinned": session.engine.store.pinned,
+                    "other_gpu_contexts": _other_gpu_contexts(check.device),
                 }
+                if figures[mode]["other_gpu_contexts"]:
+                    raise RuntimeError(
+                        f"the file tier's reader threads made CUDA contexts on GPU(s) "
+                        f"{figures[mode]['other_gpu_contexts']}, not only on {check.device}"
+                    )
         finally:
             os.environ.pop("TORCHFERRY_READ", None)
     raw = sequential_read([str(path)], direct=True)

@@ -193,7 +193,10 @@ def offload(
     refuse_foreign(pipeline, topo)
     CLAIMS.check(pipeline, topo)
     plan = topology.resolve(topo, request)
-    plan, host = runtime.host_plan(pipeline, plan, group=group, spill=spill)
+    plan, host = runtime.host_plan(
+        pipeline, plan, group=group, spill=spill, device=target, prefix_map=checkpoint_prefix_map,
+        variant=checkpoint_variant,
+    )  # fmt: skip
     chooser = None
     if auto:
         assert plan.config.device_memory_bytes is not None
@@ -280,7 +283,8 @@ class Session:
         # Host memory is proved (a spill written) first, then each top-level component's first schedule.
         self.host = host  # Why: the host budget and its source (`report`); ``None``: not planned here.
         pin = plan.config.pin_memory and device.type == "cuda"
-        tier = None if host is None else runtime.open_tier(pipeline, plan, host, pin=pin)
+        # Why: with a group, every rank learns whether every rank could (a failed one fails them all).
+        tier = None if host is None else runtime.open_tier(pipeline, plan, host, pin=pin, comm=comm)
         for top in plan.components:
             prove(policy(plan, Step(component=top.path)), plan)
         self.pipeline = pipeline

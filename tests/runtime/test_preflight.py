@@ -35,7 +35,7 @@ def test_over_the_budget_names_bytes_source_and_remedies() -> None:
     assert text.startswith("torchferry would hold ")
     assert "over the host budget of " in text and "(cgroup v2 /job 2.0 GiB (/sys/...) less a reserve)" in text
     assert "remedies: pass a larger host_memory= if the machine has it;" in text
-    fits = HostBudget(bytes=chosen.host_bytes + (1 << 20), source="given")
+    fits = HostBudget(bytes=chosen.host_bytes + (1 << 20), source="given", given=True)
     assert preflight(plan, HostPlan(budget=fits, cache_bytes=None), pin=False, memlock=False) == chosen
 
 

@@ -19,6 +19,9 @@ whichever bound is tightest binds. `host_budget` reads every one of them and kee
 From the tightest a reserve is kept back, ``max(RESERVE_FRACTION of it, RESERVE_MIN)``, for what is not
 torchferry's (the interpreter, activations computed on the host, the caller's own tensors). Figures
 are read once, when a session opens; memory the rest of the process takes later is the reserve's job.
+When no figure can be read at all (no ``/proc``, as on macOS, or a sandbox that hides it) there is no
+machine limit (``bytes is None``) and one `OffloadWarning` says so; a budget the reserve leaves at 0
+is kept as 0, and the session refuses it with a `PlanError` naming its source (`host_plan`).
 
 ``RLIMIT_MEMLOCK`` bounds page-locked bytes for ``mlock``-style pinning, unless the process holds
 ``CAP_IPC_LOCK`` (root usually does). It is read and reported (``locked_bytes``), and it bounds pinned
@@ -32,11 +35,13 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
 
+from torchferry._errors import OffloadWarning
 from torchferry.policies import format_bytes
 
 __all__ = [
@@ -76,29 +81,27 @@ class Bound:
 class HostBudget:
     """The most bytes of host memory torchferry's own buffers may hold, and where that came from.
 
-    ``bytes`` is the budget; ``source`` says in a sentence which bound set it (or that it was given);
-    ``bounds`` every bound read, tightest first; ``reserve`` what was kept back from the tightest.
+    ``bytes`` is the budget (``None``: no limit, when the machine's figures could not be read);
+    ``source`` says in a sentence which bound set it (or that it was given); ``given`` whether the
+    caller named it (``host_memory=``) rather than the machine; ``bounds`` every bound read, tightest
+    first; ``reserve`` what was kept back from the tightest.
     ``locked_bytes`` is ``RLIMIT_MEMLOCK`` when it bounds this process (``None``: unlimited, or
     lifted by ``CAP_IPC_LOCK``), ``locked_source`` where that came from.
     """
 
-    bytes: int
+    bytes: int | None
     source: str
+    given: bool = False
     bounds: tuple[Bound, ...] = ()
     reserve: int = 0
     locked_bytes: int | None = None
     locked_source: str = ""
 
-    @property
-    def given(self) -> bool:
-        """Whether the budget was named by the caller rather than read from the machine."""
-        return not self.bounds
-
     def credited(self, nbytes: int, why: str) -> HostBudget:
         """This budget plus ``nbytes`` that torchferry's buffers take over from memory counted as used
         now (a pipeline's own weights, freed pack by pack as the host store fills): a read budget
         only, a given one is the caller's word."""
-        if self.given or nbytes <= 0:
+        if self.given or self.bytes is None or nbytes <= 0:
             return self
         return attrs.evolve(
             self, bytes=self.bytes + nbytes, source=f"{self.source}, plus {_size(nbytes)} {why}"
@@ -106,7 +109,8 @@ class HostBudget:
 
     def describe(self) -> str:
         """Every bound read, one per line, tightest first (for reports and ``--verbose`` output)."""
-        lines = [f"host budget {_size(self.bytes)}: {self.source}"]
+        figure = "unlimited" if self.bytes is None else _size(self.bytes)
+        lines = [f"host budget {figure}: {self.source}"]
         lines += [f"  {b.what}: {_size(b.available)} ({b.source})" for b in self.bounds]
         if self.locked_source:
             lines.append(f"  locked memory: {self.locked_source}")
@@ -116,7 +120,9 @@ class HostBudget:
 def given_budget(nbytes: int) -> HostBudget:
     """The budget the caller named (``host_memory=``)."""
     locked, why = locked_limit()
-    return HostBudget(bytes=nbytes, source="given as host_memory=", locked_bytes=locked, locked_source=why)
+    return HostBudget(
+        bytes=nbytes, source="given as host_memory=", given=True, locked_bytes=locked, locked_source=why
+    )
 
 
 def host_budget(
@@ -134,9 +140,9 @@ def host_budget(
     known = sorted((b for b in bounds if b.available >= 0), key=lambda b: b.available)
     locked, why = locked_limit(root)
     if not known:
-        return HostBudget(
-            bytes=0, source=f"no figure could be read under {root}", locked_bytes=locked, locked_source=why
-        )
+        source = f"no machine limit: no memory figure could be read under {root}"
+        _warn_unread(source)
+        return HostBudget(bytes=None, source=source, locked_bytes=locked, locked_source=why)
     tightest = known[0]
     reserve = max(int(tightest.available * reserve_fraction), reserve_min)
     budget = max(tightest.available - reserve, 0)
@@ -150,6 +156,22 @@ def host_budget(
         reserve=reserve,
         locked_bytes=locked,
         locked_source=why,
+    )
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_unread(source: str) -> None:
+    """The one warning (per place read) that the machine's memory could not be read."""
+    if source in _WARNED:
+        return
+    _WARNED.add(source)
+    warnings.warn(
+        f"torchferry: {source}, so the host budget has no machine limit; pass host_memory= (bytes or "
+        "'32GiB') to bound what torchferry holds in host memory",
+        OffloadWarning,
+        stacklevel=4,
     )
 
 

@@ -64,7 +64,14 @@ def page_bytes(nbytes: int) -> int:
 
 
 class HostPinner(abc.ABC):
-    """Page-locks ranges of host memory: `register` and `unregister`, each raising on failure."""
+    """Page-locks ranges of host memory: `register` and `unregister`, each raising on failure.
+
+    ``memlock`` says whether what it pins is charged to ``RLIMIT_MEMLOCK`` (``mlock``-style pinning:
+    preflight then refuses pinned bytes over a finite limit); see [Note: the host budget].
+    """
+
+    #: Whether pinned bytes count against ``RLIMIT_MEMLOCK``.
+    memlock: bool = True
 
     @abc.abstractmethod
     def register(self, ptr: int, nbytes: int) -> None:
@@ -81,8 +88,11 @@ class CudaPinner(HostPinner):
 
     ``runtime`` (tests pass a fake) is an object with ``cudaHostRegister``, ``cudaHostUnregister`` and
     ``cudaGetLastError``; by default `cuda_runtime` builds it at the first pin, so a CUDA runtime
-    that cannot load is a refused pin (the pageable fallback).
+    that cannot load is a refused pin (the pageable fallback). The NVIDIA driver pins without
+    charging ``RLIMIT_MEMLOCK`` (``memlock`` is False).
     """
+
+    memlock = False
 
     def __init__(self, runtime: Any = None) -> None:
         self._cudart: Any = runtime

@@ -62,6 +62,7 @@ __all__ = [
     "Fixup",
     "PackRead",
     "Ticket",
+    "thread_setup",
 ]
 
 #: Reader threads: enough to keep a drive's queue busy while chunks are copied out of their bounce
@@ -221,6 +222,14 @@ class Ticket:
             return self._left == 0
 
 
+def thread_setup(device: torch.device | None) -> dict[str, Any]:
+    """The reader pool's thread initializer for ``device``: ``torch.cuda.set_device`` on CUDA (nothing
+    elsewhere), as keyword arguments of ``ThreadPoolExecutor``."""
+    if device is None or device.type != "cuda":
+        return {}
+    return {"initializer": torch.cuda.set_device, "initargs": (device,)}
+
+
 class FileReader:
     """Reads packs of a checkpoint into staging buffers on a pool of `READ_THREADS` threads.
 
@@ -230,7 +239,12 @@ class FileReader:
     """
 
     def __init__(
-        self, checkpoint: CheckpointReader, *, direct: Sequence[str] = (), threads: int = READ_THREADS
+        self,
+        checkpoint: CheckpointReader,
+        *,
+        direct: Sequence[str] = (),
+        threads: int = READ_THREADS,
+        device: torch.device | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.views = FileViews(checkpoint)
@@ -257,7 +271,11 @@ class FileReader:
         # (`reserve`) so a read allocates nothing.
         self._scratch: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self.scratch_bytes = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="torchferry-read")
+        # Why: on CUDA each reader thread makes the session's device current, so the drain waits it
+        # runs bind no other device's context.
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="torchferry-read", **thread_setup(device)
+        )
         self._closed = False
         #: Bytes read from files and ``preadv`` calls made, for reports and benchmarks.
         self.bytes_read = 0

@@ -292,14 +292,24 @@ class CudaStreams:
 
     def before_read(self, staging: DeviceBuffer) -> Callable[[], None] | None:
         drained = staging.free
-        return None if drained is None else drained.synchronize
+        if drained is None:
+            return None
+        device = self.device
+
+        def wait() -> None:
+            # A reader thread has no device of its own: without this the wait would run on device 0
+            # (creating its context there). The event is blocking, so the thread sleeps, not spins.
+            torch.cuda.set_device(device)
+            drained.synchronize()
+
+        return wait
 
     def copy_staged(
         self, dst: DeviceBuffer, dst_bytes: torch.Tensor, staging: DeviceBuffer, src: torch.Tensor
     ) -> None:
         self.copy_in(dst, dst_bytes, src)
         # A fresh event per drain: a reader still holding the last one waits for what it was told.
-        staging.free = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        staging.free = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         staging.free.record(self.copy)
 
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
