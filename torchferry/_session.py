@@ -522,7 +522,8 @@ class Session:
 
         Needs no collective. Under the distributed strategy each rank holds only its shard of every
         all-gathered block, so a plain ``close()`` leaves those blocks' tensors empty (shape ``(0,)``)
-        and warns (`OffloadWarning`); host shards are never dropped. ``close(gather=True)``, called on
+        and warns (`OffloadWarning`), except blocks in the file tier, which come back as views of the
+        checkpoint every rank reads; host shards are never dropped. ``close(gather=True)``, called on
         every rank of the process group (a collective), re-assembles full weights first; it also
         works after a plain ``close()``.
         """

@@ -213,7 +213,9 @@ class Engine(Mover):
                         widen=kept_in_float32(pipeline, plan.topology),
                     )
                     readers.append(reader)
-                request = tier_request(plan, tier, reader, readers, prefix_map, from_module=from_module)
+                request = tier_request(
+                    plan, tier, reader, readers, prefix_map, from_module=from_module, device=self.device
+                )
                 prepared = HostStore.prepare(
                     pipeline, plan, pin=pin, reader=reader, sharding=sharding, progress=progress,
                     tier=request, from_module=from_module,

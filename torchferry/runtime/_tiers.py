@@ -90,6 +90,8 @@ class TierRequest:
     source: CheckpointReader
     cache_bytes: int | None = None
     prefix_map: Mapping[str, str] | None = None
+    #: The session's device: reader threads make it current before waiting on its events.
+    device: torch.device | None = None
 
 
 def tier_request(
@@ -100,6 +102,7 @@ def tier_request(
     prefix_map: Mapping[str, str] | None,
     *,
     from_module: frozenset[str] = frozenset(),
+    device: torch.device | None = None,
 ) -> TierRequest | None:
     """The host store's file tier for ``plan`` (`policies.tiers`, unless ``layout`` names one; ``None``:
     no file tier): read from ``layout.source`` when it names a spill (a reader opened for it is
@@ -133,6 +136,7 @@ def tier_request(
         source=source,
         cache_bytes=layout.cache_bytes,
         prefix_map=prefix_map,
+        device=device,
     )
 
 
@@ -234,7 +238,7 @@ class FileTier:
         }
         file_bytes = sum(os.path.getsize(f) for f in files)
         direct = source.files if read_direct(file_bytes, request.cache_bytes) else ()
-        reader = FileReader(source, direct=[f for f in direct if f in files])
+        reader = FileReader(source, direct=[f for f in direct if f in files], device=request.device)
         try:
             reads: dict[str, PackRead] = {}
             views: dict[str, dict[int, torch.Tensor]] = {}
