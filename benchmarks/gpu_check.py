@@ -1365,6 +1365,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check.row("inference mode", check.inference_mode)
     check.row("pageable", check.pageable)
     check.row("exception mid-step", check.exception_mid_step)
+    check.row("file tier", functools.partial(importlib.import_module("host_tier").gpu_row, check))
     check.row("quantized", functools.partial(quantized_row, check))
     for flag in (False, True):
         check.row(f"diffusers record_stream {flag}", functools.partial(check.diffusers_offload, flag))

@@ -60,6 +60,8 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
     assert result["machine"]["nproc"] == os.cpu_count()
     failed = {name: row.get("traceback") for name, row in rows.items() if row["status"] == "FAILED"}
     assert failed == {}
+    file_tier = rows["file tier"]
+    assert file_tier["identical"] is True and file_tier["direct"]["reader_modes"] == ["direct"]
     cuda_only = {
         "bandwidth",
         "host syncs",
@@ -274,3 +276,21 @@ def test_gpu_check_keeps_one_deadline_for_the_whole_run(tmp_path: Path) -> None:
     with pytest.raises(gpu_check.Skip):
         check.budget(300)
     assert json.loads((tmp_path / "gpu_check.json").read_text())["rows"]["after"]["status"] == "skipped"
+
+
+def test_host_tier_benchmark_runs_on_cpu(tmp_path: Path) -> None:
+    """host_tier.py --quick measures the file tier's memory, read throughput and overlap side by side
+    in one run, from a checkpoint at least 2x the host budget, every output bit-identical."""
+    out = _run("host_tier.py", "--quick", "--out", str(tmp_path))
+    assert "file tier within its targets: " in out
+    result = json.loads((tmp_path / "host_tier.json").read_text())
+    assert result["checkpoint_bytes"] >= 2 * result["budget"] and result["file_packs"] > 0
+    memory = result["memory"]
+    assert len(memory["runs"]) == 2 and all(r["identical"] for r in memory["runs"])
+    assert all(r["peak_host_bytes"] <= result["budget"] for r in memory["runs"])
+    for mode in ("buffered", "direct"):
+        figures = result["throughput"][mode]
+        assert figures["raw"]["median"] > 0 and figures["tier"]["median"] > 0
+    assert result["throughput"]["direct"]["reader_modes"] == ["direct"]
+    overlap = result["overlap"]
+    assert overlap["read_bytes"] > 0 and overlap["predicted_s"] > 0 and overlap["file_tier"]["min_s"] > 0

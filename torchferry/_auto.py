@@ -282,6 +282,9 @@ class SessionReport:
     where the weights run; ``device_bytes`` and ``host_bytes`` what torchferry holds there and in host
     memory now (device slots and staged units; the host copies of every managed weight), with their
     peaks so far; ``host_budget`` the host budget given (``config.host_memory_bytes``), if any.
+    ``host_budget_source`` says where the host budget came from (given, or the machine's bound that
+    set it), ``file_packs`` how many packs the file tier holds and ``file_read_bytes`` the bytes read
+    from the checkpoint so far.
     """
 
     budget: int | None
@@ -307,6 +310,9 @@ class SessionReport:
     host_bytes: int = 0
     peak_host_bytes: int = 0
     host_budget: int | None = None
+    host_budget_source: str = ""
+    file_packs: int = 0
+    file_read_bytes: int = 0
 
     def error(self, component: str) -> float | None:
         """``predicted / measured - 1`` of ``component``'s step, the prediction made before the model
@@ -345,10 +351,15 @@ class SessionReport:
         """The report as aligned lines: what runs where, the budget, memory now and at peak, what was
         measured, each component's step, and why (`summary` is the one-line form)."""
         rows = [("running", self._running())]
-        host = "none given" if self.host_budget is None else f"{_size(self.host_budget)} (given)"
+        host = "none given"
+        if self.host_budget is not None:
+            host = f"{_size(self.host_budget)} ({self.host_budget_source or 'given'})"
         rows.append(("budget", f"device {_size(self.budget)} ({self.budget_source}); host {host}"))
         rows.append(("device", f"{_size(self.device_bytes)} now, {_size(self.peak_device_bytes)} at peak"))
-        rows.append(("host", f"{_size(self.host_bytes)} now, {_size(self.peak_host_bytes)} at peak"))
+        held = f"{_size(self.host_bytes)} now, {_size(self.peak_host_bytes)} at peak"
+        if self.file_packs:
+            held += f"; {self.file_packs} packs in the file tier, {_size(self.file_read_bytes)} read from it"
+        rows.append(("host", held))
         if self.h2d_bytes_per_s is not None:
             rows.append(("h2d", f"{self.h2d_bytes_per_s / 1e9:.3g} GB/s ({self.h2d_source})"))
         for c in self.predicted_step_s:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Collection, Iterator, Mapping
 from types import TracebackType
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import attrs
 import torch
 
-from torchferry import _served, policies, topology
+from torchferry import _served, policies, runtime, topology
 from torchferry._auto import Chooser, SessionReport, default_budget, named_report
 from torchferry._errors import ExecutionError, PlanError
 from torchferry._options import check_pipeline, check_variant, offload_config, positional, target_device
@@ -108,6 +109,7 @@ def offload(
     policy: Policy | None = None,
     process_group: Any = None,
     checkpoint_prefix_map: Mapping[str, str] | None = None,
+    spill: str | os.PathLike[str] | None = None,
     checkpoint_variant: str | None = None,
     gather_on_close: bool = False,
     checkpoint_components: Collection[str] | None = None,
@@ -137,6 +139,8 @@ def offload(
       ``checkpoint_variant`` (``"fp16"``) reads a pipeline folder's files of that weight variant.
       ``checkpoint_components`` names the top-level components it fills (default: all); the others
       keep their own weights (`from_pretrained` passes those it built).
+    - ``host_memory=``: the host budget (default: the machine's); what does not fit is read from the
+      checkpoint on demand, or from ``spill=<a folder>`` written once (docs/host-memory.md).
     - ``strategy="distributed_layerwise"``: with an ``allgather`` transfer, every rank of
       ``process_group`` (default: the default group; never a new one) keeps 1/N of each streamed
       block and the ranks all-gather it; every rank must call `offload` alike (a collective). The
@@ -189,6 +193,10 @@ def offload(
     refuse_foreign(pipeline, topo)
     CLAIMS.check(pipeline, topo)
     plan = topology.resolve(topo, request)
+    plan, host = runtime.host_plan(
+        pipeline, plan, group=group, spill=spill, device=target, prefix_map=checkpoint_prefix_map,
+        variant=checkpoint_variant,
+    )  # fmt: skip
     chooser = None
     if auto:
         assert plan.config.device_memory_bytes is not None
@@ -202,16 +210,9 @@ def offload(
 
         comm = Comm(group, target)
     session = Session(
-        pipeline,
-        plan,
-        chosen,
-        device=target,
-        comm=comm,
-        prefix_map=checkpoint_prefix_map,
-        chooser=chooser,
-        variant=checkpoint_variant,
-        checkpoint_components=checkpoint_components,
-    )
+        pipeline, plan, chosen, device=target, comm=comm, prefix_map=checkpoint_prefix_map, chooser=chooser,
+        variant=checkpoint_variant, host=host, checkpoint_components=checkpoint_components,
+    )  # fmt: skip
     session.gather_on_close = gather_on_close
     return session
 
@@ -275,10 +276,15 @@ class Session:
         comm: Comm | None = None,
         prefix_map: Mapping[str, str] | None = None,
         chooser: Chooser | None = None,
+        host: runtime.HostPlan | None = None,
         variant: str | None = None,
         checkpoint_components: Collection[str] | None = None,
     ) -> None:
-        # Every top-level component's first schedule is proved before anything moves (`runtime.prove`).
+        # Host memory is proved (a spill written) first, then each top-level component's first schedule.
+        self.host = host  # Why: the host budget and its source (`report`); ``None``: not planned here.
+        pin = plan.config.pin_memory and device.type == "cuda"
+        # Why: with a group, every rank learns whether every rank could (a failed one fails them all).
+        tier = None if host is None else runtime.open_tier(pipeline, plan, host, pin=pin, comm=comm)
         for top in plan.components:
             prove(policy(plan, Step(component=top.path)), plan)
         self.pipeline = pipeline
@@ -293,6 +299,7 @@ class Session:
             comm=comm,
             prefix_map=prefix_map,
             driver=self,
+            tier=tier,
             variant=variant,
             checkpoint_components=checkpoint_components,
         )
@@ -465,6 +472,7 @@ class Session:
             "host_bytes": self.host_bytes,
             "peak_host_bytes": self._peak_host,
             "host_budget": self.plan.config.host_memory_bytes,
+            **runtime.host_figures(self.engine.store, self.host),
         }
         if self._chooser is not None:
             return attrs.evolve(self._chooser.report(), **memory)
@@ -481,8 +489,8 @@ class Session:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the host buffers that back every managed weight."""
-        return self.engine.store.nbytes
+        """Bytes of the host buffers behind every managed weight, and the file tier's staging and reader's."""
+        return self.engine.store.nbytes + self.engine.store.tier_bytes
 
     @property
     def hook_count(self) -> int:
@@ -514,7 +522,8 @@ class Session:
 
         Needs no collective. Under the distributed strategy each rank holds only its shard of every
         all-gathered block, so a plain ``close()`` leaves those blocks' tensors empty (shape ``(0,)``)
-        and warns (`OffloadWarning`); host shards are never dropped. ``close(gather=True)``, called on
+        and warns (`OffloadWarning`), except blocks in the file tier, which come back as views of the
+        checkpoint every rank reads; host shards are never dropped. ``close(gather=True)``, called on
         every rank of the process group (a collective), re-assembles full weights first; it also
         works after a plain ``close()``.
         """

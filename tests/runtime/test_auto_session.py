@@ -232,10 +232,15 @@ def test_report_of_a_named_policy_says_nothing_was_chosen() -> None:
     assert (report.device, report.device_bytes, report.peak_device_bytes) == ("cpu", held, peak)
     assert report.host_bytes == report.peak_host_bytes == host > 0
     size = policies.format_bytes
-    assert str(report).splitlines() == [
+    lines = str(report).splitlines()
+    # With no host_memory= the host budget is the machine's, read where it ran (docs/host-memory.md).
+    assert lines[2].startswith("  budget   device none (none given); host ")
+    assert report.host_budget_source in lines[2]
+    lines[2] = "  budget   device none (none given); host (the machine's)"
+    assert lines == [
         "torchferry session",
         "  running  none() on cpu",
-        "  budget   device none (none given); host none given",
+        "  budget   device none (none given); host (the machine's)",
         f"  device   {size(held, exact=False)} now, {size(peak, exact=False)} at peak",
         f"  host     {size(host, exact=False)} now, {size(host, exact=False)} at peak",
         "  why      none(): named by the caller (strategy='none'); nothing was chosen",
@@ -243,7 +248,9 @@ def test_report_of_a_named_policy_says_nothing_was_chosen() -> None:
     with torchferry.offload(p, strategy="none", device="cpu", host_memory="1GiB") as session:
         budgeted = session.report()
     assert budgeted.host_budget == 2**30
-    assert str(budgeted).splitlines()[2] == "  budget   device none (none given); host 1.0 GiB (given)"
+    assert str(budgeted).splitlines()[2] == (
+        "  budget   device none (none given); host 1.0 GiB (given as host_memory=)"
+    )
 
 
 def test_report_compares_predictions_only_with_steps_they_were_not_fitted_to() -> None:
@@ -287,7 +294,9 @@ def test_report_compares_predictions_only_with_steps_they_were_not_fitted_to() -
     size = policies.format_bytes(budget, exact=False)
     assert text[0] == "torchferry session"
     assert text[1].split(None, 1) == ["running", f"auto: {later.policy} on cpu"]
-    assert text[2].split(None, 1) == ["budget", f"device {size} (given); host none given"]
+    assert text[2].split(None, 1)[0] == "budget"
+    host = policies.format_bytes(later.host_budget or 0, exact=False)
+    assert text[2].split(None, 1)[1] == f"device {size} (given); host {host} ({later.host_budget_source})"
     assert [t.split()[0] for t in text[3:6]] == ["device", "host", "h2d"]
 
 
@@ -302,8 +311,14 @@ def test_a_saved_profile_is_used_only_on_the_device_it_was_measured_on(
 
     monkeypatch.setenv("TORCHFERRY_PROFILE", str(tmp_path / "profile.json"))
     other = policies.DeviceProfile(
-        name="NVIDIA H200", h2d_bytes_per_s=5e10, flops_per_s=9e14, collective_bytes_per_s=4e11,
-        dtype="bfloat16", source="test", device="cuda", host=host_name(),
+        name="NVIDIA H200",
+        h2d_bytes_per_s=5e10,
+        flops_per_s=9e14,
+        collective_bytes_per_s=4e11,
+        dtype="bfloat16",
+        source="test",
+        device="cuda",
+        host=host_name(),
     )
     cpu_class = policies.match_device_class("cpu")
     save_profile(other)

@@ -262,10 +262,23 @@ def _parser() -> _Parser:
 
     probe = commands.add_parser(
         "probe",
-        help="measure this machine's pinned host-to-device bandwidth and matmul rate, and save them",
+        help="measure this machine's pinned host-to-device bandwidth and matmul rate (and, given PATH, "
+        "its drive's read rates), and save them",
         description="Time pinned host-to-device copies and square matrix products (bf16 on CUDA, fp32 on "
         "the CPU) on DEVICE and save the figures as a JSON profile, which `torchferry plan` then uses "
-        "in place of assumed ones. Takes about a second.",
+        "in place of assumed ones. Takes about a second. With PATH (a checkpoint file or folder), also "
+        "time reads of it as the file tier reads, buffered and with O_DIRECT, each after dropping the "
+        "files from the page cache (posix_fadvise DONTNEED), and save both rates.",
+    )
+    probe.add_argument(
+        "path", nargs="?", metavar="PATH", help="a checkpoint file or folder on the drive to measure"
+    )
+    probe.add_argument(
+        "--read-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="read at most this much of PATH per measurement (default 1GiB)",
     )
     probe.add_argument(
         "--device", type=_device, help="cuda, cuda:N or cpu (default: cuda when present, else cpu)"
@@ -380,7 +393,8 @@ def _saved_for_plan() -> DeviceProfile:
 def _probe(args: argparse.Namespace) -> int:
     from torchferry.runtime import probe, save_profile
 
-    profile = probe(args.device)
+    reads = {} if args.read_bytes is None else {"read_bytes": args.read_bytes}
+    profile = probe(args.device, read_path=args.path, **reads)
     where = None if args.no_save else save_profile(profile, args.output)
     cpu = profile.device == "cpu"
     if cpu:
@@ -401,6 +415,10 @@ def _probe(args: argparse.Namespace) -> int:
     copy = "a host memcpy" if cpu else "pinned"
     print(f"host-to-device ({copy}): {profile.h2d_bytes_per_s / 1e9:.2f} GB/s")
     print(f"matmul ({profile.dtype}): {profile.flops_per_s / 1e12:.2f} TFLOP/s")
+    if profile.read_bytes_per_s is not None and profile.read_direct_bytes_per_s is not None:
+        print(f"read {args.path} (page cache dropped first):")
+        print(f"  buffered: {profile.read_bytes_per_s / 1e9:.2f} GB/s")
+        print(f"  direct (O_DIRECT): {profile.read_direct_bytes_per_s / 1e9:.2f} GB/s")
     print(f"used by: {used}")
     print(f"saved to {where}" if where is not None else "not saved (--no-save)")
     return 0

@@ -23,6 +23,10 @@ from torchferry.runtime._guard import SessionGuard as SessionGuard
 from torchferry.runtime._inputs import Inputs as Inputs
 from torchferry.runtime._meta import meta_parameters
 from torchferry.runtime._pack import PackState as PackState
+from torchferry.runtime._preflight import HostPlan as HostPlan
+from torchferry.runtime._preflight import host_figures as host_figures
+from torchferry.runtime._preflight import host_plan as host_plan
+from torchferry.runtime._preflight import open_tier as open_tier
 from torchferry.runtime._probe import copy_bytes_per_s as copy_bytes_per_s
 from torchferry.runtime._probe import host_name as host_name
 from torchferry.runtime._probe import load_profile, probe, profile_path, save_profile

@@ -55,6 +55,7 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "WINDOW_BYTES",
     "CheckpointReader",
+    "Span",
 ]
 
 #: safetensors dtype codes torchferry reads, with the torch dtype name each one holds (topology's table).
@@ -111,6 +112,22 @@ def _expected_specs(expected: Expected) -> list[TensorSpec]:
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+@attrs.frozen
+class Span:
+    """Where the bytes ``[dst, dst + length)`` of a packed buffer are: file ``file`` at offset ``src``
+    (``None``: a non-persistent buffer, whose bytes come from the module, a tensor the caller converts,
+    or bytes in memory, ``source``); ``name`` is the tensor's."""
+
+    name: str
+    file: str | None
+    src: int
+    dst: int
+    length: int
+    #: The bytes in memory when they are not the file's (a 16-bit float widened to float32): ``src``
+    #: is then an offset into them.
+    source: torch.Tensor | None = attrs.field(default=None, eq=False)
 
 
 class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
@@ -411,28 +428,10 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             raise ExecutionError(
                 f"read_into: out holds {out.numel()} bytes but the range [{start}, {end}) is {end - start}"
             )
-        problems: list[str] = []
-        unknown: list[str] = []
-        # (file, bytes in memory, or None to keep the bytes; source offset, destination offset, length)
-        segments: list[tuple[_Source, int, int, int]] = []
-        for spec, off in sorted(placed, key=lambda p: p[1]):
-            lo, hi = max(off, start), min(off + spec.nbytes, end)
-            if lo >= hi:
-                continue
-            if spec.buffer and not spec.persistent:
-                segments.append((None, 0, lo - start, hi - lo))
-                continue
-            entry, found = self._spec_problems(spec, prefix_map, None, unknown)
-            problems.extend(found)
-            if spec.compute_dtype is not None:  # stored in another dtype: the caller converts it
-                segments.append((None, 0, lo - start, hi - lo))
-            elif entry is not None and not found and entry.dtype != spec.dtype:  # widened to float32
-                segments.append((self._widened(entry), lo - off, lo - start, hi - lo))
-            elif entry is not None and not found:
-                segments.append((entry.file, entry.data_start + entry.begin + lo - off, lo - start, hi - lo))
-        problems.extend(self._unknown(unknown))
-        if problems:
-            self._fail(problems)
+        segments: list[tuple[_Source, int, int, int]] = [
+            (s.file if s.source is None else s.source, s.src, s.dst, s.length)
+            for s in self.spans(placed, start, end, prefix_map)
+        ]
         flat = out.view(-1)
         cursor = 0
         for file, src, dst, length in _merge(segments):
@@ -445,6 +444,47 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             cursor = dst + length
         if cursor < flat.numel():
             flat[cursor:].zero_()
+
+    def spans(
+        self,
+        layout: Iterable[tuple[TensorSpec, int]],
+        start: int,
+        end: int,
+        prefix_map: Mapping[str, str] | None = None,
+    ) -> list[Span]:
+        """Where each tensor's bytes within ``[start, end)`` of the flat buffer ``layout`` describes
+        are in the files, in buffer order (destination offsets relative to ``start``).
+
+        A non-persistent buffer's span has ``file=None`` (its bytes come from the module), as has a
+        tensor stored in another dtype than the checkpoint's (``compute_dtype``: the caller converts
+        it). Every tensor the range touches is checked against the checkpoint first; any mismatch is
+        one `PlanError` listing them all.
+        """
+        problems: list[str] = []
+        unknown: list[str] = []
+        found: list[Span] = []
+        for spec, off in sorted(layout, key=lambda p: p[1]):
+            lo, hi = max(off, start), min(off + spec.nbytes, end)
+            if lo >= hi:
+                continue
+            if spec.buffer and not spec.persistent:
+                found.append(Span(name=spec.name, file=None, src=0, dst=lo - start, length=hi - lo))
+                continue
+            entry, wrong = self._spec_problems(spec, prefix_map, None, unknown)
+            problems.extend(wrong)
+            if spec.compute_dtype is not None:  # stored in another dtype: the caller converts it
+                found.append(Span(name=spec.name, file=None, src=0, dst=lo - start, length=hi - lo))
+            elif entry is not None and not wrong and entry.dtype != spec.dtype:  # widened to float32
+                widened = self._widened(entry)
+                span = Span(name=spec.name, file=None, src=lo - off, dst=lo - start, length=hi - lo)
+                found.append(attrs.evolve(span, source=widened))
+            elif entry is not None and not wrong:
+                src = entry.data_start + entry.begin + lo - off
+                found.append(Span(name=spec.name, file=entry.file, src=src, dst=lo - start, length=hi - lo))
+        problems.extend(self._unknown(unknown))
+        if problems:
+            self._fail(problems)
+        return found
 
     def read_tensor(self, name: str, *, prefix_map: Mapping[str, str] | None = None) -> torch.Tensor:
         """A new CPU tensor holding the checkpoint's ``name`` (a model name, mapped by ``prefix_map``)."""
@@ -499,6 +539,14 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                 dst[pos : pos + n].copy_(view)
                 del view  # releases the buffer export so the window can be unmapped
             pos += n
+
+    def descriptor(self, file: str) -> int:
+        """The open descriptor of ``file`` (one of `files`), the one its header was read from."""
+        self._check_open()
+        handle = self._handles.get(file)
+        if handle is None:
+            raise ExecutionError(f"checkpoint reader for {self.path}: {file} is not one of its open files")
+        return handle.fileno()
 
     # -- lifetime ------------------------------------------------------------------------------------
 

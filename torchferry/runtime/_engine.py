@@ -18,7 +18,8 @@ the ranks agree first: when the engine opens, on the plan (then on whether every
 rank whose checkpoint is bad fails alone, the others fail with it, and nothing is changed
 anywhere), and before every step that issues collectives, on its schedule's text. A disagreement
 raises `ExecutionError` on every rank at once. Teardown needs no collective: `close` leaves sharded
-tensors as placeholders unless asked to gather them (`close(gather=True)`, a collective).
+tensors as placeholders unless asked to gather them (`close(gather=True)`, a collective); a sharded
+block of the file tier needs no peer (every rank has the file) and comes back as views of it.
 
 [Note: inference mode]
 The engine's own tensors (host buffers, device slots, staged copies, the views parameters point at,
@@ -61,6 +62,7 @@ from torchferry.runtime._program import MAX_PROGRAMS, Program, compile_program, 
 from torchferry.runtime._progress import Progress
 from torchferry.runtime._steps import step_name
 from torchferry.runtime._streams import StreamContext, stream_context
+from torchferry.runtime._tiers import TierLayout, tier_request
 from torchferry.runtime._trace import Tracer
 from torchferry.runtime._widen import kept_in_float32
 from torchferry.topology import Plan
@@ -132,6 +134,7 @@ class Engine(Mover):
         comm: Comm | None = None,
         prefix_map: Mapping[str, str] | None = None,
         driver: Driver | None = None,
+        tier: TierLayout | None = None,
         variant: str | None = None,
         checkpoint_components: Collection[str] | None = None,
     ) -> None:
@@ -162,7 +165,8 @@ class Engine(Mover):
             self.comm.agree("the plan", plan.digest)
             sharding = Sharding(rank=self.comm.rank, world=world, names=layout(plan).allgather)
         self.store = self._open(
-            pipeline, plan, pin, sharding, prefix_map, variant=variant, from_module=from_module
+            pipeline, plan, pin=pin, sharding=sharding, prefix_map=prefix_map, tier=tier, variant=variant,
+            from_module=from_module,
         )
         super().__init__()  # the device tables, the slot pool, the staging buffer and the grad guard
         self._residency: tuple[Placement, ...] = ()
@@ -183,10 +187,11 @@ class Engine(Mover):
         self,
         pipeline: Any,
         plan: Plan,
+        *,
         pin: bool,
         sharding: Sharding | None,
         prefix_map: Mapping[str, str] | None,
-        *,
+        tier: TierLayout | None,
         variant: str | None = None,
         from_module: frozenset[str] = frozenset(),
     ) -> HostStore:
@@ -197,27 +202,30 @@ class Engine(Mover):
             path = plan.config.checkpoint
             what = "copying weights to pinned host memory" if pin else "copying weights to host memory"
             progress = Progress(what if path is None else f"reading weights from {path}")
+            readers: list[CheckpointReader] = []
             try:
-                source: contextlib.AbstractContextManager[CheckpointReader | None] = contextlib.nullcontext()
+                reader = None
                 if path is not None:
-                    source = CheckpointReader(
+                    reader = CheckpointReader(
                         path,
                         prefix_map=prefix_map,
                         variant=variant,
                         widen=kept_in_float32(pipeline, plan.topology),
                     )
-                with source as reader:
-                    prepared = HostStore.prepare(
-                        pipeline,
-                        plan,
-                        pin=pin,
-                        reader=reader,
-                        sharding=sharding,
-                        progress=progress,
-                        from_module=from_module,
-                    )
+                    readers.append(reader)
+                request = tier_request(
+                    plan, tier, reader, readers, prefix_map, from_module=from_module, device=self.device
+                )
+                prepared = HostStore.prepare(
+                    pipeline, plan, pin=pin, reader=reader, sharding=sharding, progress=progress,
+                    tier=request, from_module=from_module,
+                )  # fmt: skip
             except Exception as exc:
                 failure = exc
+            finally:
+                for opened in readers:  # the file tier keeps its source open for the session
+                    if prepared is None or prepared.tier is None or opened is not prepared.tier.source:
+                        opened.close()
             try:
                 if self.comm is not None:
                     try:
@@ -426,7 +434,7 @@ class Engine(Mover):
             tracer.fail()
         if not self.broken:
             self.synchronize()
-        self._drop_all()
+        self._drop_all(wait=not self.broken)
         self._residency = ()
 
     def close(self, *, gather: bool = False) -> None:
@@ -435,7 +443,9 @@ class Engine(Mover):
         Tensors of blocks this rank holds only a shard of stay placeholders (shape ``(0,)``), and
         their host shards are kept, unless ``gather`` is true: then every rank of the weight-shard
         group must call it (a collective), and full host copies are re-assembled first. `gather_host`
-        does the same later, after a plain close.
+        does the same later, after a plain close. File-tier blocks come back as views of the file
+        either way. The host store (with the file tier's reader and staging slots) closes whatever
+        else fails.
         """
         with _ordinary():
             self._close(gather)
@@ -447,11 +457,13 @@ class Engine(Mover):
         # After a failed collective a gather still queued may write the slots and the staging buffer
         # one day, so their memory is kept, and no collective is tried (see [Note: failures] in `_comm`);
         # a device that failed to synchronize is asked nothing more either.
-        if not self.broken and self.device_error is None:
-            self._free()
-            if gather:
-                self.gather_host()
-        self.store.close()
+        try:
+            if not self.broken and self.device_error is None:
+                self._free()
+                if gather:
+                    self.gather_host()
+        finally:  # the reader threads, the checkpoint's descriptors and the staging slots always go
+            self.store.close(broken=self.broken)
         if self.device_error is not None:
             raise ExecutionError(
                 f"the device {self.device} failed ({type(self.device_error).__name__}: {self.device_error}); "
@@ -483,7 +495,10 @@ class Engine(Mover):
 
     def _gather_host(self, comm: Comm) -> None:
         for pack in self.store.sharded:
-            pack.unshard(comm.gather_host(pack.host, pack.name))
+            if pack.in_file:  # every rank has the file: no collective (the same packs on every rank)
+                self.store.unshard_from_file(pack)
+            else:
+                pack.unshard(comm.gather_host(pack.host, pack.name))
             self.store.give_back(pack)
 
 

@@ -24,8 +24,9 @@ docs/contract.md.
    step, about 0.1-0.15 us per tensor (1,097 tensors of a 40-block Wan transformer: 0.13-0.2 ms per
    step on a 2-core CPU box). At a step's end nothing is read again but the tensors still on the
    device: a pack the engine re-pointed back to host memory points at its known host views.
-   Anything else (a tensor of another shape, dtype or device, or another object in the module)
-   raises `ExecutionError` at the next step start, naming the tensor. A tensor written straight
+   Anything else (a tensor of another shape, dtype or device, or another object in the module), and
+   any edit of a tensor in the file tier (which has no host copy to take it), raises
+   `ExecutionError` at the next step start, naming the tensor. A tensor written straight
    into a module's ``_parameters`` or ``_buffers`` dict (no ``setattr``, no ``register_*``, so no
    registration hook) is seen only at a step after some registration, and at close: replace
    weights through ``setattr`` or ``load_state_dict`` during a session.
@@ -50,7 +51,8 @@ docs/contract.md.
    counter, so rule 2 cannot see it, and a block a device slot holds would take the edit in the slot
    only. These methods are wrapped while the session is open: between steps they first point every
    weight at its host copy (dropping device copies), so the edit lands in the host copy, and rule 2
-   then adopts whatever they re-assigned. Called inside a step they raise `ExecutionError`. Other
+   then adopts whatever they re-assigned. Called inside a step, or in a session with a file tier
+   (whose weights have no host copy to take the edit), they raise `ExecutionError`. Other
    writes through ``.data`` of a tensor a slot holds are outside this contract: edit through the
    tensor itself (``p.mul_(2)``, ``p.copy_``), or close the session first.
 """
@@ -122,6 +124,12 @@ def _write_back(r: _Record) -> bool:
     with torch.no_grad():
         host.copy_(r.tensor.detach())
     return True
+
+
+def _shard_of(pack: Pack) -> torch.Tensor:
+    """Bytes of this rank's shard to send for a gather a failed step owes (a file-tier pack has none
+    at hand: zeros of its size, as the results are dropped)."""
+    return torch.zeros(pack.held_bytes, dtype=torch.uint8) if pack.in_file else pack.host
 
 
 class SessionGuard:
@@ -292,7 +300,7 @@ class SessionGuard:
         if program is None or comm is None or program.pc >= len(program.calls):
             return
         owed = [
-            (unit.name, unit.packs[0].host, op.chunks)
+            (unit.name, _shard_of(unit.packs[0]), op.chunks)
             for _, unit, op in program.calls[program.pc :]
             if op.kind == "gather"
         ]
@@ -406,7 +414,8 @@ class SessionGuard:
         if found is None:
             units = self.engine.store.units
             packs = {pack for name in key for pack in units[name].packs}
-            packs.update(pack for pack in self._spans if pack.shard is not None)
+            # Sharded and file-tier packs: an in-place edit there can reach no host copy (refused).
+            packs.update(pack for pack in self._spans if pack.shard is not None or pack.in_file)
             indices = [i for pack in packs for i in range(*self._spans.get(pack, (0, 0)))]
             found = (indices, [self._tensors[i] for i in indices])
             if len(self._resident) >= 64:
@@ -470,6 +479,12 @@ class SessionGuard:
         if any(table.get(key) is not r.holder for table, key in r.places):
             return f"{r.name} is another tensor object now"
         piece = r.pack.pieces[r.index]
+        if r.pack.in_file:
+            return (
+                f"{r.name} is in the file tier (read from the checkpoint at every use), so an edit of it "
+                "cannot be kept; raise host_memory= so its block stays in host memory, or edit the weights "
+                "before opening the session"
+            )
         if r.pack.shard is not None:
             return f"{r.name} belongs to a block this rank holds only a shard of"
         if (
@@ -490,6 +505,13 @@ class SessionGuard:
             raise ExecutionError(
                 f"{what}() was called inside a step of the torchferry session (from a forward); fuse or "
                 "merge adapters between pipeline calls"
+            )
+        if self.engine.store.tier is not None:
+            raise ExecutionError(
+                f"{what}() writes weights through .data, and this session keeps packs in the file tier "
+                "(read from the checkpoint at every use), where such a write cannot be kept nor seen; "
+                f"call {what}() before opening the session, or raise host_memory= so nothing is in the "
+                "file tier"
             )
         self.adopt()
         self.engine.abort()  # every weight now points at its host copy: the edit lands there

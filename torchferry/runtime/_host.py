@@ -63,13 +63,14 @@ from torchferry.runtime._fill import (
 )
 from torchferry.runtime._layouts import Layouts, aliased, shared_elsewhere
 from torchferry.runtime._pack import Pack, Piece, Sharding, Unit, shard_span
-from torchferry.runtime._pinning import CudaPinner, HostMemory, HostPinner
+from torchferry.runtime._pinning import CudaPinner, HostMemory, HostPinner, page_bytes
 from torchferry.runtime._wrappers import Wrapper, check_wrappers, find_wrappers, holders
 from torchferry.topology import Plan, TensorSpec, find_attr
 from torchferry.topology import pack as pack_specs
 
 if TYPE_CHECKING:
     from torchferry.runtime._checkpoint import CheckpointReader
+    from torchferry.runtime._tiers import FileTier, TierRequest
 
 __all__ = ["HostStore", "Prepared"]
 
@@ -84,6 +85,8 @@ class HostStore:
         self.memory = memory
         # Why: storage layouts (aliases, shared storage, gapped strides) close restores ([Note: as it was]).
         self.layouts = Layouts()
+        #: The file tier (packs read from the checkpoint on demand, see `_tiers`), or ``None``.
+        self.tier: FileTier | None = None
 
     @property
     def pinned(self) -> bool:
@@ -97,8 +100,24 @@ class HostStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of host memory the store holds (a sharded pack counts its shard only)."""
+        """Bytes of host memory the store's packs hold (a sharded pack counts its shard only, a
+        file-tier pack nothing: see `host_bytes` for the staging slots)."""
         return sum(g.host.numel() for g in self.packs.values())
+
+    @property
+    def tier_bytes(self) -> int:
+        """Bytes the file tier holds (staging slots, bounce and scratch buffers, kept buffers)."""
+        if (tier := self.tier) is None:
+            return 0
+        staging = sum(s.buffer.data.numel() for s in tier.staging.values())
+        return staging + tier.reader.bounce_bytes + tier.reader.scratch_bytes + tier.kept_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the store holds now, whole pages: pack buffers, and the file tier's staging
+        slots, bounce buffers and kept buffers."""
+        tier = 0 if self.tier is None else self.tier.host_bytes
+        return sum(page_bytes(g.host.numel()) for g in self.packs.values()) + tier
 
     @property
     def sharded(self) -> tuple[Pack, ...]:
@@ -116,6 +135,7 @@ class HostStore:
         sharding: Sharding | None = None,
         pinner: HostPinner | None = None,
         progress: Callable[[int, int], None] | None = None,
+        tier: TierRequest | None = None,
         from_module: frozenset[str] = frozenset(),
     ) -> Prepared:
         """Check everything, allocate (and pin) every buffer and, from a checkpoint, read it, without
@@ -127,11 +147,14 @@ class HostStore:
         checkpoint] above and [Note: sharded packs] in `torchferry.runtime._pack`. A `Prepared` that
         is not committed must be `Prepared.discard`-ed. ``progress``, when given, is called once per
         pack as its buffer is filled (here from a checkpoint, else in `Prepared.commit`) with the
-        pack's bytes and the bytes of all packs. ``from_module`` names top-level components whose
-        tensors come from the module even with a checkpoint (`offload`'s ``checkpoint_components``
-        leaves them out): only the others are validated against and read from ``reader``.
+        pack's bytes and the bytes of all packs. ``tier`` lays out a file tier: its packs get no
+        buffer and are read from ``tier.source`` on demand (see [Note: the file tier] in `_tiers`).
+        ``from_module`` names top-level components whose tensors come from the module even with a
+        checkpoint (`offload`'s ``checkpoint_components`` leaves them out): only the others are
+        validated against and read from ``reader``.
         """
         specs = group_specs(plan)
+        filed = frozenset() if tier is None else tier.packs
         owners = {name: top.path for top in plan.components for name in unit_packs(plan, top.path)}
         lookup = _Lookup(pipeline)
         resolved = {name: [lookup.tensor(s) for s in pack] for name, pack in specs.items()}
@@ -147,6 +170,8 @@ class HostStore:
         for name, pack in specs.items():
             found: list[str] = []
             _check(pack, resolved[name], problems, found, on_meta)
+            if name in filed:
+                continue  # a file-tier pack's meta tensors are filled from its source
             meta.extend(found)
             if name not in read:
                 unfilled.extend(found)
@@ -207,16 +232,25 @@ class HostStore:
         memory = HostMemory((pinner or CudaPinner()) if pin else None)
         buffers: dict[str, torch.Tensor] = {}
         loose_values: list[torch.Tensor | None] = []
-        total = sum(_span_bytes(name, layouts[name][1], sharding) for name in specs)
+        total = sum(_span_bytes(name, layouts[name][1], sharding) for name in specs if name not in filed)
+        files: FileTier | None = None
         try:
             memory.probe()
+            if tier is not None:
+                from torchferry.runtime._tiers import FileTier
+
+                files = FileTier.prepare(
+                    tier, specs=specs, layouts=layouts, live=resolved, sharding=sharding, memory=memory
+                )
             for name, (_, nbytes) in layouts.items():
+                if name in filed:
+                    continue
                 start, end = shard_span(name, nbytes, sharding) or (0, nbytes)
                 # From the module, each pack is pinned in commit once filled (see [Note: exact pinning]).
                 buffers[name] = memory.alloc(name, end - start, pin=name in read)
             if reader is not None:
                 for name, pack in specs.items():
-                    if name not in read:
+                    if name in filed or name not in read:
                         continue
                     pieces, nbytes = layouts[name]
                     span = shard_span(name, nbytes, sharding)
@@ -226,11 +260,13 @@ class HostStore:
                 for spec, live, filled in zip(loose, loose_live, loose_read, strict=True):
                     loose_values.append(read_loose(reader, spec, live) if filled else None)
         except BaseException:
+            if files is not None:
+                files.close()
             memory.close()
             raise
         return Prepared(
             pipeline=pipeline, plan=plan, sharding=sharding, specs=specs, live=resolved, layouts=layouts,
-            buffers=buffers, filled=frozenset(read), memory=memory,
+            buffers=buffers, filled=frozenset(read - filed), memory=memory, tier=files,
             loose=list(zip(loose_live, loose_values, strict=True)) if reader is not None else [],
             progress=None if len(read) == len(specs) or progress is None else (progress, total),
             wrappers={k: v for k, v in wrappers.items() if v},
@@ -242,7 +278,7 @@ class HostStore:
             pack.to_host()
             pack.forget_device()
 
-    def close(self) -> None:
+    def close(self, *, broken: bool = False) -> None:
         """Give every tensor ordinary storage of its own again, bit-identical, strides kept.
 
         Pack by pack, each host buffer dropped as soon as its tensors have their own copies, so
@@ -250,13 +286,16 @@ class HostStore:
         goes, so its memory goes back to the OS (nothing stays cached). Sharded packs cannot be
         given back without their peers' shards: they keep their placeholders and stay in
         ``packs`` (host shards are never dropped) until `Pack.unshard` gives them their full
-        bytes and `give_back` or `close` runs again. A pack that fails to give its tensors back does
-        not stop the others: the first failure is raised once every pack has been tried.
+        bytes and `give_back` or `close` runs again (a file-tier one needs no peer: `unshard_from_file`).
+        A pack that fails to give its tensors back does not stop the others: the first failure is
+        raised once every pack has been tried. ``broken``: see `FileTier.close`.
         """
         failure: Exception | None = None
         for name in list(self.packs):
             pack = self.packs[name]
             try:
+                if pack.shard is not None and pack.in_file:
+                    self.unshard_from_file(pack)
                 if pack.shard is None:
                     self.give_back(pack)
                 else:
@@ -265,13 +304,28 @@ class HostStore:
             except Exception as exc:
                 failure = failure or exc
         self.units.clear()
+        if self.tier is not None:
+            self.tier.close(broken=broken)
         if failure is not None:
             raise failure
+
+    def unshard_from_file(self, pack: Pack) -> None:
+        """Point sharded file-tier ``pack`` at views of the whole pack in the file (every rank has it)."""
+        assert self.tier is not None and pack.in_file
+        pack.to_host()
+        pack.forget_device()
+        pack.host_views = self.tier.host_views(pack.name, pack.pieces)
+        pack.shard = None
+        pack.point(pack.host_views)
 
     def give_back(self, pack: Pack) -> None:
         """Give ``pack``'s tensors storage of their own and drop the pack (it must hold full bytes)."""
         pack.to_host()
         pack.forget_device()
+        if pack.in_file:  # its tensors keep pointing at the file's views (see [Note: the file tier])
+            del self.packs[pack.name]
+            self.layouts.given_back(pack.name)
+            return
         fresh = []
         for piece, view in zip(pack.pieces, pack.host_views, strict=True):
             t = torch.empty_strided(piece.shape, piece.stride, dtype=piece.given or piece.dtype)
@@ -306,10 +360,14 @@ class Prepared:
     progress: tuple[Callable[[int, int], None], int] | None = None
     #: Per pack holding inner tensors of wrapper tensors, those wrappers (`find_wrappers`).
     wrappers: dict[str, list[torch.Tensor]] = attrs.field(factory=dict)
+    #: The file tier, laid out (reads planned, views made, staging slots allocated), or ``None``.
+    tier: FileTier | None = None
 
     def discard(self) -> None:
         """Give up this store without taking the pipeline over: unpin and free every buffer."""
         self.buffers = {}
+        if self.tier is not None:
+            self.tier.close()
         self.memory.close()
 
     def commit(self) -> HostStore:
@@ -328,8 +386,9 @@ class Prepared:
             nbytes = self.layouts[name][1]
             ordered, pieces = members[name]
             span = shard_span(name, nbytes, self.sharding)
-            host = self.buffers[name]
-            if name not in self.filled:
+            filed = self.tier is not None and name in self.tier.reads
+            host = self.buffers.get(name, _EMPTY)
+            if name not in self.filled and not filed:
                 fill_from_module(ordered, pieces, nbytes, span, host)
                 if self.progress is not None:
                     self.progress[0](host.numel(), self.progress[1])
@@ -338,14 +397,17 @@ class Prepared:
                     materialise(t)
                 elif t.is_inference():
                     make_ordinary(t)
-            if span is None:
+            if span is None and filed:
+                assert self.tier is not None
+                views = self.tier.host_views(name, pieces)
+            elif span is None:
                 views = tuple(p.view(host) for p in pieces)
             else:
                 views = tuple(torch.empty(0, dtype=p.dtype) for p in pieces)
             with torch.no_grad():
                 for t, v in zip(ordered, views, strict=True):
                     t.data = v
-            if name not in self.filled:
+            if name not in self.filled and not filed:
                 # The module's own copy of this pack is dropped now: pinning here, not in prepare,
                 # keeps the open near the model plus one pack (a refusal falls back, never raises).
                 self.memory.pin(name)
@@ -363,6 +425,7 @@ class Prepared:
                 wrappers=tuple(
                     Wrapper(tensor=w, device=torch.device("cpu")) for w in self.wrappers.get(name, ())
                 ),
+                in_file=filed,
             )
         for live, value in self.loose:
             if live is None or value is None:
@@ -375,7 +438,11 @@ class Prepared:
         units = _units(self.plan, packs, self.pipeline)
         store = HostStore(packs, units, self.memory)
         store.layouts = layouts
+        store.tier = self.tier
         return store
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 class _Lookup:

@@ -125,14 +125,18 @@ class Mover:
             i += 1
             program.pc = i
 
-    def _drop_all(self) -> None:
+    def _drop_all(self, *, wait: bool = True) -> None:
         """Release every acquired module, drop every staged copy and point every weight at host memory.
 
-        Recovery cannot stop half-way: a component's own ``offload_to_cpu`` that raises here (while a
-        failed step is abandoned, or the session closes) is an `OffloadWarning`, and everything else
-        is dropped all the same, so the next step starts from an empty device; whatever else raises,
-        host memory is where every weight can always go back to.
+        Reads in flight finish first (their staging slots are free again; ``wait=False``, after a
+        failed collective, they are given up instead: see `FileTier.settle`). Recovery cannot stop
+        half-way: a component's own ``offload_to_cpu`` that raises here (while a failed step is
+        abandoned, or the session closes) is an `OffloadWarning`, and everything else is dropped all
+        the same, so the next step starts from an empty device; whatever else raises, host memory is
+        where every weight can always go back to.
         """
+        if self.store.tier is not None:
+            self.store.tier.settle(wait=wait)
         try:
             self.guard.leaving_all()
             for path in list(self.acquired):
@@ -174,9 +178,24 @@ class Mover:
             self._staging = None
 
     # ------------------------------------------------------------------------------ handlers
+    def _read(self, unit: Unit, op: Op) -> None:
+        """Start reading ``unit``'s (first file-tier) pack into staging slot ``op.slot`` (the io stream)."""
+        tier = self.store.tier
+        pack = next((g for g in unit.packs if g.in_file), None)
+        if tier is None or pack is None:
+            raise ExecutionError(
+                f"read of {unit.name}: it is not in this session's file tier (its bytes are in host memory); "
+                "the schedule's file set must be the one the session's store was laid out from"
+            )
+        assert op.slot is not None
+        tier.issue(pack, op.slot, self.streams.before_read(tier.slot(op.slot).buffer))
+
     def _load(self, unit: Unit, op: Op) -> None:
-        if op.src is not None:
+        if op.src == "shard":
             self._load_shard(unit, op)
+            return
+        if op.src is not None:
+            self._load_staged(unit, op)
             return
         name = op.slot
         assert name is not None
@@ -185,6 +204,11 @@ class Mover:
         if held is not None and held is not unit:
             self._claim(unit, op)  # raises
         pack = unit.packs[0]
+        if pack.in_file:
+            raise ExecutionError(
+                f"load of {unit.name}: it is in the file tier (no host copy), so it is loaded from the "
+                "staging slot its read fills (load ... from tK)"
+            )
         if pack.shard is not None:
             raise ExecutionError(
                 f"load of {unit.name}: this rank holds only its shard of the block; the schedule must "
@@ -231,6 +255,24 @@ class Mover:
         self.occupants[name] = unit
         self.placed[unit.name] = name
 
+    def _load_staged(self, unit: Unit, op: Op) -> None:
+        """Copy ``unit``'s bytes from staging slot ``op.src`` (once its read is in) into ``op.slot``: a
+        block slot, or a shard slot for this rank's shard of an all-gathered block."""
+        assert op.slot is not None and op.src is not None and self.store.tier is not None
+        pack = unit.packs[0]
+        slot = self.slots.get(op.slot)
+        if pack.shard is not None:
+            staging, data = self.store.tier.take(pack, op.src)
+            self.streams.copy_staged(slot, pack.shard_bytes(op.slot, slot.data), staging, data)
+            self.shards[op.slot] = unit
+            return
+        self._claim(unit, op)
+        staging, data = self.store.tier.take(pack, op.src)
+        self._leave_first(unit, op)  # loaded again while a slot holds it: as `_load` does
+        dst, views = pack.views(op.slot, slot.data)
+        self.streams.copy_staged(slot, dst, staging, data)
+        self._placed_in(unit, op.slot, slot, views)
+
     def _load_shard(self, unit: Unit, op: Op) -> None:
         """Copy this rank's shard of the block into a shard slot (compile checked it is sharded)."""
         assert op.slot is not None
@@ -274,14 +316,14 @@ class Mover:
         comm = self.comm
         if comm is None or op.kind != "gather" or op.chunks <= 1 or not comm.staged:
             return 0
-        return comm.world * -(-unit.packs[0].host.numel() // op.chunks)
+        return comm.world * -(-unit.packs[0].held_bytes // op.chunks)
 
     def _plan_staging(self) -> int:
         """Staging bytes the plan's own chunking needs: ``world`` chunks of at most ``chunk_bytes``."""
         comm, chunk = self.comm, self.plan.config.chunk_bytes
         if comm is None or not comm.staged or not chunk or not self.store.sharded:
             return 0
-        largest = max(pack.host.numel() for pack in self.store.sharded)
+        largest = max(pack.held_bytes for pack in self.store.sharded)
         return comm.world * min(largest, chunk) if largest > chunk else 0
 
     def _size_staging(self, need: int) -> None:
@@ -320,6 +362,13 @@ class Mover:
         """Copy ``unit``'s host bytes into its slot again: some of its tensors were written in place
         while the copy was in flight (see `Pack.carry`); for an all-gathered block, raise."""
         pack = unit.packs[0]
+        if pack.in_file:
+            raise ExecutionError(
+                f"{unit.name} was written in place while its load was in flight (by a hook, or a forward of "
+                "the blocks before), and it is in the file tier: the write cannot be kept (its bytes are "
+                "read from the checkpoint); raise host_memory= so it stays in host memory, or edit the "
+                "weights before opening the session"
+            )
         if pack.shard is not None:
             # Its tensors point at empty placeholders until the wait: the write reached no copy of it.
             raise ExecutionError(
@@ -367,17 +416,42 @@ class Mover:
             )
         if unit.name in self.staged:
             self._drop_staged(unit.name)
-        held = []
-        for pack in unit.packs:
-            transfer = self.streams.transfer(pack.nbytes)
-            self.ledger.add(pack.nbytes)
-            self.streams.copy_in(transfer, transfer.data, pack.host)
-            self.streams.wait(transfer)
-            pack.point(tuple(p.view(transfer.data) for p in pack.pieces))
-            if pack.buffers:
-                pack.arrived()
-            pack.where = PackState.READY
-            held.append((transfer, pack.nbytes))
+        tier = self.store.tier
+        held: list[tuple[DeviceBuffer, int]] = []
+        first = True
+        try:
+            for pack in unit.packs:
+                read = None
+                if pack.in_file:
+                    if tier is None or op.src is None:
+                        raise ExecutionError(
+                            f"stage of {unit.name}: {pack.name} is in the file tier (no host copy), so it is "
+                            "staged from the staging slot its read fills (stage ... from tK)"
+                        )
+                    # A unit of several packs goes through its staging slot one pack at a time: the read
+                    # op brought the first, each later one is read once the copy before it drained.
+                    if not first:
+                        tier.issue(pack, op.src, self.streams.before_read(tier.slot(op.src).buffer))
+                    first = False
+                    read = tier.take(pack, op.src)  # before any device memory is counted: it may fail
+                transfer = self.streams.transfer(pack.nbytes)
+                self.ledger.add(pack.nbytes)
+                held.append((transfer, pack.nbytes))
+                if read is not None:
+                    self.streams.copy_staged(transfer, transfer.data, *read)
+                else:
+                    self.streams.copy_in(transfer, transfer.data, pack.host)
+                self.streams.wait(transfer)
+                pack.point(tuple(p.view(transfer.data) for p in pack.pieces))
+                if pack.buffers:
+                    pack.arrived()
+                pack.where = PackState.READY
+        except BaseException:
+            # Nothing of the unit is staged: the copies made so far go (the abort that follows points
+            # their packs back at the host), and so do their bytes on the ledger.
+            for _, nbytes in held:
+                self.ledger.sub(nbytes)
+            raise
         self.staged[unit.name] = tuple(held)
         self.placed[unit.name] = DEVICE
 
@@ -429,16 +503,9 @@ class Mover:
         offload()
 
 
-def _no_reader(mover: Mover, unit: Unit, op: Op) -> None:
-    """The file tier's ``read`` before this runtime has a reader: refused, naming the remedy."""
-    raise ExecutionError(
-        f"read {unit.name} -> {op.slot}: this runtime does not read the file tier; open the session "
-        "without host_memory= (or with one the whole host store fits)"
-    )
-
-
 #: One short handler per op kind; a program binds each op to its handler once, when compiled.
 _HANDLERS: dict[str, Callable[[Mover, Unit, Op], None]] = {
+    "read": Mover._read,
     "load": Mover._load,
     "gather": Mover._gather,
     "wait": Mover._wait,
@@ -448,5 +515,3 @@ _HANDLERS: dict[str, Callable[[Mover, Unit, Op], None]] = {
     "acquire": Mover._acquire,
     "release": Mover._release,
 }
-# A runtime with the file tier's reader names its own "read" handler above, and it wins.
-_HANDLERS.setdefault("read", _no_reader)

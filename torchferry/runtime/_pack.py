@@ -185,13 +185,21 @@ class Pack:
     #: The wrapper tensors whose inner tensors are among ``tensors``, inner ones first: each takes the
     #: device its inner tensors are pointed at (see [Note: wrapper tensors] in `_wrappers`).
     wrappers: tuple[Wrapper, ...] = ()
+    #: The pack is in the file tier: no host buffer (``host`` is empty), ``host_views`` are views of
+    #: the checkpoint, and its bytes reach the device through a staging slot (see `_tiers`).
+    in_file: bool = False
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the pack this rank moves: its shard when it holds one, else all of it."""
+        return self.nbytes if self.shard is None else self.shard[1] - self.shard[0]
 
     def shard_bytes(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         """The first bytes of ``flat`` (shard slot ``key``'s buffer) that hold this rank's shard of
-        the pack, cached per slot while ``flat`` stays (a sharded pack's ``host`` is its shard)."""
+        the pack, cached per slot while ``flat`` stays."""
         cached = self.shard_views.get(key)
         if cached is None or cached[0] is not flat:
-            cached = (flat, flat.narrow(0, 0, self.host.numel()))
+            cached = (flat, flat.narrow(0, 0, self.held_bytes))
             self.shard_views[key] = cached
         return cached[1]
 
@@ -269,8 +277,8 @@ class Pack:
         """Before the pack leaves the device: copy into the host buffer each buffer a forward wrote in
         place meanwhile (a running statistic, a counter), as the plain run keeps it. A pack this rank
         holds only a shard of has no host copy of the whole buffer to take it."""
-        if self.shard is not None:
-            return
+        if self.shard is not None or self.in_file:
+            return  # a file-tier pack's write cannot be kept: the session guard refuses it
         for i, then in zip(self.buffers, self._arrival, strict=True):
             t = self.tensors[i]
             if t._version != then:

@@ -64,7 +64,14 @@ def page_bytes(nbytes: int) -> int:
 
 
 class HostPinner(abc.ABC):
-    """Page-locks ranges of host memory: `register` and `unregister`, each raising on failure."""
+    """Page-locks ranges of host memory: `register` and `unregister`, each raising on failure.
+
+    ``memlock`` says whether what it pins is charged to ``RLIMIT_MEMLOCK`` (``mlock``-style pinning:
+    preflight then refuses pinned bytes over a finite limit); see [Note: the host budget].
+    """
+
+    #: Whether pinned bytes count against ``RLIMIT_MEMLOCK``.
+    memlock: bool = True
 
     @abc.abstractmethod
     def register(self, ptr: int, nbytes: int) -> None:
@@ -81,8 +88,11 @@ class CudaPinner(HostPinner):
 
     ``runtime`` (tests pass a fake) is an object with ``cudaHostRegister``, ``cudaHostUnregister`` and
     ``cudaGetLastError``; by default `cuda_runtime` builds it at the first pin, so a CUDA runtime
-    that cannot load is a refused pin (the pageable fallback).
+    that cannot load is a refused pin (the pageable fallback). The NVIDIA driver pins without
+    charging ``RLIMIT_MEMLOCK`` (``memlock`` is False).
     """
+
+    memlock = False
 
     def __init__(self, runtime: Any = None) -> None:
         self._cudart: Any = runtime
@@ -242,6 +252,9 @@ class HostMemory:
         self.pinned_bytes = 0
         #: Why pinning was given up (the first failure), or ``None``.
         self.failure: str | None = None
+        #: Host memory of the buffers held now and at most so far (whole pages), for reports.
+        self.held_bytes = 0
+        self.peak_bytes = 0
         #: The first unregister that failed while releasing (a device that died), or ``None``.
         self.release_failure: Exception | None = None
 
@@ -277,6 +290,8 @@ class HostMemory:
         """
         buffer, region = _mapped(nbytes)
         self._held.setdefault(name, []).append((buffer, region))
+        self.held_bytes += page_bytes(nbytes)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         if pin:
             self.pin(name)
         return buffer
@@ -322,6 +337,7 @@ class HostMemory:
         failure is kept in ``release_failure``.
         """
         for buffer, region in self._held.pop(name, ()):
+            self.held_bytes -= page_bytes(buffer.numel())
             try:
                 self._unregister(buffer, region)
             except Exception as exc:

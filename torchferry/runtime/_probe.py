@@ -1,5 +1,6 @@
 """Measure what this machine's device can do, and keep it where ``torchferry plan`` (and, later, the
-session) finds it: the pinned host-to-device bandwidth and the matrix-multiply rate.
+session) finds it: the pinned host-to-device bandwidth and the matrix-multiply rate, and, given a
+checkpoint, the drive's read rates (buffered and direct, page cache dropped first: `_readrate`).
 
 A profile is a `policies.DeviceProfile` saved as JSON at `profile_path()`:
 ``$TORCHFERRY_PROFILE`` if set, else ``$TORCHFERRY_CACHE/profile.json``, else
@@ -19,7 +20,15 @@ import torch
 from torchferry._errors import PlanError
 from torchferry.policies import DeviceProfile, match_device_class
 
-__all__ = ["host_name", "load_profile", "probe", "profile_path", "save_profile"]
+__all__ = [
+    "READ_PROBE_BYTES",
+    "host_name",
+    "load_profile",
+    "probe",
+    "profile_path",
+    "read_rates",
+    "save_profile",
+]
 
 
 def profile_path() -> Path:
@@ -64,13 +73,37 @@ def copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> float:
     return nbytes / seconds
 
 
+#: The most bytes of a checkpoint a probe reads per measurement (the largest files first).
+READ_PROBE_BYTES = 1 << 30
+
+
+def read_rates(
+    path: str | os.PathLike[str], *, nbytes: int = READ_PROBE_BYTES, repeats: int = 2
+) -> tuple[float, float]:
+    """The drive's read rates under ``path`` (a checkpoint file or folder), buffered and direct, by the
+    file tier's own method with the page cache dropped first: the fastest of ``repeats`` each."""
+    from torchferry.runtime._readrate import read_files, sequential_read
+
+    files = read_files(path)
+    buffered = max(sequential_read(files, direct=False, limit=nbytes).bytes_per_s for _ in range(repeats))
+    direct = max(sequential_read(files, direct=True, limit=nbytes).bytes_per_s for _ in range(repeats))
+    return buffered, direct
+
+
 def probe(
-    device: torch.device | str | None = None, *, copy_bytes: int | None = None, matmul_size: int | None = None
+    device: torch.device | str | None = None,
+    *,
+    copy_bytes: int | None = None,
+    matmul_size: int | None = None,
+    read_path: str | os.PathLike[str] | None = None,
+    read_bytes: int = READ_PROBE_BYTES,
 ) -> DeviceProfile:
     """Measure ``device`` (default: CUDA when present, else the CPU): pinned host-to-device copies of
     ``copy_bytes`` (default 256 MiB on CUDA, 64 MiB on the CPU, where the "copy" is a host memcpy)
     and square matrix products of ``matmul_size`` (default 4096 in bf16 on CUDA, 512 in fp32 on the
-    CPU); the fastest of a few runs each. Takes about a second."""
+    CPU); the fastest of a few runs each. Takes about a second. With ``read_path`` (a checkpoint
+    file or folder on the drive the file tier will read), also the drive's buffered and direct read
+    rates over up to ``read_bytes`` of it (`read_rates`)."""
     target = (
         torch.device(device)
         if device is not None
@@ -95,15 +128,22 @@ def probe(
     when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     known = match_device_class(name)
     collective = known.collective_bytes_per_s if known is not None else 100e9
+    buffered = direct = None
+    where = ""
+    if read_path is not None:
+        buffered, direct = read_rates(read_path, nbytes=read_bytes)
+        where = f"; reads of {os.fspath(read_path)}"
     return DeviceProfile(
         name=name,
         h2d_bytes_per_s=h2d,
         flops_per_s=2 * n**3 / matmul_s,
         collective_bytes_per_s=collective,
         dtype=str(dtype).removeprefix("torch."),
-        source=f"measured on {name} ({target}) by torchferry probe, {when} UTC",
+        source=f"measured on {name} ({target}) by torchferry probe, {when} UTC{where}",
         device=target.type,
         host=host_name(),
+        read_bytes_per_s=buffered,
+        read_direct_bytes_per_s=direct,
     )
 
 

@@ -64,6 +64,7 @@ def compile_program(
     calls: list[tuple[Handler, Unit, Op]] = []
     stops: dict[str, int] = {}
     names = {s.name for s in schedule.slots} | {p.where for p in schedule.entry}
+    staging = {s.name for s in schedule.slots if s.kind == "staging"}
     for i, op in enumerate(schedule.ops):
         unit = units.get(op.unit)
         problem = None
@@ -75,6 +76,8 @@ def compile_program(
             problem = f"slot {op.slot!r} is not in the slot table"
         elif op.kind == "load" and op.src is None and len(unit.packs) != 1:
             problem = f"a load moves one block or remainder, and {op.unit!r} is {len(unit.packs)} buffers"
+        elif op.src is not None and op.src in staging:
+            problem = _staged_problem(unit, op)
         elif op.kind in ("load", "gather") and op.src is not None:
             problem = _shard_problem(unit, op, names, comm)
         if problem is not None or unit is None:
@@ -97,6 +100,17 @@ def compile_program(
     )
 
 
+def _staged_problem(unit: Unit, op: Op) -> str | None:
+    """Why ``op`` cannot move ``unit`` from a staging slot, or ``None`` when it can."""
+    if op.kind not in ("load", "stage"):
+        return f"a {op.kind} cannot read from staging slot {op.src!r}; only a load or a stage can"
+    if not any(p.in_file for p in unit.packs):
+        return f"{op.unit} is in host memory, not the file tier: no read fills staging slot {op.src!r}"
+    if op.kind == "load" and len(unit.packs) != 1:
+        return f"a load moves one block or remainder, and {op.unit!r} is {len(unit.packs)} buffers"
+    return None
+
+
 def _shard_problem(unit: Unit, op: Op, slots: set[str], comm: Comm | None) -> str | None:
     """Why this rank cannot run a shard load or a gather of ``unit``, or ``None`` when it can."""
     if op.kind == "load" and op.src != "shard":
@@ -111,7 +125,7 @@ def _shard_problem(unit: Unit, op: Op, slots: set[str], comm: Comm | None) -> st
     pack = unit.packs[0] if len(unit.packs) == 1 else None
     if pack is None or pack.shard is None:
         return f"{op.unit} is not sharded on this rank (the plan does not all-gather it)"
-    shard = pack.host.numel()
+    shard = pack.held_bytes
     expect = shard if op.kind == "load" else shard * comm.world
     if op.nbytes and op.nbytes != expect:
         return (

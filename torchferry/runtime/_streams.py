@@ -25,6 +25,11 @@ Nothing on the host ever waits for the device: ordering is expressed only with e
   the compute stream (the fresh memory may be a block compute just released), copies, and the compute
   stream waits on that copy before anything later is enqueued.
 
+- A read of the file tier (the *io* stream: reader threads on the host) writes a pinned staging
+  buffer; it first waits, on its thread, for the buffer's ``free`` event, recorded on the copy stream
+  by the last copy from it (write-after-read). The load or stage from the buffer waits for the read
+  on the host, copies on the copy stream and records ``free`` again.
+
 So while block N computes, block N+1 (or N+d with prefetch depth d) is in flight on the copy stream,
 and the only serialisation is the one the schedule's slots force. Events are created once per slot
 and per staged unit, never per op. On a machine without CUDA the same calls run synchronously on the
@@ -150,6 +155,18 @@ class StreamContext(Protocol):
         """Copy host bytes ``src`` into ``dst_bytes`` (a view of ``dst.data``), ordered after ``dst.free``."""
         ...
 
+    def before_read(self, staging: DeviceBuffer) -> Callable[[], None] | None:
+        """A read of the file tier into host staging buffer ``staging`` is issued (the io stream):
+        what the reader threads must wait for before writing it (the last copy from it), or ``None``."""
+        ...
+
+    def copy_staged(
+        self, dst: DeviceBuffer, dst_bytes: torch.Tensor, staging: DeviceBuffer, src: torch.Tensor
+    ) -> None:
+        """`copy_in` from ``src``, bytes of ``staging`` that a read the host has waited for wrote, then
+        record ``staging.free`` (its drain) after the copy."""
+        ...
+
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         """Run ``run`` (a collective reading ``src`` and writing ``dst``) on the comm stream.
 
@@ -200,6 +217,14 @@ class CpuStreams:
         begin = tracer.mark()
         dst_bytes.copy_(src)
         tracer.span("copy", begin, tracer.mark(), dst_bytes.nbytes)
+
+    def before_read(self, staging: DeviceBuffer) -> Callable[[], None] | None:
+        return None  # every copy from it has completed
+
+    def copy_staged(
+        self, dst: DeviceBuffer, dst_bytes: torch.Tensor, staging: DeviceBuffer, src: torch.Tensor
+    ) -> None:
+        self.copy_in(dst, dst_bytes, src)
 
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         tracer = self.tracer
@@ -264,6 +289,28 @@ class CudaStreams:
             if tracer is not None:
                 tracer.span("copy", begin, tracer.mark(self.copy), dst_bytes.nbytes)
         dst.ready.record(self.copy)
+
+    def before_read(self, staging: DeviceBuffer) -> Callable[[], None] | None:
+        drained = staging.free
+        if drained is None:
+            return None
+        device = self.device
+
+        def wait() -> None:
+            # A reader thread has no device of its own: without this the wait would run on device 0
+            # (creating its context there). The event is blocking, so the thread sleeps, not spins.
+            torch.cuda.set_device(device)
+            drained.synchronize()
+
+        return wait
+
+    def copy_staged(
+        self, dst: DeviceBuffer, dst_bytes: torch.Tensor, staging: DeviceBuffer, src: torch.Tensor
+    ) -> None:
+        self.copy_in(dst, dst_bytes, src)
+        # A fresh event per drain: a reader still holding the last one waits for what it was told.
+        staging.free = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        staging.free.record(self.copy)
 
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         self.comm.wait_event(src.ready)

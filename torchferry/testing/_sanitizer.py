@@ -5,8 +5,9 @@ is a race. `StreamSanitizer` runs every copy and collective synchronously (as `C
 outputs are unchanged) and, beside it, keeps the happens-before order the CUDA stream context would
 give, with one vector clock per stream:
 
-- every copy (copy stream), collective (comm stream) and block forward (compute stream) is an
-  access that advances its stream's own entry;
+- every copy (copy stream), collective (comm stream), block forward (compute stream) and read of
+  the file tier into a staging buffer (io stream: the reader threads) is an access that advances
+  its stream's own entry; a load or stage from a staging buffer reads it on the copy stream;
 - the compute stream is the caller's: ``compute`` unless a test runs the pipeline inside
   `caller_stream` (a second compute stream, as a caller's ``torch.cuda.stream(s)``), adopted at
   each step's start as the CUDA context adopts the current stream;
@@ -14,8 +15,9 @@ give, with one vector clock per stream:
   collective after its source's ``ready``) merges that clock into the waiting stream's, as does a
   whole-stream wait (`fence`, `settle`, `synchronize`, a copy into fresh memory).
 
-Each device buffer (a slot, a staged unit's memory) keeps its last write (a load, a gather) and the
-reads since (a gather reading a shard slot, a block running from its slot), and the compute streams
+Each device buffer (a slot, a staged unit's memory) and staging buffer keeps its last write (a load,
+a gather, a read) and the reads since (a gather reading a shard slot, a block running from its slot,
+a copy from a staging buffer), and the compute streams
 the caching allocator knows it is used on (the one it was allocated on, and those the engine handed
 it to): a read on another compute stream could race the allocator giving the memory back to the
 first while it is still read. An access raises
@@ -51,9 +53,10 @@ if TYPE_CHECKING:
 
 __all__ = ["StreamOrderError", "StreamSanitizer", "caller_stream", "sanitize"]
 
-#: A stream's name: ``copy``, ``comm``, or a compute stream (``compute``, or one `caller_stream` names).
+#: A stream's name: ``copy``, ``comm``, ``io`` (the file tier's reads), or a compute stream
+#: (``compute``, or one `caller_stream` names).
 Stream = str
-_STREAMS: tuple[Stream, ...] = ("copy", "comm", "compute")
+_STREAMS: tuple[Stream, ...] = ("copy", "comm", "compute", "io")
 #: The caller's current stream, as `caller_stream` sets it (the one entry: one thread runs the tests).
 _CALLER: list[Stream] = ["compute"]
 
@@ -212,7 +215,7 @@ class StreamSanitizer:
     def _read(self, buffer: DeviceBuffer, stream: Stream, what: str) -> None:
         history = self._history.setdefault(buffer, _History())
         self.checked += 1
-        users = self._users.get(buffer) if stream not in ("copy", "comm") else None  # compute streams
+        users = self._users.get(buffer) if stream not in ("copy", "comm", "io") else None  # compute streams
         if users is not None and stream not in users:
             self._fail(
                 f"{what} on the {stream} stream reads memory the caching allocator knows only on "
@@ -284,6 +287,22 @@ class StreamSanitizer:
         if tracer is not None:
             tracer.span("copy", begin, tracer.mark(), dst_bytes.nbytes)
         dst.ready = self._record(dst.ready, "copy")
+
+    def before_read(self, staging: DeviceBuffer) -> Callable[[], None] | None:
+        # The reader threads wait for the staging buffer's last drain, then write it on the io stream.
+        self._wait_event("io", staging.free)
+        self._write(staging, "io", self._where())
+        staging.ready = self._record(staging.ready, "io")
+        return None
+
+    def copy_staged(
+        self, dst: DeviceBuffer, dst_bytes: torch.Tensor, staging: DeviceBuffer, src: torch.Tensor
+    ) -> None:
+        # The host waited for the read before issuing the copy: the copy stream is ordered after it.
+        self._wait_event("copy", staging.ready)
+        self._read(staging, "copy", self._where())
+        self.copy_in(dst, dst_bytes, src)
+        staging.free = self._record(staging.free, "copy")
 
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         self._wait_event("comm", src.ready)
