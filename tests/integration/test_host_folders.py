@@ -21,23 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 def _wan(layers: int = 8) -> Any:
     """A Wan pipeline whose transformer blocks hold 4.2 MiB each (so the file tier pays)."""
-    torch.manual_seed(0)
-    transformer = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64, in_channels=16,
-        out_channels=16, text_dim=32, freq_dim=16, ffn_dim=1024, num_layers=layers, rope_max_seq_len=32,
-    ).eval()  # fmt: skip
-    vae = diffusers.AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    ).eval()
-    encoder = transformers.UMT5EncoderModel(
-        transformers.UMT5Config(
-            vocab_size=32, d_model=32, d_kv=4, d_ff=32, num_layers=3, num_heads=4, decoder_start_token_id=0
-        )
-    ).eval()
-    return diffusers.WanPipeline(
-        tokenizer=None, text_encoder=encoder, vae=vae, transformer=transformer,
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
-    )  # fmt: skip
+    return toy.wan_pipeline(layers=layers, heads=4, head_dim=64, ffn_dim=1024)
 
 
 def test_from_pretrained_a_folder_larger_than_the_host_budget(tmp_path: Path) -> None:

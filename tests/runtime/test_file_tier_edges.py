@@ -247,23 +247,9 @@ def test_a_component_left_out_of_checkpoint_components_takes_no_file_tier(tmp_pa
         assert torch.equal(p("a cat"), toy.build(0, hidden=512)("a cat"))
 
 
-def _wan(diffusers: Any, transformers: Any) -> Any:
+def _wan() -> Any:
     """A Wan pipeline whose transformer blocks hold 4.2 MiB each (about 35 MiB in all)."""
-    torch.manual_seed(0)
-    transformer = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64, in_channels=16,
-        out_channels=16, text_dim=32, freq_dim=16, ffn_dim=1024, num_layers=8, rope_max_seq_len=32,
-    ).eval()  # fmt: skip
-    vae = diffusers.AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    ).eval()
-    config = transformers.UMT5Config(
-        vocab_size=32, d_model=32, d_kv=4, d_ff=32, num_layers=3, num_heads=4, decoder_start_token_id=0
-    )
-    return diffusers.WanPipeline(
-        tokenizer=None, text_encoder=transformers.UMT5EncoderModel(config).eval(), vae=vae,
-        transformer=transformer, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
-    )  # fmt: skip
+    return toy.wan_pipeline(layers=8, heads=4, head_dim=64, ffn_dim=1024)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -271,10 +257,10 @@ def test_a_component_given_to_from_pretrained_by_keyword_takes_no_file_tier(tmp_
     """from_pretrained(Pipe, folder, transformer=mine) with a host_memory= that would read the
     transformer's blocks from the folder is a PlanError naming it, and ``mine`` is left as it was."""
     diffusers = pytest.importorskip("diffusers")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     folder = tmp_path / "wan"
-    _wan(diffusers, transformers).save_pretrained(str(folder))
-    mine = _wan(diffusers, transformers).transformer
+    _wan().save_pretrained(str(folder))
+    mine = _wan().transformer
     before = _snapshot(mine)
     values = {k: v.clone() for k, v in mine.state_dict().items()}
     with pytest.raises(PlanError, match=re.escape("of 'transformer' (transformer.blocks.")) as refused:

@@ -304,22 +304,23 @@ def load_checkpoint(pipeline: nn.Module, path: str | Path) -> nn.Module:
     return pipeline
 
 
-def wan_pipeline() -> Any:
-    """A tiny diffusers ``WanPipeline`` (4-block transformer, UMT5 encoder, Wan VAE) from fixed seeds,
-    on the CPU; needs diffusers and transformers."""
+def wan_pipeline(*, layers: int = 4, heads: int = 2, head_dim: int = 12, ffn_dim: int = 32) -> Any:
+    """A tiny diffusers ``WanPipeline`` (a ``layers``-block transformer, UMT5 encoder, Wan VAE) from
+    fixed seeds, on the CPU; needs diffusers and transformers. ``layers=8, heads=4, head_dim=64,
+    ffn_dim=1024`` gives blocks of 4.2 MiB (about 35 MiB in all), large enough for a file tier to pay."""
     diffusers: Any = importlib.import_module("diffusers")
     transformers: Any = importlib.import_module("transformers")
     torch.manual_seed(0)
     transformer = diffusers.WanTransformer3DModel(
         patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
         in_channels=16,
         out_channels=16,
         text_dim=32,
         freq_dim=16,
-        ffn_dim=32,
-        num_layers=4,
+        ffn_dim=ffn_dim,
+        num_layers=layers,
         rope_max_seq_len=32,
     ).eval()
     vae = diffusers.AutoencoderKLWan(
