@@ -281,14 +281,13 @@ class HostStore:
     def close(self, *, broken: bool = False) -> None:
         """Give every tensor ordinary storage of its own again, bit-identical, strides kept.
 
-        Pack by pack, each host buffer dropped as soon as its tensors have their own copies, so
-        closing peaks at the host store plus one pack; each buffer is unpinned and unmapped as it
-        goes, so its memory goes back to the OS (nothing stays cached). Sharded packs cannot be
-        given back without their peers' shards: they keep their placeholders and stay in
-        ``packs`` (host shards are never dropped) until `Pack.unshard` gives them their full
-        bytes and `give_back` or `close` runs again (a file-tier one needs no peer: `unshard_from_file`).
-        A pack that fails to give its tensors back does not stop the others: the first failure is
-        raised once every pack has been tried. ``broken``: see `FileTier.close`.
+        Pack by pack, each host buffer dropped as soon as its tensors have their own copies, so closing peaks
+        at the host store plus one pack; each buffer is unpinned and unmapped as it goes, so its memory goes
+        back to the OS (nothing stays cached). Sharded packs cannot be given back without their peers' shards:
+        they keep their placeholders and stay in ``packs`` (host shards are never dropped) until
+        `Pack.unshard` gives them their full bytes and `give_back` or `close` runs again (a file-tier one
+        needs no peer: `unshard_from_file`). A pack that fails to give its tensors back does not stop the
+        others: the first failure is raised once every pack has been tried. ``broken``: see `FileTier.close`.
         """
         failure: Exception | None = None
         for name in list(self.packs):
@@ -323,6 +322,7 @@ class HostStore:
         pack.to_host()
         pack.forget_device()
         if pack.in_file:  # its tensors keep pointing at the file's views (see [Note: the file tier])
+            pack.host_views = pack.tensors  # no second tensor object on their storage (as below)
             del self.packs[pack.name]
             self.layouts.given_back(pack.name)
             return

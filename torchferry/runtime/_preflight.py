@@ -312,6 +312,16 @@ def open_tier(
                     "checkpoint (checkpoint=, or from_pretrained), or pass a larger host_memory= if the "
                     "machine has it"
                 )
+            specs = group_specs(plan)
+            cast = sorted(n for n in chosen.file if any(t.compute_dtype is not None for t in specs[n]))
+            if cast:  # refused before a byte is spilled: the file tier reads bytes as they are stored
+                raise PlanError(
+                    f"spill= with storage_dtype={plan.config.storage_dtype!r}: the host budget leaves "
+                    f"{len(cast)} pack(s) held in the storage dtype ({', '.join(cast[:3])}"
+                    f"{', ...' if len(cast) > 3 else ''}) in the file tier, which would read the spilled "
+                    "bytes in the model's own dtypes; pass a larger host_memory= so they stay in host "
+                    "memory, or drop storage_dtype="
+                )
             spill_folder(host.spill)
         return chosen
 

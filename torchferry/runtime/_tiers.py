@@ -378,6 +378,10 @@ class FileTier:
             for slot in self.staging:
                 self.memory.release(f"staging {slot}")
             self.staging.clear()
+        # The tensors given back keep their views; no other tensor object may stay on those storages
+        # (one would read as a view taken elsewhere when a session opens on the pipeline again).
+        self.views.clear()
+        self.reads = {n: attrs.evolve(r, fixups=()) for n, r in self.reads.items()}  # kept buffers' bytes
         self.source.close()
 
 
