@@ -213,9 +213,20 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return data if data.is_contiguous() else data.contiguous()
 
 
+#: Spilled tensors start on this many bytes where their sizes allow (CPU kernels may round operands
+#: at other addresses differently, and file-tier tensors are views of these files after close).
+SPILL_ALIGN = 64
+
+
 def _write(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> int:
-    """One safetensors file of ``tensors`` (widest element first, no gaps); returns its data bytes."""
-    ordered = sorted(tensors, key=lambda nt: -nt[1].element_size())
+    """One safetensors file of ``tensors``; returns its data bytes. safetensors allows no gaps, so the
+    header is padded to start the data on `SPILL_ALIGN` bytes and the tensors go widest element
+    first, those whose size is a multiple of `SPILL_ALIGN` before the others of their width: every
+    tensor then starts aligned unless a tensor of an odd size precedes it."""
+    ordered = sorted(
+        tensors,
+        key=lambda nt: (-nt[1].element_size(), nt[1].numel() * nt[1].element_size() % SPILL_ALIGN != 0),
+    )
     header: dict[str, Any] = {}
     offset = 0
     for name, t in ordered:
@@ -228,7 +239,7 @@ def _write(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> int:
         header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts on an 8-byte boundary
+    raw += b" " * (-(8 + len(raw)) % SPILL_ALIGN)  # the data starts on a SPILL_ALIGN boundary
     head = len(raw).to_bytes(8, "little") + raw
     if _holds(path, head, ordered, len(head) + offset):
         return offset  # already complete and identical: a reader that opened it keeps its file
