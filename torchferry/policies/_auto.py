@@ -3,7 +3,9 @@
 The choice depends on the plan alone (never on the step), so every step of a session streams
 through the same ring with the same resident blocks. Candidates are scored by the simulated
 *steady-state* step of each DiT that streams: the step whose entry is what the previous step of the
-same component left, so the ring's wrap-around prefetch counts as it will at run time.
+same component left, so the ring's wrap-around prefetch counts as it will at run time. A denoising
+step runs one DiT (the two experts of Wan 2.2 take turns at the boundary), so a candidate's forward
+is the mean of the streaming DiTs' steady forwards, never their sum.
 
 Search: for each depth, the most resident blocks that fit, placed three ways (leading, spread
 evenly, spread evenly from the first block); then the fewest resident blocks that keep the best
@@ -36,7 +38,7 @@ from torchferry.policies._layout import layout, swaps
 from torchferry.policies._sim import DEFAULT_COST, CostModel, simulate, steady_schedule
 from torchferry.policies._tiers import read_nbytes, tiers
 from torchferry.policies._tokens import format_bytes
-from torchferry.topology import Plan, Strategy, memory_bytes
+from torchferry.topology import FrozenMap, Plan, Strategy, memory_bytes
 
 __all__ = ["Choice", "auto", "choose", "footprint", "steady_step_s"]
 
@@ -54,9 +56,11 @@ class Choice:
     """What `choose` picked for a plan, a budget and a cost model, and why.
 
     ``strategy``, ``depth`` and ``resident`` (extra block paths kept on the device) name the policy
-    (`policy`); ``step_s`` is the simulated steady forward of the streaming DiTs (summed) and
-    ``resident_step_s`` the same with every weight resident; ``predicted_step_s`` is one denoising
-    step (``forwards_per_step`` forwards). ``footprint`` is the device bytes it holds at most,
+    (`policy`); ``step_s`` is the simulated steady forward (the mean over the streaming DiTs, of
+    which a step runs one) and ``resident_step_s`` the same with every weight resident;
+    ``forward_s`` holds each streaming DiT's own steady forward when a ring streams more than one
+    (the experts of Wan 2.2); ``predicted_step_s`` is one denoising step (``forwards_per_step``
+    forwards). ``footprint`` is the device bytes it holds at most,
     ``budget`` what it had to fit, ``candidates`` how many were simulated; ``reason`` says it in
     a sentence.
     """
@@ -71,6 +75,7 @@ class Choice:
     candidates: int
     budget: int = 0
     forwards_per_step: int = 1
+    forward_s: FrozenMap[str, float] = attrs.field(factory=FrozenMap)
     reason: str = ""
 
     @property
@@ -101,9 +106,20 @@ class Choice:
         per_step = f", x{self.forwards_per_step} forwards = {self.predicted_step_s:.4f} s per step"
         return (
             f"{name}: the fastest of {self.candidates} simulated candidates that fit ({fit}); forward "
-            f"{self.step_s:.4f} s vs all-resident {self.resident_step_s:.4f} s "
+            f"{self.step_s:.4f} s{self._experts()} vs all-resident {self.resident_step_s:.4f} s "
             f"(+{self.overhead * 100:.2f}%){per_step if self.forwards_per_step > 1 else ''}"
         )
+
+    def _experts(self) -> str:
+        """What the forward of a ring over several DiTs is: one of them (a step runs one), each
+        named with its own forward where they differ."""
+        if len(self.forward_s) < 2:
+            return ""
+        times = list(self.forward_s.values())
+        if max(times) <= min(times) * (1 + _TIE):
+            return f" (one of {', '.join(self.forward_s.keys())}; a step runs one)"
+        each = ", ".join(f"{c} {t:.4f} s" for c, t in self.forward_s.items())
+        return f" (the mean of {each}; a step runs one)"
 
 
 def footprint(plan: Plan, depth: int, resident: Sequence[str] = (), *, gather: bool = False) -> int:
@@ -117,14 +133,30 @@ def footprint(plan: Plan, depth: int, resident: Sequence[str] = (), *, gather: b
 def steady_step_s(
     policy: Policy, plan: Plan, cost: CostModel, components: Sequence[str]
 ) -> tuple[float, float]:
-    """Simulated (makespan, resident makespan) summed over a steady-state step of each component."""
-    total = 0.0
-    base = 0.0
-    for c in components:
-        report = simulate(steady_schedule(policy, plan, c), cost)
-        total += report.makespan_s
-        base += report.resident_makespan_s
-    return total, base
+    """Simulated (makespan, resident makespan) of one steady forward of ``components``.
+
+    DiTs take turns: a denoising step runs one of them (the experts of Wan 2.2 switch at the
+    boundary), so their forward is the mean of their steady forwards, never the sum, weighing the
+    experts as though they share the steps evenly. Other components (the encoders that stream when
+    no DiT does) all run in a call, and their times add up.
+    """
+    return _combine(plan, components, _steady_forwards(policy, plan, cost, components))
+
+
+def _combine(
+    plan: Plan, components: Sequence[str], forwards: tuple[tuple[float, float], ...]
+) -> tuple[float, float]:
+    """``forwards`` (one per component) as one forward: the mean over DiTs, the sum otherwise."""
+    count = len(forwards) if forwards and all(plan.component(c).kind == "dit" for c in components) else 1
+    return sum(t for t, _ in forwards) / count, sum(r for _, r in forwards) / count
+
+
+def _steady_forwards(
+    policy: Policy, plan: Plan, cost: CostModel, components: Sequence[str]
+) -> tuple[tuple[float, float], ...]:
+    """Simulated (makespan, resident makespan) of a steady forward of each of ``components``."""
+    reports = [simulate(steady_schedule(policy, plan, c), cost) for c in components]
+    return tuple((r.makespan_s, r.resident_makespan_s) for r in reports)
 
 
 def _place(
@@ -202,13 +234,14 @@ def _choose(plan: Plan, budget_bytes: int, cost: CostModel, max_depth: int) -> C
     ends = {b.path: (k, i) for i, c in enumerate(dits) for k, b in enumerate(reversed(lay.streamed[c]))}
     first = sorted((b for b in pool if b in file), key=ends.__getitem__)
     sizes = lay.sizes
-    scored: dict[tuple[int, tuple[str, ...]], tuple[float, float]] = {}
+    scored: dict[tuple[int, tuple[str, ...]], tuple[tuple[float, float], ...]] = {}
 
     def score(depth: int, resident: tuple[str, ...]) -> tuple[float, float]:
+        """The mean steady forward of the streaming DiTs (a step runs one) and its resident baseline."""
         key = (depth, resident)
         if key not in scored:
-            scored[key] = steady_step_s(factory(depth, resident), plan, cost, dits)
-        return scored[key]
+            scored[key] = _steady_forwards(factory(depth, resident), plan, cost, dits)
+        return _combine(plan, dits, scored[key])
 
     best: Choice | None = None
     smallest = footprint(plan, 1, gather=gather)
@@ -257,6 +290,7 @@ def _choose(plan: Plan, budget_bytes: int, cost: CostModel, max_depth: int) -> C
             resident_step_s=r,
             footprint=size,
             candidates=0,
+            forward_s=_each(plan, dits, scored[depth, resident]),
         )
         if (
             best is None
@@ -273,6 +307,15 @@ def _choose(plan: Plan, budget_bytes: int, cost: CostModel, max_depth: int) -> C
             f"{format_bytes(smallest)} on plan {plan.digest}; raise the budget to at least that"
         )
     return attrs.evolve(best, candidates=len(scored) + (best.strategy == "model_level"))
+
+
+def _each(
+    plan: Plan, dits: Sequence[str], forwards: tuple[tuple[float, float], ...]
+) -> FrozenMap[str, float]:
+    """Each streaming DiT's steady forward, where a ring streams more than one (else empty)."""
+    if len(dits) < 2 or any(plan.component(c).kind != "dit" for c in dits):
+        return FrozenMap()
+    return FrozenMap(tuple(zip(dits, (t for t, _ in forwards), strict=True)))
 
 
 def _model_level_choice(
