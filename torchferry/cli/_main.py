@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -55,11 +54,7 @@ def _parsed(parse: Callable[[str], _T]) -> Callable[[str], _T]:
 
 
 def _size(text: str) -> int:
-    if re.fullmatch(r"\s*[0-9.]+\s*", text):
-        raise argparse.ArgumentTypeError(
-            f"{text.strip()!r} has no unit; write {text.strip()}GiB (binary) or {text.strip()}GB (decimal)"
-        )
-    value = _parsed(parse_bytes)(text)
+    value = _parsed(lambda body: parse_bytes(body, bare_bytes=False))(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
     return value
