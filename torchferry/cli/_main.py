@@ -276,6 +276,14 @@ def _parser() -> _Parser:
         help="read at most this much of PATH per measurement (default 1GiB)",
     )
     probe.add_argument(
+        "--min-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="refuse PATH, saving nothing, when it holds fewer *.safetensors bytes than this to time "
+        "(default 64MiB: a shorter read times file opening more than the drive)",
+    )
+    probe.add_argument(
         "--device", type=_device, help="cuda, cuda:N or cpu (default: cuda when present, else cpu)"
     )
     probe.add_argument(
@@ -388,7 +396,11 @@ def _saved_for_plan() -> DeviceProfile:
 def _probe(args: argparse.Namespace) -> int:
     from torchferry.runtime import probe, save_profile
 
+    if args.path is None and (args.read_bytes is not None or args.min_bytes is not None):
+        raise UsageError("--read-bytes and --min-bytes size the reads of PATH; name PATH (a checkpoint)")
     reads = {} if args.read_bytes is None else {"read_bytes": args.read_bytes}
+    if args.min_bytes is not None:
+        reads["read_min_bytes"] = args.min_bytes
     profile = probe(args.device, read_path=args.path, **reads)
     where = None if args.no_save else save_profile(profile, args.output)
     cpu = profile.device == "cpu"
