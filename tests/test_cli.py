@@ -648,7 +648,8 @@ def test_probe_saves_a_profile_that_plan_reads(
     plan = plan_json(capsys, "qwen-image", "--device-memory", "24GiB")
     assert plan["assumptions"]["h2d_bytes_per_s"] == policies.DEFAULT_DEVICE.h2d_bytes_per_s
     assert plan["assumptions"]["device"]["source"] == (
-        f"{policies.DEFAULT_DEVICE.source}; the saved profile {where} was not used: it holds CPU figures; "
+        f"{policies.DEFAULT_DEVICE.source}; the saved profile {where}'s device figures were not used: it "
+        "holds CPU figures; "
         "pass --profile to plan with them, or --device-class cpu"
     )
     given = plan_json(capsys, "qwen-image", "--device-memory", "24GiB", "--profile", str(where))

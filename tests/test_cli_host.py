@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import attrs
 import pytest
 
 from torchferry import policies, topology
 from torchferry.cli import main
+from torchferry.runtime import host_name, profile_path, save_profile
 
 GIB = 1 << 30
 WAN = "wan2.2-t2v-a14b"
@@ -31,8 +33,8 @@ def test_wan_on_a_24gib_card_and_a_32gib_host(capsys: pytest.CaptureFixture[str]
     from the checkpoint per component, host bytes within the budget, and a step that hides its reads."""
     out = _plan(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB").splitlines()
     assert (
-        "host memory 32.0 GiB · file reads 3.5 GB/s (assumed: a PCIe Gen3 NVMe drive; pass --read-bandwidth "
-        "or run torchferry probe PATH)"
+        f"host memory 32.0 GiB · file reads 3.5 GB/s (assumed: a PCIe Gen3 NVMe drive; no profile at "
+        f"{profile_path()}; pass --read-bandwidth, or time the drive with torchferry probe CHECKPOINT)"
     ) in out
     start = out.index("host tier of layerwise(depth=1) (host memory 32.0 GiB, file reads at 3.5 GB/s):")
     rows = out[start + 2 : start + 9]
@@ -123,3 +125,42 @@ def test_without_a_host_budget_the_report_is_as_before(capsys: pytest.CaptureFix
     assert "strategy                        fits  peak device      step  overhead  notes" in out
     doc = _json(capsys, WAN, "--device-memory", "24GiB")
     assert "host" not in doc and "host_memory_bytes" not in doc["assumptions"]
+
+
+def test_plan_takes_the_saved_read_rate_even_from_a_cpu_profile(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`probe PATH` on a CPU saves the drive's rates in a CPU profile: plan drops its device figures
+    but reads at its direct rate, and says the rate came from that saved profile (also with
+    --device-class); a saved profile without read rates says so instead of sending back to probe."""
+    where = tmp_path / "profile.json"
+    monkeypatch.setenv("TORCHFERRY_PROFILE", str(where))
+    cpu = policies.DeviceProfile(
+        name="cpu",
+        h2d_bytes_per_s=8e9,
+        flops_per_s=2e10,
+        collective_bytes_per_s=1e11,
+        dtype="float32",
+        source="measured on cpu (cpu) by torchferry probe; reads of /ckpt",
+        device="cpu",
+        host=host_name(),
+        read_bytes_per_s=1.5e9,
+        read_direct_bytes_per_s=1.0e9,
+    )
+    save_profile(cpu)
+    args = (WAN, "--device-memory", "24GiB", "--host-memory", "32GiB")
+    for extra in ((), ("--device-class", "h100")):
+        doc = _json(capsys, *args, *extra)
+        assert doc["assumptions"]["read_bytes_per_s"] == 1.0e9
+        assert (
+            doc["assumptions"]["h2d_bytes_per_s"] != cpu.h2d_bytes_per_s
+        )  # the device figures are not the CPU's
+        text = _plan(capsys, *args, *extra)
+        assert (
+            f"file reads 1 GB/s (from the saved profile {where}: measured on cpu (cpu) by torchferry probe; "
+            "reads of /ckpt)"
+        ) in text
+    save_profile(attrs.evolve(cpu, read_bytes_per_s=None, read_direct_bytes_per_s=None))
+    text = _plan(capsys, *args)
+    assert f"(assumed: a PCIe Gen3 NVMe drive; the saved profile {where} holds no read rate; " in text
+    assert _json(capsys, *args)["assumptions"]["read_bytes_per_s"] == policies.DEFAULT_READ_BYTES_PER_S

@@ -112,12 +112,21 @@ def base_profile(device: torch.device) -> DeviceProfile:
     """The device's saved profile (`runtime.load_profile`) when it was measured on this device: of
     this type, of this name (``"cpu"``, or the CUDA device name) and on this machine (a profile of
     another GPU model, of the CPU, of another machine or that does not say is not used); else its
-    device class, else `policies.DEFAULT_DEVICE`."""
+    device class, else `policies.DEFAULT_DEVICE`. A profile of another device of this machine still
+    gives its drive's read rates (``torchferry probe PATH``): they are the drive's, not the device's."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     saved = load_profile()
     if saved is not None and saved.measured_on(device.type, name, host_name()):
         return saved
-    return policies.match_device_class(name) or policies.DEFAULT_DEVICE
+    base = policies.match_device_class(name) or policies.DEFAULT_DEVICE
+    if saved is not None and saved.read_bytes_per_s is not None and saved.host == host_name():
+        base = attrs.evolve(
+            base,
+            read_bytes_per_s=saved.read_bytes_per_s,
+            read_direct_bytes_per_s=saved.read_direct_bytes_per_s,
+            source=f"{base.source}; read rates from the profile of {saved.name} on this machine",
+        )
+    return base
 
 
 @attrs.frozen(kw_only=True)

@@ -329,9 +329,11 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError("--device-class and --profile are two sources of device figures; pass one of them")
     start = time.perf_counter()
     topo, known = _plan_input.load_model(args.model, attrs_)
+    device, read_note = _with_reads(args, _device_figures(args))
     options = _plan_report.Options(
         budget_bytes=args.device_memory, h2d_bytes_per_s=args.h2d, collective_bytes_per_s=args.allgather,
-        device=_device_figures(args), forwards_per_step=args.forwards_per_step, text_tokens=args.text_tokens,
+        device=device, read_note=read_note, forwards_per_step=args.forwards_per_step,
+        text_tokens=args.text_tokens,
         host_op_s=(args.host_op_us or 0.0) / 1e6, world_size=args.world_size, depth=args.depth,
         strategy=args.strategy, resolution=args.resolution, tflops=args.tflops, block_ms=args.block_ms,
         host_bytes=args.host_memory, read_bytes_per_s=args.read_bandwidth,
@@ -370,6 +372,29 @@ def _device_figures(args: argparse.Namespace) -> DeviceProfile:
     return _saved_for_plan()
 
 
+def _with_reads(args: argparse.Namespace, figures: DeviceProfile) -> tuple[DeviceProfile, str]:
+    """The device figures with the drive's read rates, and where those came from (else how to get
+    them). The rates are the drive's, not the device's: a saved profile's are kept when its device
+    figures are left out (measured on the CPU, or on another GPU) or a device class is named."""
+    from torchferry.runtime import load_profile, profile_path
+
+    where = args.profile if args.profile is not None else str(profile_path())
+    what = "the profile" if args.profile is not None else "the saved profile"
+    profile = load_profile(where) if args.profile is not None or os.path.exists(where) else None
+    if profile is None or profile.read_bytes_per_s is None:
+        held = f"{what} {where} holds no read rate" if profile is not None else f"no profile at {where}"
+        return figures, (
+            f"{held}; pass --read-bandwidth, or time the drive with torchferry probe CHECKPOINT"
+            + (f" --output {where}" if args.profile is not None else "")
+        )
+    figures = attrs.evolve(
+        figures,
+        read_bytes_per_s=profile.read_bytes_per_s,
+        read_direct_bytes_per_s=profile.read_direct_bytes_per_s,
+    )
+    return figures, f"from {what} {where}: {profile.source or profile.name}"
+
+
 def _saved_for_plan() -> DeviceProfile:
     """The saved profile when it describes a GPU that may be planned for, else the default figures
     saying why the saved one was left out: a profile of the CPU (``probe`` on a machine without a
@@ -389,7 +414,8 @@ def _saved_for_plan() -> DeviceProfile:
         why = f"it was measured on {saved.name}, and this machine's GPU is {here}; probe this one"
     if why is None:
         return saved
-    note = f"the saved profile {profile_path()} was not used: {why}"
+    kept = "" if saved.read_bytes_per_s is None else "; its read rates are (the drive's, not the device's)"
+    note = f"the saved profile {profile_path()}'s device figures were not used: {why}{kept}"
     return attrs.evolve(DEFAULT_DEVICE, source=f"{DEFAULT_DEVICE.source}; {note}")
 
 

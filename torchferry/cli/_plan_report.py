@@ -72,6 +72,9 @@ class Options:
     host_op_s: float = 0.0
     host_bytes: int | None = None
     read_bytes_per_s: float | None = None
+    #: Where the device figures' read rates came from (``the saved profile PATH``), or, when they hold
+    #: none, what to do to measure one; empty: say nothing beyond the device's ``source``.
+    read_note: str = ""
     #: Store the DiTs' castable weights in this dtype (``--storage-dtype``; `OffloadConfig.storage_dtype`).
     storage_dtype: str | None = None
 
@@ -88,8 +91,12 @@ class Options:
         if self.read_bytes_per_s is not None:
             return "given"
         if self.device.file_read_bytes_per_s() is not None:
-            return f"measured: {self.device.source or self.device.name}"
-        return "assumed: a PCIe Gen3 NVMe drive; pass --read-bandwidth or run torchferry probe PATH"
+            if self.read_note:
+                return self.read_note
+            origin = self.device.source or self.device.name
+            return origin if origin.startswith("measured") else f"measured: {origin}"
+        advice = self.read_note or "pass --read-bandwidth, or time the drive with torchferry probe CHECKPOINT"
+        return f"assumed: a PCIe Gen3 NVMe drive; {advice}"
 
     @property
     def h2d(self) -> float:
