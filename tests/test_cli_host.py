@@ -132,7 +132,7 @@ def test_plan_takes_the_saved_read_rate_even_from_a_cpu_profile(
 ) -> None:
     """`probe PATH` on a CPU saves the drive's rates in a CPU profile: plan drops its device figures
     but reads at its direct rate, and says the rate came from that saved profile (also with
-    --device-class); a saved profile without read rates says so instead of sending back to probe."""
+    --device-class); a saved profile without read rates, or of another machine, says so instead."""
     where = tmp_path / "profile.json"
     monkeypatch.setenv("TORCHFERRY_PROFILE", str(where))
     cpu = policies.DeviceProfile(
@@ -160,6 +160,9 @@ def test_plan_takes_the_saved_read_rate_even_from_a_cpu_profile(
             f"file reads 1 GB/s (from the saved profile {where}: measured on cpu (cpu) by torchferry probe; "
             "reads of /ckpt)"
         ) in text
+    save_profile(attrs.evolve(cpu, host="another-machine"))
+    text = _plan(capsys, *args)
+    assert f"the saved profile {where} was measured on another-machine, another machine with" in text
     save_profile(attrs.evolve(cpu, read_bytes_per_s=None, read_direct_bytes_per_s=None))
     text = _plan(capsys, *args)
     assert f"(assumed: a PCIe Gen3 NVMe drive; the saved profile {where} holds no read rate; " in text

@@ -376,13 +376,17 @@ def _with_reads(args: argparse.Namespace, figures: DeviceProfile) -> tuple[Devic
     """The device figures with the drive's read rates, and where those came from (else how to get
     them). The rates are the drive's, not the device's: a saved profile's are kept when its device
     figures are left out (measured on the CPU, or on another GPU) or a device class is named."""
-    from torchferry.runtime import load_profile, profile_path
+    from torchferry.runtime import host_name, load_profile, profile_path
 
     where = args.profile if args.profile is not None else str(profile_path())
     what = "the profile" if args.profile is not None else "the saved profile"
     profile = load_profile(where) if args.profile is not None or os.path.exists(where) else None
-    if profile is None or profile.read_bytes_per_s is None:
+    elsewhere = profile is not None and args.profile is None and profile.host not in ("", host_name())
+    if profile is None or profile.read_bytes_per_s is None or elsewhere:
         held = f"{what} {where} holds no read rate" if profile is not None else f"no profile at {where}"
+        if elsewhere:
+            assert profile is not None
+            held = f"{what} {where} was measured on {profile.host}, another machine with another drive"
         return figures, (
             f"{held}; pass --read-bandwidth, or time the drive with torchferry probe CHECKPOINT"
             + (f" --output {where}" if args.profile is not None else "")
