@@ -167,3 +167,38 @@ def test_plan_takes_the_saved_read_rate_even_from_a_cpu_profile(
     text = _plan(capsys, *args)
     assert f"(assumed: a PCIe Gen3 NVMe drive; the saved profile {where} holds no read rate; " in text
     assert _json(capsys, *args)["assumptions"]["read_bytes_per_s"] == policies.DEFAULT_READ_BYTES_PER_S
+
+
+def test_host_refusals_speak_flags_and_sit_under_the_table(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    """A host budget too small for a strategy is a numbered note under the table (one per distinct text)
+    in the command line's words: --host-memory SIZE and --strategy layerwise, no config field, keyword or
+    plan digest, and no claim that a pack held in host memory is the largest pack read."""
+    from torchferry.cli._demo_runs import ensure_checkpoint
+
+    path, _ = ensure_checkpoint(tmp_path)
+    argv = (str(path), "--device-memory", "20MiB", "--host-memory", "10MiB", "--block-ms", "1")
+    out = _plan(capsys, *argv)
+    lines = out.splitlines()
+    table = lines[lines.index(next(x for x in lines if x.startswith("strategy "))) :]
+    assert table[1].split()[-3:] == ["see", "note", "1"] and table[2].split()[-3:] == ["see", "note", "1"]
+    assert max(len(x) for x in table[:6]) < 120
+    notes = [x for x in lines if x.startswith("note ")]
+    assert [x.split(":")[0] for x in notes] == ["note 1", "note 2", "note 3"]
+    assert notes[0].startswith("note 1: --host-memory 10.0 MiB is too small for this plan: even with packs")
+    assert "(2 staging slots of 33.2 KiB, the largest pack read; " in notes[0]
+    remedy = "; pass --host-memory 51.3MiB or more, or stream the blocks of 'transformer' (--strategy"
+    assert remedy in notes[0]
+    assert "kept whole in host memory here, can be read from the checkpoint a block at a time" in notes[0]
+    assert "so the largest pack read is a block" not in notes[0]
+    for said in (out, json.dumps(_json(capsys, *argv))):
+        assert "config.host_memory_bytes" not in said and "host_memory=" not in said
+        assert "strategy='" not in said and " for plan " not in said
+    wan = _plan(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB").splitlines()
+    note = next(x for x in wan if x.startswith("note 1: "))
+    assert note.endswith(
+        "(2 staging slots of 26.7 GiB, the largest pack read; 16.0 MiB of read buffers; 0 B of packs in host "
+        "memory); pass --host-memory 53.4GiB or more, or stream the blocks of 'transformer' (--strategy "
+        "layerwise) so the largest pack read is a block, not transformer:rest (26.7 GiB)"
+    )

@@ -23,6 +23,7 @@ import attrs
 from torchferry import policies, topology
 from torchferry._errors import OffloadError
 from torchferry.cli._plan_host import HostTier, host_tier
+from torchferry.cli._plan_words import for_the_command_line
 from torchferry.policies import CostModel, Policy, Schedule, Step
 from torchferry.topology import (
     KnownModel,
@@ -201,10 +202,11 @@ def _component_row(c: topology.Component) -> ComponentRow:
 
 
 def _one_line(error: Exception) -> str:
+    """``error`` on one line, in the command line's words (`for_the_command_line`)."""
     lines = [line.strip().lstrip("- ").strip() for line in str(error).splitlines() if line.strip()]
     if len(lines) > 1 and lines[0].endswith(":"):
         lines = lines[1:]
-    return "; ".join(lines)
+    return for_the_command_line("; ".join(lines))
 
 
 class _Planner:

@@ -233,7 +233,7 @@ def preflight(plan: Plan, host: HostPlan, *, pin: bool, memlock: bool, pipeline:
     try:
         chosen = tiers(plan)
     except PlanError as exc:
-        raise PlanError(f"{exc}. The host budget is {_size(budget.bytes or 0)}: {budget.source}") from None
+        raise PlanError(_with_source(str(exc), budget)) from None
     kept, scratch, transient = _extras(pipeline, plan, host, chosen)
     kept += scratch
     need = chosen.host_bytes + kept + transient
@@ -252,6 +252,15 @@ def preflight(plan: Plan, host: HostPlan, *, pin: bool, memlock: bool, pipeline:
             "pinned"
         )
     return chosen
+
+
+def _with_source(message: str, budget: HostBudget) -> str:
+    """`policies.tiers`'s refusal with where the budget came from: in place of the config field it
+    names (once, not a second sentence repeating the budget), else added at the end."""
+    field = "(config.host_memory_bytes)"
+    if field in message:
+        return message.replace(field, f"({budget.source})", 1)
+    return f"{message}. The host budget is {_size(budget.bytes or 0)}: {budget.source}"
 
 
 def _scratch_bytes(pipeline: Any, plan: Plan, file: frozenset[str]) -> int:
