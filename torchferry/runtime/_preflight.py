@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from torchferry._errors import PlanError
-from torchferry.policies import Tiers, format_bytes, group_specs, pack_bytes, tiers
+from torchferry.policies import READ_BOUNCE_BYTES, Tiers, format_bytes, group_specs, pack_bytes, tiers
 from torchferry.runtime._budget import HostBudget, given_budget, host_budget
 from torchferry.runtime._checkpoint import WIDENED_FROM, CheckpointReader
 from torchferry.runtime._host import HostStore
@@ -342,14 +342,33 @@ def open_tier(
     return TierLayout(cache_bytes=host.cache_bytes, source=source)
 
 
-def host_figures(store: HostStore, host: HostPlan | None) -> dict[str, Any]:
+def host_figures(store: HostStore, host: HostPlan | None, plan: Plan | None = None) -> dict[str, Any]:
     """A session's host memory figures for its report, beside its bytes: the budget in force and
-    where it came from, the file tier's packs and the bytes read from it so far."""
+    where it came from, the ``RLIMIT_MEMLOCK`` that bounds pinning (when finite), the file tier's
+    packs and the bytes read from it so far; with ``plan``, the host bytes planned (the tiers', and
+    the kept and scratch buffers preflight counted beside them), the direct-I/O buffers they
+    reserved and how the reads ran (buffered when no file was opened for direct I/O, so those
+    buffers were never allocated)."""
     tier = store.tier
     figures: dict[str, Any] = {
         "file_packs": 0 if tier is None else len(tier.reads),
         "file_read_bytes": 0 if tier is None else tier.reader.bytes_read,
     }
     if host is not None:
-        figures.update(host_budget=host.budget.bytes, host_budget_source=host.budget.source)
+        figures.update(
+            host_budget=host.budget.bytes,
+            host_budget_source=host.budget.source,
+            memlock_bytes=host.budget.locked_bytes,
+            memlock_source=host.budget.locked_source,
+        )
+    if plan is not None and host is not None:
+        chosen = tiers(plan)
+        extra = 0 if tier is None else tier.kept_bytes + tier.reader.scratch_bytes
+        figures["planned_host_bytes"] = chosen.host_bytes + extra
+        if tier is not None and chosen.file:
+            modes = {m.split(" ", 1)[0] for m in tier.reader.modes.values()}
+            figures.update(
+                read_buffer_bytes=READ_BOUNCE_BYTES,
+                read_mode=" and ".join(sorted(modes)) or "buffered",
+            )
     return figures
