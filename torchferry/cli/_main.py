@@ -117,7 +117,10 @@ def _parser() -> _Parser:
         "the outputs are identical. Exits 1 if any output differs.",
     )
     demo.add_argument(
-        "--device", type=_device, help="cuda, cuda:N or cpu (default: cuda when present, else cpu)"
+        "--device",
+        type=_device,
+        metavar="cpu|cuda|cuda:N",
+        help="cuda, cuda:N or cpu (default: cuda when present, else cpu)",
     )
     demo.add_argument("--steps", type=_positive_int, default=8, help="denoising steps per call (default 8)")
     demo.add_argument(
@@ -162,14 +165,16 @@ def _parser() -> _Parser:
         "--host-memory",
         type=_size,
         metavar="SIZE",
-        help="host budget for torchferry's host buffers, with a unit: 32GiB (default: no limit); what does "
-        "not fit is read from the checkpoint on demand (the file tier)",
+        help="host budget for torchferry's host buffers, with a unit: 32GiB (default: no limit; a session's "
+        "default is this machine's available memory); what does not fit is read from the checkpoint on "
+        "demand (the file tier)",
     )
     plan.add_argument(
         "--read-bandwidth",
         type=_rate,
         metavar="RATE",
-        help="how fast the file tier reads the checkpoint (default: the saved profile's, else 3.5GB/s, a "
+        help="how fast the file tier reads the checkpoint (default: the rate `torchferry probe PATH` saved "
+        "on this machine, even in a CPU profile whose other figures plan leaves out; else 3.5GB/s, a "
         "PCIe Gen3 NVMe drive); only with --host-memory",
     )
     plan.add_argument(
@@ -217,10 +222,13 @@ def _parser() -> _Parser:
         choices=["auto", *BUILTINS],
         help="evaluate only this strategy (default: all of them and auto)",
     )
-    plan.add_argument("--depth", type=_positive_int, default=1, help="prefetch depth of the ring (default 1)")
+    plan.add_argument(
+        "--depth", type=_positive_int, default=1, metavar="N", help="prefetch depth of the ring (default 1)"
+    )
     plan.add_argument(
         "--world-size",
         type=_positive_int,
+        metavar="N",
         help="ranks sharing the weights under distributed layerwise (default: 2 for its row; "
         "when given, auto considers it)",
     )
@@ -233,10 +241,14 @@ def _parser() -> _Parser:
     plan.add_argument(
         "--tflops",
         type=_positive_float,
+        metavar="TFLOPS",
         help="achieved device TFLOP/s for the compute estimate (default 150)",
     )
     plan.add_argument(
-        "--block-ms", type=_positive_float, help="compute time per block in ms (overrides FLOPs)"
+        "--block-ms",
+        type=_positive_float,
+        metavar="MS",
+        help="compute time per block in ms (overrides FLOPs)",
     )
     plan.add_argument(
         "--block-attrs",
@@ -261,9 +273,11 @@ def _parser() -> _Parser:
         "its drive's read rates), and save them",
         description="Time pinned host-to-device copies and square matrix products (bf16 on CUDA, fp32 on "
         "the CPU) on DEVICE and save the figures as a JSON profile, which `torchferry plan` then uses "
-        "in place of assumed ones. Takes about a second. With PATH (a checkpoint file or folder), also "
-        "time reads of it as the file tier reads, buffered and with O_DIRECT, each after dropping the "
-        "files from the page cache (posix_fadvise DONTNEED), and save both rates.",
+        "in place of assumed ones (for GPUs: plan leaves out a CPU profile's device figures unless given "
+        "with --profile). Takes a few seconds. With PATH (a *.safetensors checkpoint file or folder, at "
+        "least --min-bytes of it), also time reads of it as the file tier reads, buffered and with "
+        "O_DIRECT, each after dropping the files from the page cache (posix_fadvise DONTNEED), and save "
+        "both rates in the profile, where plan and sessions on this machine take the read rate from.",
     )
     probe.add_argument(
         "path", nargs="?", metavar="PATH", help="a checkpoint file or folder on the drive to measure"
@@ -284,7 +298,10 @@ def _parser() -> _Parser:
         "(default 64MiB: a shorter read times file opening more than the drive)",
     )
     probe.add_argument(
-        "--device", type=_device, help="cuda, cuda:N or cpu (default: cuda when present, else cpu)"
+        "--device",
+        type=_device,
+        metavar="cpu|cuda|cuda:N",
+        help="cuda, cuda:N or cpu (default: cuda when present, else cpu)",
     )
     probe.add_argument(
         "--output",
