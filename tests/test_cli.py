@@ -648,7 +648,8 @@ def test_probe_saves_a_profile_that_plan_reads(
     plan = plan_json(capsys, "qwen-image", "--device-memory", "24GiB")
     assert plan["assumptions"]["h2d_bytes_per_s"] == policies.DEFAULT_DEVICE.h2d_bytes_per_s
     assert plan["assumptions"]["device"]["source"] == (
-        f"{policies.DEFAULT_DEVICE.source}; the saved profile {where} was not used: it holds CPU figures; "
+        f"{policies.DEFAULT_DEVICE.source}; the saved profile {where}'s device figures were not used: it "
+        "holds CPU figures; "
         "pass --profile to plan with them, or --device-class cpu"
     )
     given = plan_json(capsys, "qwen-image", "--device-memory", "24GiB", "--profile", str(where))
@@ -749,3 +750,16 @@ def test_a_damaged_profile_says_to_probe_again(capsys: pytest.CaptureFixture[str
         f"torchferry plan: error: profile {bad} is not a torchferry profile of version 1; "
         "write a new one with `torchferry probe`\n"
     )
+
+
+def test_help_names_values_as_the_docs_do(capsys: pytest.CaptureFixture[str]) -> None:
+    """plan --help shows --depth N, --world-size N, --block-ms MS and that a session's host default
+    differs from plan's; probe --help shows the device forms and --min-bytes."""
+    assert main(["plan", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("[--depth N]", "[--world-size N]", "[--tflops TFLOPS]", "[--block-ms MS]"):
+        assert shown in text
+    assert "a session's default is this machine's available memory" in text
+    assert main(["probe", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "[--device cpu|cuda|cuda:N]" in text and "[--min-bytes SIZE]" in text

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import attrs
 import pytest
 
 from torchferry import policies, topology
 from torchferry.cli import main
+from torchferry.runtime import host_name, profile_path, save_profile
 
 GIB = 1 << 30
 WAN = "wan2.2-t2v-a14b"
@@ -31,8 +33,8 @@ def test_wan_on_a_24gib_card_and_a_32gib_host(capsys: pytest.CaptureFixture[str]
     from the checkpoint per component, host bytes within the budget, and a step that hides its reads."""
     out = _plan(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB").splitlines()
     assert (
-        "host memory 32.0 GiB · file reads 3.5 GB/s (assumed: a PCIe Gen3 NVMe drive; pass --read-bandwidth "
-        "or run torchferry probe PATH)"
+        f"host memory 32.0 GiB · file reads 3.5 GB/s (assumed: a PCIe Gen3 NVMe drive; no profile at "
+        f"{profile_path()}; pass --read-bandwidth, or time the drive with torchferry probe CHECKPOINT)"
     ) in out
     start = out.index("host tier of layerwise(depth=1) (host memory 32.0 GiB, file reads at 3.5 GB/s):")
     rows = out[start + 2 : start + 9]
@@ -123,3 +125,80 @@ def test_without_a_host_budget_the_report_is_as_before(capsys: pytest.CaptureFix
     assert "strategy                        fits  peak device      step  overhead  notes" in out
     doc = _json(capsys, WAN, "--device-memory", "24GiB")
     assert "host" not in doc and "host_memory_bytes" not in doc["assumptions"]
+
+
+def test_plan_takes_the_saved_read_rate_even_from_a_cpu_profile(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`probe PATH` on a CPU saves the drive's rates in a CPU profile: plan drops its device figures
+    but reads at its direct rate, and says the rate came from that saved profile (also with
+    --device-class); a saved profile without read rates, or of another machine, says so instead."""
+    where = tmp_path / "profile.json"
+    monkeypatch.setenv("TORCHFERRY_PROFILE", str(where))
+    cpu = policies.DeviceProfile(
+        name="cpu",
+        h2d_bytes_per_s=8e9,
+        flops_per_s=2e10,
+        collective_bytes_per_s=1e11,
+        dtype="float32",
+        source="measured on cpu (cpu) by torchferry probe; reads of /ckpt",
+        device="cpu",
+        host=host_name(),
+        read_bytes_per_s=1.5e9,
+        read_direct_bytes_per_s=1.0e9,
+    )
+    save_profile(cpu)
+    args = (WAN, "--device-memory", "24GiB", "--host-memory", "32GiB")
+    for extra in ((), ("--device-class", "h100")):
+        doc = _json(capsys, *args, *extra)
+        assert doc["assumptions"]["read_bytes_per_s"] == 1.0e9
+        assert (
+            doc["assumptions"]["h2d_bytes_per_s"] != cpu.h2d_bytes_per_s
+        )  # the device figures are not the CPU's
+        text = _plan(capsys, *args, *extra)
+        assert (
+            f"file reads 1 GB/s (from the saved profile {where}: measured on cpu (cpu) by torchferry probe; "
+            "reads of /ckpt)"
+        ) in text
+    save_profile(attrs.evolve(cpu, host="another-machine"))
+    text = _plan(capsys, *args)
+    assert f"the saved profile {where} was measured on another-machine, another machine with" in text
+    save_profile(attrs.evolve(cpu, read_bytes_per_s=None, read_direct_bytes_per_s=None))
+    text = _plan(capsys, *args)
+    assert f"(assumed: a PCIe Gen3 NVMe drive; the saved profile {where} holds no read rate; " in text
+    assert _json(capsys, *args)["assumptions"]["read_bytes_per_s"] == policies.DEFAULT_READ_BYTES_PER_S
+
+
+def test_host_refusals_speak_flags_and_sit_under_the_table(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    """A host budget too small for a strategy is a numbered note under the table (one per distinct text)
+    in the command line's words: --host-memory SIZE and --strategy layerwise, no config field, keyword or
+    plan digest, and no claim that a pack held in host memory is the largest pack read."""
+    from torchferry.cli._demo_runs import ensure_checkpoint
+
+    path, _ = ensure_checkpoint(tmp_path)
+    argv = (str(path), "--device-memory", "20MiB", "--host-memory", "10MiB", "--block-ms", "1")
+    out = _plan(capsys, *argv)
+    lines = out.splitlines()
+    table = lines[lines.index(next(x for x in lines if x.startswith("strategy "))) :]
+    assert table[1].split()[-3:] == ["see", "note", "1"] and table[2].split()[-3:] == ["see", "note", "1"]
+    assert max(len(x) for x in table[:6]) < 120
+    notes = [x for x in lines if x.startswith("note ")]
+    assert [x.split(":")[0] for x in notes] == ["note 1", "note 2", "note 3"]
+    assert notes[0].startswith("note 1: --host-memory 10.0 MiB is too small for this plan: even with packs")
+    assert "(2 staging slots of 33.2 KiB, the largest pack read; " in notes[0]
+    remedy = "; pass --host-memory 51.3MiB or more, or stream the blocks of 'transformer' (--strategy"
+    assert remedy in notes[0]
+    assert "kept whole in host memory here, can be read from the checkpoint a block at a time" in notes[0]
+    assert "so the largest pack read is a block" not in notes[0]
+    for said in (out, json.dumps(_json(capsys, *argv))):
+        assert "config.host_memory_bytes" not in said and "host_memory=" not in said
+        assert "strategy='" not in said and " for plan " not in said
+    wan = _plan(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB").splitlines()
+    note = next(x for x in wan if x.startswith("note 1: "))
+    assert note.endswith(
+        "(2 staging slots of 26.7 GiB, the largest pack read; 16.0 MiB of read buffers; 0 B of packs in host "
+        "memory); pass --host-memory 53.4GiB or more, or stream the blocks of 'transformer' (--strategy "
+        "layerwise) so the largest pack read is a block, not transformer:rest (26.7 GiB)"
+    )

@@ -46,7 +46,8 @@ def test_probe_path_saves_read_rates(
     """`torchferry probe PATH` prints both read rates and saves them in the profile, which loads back
     with them (so `policies.estimate_cost` uses the measured rate)."""
     out = tmp_path / "profile.json"
-    assert main(["probe", str(folder), "--device", "cpu", "--output", str(out), "--read-bytes", "8MiB"]) == 0
+    sizes = ["--read-bytes", "8MiB", "--min-bytes", "8MiB"]
+    assert main(["probe", str(folder), "--device", "cpu", "--output", str(out), *sizes]) == 0
     text = capsys.readouterr().out
     assert f"read {folder} (page cache dropped first):" in text
     assert "  buffered: " in text and "  direct (O_DIRECT): " in text
@@ -57,3 +58,33 @@ def test_probe_path_saves_read_rates(
     assert profile.file_read_bytes_per_s() == doc["read_direct_bytes_per_s"]
     assert main(["probe", "--device", "cpu", "--no-save"]) == 0
     assert "read " not in capsys.readouterr().out
+
+
+def test_probe_path_refuses_what_is_not_a_safetensors_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A PATH that is not a *.safetensors file (model_index.json) is refused, rc 2, saving nothing."""
+    index = tmp_path / "model_index.json"
+    index.write_text("{}")
+    out = tmp_path / "profile.json"
+    assert main(["probe", str(index), "--device", "cpu", "--output", str(out)]) == 2
+    assert "not a *.safetensors file, so not what the file tier reads" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_probe_path_refuses_too_few_bytes_to_time(
+    folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """16 MiB of safetensors is under the 64 MiB floor: rc 2, the message says so, and no profile is saved;
+    --min-bytes lowers the floor, and --read-bytes under it is refused too."""
+    out = tmp_path / "profile.json"
+    assert main(["probe", str(folder), "--device", "cpu", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "16.0 MiB of *.safetensors to read, too few to time a read rate over (at least 64.0 MiB)" in err
+    assert "nothing was measured or saved" in err and "--min-bytes" in err
+    assert not out.exists()
+    sizes = ["--min-bytes", "8MiB", "--read-bytes", "4MiB"]
+    assert main(["probe", str(folder), "--device", "cpu", "--output", str(out), *sizes]) == 2
+    assert "4.0 MiB of *.safetensors to read" in capsys.readouterr().err and not out.exists()
+    assert main(["probe", "--device", "cpu", "--min-bytes", "8MiB", "--no-save"]) == 2
+    assert "name PATH" in capsys.readouterr().err

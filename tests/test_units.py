@@ -24,6 +24,14 @@ def test_sizes_read_in_decimal_and_binary_units(text: str, expected: int) -> Non
     assert parse_bytes(text) == expected
 
 
+def test_a_bare_number_is_refused_where_a_unit_is_required() -> None:
+    """With bare_bytes=False, ``"24"`` is refused with the forms to write instead of read as 24 bytes."""
+    message = "'24' has no unit; write 24GiB (binary) or 24GB (decimal)"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_bytes("24", bare_bytes=False)
+    assert parse_bytes("24MiB", bare_bytes=False) == 24 * 2**20
+
+
 def test_rates_are_sizes_per_second() -> None:
     """``25GB/s`` is 25e9 bytes per second."""
     assert parse_rate("25GB/s") == 25e9

@@ -112,12 +112,21 @@ def base_profile(device: torch.device) -> DeviceProfile:
     """The device's saved profile (`runtime.load_profile`) when it was measured on this device: of
     this type, of this name (``"cpu"``, or the CUDA device name) and on this machine (a profile of
     another GPU model, of the CPU, of another machine or that does not say is not used); else its
-    device class, else `policies.DEFAULT_DEVICE`."""
+    device class, else `policies.DEFAULT_DEVICE`. A profile of another device of this machine still
+    gives its drive's read rates (``torchferry probe PATH``): they are the drive's, not the device's."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     saved = load_profile()
     if saved is not None and saved.measured_on(device.type, name, host_name()):
         return saved
-    return policies.match_device_class(name) or policies.DEFAULT_DEVICE
+    base = policies.match_device_class(name) or policies.DEFAULT_DEVICE
+    if saved is not None and saved.read_bytes_per_s is not None and saved.host == host_name():
+        base = attrs.evolve(
+            base,
+            read_bytes_per_s=saved.read_bytes_per_s,
+            read_direct_bytes_per_s=saved.read_direct_bytes_per_s,
+            source=f"{base.source}; read rates from the profile of {saved.name} on this machine",
+        )
+    return base
 
 
 @attrs.frozen(kw_only=True)
@@ -284,7 +293,10 @@ class SessionReport:
     peaks so far; ``host_budget`` the host budget given (``config.host_memory_bytes``), if any.
     ``host_budget_source`` says where the host budget came from (given, or the machine's bound that
     set it), ``file_packs`` how many packs the file tier holds and ``file_read_bytes`` the bytes read
-    from the checkpoint so far.
+    from the checkpoint so far. ``planned_host_bytes`` is what the tiers planned and preflight
+    proved against the budget, ``read_buffer_bytes`` the direct-I/O buffers in it and ``read_mode``
+    how the file tier read (``"buffered"``: those buffers were reserved, never allocated);
+    ``memlock_bytes`` the finite ``RLIMIT_MEMLOCK`` (``None``: unlimited), said by ``memlock_source``.
     """
 
     budget: int | None
@@ -313,6 +325,11 @@ class SessionReport:
     host_budget_source: str = ""
     file_packs: int = 0
     file_read_bytes: int = 0
+    planned_host_bytes: int | None = None
+    read_buffer_bytes: int = 0
+    read_mode: str = ""
+    memlock_bytes: int | None = None
+    memlock_source: str = ""
 
     def error(self, component: str) -> float | None:
         """``predicted / measured - 1`` of ``component``'s step, the prediction made before the model
@@ -357,9 +374,16 @@ class SessionReport:
         rows.append(("budget", f"device {_size(self.budget)} ({self.budget_source}); host {host}"))
         rows.append(("device", f"{_size(self.device_bytes)} now, {_size(self.peak_device_bytes)} at peak"))
         held = f"{_size(self.host_bytes)} now, {_size(self.peak_host_bytes)} at peak"
+        planned = self.planned_host_bytes
+        if planned is not None and self.read_buffer_bytes and _size(planned) != _size(self.peak_host_bytes):
+            buffers = _size(self.read_buffer_bytes)  # without a file tier, the plan is the store, to a page
+            held += f", of {_size(planned)} planned ({buffers} of direct-I/O buffers reserved; "
+            held += f"reads {self.read_mode})"
         if self.file_packs:
             held += f"; {self.file_packs} packs in the file tier, {_size(self.file_read_bytes)} read from it"
         rows.append(("host", held))
+        if self.memlock_bytes is not None:
+            rows.append(("memlock", f"{_size(self.memlock_bytes)} ({self.memlock_source})"))
         if self.h2d_bytes_per_s is not None:
             rows.append(("h2d", f"{self.h2d_bytes_per_s / 1e9:.3g} GB/s ({self.h2d_source})"))
         for c in self.predicted_step_s:

@@ -472,7 +472,7 @@ class Session:
             "host_bytes": self.host_bytes,
             "peak_host_bytes": self._peak_host,
             "host_budget": self.plan.config.host_memory_bytes,
-            **runtime.host_figures(self.engine.store, self.host),
+            **runtime.host_figures(self.engine.store, self.host, self.plan),
         }
         if self._chooser is not None:
             return attrs.evolve(self._chooser.report(), **memory)

@@ -335,3 +335,39 @@ def test_a_saved_profile_is_used_only_on_the_device_it_was_measured_on(
     assert base_profile(torch.device("cuda")) == policies.match_device_class("NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     assert base_profile(torch.device("cuda")) == other
+
+
+def test_a_saved_profile_of_another_device_still_gives_this_machines_read_rates(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA profile with `probe PATH`'s read rates gives a CPU session those rates (the drive's) over
+    the CPU class's other figures; a profile from another machine gives none."""
+    from torchferry._auto import base_profile
+    from torchferry.runtime import host_name, save_profile
+
+    monkeypatch.setenv("TORCHFERRY_PROFILE", str(tmp_path / "profile.json"))
+    gpu = policies.DeviceProfile(
+        name="NVIDIA H200",
+        h2d_bytes_per_s=5e10,
+        flops_per_s=9e14,
+        collective_bytes_per_s=4e11,
+        dtype="bfloat16",
+        source="test",
+        device="cuda",
+        host=host_name(),
+        read_bytes_per_s=1.5e9,
+        read_direct_bytes_per_s=1.0e9,
+    )
+    cpu_class = policies.match_device_class("cpu")
+    assert cpu_class is not None
+    save_profile(gpu)
+    got = base_profile(torch.device("cpu"))
+    assert (got.read_bytes_per_s, got.read_direct_bytes_per_s) == (1.5e9, 1.0e9)
+    assert got.file_read_bytes_per_s() == 1.0e9
+    assert (got.name, got.h2d_bytes_per_s, got.flops_per_s) == (
+        cpu_class.name,
+        cpu_class.h2d_bytes_per_s,
+        cpu_class.flops_per_s,
+    )
+    save_profile(attrs.evolve(gpu, host="another-machine"))
+    assert base_profile(torch.device("cpu")) == cpu_class

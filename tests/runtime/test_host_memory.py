@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -56,6 +57,17 @@ def test_file_tier_session_is_bit_identical(model: tuple[Path, torch.Tensor, int
         assert 0 < report.host_bytes <= report.peak_host_bytes <= budget
         assert s.plan.config.host_memory_bytes is not None and s.plan.config.host_memory_bytes <= budget
         assert "# file: " in policies.format_schedule(next(iter(s.schedules.values())))
+        planned = report.planned_host_bytes
+        assert planned is not None and policies.tiers(s.plan).host_bytes <= planned <= budget
+        assert report.read_buffer_bytes == policies.READ_BOUNCE_BYTES
+        assert report.read_mode in ("buffered", "direct", "buffered and direct")
+        if report.read_mode == "buffered":  # the direct-I/O buffers were reserved, never allocated
+            assert report.peak_host_bytes <= planned - policies.READ_BOUNCE_BYTES
+            size = policies.format_bytes
+            assert (
+                f"{size(report.peak_host_bytes, exact=False)} at peak, of {size(planned, exact=False)} "
+                "planned (16.0 MiB of direct-I/O buffers reserved; reads buffered)"
+            ) in str(report)
     ref = toy.build(0, hidden=HIDDEN)
     for a, b in zip(pipe.state_dict().values(), ref.state_dict().values(), strict=True):
         assert torch.equal(a, b)
@@ -78,13 +90,17 @@ def test_a_machine_budget_that_fits_changes_nothing() -> None:
 
 def test_too_small_a_budget_is_refused_before_anything(model: tuple[Path, torch.Tensor, int]) -> None:
     """A host budget even the file tier cannot meet is a PlanError naming the bytes and the budget's
-    source, before any weight is read or any hook installed."""
+    source once (not a second sentence repeating it), before any weight is read or any hook installed."""
     path, _, _ = model
     pipe = toy.build_empty(hidden=HIDDEN)
-    with pytest.raises(PlanError, match=r"host budget 20\.0 MiB .* is too small .*The host budget is "):
+    with pytest.raises(PlanError) as info:
         torchferry.offload(
             pipe, device="cpu", strategy="layerwise", checkpoint=str(path), host_memory="20MiB"
         )
+    text = str(info.value)
+    assert text.startswith("host budget 20.0 MiB (given as host_memory=) is too small ")
+    assert text.count("20.0 MiB") == 1 and "given as host_memory=" in text and "config." not in text
+    assert "The host budget is" not in text and not text.endswith("given as host_memory=")
     assert pipe.transformer.blocks[0].q.weight.is_meta
     assert sum(len(m._forward_pre_hooks) for m in pipe.modules()) == 0
 
@@ -241,3 +257,23 @@ def test_a_memory_cgroup_smaller_than_the_model(tmp_path: Path) -> None:
     assert figures["host_budget_source"].startswith(f"cgroup v1 memory /{group.name} "), figures
     assert figures["file_packs"] > 0
     assert figures["peak_host_bytes"] <= figures["host_budget"] < limit
+
+
+def test_the_report_shows_a_finite_memlock_limit_and_leaves_out_an_unlimited_one() -> None:
+    """A finite RLIMIT_MEMLOCK is a `memlock` line of the report with its source; an unlimited one
+    (None) adds no line; the planned host bytes show only where they differ from the peak."""
+    from torchferry._auto import SessionReport
+
+    base = SessionReport(
+        budget=None, budget_source="none given", h2d_bytes_per_s=None, h2d_source="", policy="layerwise",
+        choice=None, cost=None, calibrated=False, block_s={}, predicted_step_s={}, measured_step_s={},
+        host_op_s=0.0, host_block_s=0.0, switches=(), reason="named", host_bytes=4 << 20,
+        peak_host_bytes=4 << 20, planned_host_bytes=4 << 20, read_buffer_bytes=16 << 20, read_mode="direct",
+    )
+    text = str(attrs.evolve(base, memlock_bytes=8 << 20, memlock_source="RLIMIT_MEMLOCK 8.0 MiB (ulimit -l)"))
+    assert "  memlock  8.0 MiB (RLIMIT_MEMLOCK 8.0 MiB (ulimit -l))" in text.splitlines()
+    assert "memlock" not in str(base) and "planned" not in str(base)
+    planned = str(attrs.evolve(base, planned_host_bytes=20 << 20))
+    assert "4.0 MiB at peak, of 20.0 MiB planned (16.0 MiB of direct-I/O buffers reserved; reads direct)" in (
+        planned
+    )

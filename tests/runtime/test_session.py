@@ -402,6 +402,15 @@ def test_host_memory_is_taken_as_text_or_bytes() -> None:
         torchferry.offload(p, device="cpu", host_memory="lots")
 
 
+def test_budgets_as_text_without_a_unit_are_refused_by_offload() -> None:
+    """offload(host_memory="32") and device_memory="24" are refused (bytes or GiB?) before anything moves."""
+    p = toy.build(0)
+    with pytest.raises(PlanError, match=re.escape("host_memory: '32' has no unit; write 32GiB (binary)")):
+        torchferry.offload(p, device="cpu", host_memory="32")
+    with pytest.raises(PlanError, match=re.escape("device_memory: '24' has no unit; write 24GiB (binary)")):
+        torchferry.offload(p, device="cpu", device_memory="24")
+
+
 def test_pipeline_called_inside_an_except_block_runs_normally() -> None:
     """Inside an ``except`` clause a call allocates as outside one and gives the plain outputs (no abort)."""
     p, ref = toy.build(0), toy.build(0)

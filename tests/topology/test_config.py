@@ -594,6 +594,19 @@ def test_host_memory_text_that_does_not_parse_names_its_field() -> None:
     )
 
 
+@pytest.mark.parametrize("field", ["host_memory_bytes", "device_memory_bytes"])
+@pytest.mark.parametrize("text", ["32", " 24.5 "])
+def test_a_budget_as_text_without_a_unit_is_refused(field: str, text: str) -> None:
+    """Text such as '32' (bytes or GiB?) is refused with the CLI's wording; an int stays bytes."""
+    number = text.strip()
+    with pytest.raises(PlanError) as caught:
+        OffloadConfig(**{field: text})
+    assert str(caught.value) == (
+        f"OffloadConfig.{field}: '{number}' has no unit; write {number}GiB (binary) or {number}GB (decimal)"
+    )
+    assert getattr(OffloadConfig(**{field: 32}), field) == 32
+
+
 def test_a_field_added_later_leaves_older_digests_alone() -> None:
     """A config that leaves host_memory_bytes unset renders (and hashes) as before the field existed."""
     from torchferry.topology import Plan, Topology, canonical

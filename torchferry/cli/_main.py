@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -55,11 +54,7 @@ def _parsed(parse: Callable[[str], _T]) -> Callable[[str], _T]:
 
 
 def _size(text: str) -> int:
-    if re.fullmatch(r"\s*[0-9.]+\s*", text):
-        raise argparse.ArgumentTypeError(
-            f"{text.strip()!r} has no unit; write {text.strip()}GiB (binary) or {text.strip()}GB (decimal)"
-        )
-    value = _parsed(parse_bytes)(text)
+    value = _parsed(lambda body: parse_bytes(body, bare_bytes=False))(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size {text!r} must be positive")
     return value
@@ -122,7 +117,10 @@ def _parser() -> _Parser:
         "the outputs are identical. Exits 1 if any output differs.",
     )
     demo.add_argument(
-        "--device", type=_device, help="cuda, cuda:N or cpu (default: cuda when present, else cpu)"
+        "--device",
+        type=_device,
+        metavar="cpu|cuda|cuda:N",
+        help="cuda, cuda:N or cpu (default: cuda when present, else cpu)",
     )
     demo.add_argument("--steps", type=_positive_int, default=8, help="denoising steps per call (default 8)")
     demo.add_argument(
@@ -167,14 +165,16 @@ def _parser() -> _Parser:
         "--host-memory",
         type=_size,
         metavar="SIZE",
-        help="host budget for torchferry's host buffers, with a unit: 32GiB (default: no limit); what does "
-        "not fit is read from the checkpoint on demand (the file tier)",
+        help="host budget for torchferry's host buffers, with a unit: 32GiB (default: no limit; a session's "
+        "default is this machine's available memory); what does not fit is read from the checkpoint on "
+        "demand (the file tier)",
     )
     plan.add_argument(
         "--read-bandwidth",
         type=_rate,
         metavar="RATE",
-        help="how fast the file tier reads the checkpoint (default: the saved profile's, else 3.5GB/s, a "
+        help="how fast the file tier reads the checkpoint (default: the rate `torchferry probe PATH` saved "
+        "on this machine, even in a CPU profile whose other figures plan leaves out; else 3.5GB/s, a "
         "PCIe Gen3 NVMe drive); only with --host-memory",
     )
     plan.add_argument(
@@ -222,10 +222,13 @@ def _parser() -> _Parser:
         choices=["auto", *BUILTINS],
         help="evaluate only this strategy (default: all of them and auto)",
     )
-    plan.add_argument("--depth", type=_positive_int, default=1, help="prefetch depth of the ring (default 1)")
+    plan.add_argument(
+        "--depth", type=_positive_int, default=1, metavar="N", help="prefetch depth of the ring (default 1)"
+    )
     plan.add_argument(
         "--world-size",
         type=_positive_int,
+        metavar="N",
         help="ranks sharing the weights under distributed layerwise (default: 2 for its row; "
         "when given, auto considers it)",
     )
@@ -238,10 +241,14 @@ def _parser() -> _Parser:
     plan.add_argument(
         "--tflops",
         type=_positive_float,
+        metavar="TFLOPS",
         help="achieved device TFLOP/s for the compute estimate (default 150)",
     )
     plan.add_argument(
-        "--block-ms", type=_positive_float, help="compute time per block in ms (overrides FLOPs)"
+        "--block-ms",
+        type=_positive_float,
+        metavar="MS",
+        help="compute time per block in ms (overrides FLOPs)",
     )
     plan.add_argument(
         "--block-attrs",
@@ -266,9 +273,11 @@ def _parser() -> _Parser:
         "its drive's read rates), and save them",
         description="Time pinned host-to-device copies and square matrix products (bf16 on CUDA, fp32 on "
         "the CPU) on DEVICE and save the figures as a JSON profile, which `torchferry plan` then uses "
-        "in place of assumed ones. Takes about a second. With PATH (a checkpoint file or folder), also "
-        "time reads of it as the file tier reads, buffered and with O_DIRECT, each after dropping the "
-        "files from the page cache (posix_fadvise DONTNEED), and save both rates.",
+        "in place of assumed ones (for GPUs: plan leaves out a CPU profile's device figures unless given "
+        "with --profile). Takes a few seconds. With PATH (a *.safetensors checkpoint file or folder, at "
+        "least --min-bytes of it), also time reads of it as the file tier reads, buffered and with "
+        "O_DIRECT, each after dropping the files from the page cache (posix_fadvise DONTNEED), and save "
+        "both rates in the profile, where plan and sessions on this machine take the read rate from.",
     )
     probe.add_argument(
         "path", nargs="?", metavar="PATH", help="a checkpoint file or folder on the drive to measure"
@@ -281,7 +290,18 @@ def _parser() -> _Parser:
         help="read at most this much of PATH per measurement (default 1GiB)",
     )
     probe.add_argument(
-        "--device", type=_device, help="cuda, cuda:N or cpu (default: cuda when present, else cpu)"
+        "--min-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="refuse PATH, saving nothing, when it holds fewer *.safetensors bytes than this to time "
+        "(default 64MiB: a shorter read times file opening more than the drive)",
+    )
+    probe.add_argument(
+        "--device",
+        type=_device,
+        metavar="cpu|cuda|cuda:N",
+        help="cuda, cuda:N or cpu (default: cuda when present, else cpu)",
     )
     probe.add_argument(
         "--output",
@@ -326,9 +346,11 @@ def _plan(args: argparse.Namespace) -> int:
         raise UsageError("--device-class and --profile are two sources of device figures; pass one of them")
     start = time.perf_counter()
     topo, known = _plan_input.load_model(args.model, attrs_)
+    device, read_note = _with_reads(args, _device_figures(args))
     options = _plan_report.Options(
         budget_bytes=args.device_memory, h2d_bytes_per_s=args.h2d, collective_bytes_per_s=args.allgather,
-        device=_device_figures(args), forwards_per_step=args.forwards_per_step, text_tokens=args.text_tokens,
+        device=device, read_note=read_note, forwards_per_step=args.forwards_per_step,
+        text_tokens=args.text_tokens,
         host_op_s=(args.host_op_us or 0.0) / 1e6, world_size=args.world_size, depth=args.depth,
         strategy=args.strategy, resolution=args.resolution, tflops=args.tflops, block_ms=args.block_ms,
         host_bytes=args.host_memory, read_bytes_per_s=args.read_bandwidth,
@@ -367,6 +389,33 @@ def _device_figures(args: argparse.Namespace) -> DeviceProfile:
     return _saved_for_plan()
 
 
+def _with_reads(args: argparse.Namespace, figures: DeviceProfile) -> tuple[DeviceProfile, str]:
+    """The device figures with the drive's read rates, and where those came from (else how to get
+    them). The rates are the drive's, not the device's: a saved profile's are kept when its device
+    figures are left out (measured on the CPU, or on another GPU) or a device class is named."""
+    from torchferry.runtime import host_name, load_profile, profile_path
+
+    where = args.profile if args.profile is not None else str(profile_path())
+    what = "the profile" if args.profile is not None else "the saved profile"
+    profile = load_profile(where) if args.profile is not None or os.path.exists(where) else None
+    elsewhere = profile is not None and args.profile is None and profile.host not in ("", host_name())
+    if profile is None or profile.read_bytes_per_s is None or elsewhere:
+        held = f"{what} {where} holds no read rate" if profile is not None else f"no profile at {where}"
+        if elsewhere:
+            assert profile is not None
+            held = f"{what} {where} was measured on {profile.host}, another machine with another drive"
+        return figures, (
+            f"{held}; pass --read-bandwidth, or time the drive with torchferry probe CHECKPOINT"
+            + (f" --output {where}" if args.profile is not None else "")
+        )
+    figures = attrs.evolve(
+        figures,
+        read_bytes_per_s=profile.read_bytes_per_s,
+        read_direct_bytes_per_s=profile.read_direct_bytes_per_s,
+    )
+    return figures, f"from {what} {where}: {profile.source or profile.name}"
+
+
 def _saved_for_plan() -> DeviceProfile:
     """The saved profile when it describes a GPU that may be planned for, else the default figures
     saying why the saved one was left out: a profile of the CPU (``probe`` on a machine without a
@@ -386,14 +435,19 @@ def _saved_for_plan() -> DeviceProfile:
         why = f"it was measured on {saved.name}, and this machine's GPU is {here}; probe this one"
     if why is None:
         return saved
-    note = f"the saved profile {profile_path()} was not used: {why}"
+    kept = "" if saved.read_bytes_per_s is None else "; its read rates are (the drive's, not the device's)"
+    note = f"the saved profile {profile_path()}'s device figures were not used: {why}{kept}"
     return attrs.evolve(DEFAULT_DEVICE, source=f"{DEFAULT_DEVICE.source}; {note}")
 
 
 def _probe(args: argparse.Namespace) -> int:
     from torchferry.runtime import probe, save_profile
 
+    if args.path is None and (args.read_bytes is not None or args.min_bytes is not None):
+        raise UsageError("--read-bytes and --min-bytes size the reads of PATH; name PATH (a checkpoint)")
     reads = {} if args.read_bytes is None else {"read_bytes": args.read_bytes}
+    if args.min_bytes is not None:
+        reads["read_min_bytes"] = args.min_bytes
     profile = probe(args.device, read_path=args.path, **reads)
     where = None if args.no_save else save_profile(profile, args.output)
     cpu = profile.device == "cpu"

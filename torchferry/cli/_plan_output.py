@@ -95,9 +95,15 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
     lines.append("")
     table: list[list[str]] = []
     host = o.host_bytes is not None
+    notes: list[str] = []  # errors too long for a cell, numbered under the table (one per distinct text)
     for r in report.rows:
         if r.error is not None:
-            table.append([r.strategy, "n/a", "-", *(["-"] if host else []), "-", "-", r.error])
+            cell = r.error
+            if len(cell) > NOTE_CELL_CHARS:
+                if cell not in notes:
+                    notes.append(cell)
+                cell = f"see note {notes.index(cell) + 1}"
+            table.append([r.strategy, "n/a", "-", *(["-"] if host else []), "-", "-", cell])
             continue
         name = r.policy if r.strategy != "auto" else f"auto: {r.policy}"
         table.append(
@@ -114,6 +120,7 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
     heads = ["strategy", "fits", "peak device", *(["host"] if host else []), "step", "overhead", "notes"]
     lines += _table(heads, table, {2, 3, 4, 5} if host else {2, 3, 4})
     lines.append("(fits and peak device count weights only: leave room for activations and the VAE decode)")
+    lines.extend(f"note {i}: {text}" for i, text in enumerate(notes, 1))
     lines.append("")
     rec = report.recommended
     if rec is not None:
@@ -133,6 +140,11 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
     if show_schedule and report.schedule is not None:
         lines += ["", policies.format_schedule(report.schedule).rstrip("\n")]
     return "\n".join(lines) + "\n"
+
+
+#: The longest reason a strategy does not apply that the table shows in its cell; a longer one is a
+#: numbered note under the table, so the table stays readable at any terminal width.
+NOTE_CELL_CHARS = 60
 
 
 def _rate(bytes_per_s: float) -> str:

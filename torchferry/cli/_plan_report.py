@@ -23,6 +23,7 @@ import attrs
 from torchferry import policies, topology
 from torchferry._errors import OffloadError
 from torchferry.cli._plan_host import HostTier, host_tier
+from torchferry.cli._plan_words import for_the_command_line
 from torchferry.policies import CostModel, Policy, Schedule, Step
 from torchferry.topology import (
     KnownModel,
@@ -72,6 +73,9 @@ class Options:
     host_op_s: float = 0.0
     host_bytes: int | None = None
     read_bytes_per_s: float | None = None
+    #: Where the device figures' read rates came from (``the saved profile PATH``), or, when they hold
+    #: none, what to do to measure one; empty: say nothing beyond the device's ``source``.
+    read_note: str = ""
     #: Store the DiTs' castable weights in this dtype (``--storage-dtype``; `OffloadConfig.storage_dtype`).
     storage_dtype: str | None = None
 
@@ -88,8 +92,12 @@ class Options:
         if self.read_bytes_per_s is not None:
             return "given"
         if self.device.file_read_bytes_per_s() is not None:
-            return f"measured: {self.device.source or self.device.name}"
-        return "assumed: a PCIe Gen3 NVMe drive; pass --read-bandwidth or run torchferry probe PATH"
+            if self.read_note:
+                return self.read_note
+            origin = self.device.source or self.device.name
+            return origin if origin.startswith("measured") else f"measured: {origin}"
+        advice = self.read_note or "pass --read-bandwidth, or time the drive with torchferry probe CHECKPOINT"
+        return f"assumed: a PCIe Gen3 NVMe drive; {advice}"
 
     @property
     def h2d(self) -> float:
@@ -194,10 +202,11 @@ def _component_row(c: topology.Component) -> ComponentRow:
 
 
 def _one_line(error: Exception) -> str:
+    """``error`` on one line, in the command line's words (`for_the_command_line`)."""
     lines = [line.strip().lstrip("- ").strip() for line in str(error).splitlines() if line.strip()]
     if len(lines) > 1 and lines[0].endswith(":"):
         lines = lines[1:]
-    return "; ".join(lines)
+    return for_the_command_line("; ".join(lines))
 
 
 class _Planner:

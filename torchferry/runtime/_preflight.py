@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from torchferry._errors import PlanError
-from torchferry.policies import Tiers, format_bytes, group_specs, pack_bytes, tiers
+from torchferry.policies import READ_BOUNCE_BYTES, Tiers, format_bytes, group_specs, pack_bytes, tiers
 from torchferry.runtime._budget import HostBudget, given_budget, host_budget
 from torchferry.runtime._checkpoint import WIDENED_FROM, CheckpointReader
 from torchferry.runtime._host import HostStore
@@ -233,7 +233,7 @@ def preflight(plan: Plan, host: HostPlan, *, pin: bool, memlock: bool, pipeline:
     try:
         chosen = tiers(plan)
     except PlanError as exc:
-        raise PlanError(f"{exc}. The host budget is {_size(budget.bytes or 0)}: {budget.source}") from None
+        raise PlanError(_with_source(str(exc), budget)) from None
     kept, scratch, transient = _extras(pipeline, plan, host, chosen)
     kept += scratch
     need = chosen.host_bytes + kept + transient
@@ -252,6 +252,15 @@ def preflight(plan: Plan, host: HostPlan, *, pin: bool, memlock: bool, pipeline:
             "pinned"
         )
     return chosen
+
+
+def _with_source(message: str, budget: HostBudget) -> str:
+    """`policies.tiers`'s refusal with where the budget came from: in place of the config field it
+    names (once, not a second sentence repeating the budget), else added at the end."""
+    field = "(config.host_memory_bytes)"
+    if field in message:
+        return message.replace(field, f"({budget.source})", 1)
+    return f"{message}. The host budget is {_size(budget.bytes or 0)}: {budget.source}"
 
 
 def _scratch_bytes(pipeline: Any, plan: Plan, file: frozenset[str]) -> int:
@@ -333,14 +342,33 @@ def open_tier(
     return TierLayout(cache_bytes=host.cache_bytes, source=source)
 
 
-def host_figures(store: HostStore, host: HostPlan | None) -> dict[str, Any]:
+def host_figures(store: HostStore, host: HostPlan | None, plan: Plan | None = None) -> dict[str, Any]:
     """A session's host memory figures for its report, beside its bytes: the budget in force and
-    where it came from, the file tier's packs and the bytes read from it so far."""
+    where it came from, the ``RLIMIT_MEMLOCK`` that bounds pinning (when finite), the file tier's
+    packs and the bytes read from it so far; with ``plan``, the host bytes planned (the tiers', and
+    the kept and scratch buffers preflight counted beside them), the direct-I/O buffers they
+    reserved and how the reads ran (buffered when no file was opened for direct I/O, so those
+    buffers were never allocated)."""
     tier = store.tier
     figures: dict[str, Any] = {
         "file_packs": 0 if tier is None else len(tier.reads),
         "file_read_bytes": 0 if tier is None else tier.reader.bytes_read,
     }
     if host is not None:
-        figures.update(host_budget=host.budget.bytes, host_budget_source=host.budget.source)
+        figures.update(
+            host_budget=host.budget.bytes,
+            host_budget_source=host.budget.source,
+            memlock_bytes=host.budget.locked_bytes,
+            memlock_source=host.budget.locked_source,
+        )
+    if plan is not None and host is not None:
+        chosen = tiers(plan)
+        extra = 0 if tier is None else tier.kept_bytes + tier.reader.scratch_bytes
+        figures["planned_host_bytes"] = chosen.host_bytes + extra
+        if tier is not None and chosen.file:
+            modes = {m.split(" ", 1)[0] for m in tier.reader.modes.values()}
+            figures.update(
+                read_buffer_bytes=READ_BOUNCE_BYTES,
+                read_mode=" and ".join(sorted(modes)) or "buffered",
+            )
     return figures

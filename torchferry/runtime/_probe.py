@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from torchferry._errors import PlanError
-from torchferry.policies import DeviceProfile, match_device_class
+from torchferry.policies import DeviceProfile, format_bytes, match_device_class
 
 __all__ = [
     "READ_PROBE_BYTES",
+    "READ_PROBE_MIN_BYTES",
     "host_name",
     "load_profile",
     "probe",
@@ -76,15 +77,42 @@ def copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> float:
 #: The most bytes of a checkpoint a probe reads per measurement (the largest files first).
 READ_PROBE_BYTES = 1 << 30
 
+#: The fewest bytes a read rate is timed over: a read of less takes too little time, and too much of
+#: it is opening files and starting threads, for its rate to be the drive's.
+READ_PROBE_MIN_BYTES = 64 << 20
 
-def read_rates(
-    path: str | os.PathLike[str], *, nbytes: int = READ_PROBE_BYTES, repeats: int = 2
-) -> tuple[float, float]:
-    """The drive's read rates under ``path`` (a checkpoint file or folder), buffered and direct, by the
-    file tier's own method with the page cache dropped first: the fastest of ``repeats`` each."""
-    from torchferry.runtime._readrate import read_files, sequential_read
+
+def _files_to_time(path: str | os.PathLike[str], nbytes: int, min_bytes: int) -> list[str]:
+    """The ``*.safetensors`` files under ``path`` a read-rate measurement reads, refused (`PlanError`)
+    when they hold fewer than ``min_bytes`` to read (within ``nbytes``), before anything is timed."""
+    from torchferry.runtime._readrate import read_files
 
     files = read_files(path)
+    available = min(nbytes, sum(os.path.getsize(f) for f in files))
+    if available < min_bytes:
+        have, floor = format_bytes(available, exact=False), format_bytes(min_bytes, exact=False)
+        raise PlanError(
+            f"{os.fspath(path)}: {have} of *.safetensors to read, too few to time a read rate over (at "
+            f"least {floor}); nothing was measured or saved. Name a larger checkpoint file or folder on "
+            "the same drive, or lower the floor (torchferry probe --min-bytes SIZE, "
+            "probe(read_min_bytes=...))"
+        )
+    return files
+
+
+def read_rates(
+    path: str | os.PathLike[str],
+    *,
+    nbytes: int = READ_PROBE_BYTES,
+    repeats: int = 2,
+    min_bytes: int = READ_PROBE_MIN_BYTES,
+) -> tuple[float, float]:
+    """The drive's read rates under ``path`` (a checkpoint file or folder), buffered and direct, by the
+    file tier's own method with the page cache dropped first: the fastest of ``repeats`` each. Fewer
+    than ``min_bytes`` to read is a `PlanError` (`READ_PROBE_MIN_BYTES`: too few to time)."""
+    from torchferry.runtime._readrate import sequential_read
+
+    files = _files_to_time(path, nbytes, min_bytes)
     buffered = max(sequential_read(files, direct=False, limit=nbytes).bytes_per_s for _ in range(repeats))
     direct = max(sequential_read(files, direct=True, limit=nbytes).bytes_per_s for _ in range(repeats))
     return buffered, direct
@@ -97,13 +125,15 @@ def probe(
     matmul_size: int | None = None,
     read_path: str | os.PathLike[str] | None = None,
     read_bytes: int = READ_PROBE_BYTES,
+    read_min_bytes: int = READ_PROBE_MIN_BYTES,
 ) -> DeviceProfile:
     """Measure ``device`` (default: CUDA when present, else the CPU): pinned host-to-device copies of
     ``copy_bytes`` (default 256 MiB on CUDA, 64 MiB on the CPU, where the "copy" is a host memcpy)
     and square matrix products of ``matmul_size`` (default 4096 in bf16 on CUDA, 512 in fp32 on the
     CPU); the fastest of a few runs each. Takes about a second. With ``read_path`` (a checkpoint
     file or folder on the drive the file tier will read), also the drive's buffered and direct read
-    rates over up to ``read_bytes`` of it (`read_rates`)."""
+    rates over up to ``read_bytes`` of it (`read_rates`); a path with no ``*.safetensors`` file, or
+    with fewer than ``read_min_bytes`` of them, is refused before anything is measured."""
     target = (
         torch.device(device)
         if device is not None
@@ -116,6 +146,8 @@ def probe(
             f"probe(device={str(target)!r}): no CUDA device is available here; probe where the GPU is, "
             "or pass --device cpu to measure this machine's CPU"
         )
+    if read_path is not None:
+        _files_to_time(read_path, read_bytes, read_min_bytes)  # refused before the device is timed
     cuda = target.type == "cuda"
     nbytes = copy_bytes if copy_bytes is not None else (256 << 20 if cuda else 64 << 20)
     h2d = copy_bytes_per_s(target, nbytes, 5)
@@ -131,7 +163,7 @@ def probe(
     buffered = direct = None
     where = ""
     if read_path is not None:
-        buffered, direct = read_rates(read_path, nbytes=read_bytes)
+        buffered, direct = read_rates(read_path, nbytes=read_bytes, min_bytes=read_min_bytes)
         where = f"; reads of {os.fspath(read_path)}"
     return DeviceProfile(
         name=name,

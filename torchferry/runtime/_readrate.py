@@ -41,10 +41,16 @@ class ReadRate:
 
 
 def read_files(path: str | os.PathLike[str]) -> list[str]:
-    """The files a read of ``path`` measures: the file itself, or a folder's ``*.safetensors`` files
-    (recursively, so a diffusers pipeline folder counts), largest first."""
+    """The files a read of ``path`` measures: the file itself when it is a ``*.safetensors`` file, or a
+    folder's ``*.safetensors`` files (recursively, so a diffusers pipeline folder counts), largest
+    first; anything else is no checkpoint the file tier would read, so a `PlanError`."""
     where = Path(path).expanduser()
     if where.is_file():
+        if where.suffix != ".safetensors":
+            raise PlanError(
+                f"{where}: not a *.safetensors file, so not what the file tier reads; name a checkpoint "
+                "file or folder"
+            )
         return [str(where)]
     if where.is_dir():
         found = [p for p in where.rglob("*.safetensors") if p.is_file()]

@@ -26,10 +26,17 @@ _UNITS = {
 _NUMBER = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str) -> int:
-    """``"24GiB"`` -> 25769803776; decimal (GB) and binary (GiB) units, case-insensitive."""
+def parse_bytes(text: str, *, bare_bytes: bool = True) -> int:
+    """``"24GiB"`` -> 25769803776; decimal (GB) and binary (GiB) units, case-insensitive.
+
+    With ``bare_bytes=False`` a number without a unit (``"24"``) is refused rather than read as bytes,
+    since a person who types it may mean GiB; every budget option reads its text this way.
+    """
     match = _NUMBER.match(text)
     unit = match.group(2).lower() if match else ""
+    if match is not None and not match.group(2) and not bare_bytes:
+        number = match.group(1)
+        raise ValueError(f"{number!r} has no unit; write {number}GiB (binary) or {number}GB (decimal)")
     if match is None or unit not in _UNITS:
         raise ValueError(
             f"cannot read {text!r} as a size; write a number with a unit such as 24GiB, 80GB or 512MiB"
@@ -56,8 +63,9 @@ def parse_rate(text: str) -> float:
 def memory_bytes(value: int | str, where: str = "device_memory") -> int:
     """A device budget given as bytes (``25769803776``) or as text (``"24GiB"``, ``"80GB"``), in bytes.
 
-    This is what every ``device_memory=`` accepts; ``where`` names the argument in the error. A
-    size that does not parse, or is not positive, is a `PlanError`; another type is a ``TypeError``.
+    This is what every ``device_memory=`` and ``host_memory=`` accepts; ``where`` names the argument
+    in the error. Text without a unit (``"24"``: bytes or GiB?), a size that does not parse, or one
+    that is not positive, is a `PlanError`; another type is a ``TypeError``. An int is bytes.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(
@@ -66,7 +74,7 @@ def memory_bytes(value: int | str, where: str = "device_memory") -> int:
         )
     if isinstance(value, str):
         try:
-            value = parse_bytes(value)
+            value = parse_bytes(value, bare_bytes=False)
         except ValueError as exc:
             raise PlanError(f"{where}: {exc}") from None
     if value <= 0:
