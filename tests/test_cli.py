@@ -110,6 +110,19 @@ def test_plan_wan_peaks_and_step_time(capsys: pytest.CaptureFixture[str]) -> Non
     assert row(doc, "layerwise")["overhead"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_plan_model_level_row_pays_its_swaps(capsys: pytest.CaptureFixture[str]) -> None:
+    """flux.1-dev at 24 GiB: the model-level row's step is the resident step plus the per-call swap of
+    the transformer and T5 spread over the call's forwards (what auto weighs it by), not the resident
+    step alone."""
+    doc = plan_json(capsys, "flux.1-dev", "--device-memory", "24GiB", "--h2d", "25GB/s")
+    level = row(doc, "model_level")
+    swapped = topology.resolve(known_topology("flux.1-dev"), topology.OffloadConfig(strategy="model_level"))
+    moved = sum(c.nbytes for c in swapped.components if c.path in ("transformer", "text_encoder_2"))
+    calls = attrs.fields(policies.CostModel).forwards_per_call.default  # plan's forwards per call
+    assert level["step_s"] > level["resident_step_s"]
+    assert level["step_s"] - level["resident_step_s"] == pytest.approx(moved / 25e9 / calls, rel=0.02)
+
+
 def test_plan_storage_dtype_plans_the_stored_bytes(capsys: pytest.CaptureFixture[str]) -> None:
     """``--storage-dtype float8_e4m3fn`` plans the DiTs' weights in float8: each bf16 Wan block's bytes
     halve (its norms' and tables' float32 stay), the encoder keeps its bytes, the report says so."""

@@ -360,6 +360,8 @@ class _Planner:
             report = policies.simulate(steady, self.cost)
             resident_s = self.resident_forward_s() * self.forwards
             step_s = resident_s + max(report.makespan_s - report.resident_makespan_s, 0.0) * self.forwards
+            if strategy == "model_level":  # its swaps happen once a call, outside the steady step
+                step_s += policies.swap_per_forward_s(plan, self.cost) * self.forwards
         return StrategyRow(
             strategy=strategy,
             policy=(steady or schedules[0]).policy if schedules else "",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 # Imports written ``name as name`` are for the layers above, which enter only through this file
 # (tests/test_layering.py); they are not public and not in ``__all__``.
-from torchferry.policies._auto import Choice, auto, choose
+from torchferry.policies._auto import Choice, auto, choose, swap_per_forward_s
 from torchferry.policies._builtin import (
     BUILTINS,
     STRATEGIES,
@@ -115,5 +115,6 @@ __all__ = [
     "shard_nbytes",
     "simulate",
     "steady_schedule",
+    "swap_per_forward_s",
     "tiers",
 ]

@@ -40,7 +40,7 @@ from torchferry.policies._tiers import read_nbytes, tiers
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import FrozenMap, Plan, Strategy, memory_bytes
 
-__all__ = ["Choice", "auto", "choose", "footprint", "steady_step_s"]
+__all__ = ["Choice", "auto", "choose", "footprint", "steady_step_s", "swap_per_forward_s"]
 
 _TIE = 1e-9
 #: How resident blocks are spread over the streaming pool: the first ones, evenly from a half step
@@ -318,6 +318,16 @@ def _each(
     return FrozenMap(tuple(zip(dits, (t for t, _ in forwards), strict=True)))
 
 
+def swap_per_forward_s(plan: Plan, cost: CostModel) -> float:
+    """What model-level swapping's transfers cost per DiT forward: every swapped component moved to
+    the device (its file-tier packs read first) once per pipeline call, over ``cost.forwards_per_call``."""
+    swapped = [c for c in plan.components if swaps(c)]
+    file = tiers(plan).file
+    moved = cost.h2d_seconds(sum(c.nbytes for c in swapped))
+    moved += cost.read_seconds(sum(read_nbytes(plan, file, c.path) for c in swapped))  # file-tier packs
+    return moved / cost.forwards_per_call
+
+
 def _model_level_choice(
     plan: Plan, budget_bytes: int, cost: CostModel, dits: Sequence[str], ring: Choice | None
 ) -> Choice | None:
@@ -333,10 +343,7 @@ def _model_level_choice(
     # The all-resident time of a forward, from the ring's baseline (a whole-component schedule has
     # no block points to time).
     resident = ring.resident_step_s if ring is not None else steady_step_s(layerwise(1), plan, cost, dits)[1]
-    file = tiers(plan).file
-    moved = cost.h2d_seconds(sum(c.nbytes for c in swapped))
-    moved += cost.read_seconds(sum(read_nbytes(plan, file, c.path) for c in swapped))  # file-tier packs
-    step = resident + moved / cost.forwards_per_call
+    step = resident + swap_per_forward_s(plan, cost)
     if ring is not None and step >= ring.step_s * (1 - _TIE):
         return None
     return Choice(
