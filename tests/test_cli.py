@@ -123,6 +123,31 @@ def test_plan_model_level_row_pays_its_swaps(capsys: pytest.CaptureFixture[str])
     assert level["step_s"] - level["resident_step_s"] == pytest.approx(moved / 25e9 / calls, rel=0.02)
 
 
+def test_plan_auto_row_that_chose_model_level_pays_its_swaps(capsys: pytest.CaptureFixture[str]) -> None:
+    """Where auto chooses model-level swapping (Wan 2.2 at 32 GiB with 0.5 ms blocks), its row and the
+    recommendation give the model-level row's step, swaps included, not the resident step."""
+    doc = plan_json(capsys, "wan2.2-t2v-a14b", "--device-memory", "32GiB", "--block-ms", "0.5")
+    auto, level = row(doc, "auto"), row(doc, "model_level")
+    assert auto["policy"] == level["policy"] == "model_level()"
+    assert auto["step_s"] == pytest.approx(level["step_s"]) and auto["step_s"] > 2 * auto["resident_step_s"]
+    assert doc["recommended"]["step_s"] == pytest.approx(level["step_s"])
+
+
+def test_plan_ignores_an_unreadable_saved_profile_it_needs_no_figure_from(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broken saved profile does not stop plan --device-class (no figure of it is used), and with
+    --host-memory it is named as unreadable where its read rate would have come from."""
+    saved = tmp_path / "profile.json"
+    saved.write_text('{"torchferry_profile": 999}')
+    monkeypatch.setenv("TORCHFERRY_PROFILE", str(saved))
+    plan_json(capsys, "flux.1-dev", "--device-memory", "24GiB", "--device-class", "h100")
+    code, out, err = run(capsys, "plan", "flux.1-dev", "--device-memory", "24GiB", "--device-class", "h100",
+                         "--host-memory", "16GiB")  # fmt: skip
+    assert code == 0, err
+    assert f"the saved profile {saved} could not be read" in out
+
+
 def test_plan_storage_dtype_plans_the_stored_bytes(capsys: pytest.CaptureFixture[str]) -> None:
     """``--storage-dtype float8_e4m3fn`` plans the DiTs' weights in float8: each bf16 Wan block's bytes
     halve (its norms' and tables' float32 stay), the encoder keeps its bytes, the report says so."""

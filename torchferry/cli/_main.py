@@ -395,9 +395,16 @@ def _with_reads(args: argparse.Namespace, figures: DeviceProfile) -> tuple[Devic
     figures are left out (measured on the CPU, or on another GPU) or a device class is named."""
     from torchferry.runtime import host_name, load_profile, profile_path
 
+    if args.host_memory is None or args.read_bandwidth is not None:
+        return figures, ""  # no read rate is used, so no profile is opened for one
     where = args.profile if args.profile is not None else str(profile_path())
     what = "the profile" if args.profile is not None else "the saved profile"
-    profile = load_profile(where) if args.profile is not None or os.path.exists(where) else None
+    try:
+        profile = load_profile(where) if args.profile is not None or os.path.exists(where) else None
+    except OffloadError as exc:
+        if args.profile is not None:
+            raise
+        return figures, f"{what} {where} could not be read ({exc}); pass --read-bandwidth"
     elsewhere = profile is not None and args.profile is None and profile.host not in ("", host_name())
     if profile is None or profile.read_bytes_per_s is None or elsewhere:
         held = f"{what} {where} holds no read rate" if profile is not None else f"no profile at {where}"

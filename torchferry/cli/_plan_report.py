@@ -410,7 +410,9 @@ class _Planner:
                 notes.append(f"{len(choice.resident)} resident blocks ({choice.placement})")
             if choice.strategy == "distributed_layerwise":
                 notes.append(f"per rank of {self.world}")
-            row = attrs.evolve(self.row("auto", policy, plan, notes), strategy="auto", reason=choice.reason)
+            # The row is timed as what auto chose (a model-level choice pays its swaps), named auto.
+            chosen = self.row(choice.strategy, policy, plan, notes)
+            row = attrs.evolve(chosen, strategy="auto", reason=choice.reason)
             candidate = (row, self.generation(policy, plan)[1])
             if best is None or row.step_s < best[0].step_s * (1 - 1e-9):
                 best = candidate

@@ -88,9 +88,16 @@ def _files_to_time(path: str | os.PathLike[str], nbytes: int, min_bytes: int) ->
     from torchferry.runtime._readrate import read_files
 
     files = read_files(path)
-    available = min(nbytes, sum(os.path.getsize(f) for f in files))
+    on_disk = sum(os.path.getsize(f) for f in files)
+    available = min(nbytes, on_disk)
     if available < min_bytes:
         have, floor = format_bytes(available, exact=False), format_bytes(min_bytes, exact=False)
+        if nbytes < on_disk:  # the checkpoint holds enough: the asked read size is what is short
+            raise PlanError(
+                f"probe: a read of {have} (--read-bytes, read_bytes=) is too few to time a read rate over "
+                f"(at least {floor}); nothing was measured or saved. Ask for at least {floor}, or lower the "
+                "floor too (--min-bytes SIZE, probe(read_min_bytes=...))"
+            )
         raise PlanError(
             f"{os.fspath(path)}: {have} of *.safetensors to read, too few to time a read rate over (at "
             f"least {floor}); nothing was measured or saved. Name a larger checkpoint file or folder on "

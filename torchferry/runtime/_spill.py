@@ -220,12 +220,12 @@ SPILL_ALIGN = 64
 
 def _write(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> int:
     """One safetensors file of ``tensors``; returns its data bytes. safetensors allows no gaps, so the
-    header is padded to start the data on `SPILL_ALIGN` bytes and the tensors go widest element
-    first, those whose size is a multiple of `SPILL_ALIGN` before the others of their width: every
-    tensor then starts aligned unless a tensor of an odd size precedes it."""
+    header is padded to start the data on `SPILL_ALIGN` bytes, the tensors whose size is a multiple of
+    `SPILL_ALIGN` go first (each then starts aligned), and the others after them, widest element first
+    (each still on a multiple of its element size)."""
     ordered = sorted(
         tensors,
-        key=lambda nt: (-nt[1].element_size(), nt[1].numel() * nt[1].element_size() % SPILL_ALIGN != 0),
+        key=lambda nt: (nt[1].numel() * nt[1].element_size() % SPILL_ALIGN != 0, -nt[1].element_size()),
     )
     header: dict[str, Any] = {}
     offset = 0
