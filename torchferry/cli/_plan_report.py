@@ -152,8 +152,6 @@ class StrategyRow:
     error: str | None = None
     #: Why the chooser picked this (auto's row only): `policies.Choice.reason`.
     reason: str = ""
-    #: Bytes in the file tier (0 without a host budget).
-    file_bytes: int = 0
 
     @property
     def overhead(self) -> float:
@@ -230,7 +228,7 @@ class _Planner:
         self.world = options.world_size or 2
         self.cost, self.compute, self.block_s = self._cost()
         #: strategy row -> the plan and policy behind it, and its steady DiT step
-        self.made: dict[str, tuple[Plan, Policy, Schedule | None]] = {}
+        self.made: dict[str, tuple[Plan, Schedule | None]] = {}
 
     def _cost(self) -> tuple[CostModel, str, float]:
         o = self.options
@@ -350,7 +348,10 @@ class _Planner:
                         total += policies.shard_nbytes(b.nbytes, world) - b.nbytes
         return total
 
-    def row(self, strategy: str, policy: Policy, plan: Plan, notes: Sequence[str] = ()) -> StrategyRow:
+    def row(
+        self, strategy: str, policy: Policy, plan: Plan, notes: Sequence[str] = ()
+    ) -> tuple[StrategyRow, Schedule | None]:
+        """One strategy's row, and its steady schedule (``None``: no DiT step)."""
         schedules, steady = self.generation(policy, plan)
         peak = max((policies.simulate(s, self.cost).peak_device_bytes for s in schedules), default=0)
         step_s = resident_s = 0.0
@@ -371,8 +372,7 @@ class _Planner:
             resident_step_s=resident_s,
             host_bytes_per_rank=self.host_bytes(plan),
             notes=tuple(notes),
-            file_bytes=sum(policies.tiers(plan).read_bytes.values()),
-        )
+        ), steady
 
     def fixed(self, strategy: str) -> tuple[StrategyRow, Schedule | None]:
         try:
@@ -384,9 +384,8 @@ class _Planner:
                 notes.append(f"per rank of {self.world}")
             if strategy == "model_level" and len(self.topo.of_kind("dit")) > 1:
                 notes.append("swaps experts at the boundary")
-            row = self.row(strategy, policy, plan, notes)
-            steady = self.generation(policy, plan)[1]
-            self.made[strategy] = (plan, policy, steady)
+            row, steady = self.row(strategy, policy, plan, notes)
+            self.made[strategy] = (plan, steady)
             return row, steady
         except OffloadError as exc:
             return StrategyRow(strategy=strategy, error=_one_line(exc)), None
@@ -411,12 +410,11 @@ class _Planner:
             if choice.strategy == "distributed_layerwise":
                 notes.append(f"per rank of {self.world}")
             # The row is timed as what auto chose (a model-level choice pays its swaps), named auto.
-            chosen = self.row(choice.strategy, policy, plan, notes)
+            chosen, steady = self.row(choice.strategy, policy, plan, notes)
             row = attrs.evolve(chosen, strategy="auto", reason=choice.reason)
-            candidate = (row, self.generation(policy, plan)[1])
             if best is None or row.step_s < best[0].step_s * (1 - 1e-9):
-                best = candidate
-                self.made["auto"] = (plan, policy, candidate[1])
+                best = (row, steady)
+                self.made["auto"] = (plan, steady)
         if best is None:
             return StrategyRow(strategy="auto", error=problems[0] if problems else "nothing to plan"), None
         return best
@@ -426,7 +424,7 @@ def _host(planner: _Planner, strategy: str) -> HostTier | None:
     """The host tier of row ``strategy``'s plan, with a host budget only."""
     if planner.options.host_bytes is None or strategy not in planner.made:
         return None
-    plan, _, steady = planner.made[strategy]
+    plan, steady = planner.made[strategy]
     return host_tier(planner.options.host_bytes, plan, steady, planner.cost, planner.options.read_source)
 
 

@@ -500,10 +500,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             self._fail([problem])
         if self._widens(name, entry.dtype, "float32"):
             return self._widened(entry).view(torch.float32).view(entry.shape)
-        tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
-        if entry.nbytes:
-            self._copy(entry.file, entry.data_start + entry.begin, tensor.reshape(-1).view(torch.uint8))
-        return tensor
+        return self._stored(entry)
 
     def _widens(self, name: str, stored: str, wanted: str) -> bool:
         """Whether model tensor ``name`` stored as ``stored`` is read widened to ``wanted``."""
@@ -511,10 +508,14 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
 
     def _widened(self, entry: HeaderEntry) -> torch.Tensor:
         """The bytes of ``entry`` widened to float32 (exact: every 16-bit float is a float32)."""
-        stored = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+        return self._stored(entry).to(torch.float32).reshape(-1).view(torch.uint8)
+
+    def _stored(self, entry: HeaderEntry) -> torch.Tensor:
+        """A new CPU tensor of ``entry`` as the file stores it."""
+        tensor = torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
         if entry.nbytes:
-            self._copy(entry.file, entry.data_start + entry.begin, stored.reshape(-1).view(torch.uint8))
-        return stored.to(torch.float32).reshape(-1).view(torch.uint8)
+            self._copy(entry.file, entry.data_start + entry.begin, tensor.reshape(-1).view(torch.uint8))
+        return tensor
 
     def _copy(self, file: str, src: int, dst: torch.Tensor) -> None:
         """Copy ``dst.numel()`` bytes at file offset ``src`` into ``dst``, one mapped window at a time."""

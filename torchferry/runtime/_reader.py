@@ -47,7 +47,7 @@ import torch
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.runtime._checkpoint import CheckpointReader, Span
 from torchferry.runtime._pack import Piece
-from torchferry.runtime._pinning import PAGE
+from torchferry.runtime._pinning import PAGE, page_bytes
 from torchferry.topology import TensorSpec
 
 __all__ = [
@@ -353,7 +353,7 @@ class FileReader:
             return
         for _ in range(self.threads):
             self._scratch.put(torch.frombuffer(mmap.mmap(-1, need), dtype=torch.uint8))
-            self.scratch_bytes += -(-need // PAGE) * PAGE
+            self.scratch_bytes += page_bytes(need)
 
     # -------------------------------------------------------------------------------- reading
     def submit(self, read: PackRead, into: torch.Tensor, before: Callable[[], None] | None = None) -> Ticket:
