@@ -1,35 +1,20 @@
-"""The session's side of ``strategy="auto"``: the budget, what is measured, the calibrated re-choice.
+"""The session's side of ``strategy="auto"``: the budget, the probes, and the wiring of the pure
+re-choice in `policies._calibrate` ([Note: choosing in a session] there) to the session's tracer.
 
-[Note: choosing in a session]
 `offload` with ``strategy="auto"`` (its default) resolves a layerwise plan whose budget
 (``config.device_memory_bytes``) is the one given, else the device's free memory when the session
 opens minus `ACTIVATION_MARGIN` (at least `ACTIVATION_MARGIN_MIN`) for activations, else on the CPU
 `CPU_BUDGET`. It measures the host-to-device bandwidth once per process (`h2d_bandwidth`: a pinned
-copy on CUDA, a host memcpy on the CPU) and asks `policies.choose`, the chooser behind
-``torchferry plan``, for strategy, depth and resident blocks under a cost model from the device's
-profile (`runtime.load_profile`, else its device class) with that bandwidth.
-
-Then it measures what the choice depends on. `Chooser` traces up to `MAX_TRACES` steady steps of
-each streaming DiT per schedule, then one in `TRACE_EVERY` (`runtime.Tracer`; every step of a run
-but the first, so the step starts where the one before ended), and turns the fastest into figures
-(`measure`): each block's compute, the host seconds per op and per hooked block, and the
-component's non-block remainder. After the first measured step of a component it re-chooses under
-`policies.CostModel.calibrated`; a changed choice is used from the next step on (never inside one:
-the session drops what the old schedule left on the device between the two steps and the new
-schedule stages what it needs). A component re-chooses again only when a later measurement moves
-its block compute by more than `REMEASURE_MARGIN`; later measurements still refine the cost model.
-
-On the CPU copies run on the compute thread, so the calibrated model charges them as host time per
-op (its bandwidth is infinite) instead of on a copy stream that would hide them.
+copy on CUDA, a host memcpy on the CPU) and takes the cost model from the device's profile
+(`base_profile`). `Chooser` holds the `policies.ChooserState` and hands it each traced step
+(`runtime.Tracer`) measured by `policies.measure`; every decision is a pure function of that state.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -37,7 +22,7 @@ import torch
 
 from torchferry import policies
 from torchferry._errors import PlanError, ScheduleError
-from torchferry.policies import Choice, CostModel, DeviceProfile, Policy, Schedule
+from torchferry.policies import Calibration, Choice, ChooserState, CostModel, DeviceProfile, Policy
 from torchferry.runtime import StepTrace, Tracer, copy_bytes_per_s, host_name, load_profile
 from torchferry.topology import Plan
 
@@ -45,18 +30,12 @@ __all__ = [
     "ACTIVATION_MARGIN",
     "ACTIVATION_MARGIN_MIN",
     "CPU_BUDGET",
-    "MAX_TRACES",
-    "REMEASURE_MARGIN",
-    "TRACE_EVERY",
     "Chooser",
-    "Measured",
     "SessionReport",
-    "calibrate",
+    "base_profile",
     "default_budget",
     "h2d_bandwidth",
-    "measure",
     "named_report",
-    "predicted_step_s",
 ]
 
 LOG = logging.getLogger("torchferry")
@@ -67,12 +46,6 @@ ACTIVATION_MARGIN = 0.10
 ACTIVATION_MARGIN_MIN = 1 << 30
 #: The budget on a CPU "device" when none is given (bytes): 8 GiB.
 CPU_BUDGET = 8 << 30
-#: A component re-chooses a second time only if its measured block compute moves by more than this fraction.
-REMEASURE_MARGIN = 0.25
-#: Steady steps traced per component; calibration uses the fastest (the least disturbed).
-MAX_TRACES = 8
-#: After `MAX_TRACES`, one step in this many is still traced, so a quieter moment refines the figures.
-TRACE_EVERY = 8
 #: Bytes of the timed copy that measures the host-to-device bandwidth (CUDA, CPU).
 _COPY_BYTES = {"cuda": 64 << 20, "cpu": 16 << 20}
 
@@ -127,148 +100,6 @@ def base_profile(device: torch.device) -> DeviceProfile:
             source=f"{base.source}; read rates from the profile of {saved.name} on this machine",
         )
     return base
-
-
-@attrs.frozen(kw_only=True)
-class Measured:
-    """What one traced step of ``component`` measured (seconds).
-
-    ``block_s`` holds each block's forward; ``rest_s`` the component's own compute outside its blocks;
-    ``host_op_s`` the host time per op the runtime ran (on the CPU its copies included) and
-    ``host_block_s`` per block it hooked; ``wall_s`` the step; ``policy`` the schedule's policy.
-    """
-
-    component: str
-    policy: str
-    wall_s: float
-    block_s: Mapping[str, float]
-    rest_s: float
-    host_op_s: float
-    host_block_s: float
-    clock: str
-
-
-def measure(trace: StepTrace, plan: Plan) -> Measured:
-    """The figures of one traced step: block compute, host cost per op and per block, remainder.
-
-    Host cost is fitted over the gaps between consecutive block forwards (each gap holds the hooks of
-    two blocks' ends and the ops anchored there): ``gap = host_block + ops x host_op``, least squares
-    when the op count varies, all of it per op otherwise. On the CPU the copies inside a gap are taken
-    out first and then spread over the step's ops (they run on the compute thread). The remainder is
-    what the step took beyond its blocks, stalls and host cost.
-    """
-    schedule = trace.schedule
-    component = trace.component
-    paths = {b.path for c in plan.component(component).walk() for b in c.blocks}
-    cpu = trace.clock == "host clock"
-    blocks = [s for s in trace.spans if s.stream == "compute" and s.kind == "compute" and s.label in paths]
-    stalls = [s for s in trace.spans if s.kind == "stall"]
-    copies = [s for s in trace.spans if s.stream in ("copy", "comm")] if cpu else []
-    at: dict[tuple[str, str], int] = {}
-    for op in schedule.ops:
-        at[op.when, op.anchor] = at.get((op.when, op.anchor), 0) + 1
-    xs: list[float] = []
-    ys: list[float] = []
-    for a, b in itertools.pairwise(blocks):
-        inside = sum(
-            s.duration_s
-            for s in (*stalls, *copies)
-            if s.start_s >= a.end_s - 1e-9 and s.end_s <= b.start_s + 1e-9
-        )
-        xs.append(at.get(("after", a.label), 0) + at.get(("before", b.label), 0))
-        ys.append(max(b.start_s - a.end_s - inside, 0.0))
-    host_block, host_op = _fit(xs, ys)
-    ops = len(schedule.ops)
-    copy_s = sum(s.duration_s for s in copies)
-    if cpu and ops:
-        host_op += copy_s / ops
-    compute = sum(s.duration_s for s in blocks)
-    stall = sum(s.duration_s for s in stalls)
-    rest = trace.wall_s - compute - stall - host_block * len(blocks) - host_op * ops
-    per_block: dict[str, float] = {}
-    for s in blocks:
-        per_block[s.label] = per_block.get(s.label, 0.0) + s.duration_s
-    return Measured(
-        component=component,
-        policy=schedule.policy,
-        wall_s=trace.wall_s,
-        block_s=per_block,
-        rest_s=max(rest, 0.0),
-        host_op_s=host_op,
-        host_block_s=host_block,
-        clock=trace.clock,
-    )
-
-
-def predicted_step_s(policy: Policy, plan: Plan, component: str, cost: CostModel) -> float:
-    """Simulated steady step of ``component`` under ``policy``: `policies.simulate` of its steady
-    schedule, plus, for a whole-component schedule (which anchors no block, so simulates none), its
-    blocks' compute and hooks."""
-    schedule: Schedule = policies.steady_schedule(policy, plan, component)
-    report = policies.simulate(schedule, cost)
-    blocks = [b.path for c in plan.component(component).walk() for b in c.blocks]
-    anchored = {op.anchor for op in schedule.ops}
-    if blocks and not anchored & set(blocks):
-        extra = sum(cost.compute_seconds(b, block=True) for b in blocks) + cost.host_block_s * len(blocks)
-        return report.makespan_s + extra
-    return report.makespan_s
-
-
-def calibrate(
-    figures: Sequence[Measured],
-    *,
-    h2d_bytes_per_s: float,
-    collective_bytes_per_s: float = 100e9,
-    default_block_s: float = 0.01,
-) -> CostModel:
-    """`policies.CostModel.calibrated` from measurements: each block's and component's compute, the
-    mean host cost per op and per block, the bandwidth given (infinite when measured on the CPU,
-    whose copies are in the host cost per op); blocks never measured take the measured mean."""
-    compute: dict[str, float] = {}
-    for m in figures:
-        compute.update(m.block_s)
-        compute[m.component] = m.rest_s
-    blocks = [v for m in figures for v in m.block_s.values()]
-    cpu = any(m.clock == "host clock" for m in figures)
-    n = max(len(figures), 1)
-    return CostModel.calibrated(
-        h2d_bytes_per_s=math.inf if cpu else h2d_bytes_per_s,
-        block_s=sum(blocks) / len(blocks) if blocks else default_block_s,
-        compute_s=compute,
-        host_op_s=sum(m.host_op_s for m in figures) / n,
-        host_block_s=sum(m.host_block_s for m in figures) / n,
-        collective_bytes_per_s=math.inf if cpu else collective_bytes_per_s,
-        forwards_per_step=1,
-        source="measured by the session"
-        + ("; copies on the compute thread (CPU) charged per op" if cpu else ""),
-    )
-
-
-def _unmoved(compute: float, before: float) -> bool:
-    """Whether measured block compute stayed within `REMEASURE_MARGIN` of what a re-choice used."""
-    if before <= 0:
-        return compute <= 0
-    return abs(compute / before - 1) <= REMEASURE_MARGIN
-
-
-def _fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """``(a, b)`` with ``y ~ a + b x``, both at least 0; ``(0, y / x)`` when x never varies."""
-    if not ys:
-        return 0.0, 0.0
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    if var == 0:
-        # Not separable: every gap holds as many ops. Ops carry the runtime's real work (re-pointing,
-        # copies), so all of it goes to them; a schedule with another op mix refits it.
-        return (0.0, my / mx) if mx else (my, 0.0)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-    a = my - b * mx
-    if b < 0:
-        return my, 0.0
-    if a < 0:
-        return 0.0, my / mx if mx else 0.0
-    return a, b
 
 
 @attrs.frozen(kw_only=True)
@@ -430,10 +261,10 @@ def named_report(name: str, plan: Plan, **memory: Any) -> SessionReport:
 
 
 class Chooser:
-    """The auto strategy inside one session: the current choice, the measurements, the re-choices.
+    """The auto strategy inside one session: the `policies.ChooserState`, updated by its pure functions.
 
-    The session asks `tracer` at each step's start whether to trace it, hands each finished trace to
-    `traced`, and asks `pending` between steps for a policy to switch to.
+    The session asks `tracer` at each step's start (with the step's run index) whether to trace it,
+    hands each finished trace to `traced`, and asks `pending` between steps for a policy to switch to.
     """
 
     def __init__(self, plan: Plan, device: torch.device, budget: int, budget_source: str) -> None:
@@ -443,146 +274,106 @@ class Chooser:
         self.budget_source = budget_source
         self.h2d, self.h2d_source = h2d_bandwidth(device)
         profile = base_profile(device)
-        topo = plan.topology
-        self.base = policies.estimate_cost(
-            topo, device=attrs.evolve(profile, h2d_bytes_per_s=self.h2d), forwards_per_step=1
+        base = policies.estimate_cost(
+            plan.topology, device=attrs.evolve(profile, h2d_bytes_per_s=self.h2d), forwards_per_step=1
         )
-        self.cost = self.base
         lay = policies.layout(plan)
         dits = [c.path for c in plan.components if lay.streamed.get(c.path) and c.kind == "dit"]
-        #: Components whose steps are measured and predicted: the streaming DiTs (else any streamer).
-        self.components: tuple[str, ...] = tuple(
-            dits or [c.path for c in plan.components if lay.streamed.get(c.path)]
+        #: What stays fixed; `components` are those whose steps are measured and predicted: the
+        #: streaming DiTs (else any streamer).
+        self.setup = Calibration(
+            plan=plan,
+            budget=budget,
+            h2d_bytes_per_s=self.h2d,
+            base=base,
+            components=tuple(dits or [c.path for c in plan.components if lay.streamed.get(c.path)]),
         )
         try:
-            self.choice: Choice = policies.choose(plan, budget, self.cost)
+            #: Every choice, measurement and re-choice so far.
+            self.state: ChooserState = policies.init_chooser(self.setup)
         except ScheduleError as exc:
             raise PlanError(
                 f"offload(strategy='auto'): nothing fits the budget ({budget_source}): {exc}; pass a "
                 "larger device_memory= or fewer components"
             ) from None
-        self.policy: Policy = self.choice.policy()
-        self._pending: Policy | None = None
-        self.switches: list[str] = []
-        # Why: the fastest measurement of each component under the schedule it ran, for the cost model.
-        self.measured: dict[str, Measured] = {}
-        # Why: the traced walls of each component under the running policy, for `measured_step_s`.
-        self.walls: dict[str, list[float]] = {}
-        # Why: the measured step each component's last re-choice used, against REMEASURE_MARGIN.
-        self._chosen_at: dict[str, float] = {}
-        # Why: per component, (the step predicted before the model was fitted to a traced step, what
-        # that step measured): the one comparison of prediction and measurement that is not circular.
-        self.checks: dict[str, tuple[float, float]] = {}
-        self._run: tuple[str, int] | None = None
-        self._fresh = False
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return self.setup.components
+
+    @property
+    def policy(self) -> Policy:
+        """The policy running now."""
+        return self.state.policy
+
+    @property
+    def choice(self) -> Choice:
+        return self.state.choice
+
+    @property
+    def cost(self) -> CostModel:
+        return self.state.cost
 
     # ------------------------------------------------------------------------------ the session
     def pending(self) -> Policy | None:
         """The policy to switch to before the next step, once (``None``: keep the running one)."""
-        policy, self._pending = self._pending, None
-        if policy is not None:
-            self.policy = policy
-            self._fresh = True
-            self.walls.clear()
+        self.state, policy = policies.switch_policy(self.state)
         return policy
 
-    def tracer(self, component: str) -> Tracer | None:
-        """A tracer for the step of ``component`` starting now, if it is one to measure."""
-        last = self._run
-        index = last[1] + 1 if last is not None and last[0] == component else 0
-        self._run = (component, index)
-        fresh, self._fresh = self._fresh, False
-        if component not in self.components or index == 0 or fresh:
-            return None
-        if len(self.walls.get(component, ())) >= MAX_TRACES and index % TRACE_EVERY:
-            return None
-        return Tracer(self.device, component)
-
-    def interrupted(self) -> None:
-        """A step failed: the next forward starts a new run."""
-        self._run = None
+    def tracer(self, component: str, index: int) -> Tracer | None:
+        """A tracer for the step of ``component`` at run index ``index`` starting now, if it is one to
+        measure (`policies.should_trace`)."""
+        self.state, trace = policies.should_trace(self.setup, self.state, component, index)
+        return Tracer(self.device, component) if trace else None
 
     def traced(self, trace: StepTrace) -> bool:
-        """One traced steady step: keep its figures, re-choose when they call for it (then ``True``).
+        """One traced steady step: fold its figures in (`policies.observe`); ``True`` when it re-chose.
 
         A step in which no block ran (a cache that skips the whole transformer, or a compiled forward
         whose blocks no hook timed) measured nothing: it is not counted, and the next is traced.
         """
-        c = trace.component
-        figures = measure(trace, self.plan)
-        if not figures.block_s:
-            return False
-        if c in self.measured and trace.schedule.policy == self.running_name:
-            # The model was fitted to earlier steps only: what it predicts for this one is a real test.
-            self.checks[c] = (self.predicted(c), trace.wall_s)
-        self.walls.setdefault(c, []).append(trace.wall_s)
-        best = self.measured.get(c)
-        if best is None or figures.wall_s < best.wall_s or best.policy != figures.policy:
-            self.measured[c] = figures
-        # Compute does not depend on the schedule, so it is what a second re-choice is judged by.
-        compute = sum(self.measured[c].block_s.values())
-        before = self._chosen_at.get(c)
-        if before is not None and _unmoved(compute, before):
-            self.cost = self.calibrated()  # the model keeps learning; the choice stands
-            return False
-        self._chosen_at[c] = compute
-        self._rechoose(c)
-        return True
+        before = self.state
+        self.state, switch = policies.observe(self.setup, before, policies.measure(trace, self.plan))
+        if switch is not None:
+            new, old = getattr(switch, "name", ""), before.running
+            LOG.info("torchferry: after measuring %s, switching %s -> %s", trace.component, old, new)
+        return self.state.choice is not before.choice
 
     @property
     def switching(self) -> bool:
         """Whether a re-choice is waiting for the next step."""
-        return self._pending is not None
+        return self.state.pending is not None
 
     @property
     def running_name(self) -> str:
-        return getattr(self.policy, "name", "")
-
-    def _rechoose(self, component: str) -> None:
-        self.cost = self.calibrated()
-        choice = policies.choose(self.plan, self.budget, self.cost)
-        old = self.running_name
-        new = choice.policy()
-        self.choice = choice
-        if new.name != old:
-            self._pending = new
-            self.switches.append(f"{old} -> {new.name}: calibrated on {component}")
-            LOG.info("torchferry: after measuring %s, switching %s -> %s", component, old, new.name)
-
-    def calibrated(self) -> CostModel:
-        """The cost model of every measurement so far (blocks never measured take their mean)."""
-        return calibrate(
-            list(self.measured.values()),
-            h2d_bytes_per_s=self.h2d,
-            collective_bytes_per_s=self.base.collective_bytes_per_s,
-            default_block_s=self.base.block_s,
-        )
+        return self.state.running
 
     # ------------------------------------------------------------------------------ the figures
     def predicted(self, component: str) -> float:
         """Simulated steady step of ``component`` under the running policy and the current model."""
-        return predicted_step_s(self.policy, self.plan, component, self.cost)
+        return policies.predicted_step_s(self.state.policy, self.plan, component, self.state.cost)
 
     def report(self) -> SessionReport:
-        calibrated = bool(self.measured)
-        figures = list(self.measured.values())
+        state = self.state
+        calibrated = bool(state.measured)
+        figures = list(state.measured.values())
         return SessionReport(
             budget=self.budget,
             budget_source=self.budget_source,
             h2d_bytes_per_s=self.h2d,
             h2d_source=self.h2d_source,
-            policy=self.running_name,
-            choice=self.choice,
-            cost=self.cost,
+            policy=state.running,
+            choice=state.choice,
+            cost=state.cost,
             calibrated=calibrated,
             block_s={m.component: sum(m.block_s.values()) / max(len(m.block_s), 1) for m in figures},
             predicted_step_s={c: self.predicted(c) for c in self.components},
-            measured_step_s={c: min(w) for c, w in self.walls.items() if w},
+            measured_step_s={c: min(w) for c, w in state.walls.items() if w},
             host_op_s=sum(m.host_op_s for m in figures) / len(figures) if figures else 0.0,
             host_block_s=sum(m.host_block_s for m in figures) / len(figures) if figures else 0.0,
-            switches=tuple(self.switches),
-            reason=self.choice.reason
+            switches=state.switches,
+            reason=state.choice.reason
             + ("" if calibrated else " (under assumed compute; re-chosen once a step is measured)"),
-            checked_step_s=dict(self.checks),
-            traced_steps={c: len(w) for c, w in self.walls.items() if w},
+            checked_step_s=dict(state.checks),
+            traced_steps={c: len(w) for c, w in state.walls.items() if w},
         )

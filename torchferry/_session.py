@@ -365,11 +365,12 @@ class Session:
                 self._steps.use(switch, index_free=policies.is_index_free(switch))
                 self.policy = switch
                 self._log()  # the re-chosen schedule runs from this step
-            tracer = chooser.tracer(component)
+        step = self._steps.next(component, engine.residency)
+        if chooser is not None:
+            tracer = chooser.tracer(component, self._steps.index)
             if tracer is not None and not engine.traced:
                 engine.arm(tracer)
                 self._measuring = tracer
-        step = self._steps.next(component, engine.residency)
         engine.begin(self._steps.schedule(step))
         self._step = step
 
@@ -384,8 +385,6 @@ class Session:
                 self._guard.keep_device_writes()  # what the failed step wrote in place is kept
                 self.engine.abort()
                 self._steps.interrupted()
-                if self._chooser is not None:
-                    self._chooser.interrupted()
                 return
             self.engine.finish()
             if self._step is not None:

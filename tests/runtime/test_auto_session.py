@@ -13,7 +13,7 @@ from module_checks import hook_count, same_weights
 
 import torchferry
 from torchferry import PlanError, policies
-from torchferry._auto import CPU_BUDGET, SessionReport, measure
+from torchferry._auto import CPU_BUDGET, SessionReport
 from torchferry.testing import toy
 
 
@@ -209,7 +209,7 @@ def test_measure_reads_block_compute_and_host_cost_from_a_trace() -> None:
     with torchferry.offload(p, strategy="layerwise", device="cpu") as session:
         with session.trace("transformer", skip=1) as tracer:
             p("a cat", steps=3)
-        figures = measure(tracer.result, session.plan)
+        figures = policies.measure(tracer.result, session.plan)
     blocks = {f"transformer.blocks.{i}" for i in range(8)}
     assert set(figures.block_s) == blocks and all(v > 0 for v in figures.block_s.values())
     ops = len(tracer.result.schedule.ops)
@@ -267,7 +267,8 @@ def test_report_compares_predictions_only_with_steps_they_were_not_fitted_to() -
         traced = chooser.traced
 
         def spy(trace: Any) -> bool:
-            seen.append(("transformer" in chooser.measured, chooser.predicted("transformer"), trace.wall_s))
+            measured = "transformer" in chooser.state.measured
+            seen.append((measured, chooser.predicted("transformer"), trace.wall_s))
             rechosen = traced(trace)
             reports.append(session.report())
             return rechosen

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 import torch
 
 from torchferry import policies, topology
-from torchferry._auto import calibrate, measure
 from torchferry.cli._demo_runs import COMPONENTS, DemoRow
 from torchferry.cli._tables import table
 from torchferry.cli._timeline import Panel, lanes_of, render_panels
@@ -172,7 +171,8 @@ def timeline_svg(
             else f"measured on {measured.device} (synchronous copies)"
         )
         rank = ", rank 0" if distributed else ""
-        calibrated = calibrate([measure(measured, plan)], h2d_bytes_per_s=cost.h2d_bytes_per_s)
+        figures = policies.measure(measured, plan)
+        calibrated = policies.calibrate([figures], h2d_bytes_per_s=cost.h2d_bytes_per_s)
         again = policies.simulate(measured.schedule, calibrated).makespan_s
         note = (
             f"{_measured_note(measured, ranks)}; calibrated on it (runtime figures, "

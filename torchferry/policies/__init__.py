@@ -15,6 +15,21 @@ from torchferry.policies._builtin import (
     model_level,
     none,
 )
+from torchferry.policies._calibrate import MAX_TRACES as MAX_TRACES
+from torchferry.policies._calibrate import REMEASURE_MARGIN as REMEASURE_MARGIN
+from torchferry.policies._calibrate import TRACE_EVERY as TRACE_EVERY
+from torchferry.policies._calibrate import Calibration as Calibration
+from torchferry.policies._calibrate import ChooserState as ChooserState
+from torchferry.policies._calibrate import Measured as Measured
+from torchferry.policies._calibrate import calibrate as calibrate
+from torchferry.policies._calibrate import fit as fit
+from torchferry.policies._calibrate import init_chooser as init_chooser
+from torchferry.policies._calibrate import measure as measure
+from torchferry.policies._calibrate import observe as observe
+from torchferry.policies._calibrate import predicted_step_s as predicted_step_s
+from torchferry.policies._calibrate import should_trace as should_trace
+from torchferry.policies._calibrate import switch_policy as switch_policy
+from torchferry.policies._calibrate import unmoved as unmoved
 from torchferry.policies._check import INVARIANTS, check
 from torchferry.policies._cost import (
     DEFAULT_DEVICE,
@@ -52,6 +67,11 @@ from torchferry.policies._layout import shard_nbytes
 from torchferry.policies._layout import unit_packs as unit_packs
 from torchferry.policies._listing import format_schedule
 from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, Span, simulate, steady_schedule
+from torchferry.policies._steps import StepState as StepState
+from torchferry.policies._steps import init_steps as init_steps
+from torchferry.policies._steps import next_step as next_step
+from torchferry.policies._steps import step_failed as step_failed
+from torchferry.policies._steps import step_name as step_name
 from torchferry.policies._text import Mark, format_marked, parse_schedule
 from torchferry.policies._tiers import READ_BOUNCE_BYTES, STAGING_SLOTS, Tiers, tiers
 from torchferry.policies._tiers import file_packs as file_packs

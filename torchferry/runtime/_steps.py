@@ -1,10 +1,5 @@
-"""Step naming: each forward of a top-level component becomes a `Step`, and its schedule is cached.
-
-A step is ``Step(component, index, entry, next)``: ``index`` numbers consecutive forwards of the
-same component (the run length), ``entry`` is what the device holds when it starts, and ``next`` is
-the component that followed this step last time, so a policy can prefetch across a switch. Policies
-are pure, so each distinct step asks the policy once; an index-free policy (`policies.index_free`)
-serves every forward that starts from the same residency with the schedule of index 0.
+"""Each forward of a top-level component becomes a `Step` (named by `policies.next_step`), and
+its schedule is cached: policies are pure, so each distinct step asks the policy once.
 """
 
 from __future__ import annotations
@@ -12,7 +7,17 @@ from __future__ import annotations
 from typing import TypeVar
 
 from torchferry._errors import PlanError, ScheduleError
-from torchferry.policies import Placement, Policy, Schedule, Step, check
+from torchferry.policies import (
+    Placement,
+    Policy,
+    Schedule,
+    Step,
+    check,
+    init_steps,
+    next_step,
+    step_failed,
+    step_name,
+)
 from torchferry.topology import Plan
 
 __all__ = ["MAX_SCHEDULES", "Steps", "prove", "step_name"]
@@ -23,11 +28,6 @@ MAX_SCHEDULES = 512
 
 K = TypeVar("K")
 V = TypeVar("V")
-
-
-def step_name(step: Step) -> str:
-    """``component#index``, the step's name in messages."""
-    return f"{step.component or '(pipeline)'}#{step.index}"
 
 
 def bounded_put(table: dict[K, V], key: K, value: V, limit: int = MAX_SCHEDULES) -> None:
@@ -59,31 +59,25 @@ class Steps:
         self.schedules: dict[Step, Schedule] = {}
         #: The most device bytes each step held while it ran, to compare with `policies.simulate`.
         self.peaks: dict[Step, int] = {}
-        # Why: the step key that ran last, to number run lengths and learn what follows each step.
-        self._last: tuple[str, int] | None = None
-        # Why: what followed each step last time, so a policy can prefetch across a switch.
-        self._follows: dict[tuple[str, int], str | None] = {}
+        #: The run index and what followed each step (`policies.StepState`).
+        self.state = init_steps()
         # Why: the Step objects made lately, by (component, index, next, entry identity).
         self._known: dict[tuple[str, int, str | None, int], Step] = {}
 
     def next(self, component: str, entry: tuple[Placement, ...]) -> Step:
         """The step a forward of ``component`` starting from ``entry`` is."""
-        last = self._last
-        index = last[1] + 1 if last is not None and last[0] == component else 0
-        if last is not None:
-            bounded_put(self._follows, last, None if last[0] == component else component)
-        key = (component, index)
-        self._last = key
-        follows = self._follows.get(key)
-        # One schedule serves every forward that starts from the same residency (`index_free`).
-        named = 0 if self.index_free else index
-        memo = (component, named, follows, id(entry))
+        step, self.state = next_step(self.state, component, entry, index_free=self.index_free)
+        memo = (component, step.index, step.next, id(entry))
         known = self._known.get(memo)
         if known is not None and known.entry is entry:
             return known  # a steady step: the same Step object, so its schedule is found by identity
-        step = Step(component=component, index=named, entry=entry, next=follows)
         bounded_put(self._known, memo, step)
         return step
+
+    @property
+    def index(self) -> int:
+        """The run index of the step named last (``-1`` before the first of a run)."""
+        return self.state.index
 
     def schedule(self, step: Step) -> Schedule:
         """The policy's schedule for ``step`` (asked once per distinct step), proved by `policies.check`.
@@ -109,7 +103,7 @@ class Steps:
 
     def interrupted(self) -> None:
         """The running step failed: the next forward starts a new run (its index is 0)."""
-        self._last = None
+        self.state = step_failed(self.state)
 
     def finished(self, step: Step, peak: int) -> None:
         """``step`` ran to its end holding at most ``peak`` device bytes."""
