@@ -65,7 +65,7 @@ def _shard_group(request: OffloadConfig, process_group: Any) -> tuple[OffloadCon
 
     Only the distributed strategy with an all-gather transfer uses a group: the one passed, else the
     default group (with rank-local transfers a group passed is not used). A parallel layout left at
-    its default takes the group's size; one that names another shard group size is an error.
+    its default takes the group's size; one that names another is refused by `topology.resolve`.
     """
     gathers = "allgather" in (request.dit_transfer, request.encoder_transfer)
     if not request.distributed and process_group is not None:
@@ -91,11 +91,6 @@ def _shard_group(request: OffloadConfig, process_group: Any) -> tuple[OffloadCon
     size = request.parallel.shard_group_size
     if size == 1 and world > 1:
         request = attrs.evolve(request, parallel=topology.ParallelLayout(data_parallel_size=world))
-    elif size != world:
-        raise PlanError(
-            f"the parallel layout gives a weight-shard group of {size} ranks but the process group has "
-            f"{world}; pass the group whose ranks share one copy of the weights, or fix the layout"
-        )
     return request, group
 
 
@@ -192,7 +187,8 @@ def offload(
     topo = topology.discover(pipeline, declaration)
     refuse_foreign(pipeline, topo)
     CLAIMS.check(pipeline, topo)
-    plan = topology.resolve(topo, request)
+    world = None if group is None else torch.distributed.get_world_size(group)
+    plan = topology.resolve(topo, request, world=world, checkpoint_components=checkpoint_components)
     plan, host = runtime.host_plan(
         pipeline, plan, group=group, spill=spill, device=target, prefix_map=checkpoint_prefix_map,
         variant=checkpoint_variant,

@@ -571,3 +571,45 @@ def test_resolve_rejects_wrong_argument_types() -> None:
         resolve(topo(), {})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=re.escape("resolve() needs a Topology, got Component")):
         resolve(Component(path="x", kind="dit"), LAYER)  # type: ignore[arg-type]
+
+
+def test_rule_13_the_shard_group_must_be_the_process_group() -> None:
+    """An all-gathering request whose layout names another shard group size than ``world`` is refused."""
+    request = OffloadConfig(strategy="distributed_layerwise", parallel=ParallelLayout(data_parallel_size=4))
+    with error(
+        "the parallel layout gives a weight-shard group of 4 ranks but the process group has 2; pass the "
+        "group whose ranks share one copy of the weights, or fix the layout"
+    ):
+        resolve(topo(), request, world=2)
+    assert resolve(topo(), request, world=4) == resolve(topo(), request)
+    # Rank-local transfers gather nothing: the group's size does not matter.
+    assert resolve(topo(), DLO_LOCAL, world=3) == resolve(topo(), DLO_LOCAL)
+
+
+def test_rule_14_checkpoint_components_name_top_level_components_of_a_checkpoint() -> None:
+    """checkpoint_components= needs checkpoint= and names only the topology's top-level components."""
+    with error(
+        "checkpoint_components= says which components to fill from the checkpoint, and no checkpoint= was "
+        "given; pass checkpoint=, or drop checkpoint_components="
+    ):
+        resolve(topo(), LAYER, checkpoint_components=["vae"])
+    with_file = OffloadConfig(strategy="layerwise", checkpoint="/nowhere/model.safetensors")
+    with error(
+        "checkpoint_components names 'dit', 'unet', which this plan has no top-level component for; its "
+        "components are 'transformer', 'text_encoder', 'vae'"
+    ):
+        resolve(topo(), with_file, checkpoint_components=["unet", "dit", "vae"])
+    assert resolve(topo(), with_file, checkpoint_components="vae") == resolve(topo(), with_file)
+
+
+def test_rules_13_and_14_are_reported_together() -> None:
+    """A wrong group size and a checkpoint_components= with no checkpoint are both listed at once."""
+    request = OffloadConfig(strategy="distributed_layerwise", parallel=ParallelLayout(data_parallel_size=2))
+    with error(
+        "2 problems with this offload request:\n"
+        "  - the parallel layout gives a weight-shard group of 2 ranks but the process group has 8; pass the "
+        "group whose ranks share one copy of the weights, or fix the layout\n"
+        "  - checkpoint_components= says which components to fill from the checkpoint, and no checkpoint= "
+        "was given; pass checkpoint=, or drop checkpoint_components="
+    ):
+        resolve(topo(), request, world=8, checkpoint_components=())

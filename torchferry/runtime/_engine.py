@@ -93,24 +93,11 @@ def _ordinary() -> contextlib.AbstractContextManager[None]:
 
 def _from_module(plan: Plan, fill: Collection[str] | None) -> frozenset[str]:
     """The top-level components that keep their own weights although a checkpoint is given: those
-    ``fill`` (the components to read from the checkpoint; ``None``: all) leaves out."""
-    tops = [c.path for c in plan.components]
+    ``fill`` (the components to read from the checkpoint; ``None``: all) leaves out (`topology.resolve`
+    refused a ``fill`` that names another component, or comes without a checkpoint: rule 14)."""
     if fill is None:
         return frozenset()
-    if isinstance(fill, str):
-        fill = (fill,)
-    if plan.config.checkpoint is None:
-        raise PlanError(
-            "checkpoint_components= says which components to fill from the checkpoint, and no "
-            "checkpoint= was given; pass checkpoint=, or drop checkpoint_components="
-        )
-    unknown = sorted(set(fill) - set(tops))
-    if unknown:
-        raise PlanError(
-            f"checkpoint_components names {', '.join(map(repr, unknown))}, which this plan has no top-level "
-            f"component for; its components are {', '.join(map(repr, tops)) or '(none)'}"
-        )
-    return frozenset(tops) - frozenset(fill)
+    return frozenset(c.path for c in plan.components) - frozenset((fill,) if isinstance(fill, str) else fill)
 
 
 class Engine(Mover):

@@ -28,6 +28,10 @@ The rules, in the order they are applied (messages name the component, what was 
 11. Every streamed block has exactly one owner (checked last).
 12. Model-level offload (not explicit) that would swap nothing warns: no DiT (nothing moves), or
     DiTs but no encoder stage (each DiT is staged whole; layerwise would stream it).
+13. With ``world`` (the size of the process group the session all-gathers over), a distributed
+    request that all-gathers must name a weight-shard group of that size.
+14. ``checkpoint_components`` (the top-level components a checkpoint fills; ``None``: all) needs a
+    ``checkpoint`` and names only top-level components of the topology.
 
 A ``storage_dtype`` request first stores the DiTs' castable tensors in that dtype (`stored_as`), so the
 plan, every byte count and every schedule are in the stored bytes.
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Collection
 
 import attrs
 
@@ -432,13 +437,47 @@ class _Resolver:
                         )
                         return
 
+    def session(self, world: int | None, fill: Collection[str] | None) -> None:
+        """Rules 13 and 14: the request against the process group and the checkpoint's components."""
+        config = self.config
+        gathers = "allgather" in (config.dit_transfer, config.encoder_transfer)
+        size = config.parallel.shard_group_size
+        if world is not None and config.distributed and gathers and size != world:
+            self.errors.append(
+                f"the parallel layout gives a weight-shard group of {size} ranks but the process group has "
+                f"{world}; pass the group whose ranks share one copy of the weights, or fix the layout"
+            )
+        if fill is None:
+            return
+        if config.checkpoint is None:
+            self.errors.append(
+                "checkpoint_components= says which components to fill from the checkpoint, and no "
+                "checkpoint= was given; pass checkpoint=, or drop checkpoint_components="
+            )
+            return
+        tops = [c.path for c in self.topology.components]
+        unknown = sorted(set((fill,) if isinstance(fill, str) else fill) - set(tops))
+        if unknown:
+            self.errors.append(
+                f"checkpoint_components names {', '.join(map(repr, unknown))}, which this plan has no "
+                f"top-level component for; its components are {', '.join(map(repr, tops)) or '(none)'}"
+            )
 
-def resolve(topology: Topology, config: OffloadConfig) -> Plan:
+
+def resolve(
+    topology: Topology,
+    config: OffloadConfig,
+    *,
+    world: int | None = None,
+    checkpoint_components: Collection[str] | None = None,
+) -> Plan:
     """Resolve and validate ``topology`` under ``config`` (see the module's numbered rules).
 
     Pure and deterministic: reads its arguments only and returns equal plans for equal inputs.
     Raises `PlanError` listing every problem; otherwise issues the legacy warnings
-    (`OffloadWarning`) and returns the `Plan`.
+    (`OffloadWarning`) and returns the `Plan`. ``world`` (the size of the session's weight-shard
+    process group) and ``checkpoint_components`` are checked against the request (rules 13, 14);
+    ``None`` checks nothing.
     """
     if not isinstance(topology, Topology):
         raise TypeError(f"resolve() needs a Topology, got {type(topology).__name__}")
@@ -468,6 +507,7 @@ def resolve(topology: Topology, config: OffloadConfig) -> Plan:
         r.warnings.append(f"{skip_reason}; layerwise offload is skipped and nothing is moved")
         resolved = [_flat(c, selected=False, on_demand=False) for c in resolved]
     r.ownership(tuple(resolved))
+    r.session(world, checkpoint_components)
 
     if r.errors:
         if len(r.errors) == 1:
