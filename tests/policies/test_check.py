@@ -178,6 +178,67 @@ def test_distributed_schedule_passes() -> None:
     policies.check(policy(plan, Step(component="transformer", index=1, entry=first.exit)), plan)
 
 
+def _chunked() -> tuple[Plan, Schedule]:
+    """Three 1 MiB blocks over two ranks, gathered in chunks of 128 KiB: 512 KiB shards in 4 chunks."""
+    plan = ring_plan(3, MIB, strategy="distributed_layerwise", parallel=ParallelLayout(data_parallel_size=2))
+    return plan, policies.distributed_layerwise(1, chunk_bytes=MIB // 8)(plan, Step(component="transformer"))
+
+
+def test_a_chunked_gather_has_its_gather_slot_counted_by_simulate() -> None:
+    """The schedule holds one gather slot of world x chunk bytes; simulate counts it on top of the
+    same schedule gathered whole, and `gather_nbytes` says its size."""
+    plan, chunked = _chunked()
+    whole = policies.distributed_layerwise(1)(plan, Step(component="transformer"))
+    assert [s for s in chunked.slots if s.kind == "gather"] == [
+        policies.Slot(name="g0", nbytes=MIB // 4, kind="gather")
+    ]
+    assert policies.gather_nbytes(MIB // 2, 4, 2) == MIB // 4 and policies.gather_nbytes(MIB // 2, 1, 2) == 0
+    assert not [s for s in whole.slots if s.kind == "gather"]
+    peak = policies.simulate(chunked).peak_device_bytes
+    assert peak == policies.simulate(whole).peak_device_bytes + MIB // 4 == 3 * MIB + MIB // 4
+    policies.check(chunked, plan)
+    assert policies.parse_schedule(policies.format_schedule(chunked)) == chunked
+
+
+def test_a_chunked_gather_slot_counts_against_the_budget() -> None:
+    """[4] the gather slot's bytes count: a budget one byte under the simulated peak is crossed."""
+    plan, chunked = _chunked()
+    peak = policies.simulate(chunked).peak_device_bytes
+    fits = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=peak))
+    policies.check(attrs.evolve(chunked, plan=fits.digest), fits)
+    under = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=peak - 1))
+    report = policies.simulate(chunked)
+    assert report.peak_op is not None
+    line = 4 + len(chunked.notes) + len(chunked.slots) + 1 + 1 + report.peak_op
+    assert _violations(attrs.evolve(chunked, plan=under.digest), under) == [
+        f"  line {line}: [4] device bytes reach 3.2 MiB ({peak}) here, over the budget of 3.2 MiB "
+        f"({peak - 1}) (config.device_memory_bytes); stream more blocks, lower the prefetch depth or raise "
+        "the budget",
+    ]
+
+
+def test_a_chunked_gather_without_its_gather_slot() -> None:
+    """[3] a gather in chunks needs the slot table's gather slot, of world x chunk bytes at least."""
+    plan, chunked = _chunked()
+    first = 4 + len(chunked.notes) + len(chunked.slots) + 2  # the header, the slots, the entry
+    gathers = [(first + i, op.unit) for i, op in enumerate(chunked.ops) if op.kind == "gather"]
+    missing = attrs.evolve(chunked, slots=tuple(s for s in chunked.slots if s.kind != "gather"))
+    assert _violations(missing, plan) == [
+        f"  line {line - 1}: [3] gather of {unit} in 4 chunks lands each chunk of every rank in a gather "
+        "slot of 256.0 KiB (262144), and the slot table has none; add 'slot g0 gather 262144'"
+        for line, unit in gathers
+    ]
+    small = attrs.evolve(
+        chunked,
+        slots=tuple(attrs.evolve(s, nbytes=1000) if s.kind == "gather" else s for s in chunked.slots),
+    )
+    assert _violations(small, plan) == [
+        f"  line {line}: [3] gather of {unit} in 4 chunks needs 256.0 KiB (262144) in gather slot g0, which "
+        "holds 1000 B; size it to the largest chunk set"
+        for line, unit in gathers
+    ]
+
+
 def test_every_violation_at_once() -> None:
     """[7] and [1] together: a wrong stream and an op before an earlier anchor are all reported."""
     plan, schedule = _ring()

@@ -233,29 +233,39 @@ def test_a_stale_gather_schedule_passes_check() -> None:
     policies.check(_stale_gather(plan), plan)
 
 
-# ---------------------------------------------------------------- the staging buffer, sized once
+# ---------------------------------------------------------------- the gather slot, in the schedule
 def _staged_gathers(rank: int, world: int) -> dict[str, Any]:
-    """Chunked gathers through the staging buffer (as on NCCL) for two pipeline calls on this rank."""
+    """Chunked gathers through the gather slot, as on NCCL (a staged backend: gloo is made to say it is
+    one), for two pipeline calls on this rank: what the slot holds, and every step's measured peak."""
     expected = toy.build(0)("a cat", steps=2)
     Comm.staged = property(lambda self: True)  # type: ignore[method-assign, assignment]
     p = toy.build(0)
     with torchferry.offload(p, strategy="distributed_layerwise", device="cpu", chunk_bytes=4096) as session:
         engine = session.engine
-        staging = engine._staging
-        opened = None if staging is None else staging.data.numel()
-        outs = [torch.equal(p("a cat", steps=2), expected) for _ in range(2)]
-        largest = max(pack.host.numel() for pack in engine.store.sharded)
+        outs, buffers = [], []
+        for _ in range(2):
+            outs.append(torch.equal(p("a cat", steps=2), expected))
+            buffers.append((engine.slots.slots.get("g0") or engine.slots.parked["g0"])[1])
+        gather = {s for schedule in session.schedules.values() for s in schedule.slots if s.kind == "gather"}
+        shards = [pack.held_bytes for pack in engine.store.sharded]
         chunks = max(op.chunks for s in session.schedules.values() for op in s.ops)
-        same = engine._staging is staging
+        peaks = {
+            policies.step_name(step): (peak, policies.simulate(session.schedules[step]).peak_device_bytes)
+            for step, peak in session.step_peaks.items()
+        }
         session.close(gather=True)
-    return {"opened": opened, "need": world * 4096, "largest": largest, "chunks": chunks, "same": same,
-            "outs": outs, "sanitized": isinstance(engine.streams, StreamSanitizer)}  # fmt: skip
+    need = max(policies.gather_nbytes(n, -(-n // 4096), world) for n in shards)
+    return {"gather": sorted((g.name, g.kind, g.nbytes) for g in gather), "need": need, "chunks": chunks,
+            "largest": max(shards), "same": buffers[0] is buffers[1], "outs": outs, "peaks": peaks,
+            "sanitized": isinstance(engine.streams, StreamSanitizer)}  # fmt: skip
 
 
 @pytest.mark.dist
-def test_the_gather_staging_buffer_is_sized_once_at_open() -> None:
-    """A staged backend's chunked gathers use one buffer of world x chunk_bytes from open to close."""
+def test_chunked_gathers_land_in_the_schedules_gather_slot_and_peaks_are_simulated() -> None:
+    """A staged backend's chunked gathers use the schedule's one gather slot (world chunks of at most
+    chunk_bytes) from call to call, and every step's measured device peak equals the simulated one."""
     for row in run_ranks(_staged_gathers, 2, timeout=90, env={SANITIZE_ENV: "1"}):
         assert row["largest"] > 4096 and row["chunks"] > 1  # the toy's blocks do gather in chunks
-        assert row["opened"] == row["need"]
+        assert row["gather"] == [("g0", "gather", row["need"])] and row["need"] <= 2 * 4096
         assert row["same"] and row["outs"] == [True, True] and row["sanitized"]
+        assert row["peaks"] and all(measured == simulated for measured, simulated in row["peaks"].values())

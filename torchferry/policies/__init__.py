@@ -60,6 +60,7 @@ from torchferry.policies._ir import (
     is_index_free,
     rest_unit,
 )
+from torchferry.policies._ir import gather_nbytes as gather_nbytes
 from torchferry.policies._layout import group_specs as group_specs
 from torchferry.policies._layout import layout as layout
 from torchferry.policies._layout import pack_bytes as pack_bytes

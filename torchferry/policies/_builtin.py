@@ -42,6 +42,7 @@ from torchferry.policies._ir import (
     Step,
     When,
     declare,
+    gather_nbytes,
 )
 from torchferry.policies._layout import PlanFacts, forward_blocks, layout, shard_nbytes, swaps
 from torchferry.policies._staging import Reads
@@ -264,18 +265,24 @@ def _chunks(shard: int, chunk_bytes: int | None) -> int:
     return -(-shard // chunk_bytes)
 
 
-def ring_slots(plan: Plan, lay: PlanFacts, depth: int, allgather: frozenset[str]) -> tuple[Slot, ...]:
+def ring_slots(
+    plan: Plan, lay: PlanFacts, depth: int, allgather: frozenset[str], chunk_bytes: int | None = None
+) -> tuple[Slot, ...]:
     """The shared ring's block slots (``s0..s<depth>``) and, when some block is all-gathered, two
-    shard slots (``h0``, ``h1``), each sized to the largest unit it will hold."""
+    shard slots (``h0``, ``h1``), each sized to the largest unit it will hold; when some gather is
+    chunked (``chunk_bytes`` under a shard), the ``gather`` slot ``g0`` its chunks land in
+    (`gather_nbytes`: ``world`` chunks of at most ``chunk_bytes``)."""
     world = plan.config.dp_size
     full = 0
     shard = 0
+    gathered = 0
     for blocks in lay.streamed.values():
         for blk in blocks:
             if blk.path in allgather:
                 s = shard_nbytes(blk.nbytes, world)
                 shard = max(shard, s)
                 full = max(full, s * world)
+                gathered = max(gathered, gather_nbytes(s, _chunks(s, chunk_bytes), world))
             else:
                 full = max(full, blk.nbytes)
     if full == 0:
@@ -283,6 +290,8 @@ def ring_slots(plan: Plan, lay: PlanFacts, depth: int, allgather: frozenset[str]
     slots = [Slot(name=f"s{i}", nbytes=full) for i in range(depth + 1)]
     if shard:
         slots += [Slot(name=f"h{i}", nbytes=shard, kind="shard") for i in range(2)]
+    if gathered:
+        slots.append(Slot(name="g0", nbytes=gathered, kind="gather"))
     return tuple(slots)
 
 
@@ -301,7 +310,7 @@ def _ring(
     c = top.path
     lay = layout(plan, resident)
     allgather = lay.allgather if gather else frozenset()
-    slots = ring_slots(plan, lay, depth, allgather)
+    slots = ring_slots(plan, lay, depth, allgather, chunk_bytes)
     b = _Builder(step, slots, plan)
     world = plan.config.dp_size
     kept = set(lay.kept)

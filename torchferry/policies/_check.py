@@ -9,7 +9,7 @@ import attrs
 
 from torchferry._errors import ScheduleError
 from torchferry.policies._check_file import FileTierCheck
-from torchferry.policies._ir import DEVICE, OP_STREAM, Op, Schedule, rest_unit
+from torchferry.policies._ir import DEVICE, OP_STREAM, Op, Schedule, gather_nbytes, rest_unit
 from torchferry.policies._layout import PlanFacts, forward_blocks, has_blocks, layout, shard_nbytes
 from torchferry.policies._text import format_marked
 from torchferry.policies._tokens import format_bytes
@@ -370,8 +370,37 @@ class _Checker:
             )
         if shard_op is not None:
             del self.shard[op.src or ""]
+        self._gather_slot(op, line, shard_nbytes(size, self.world))
         if self._slot(op, line, "block"):
             self._write_block_slot(op, line)
+
+    def _gather_slot(self, op: Op, line: int, shard: int) -> None:
+        """A chunked gather lands each chunk of every rank in the table's gather slot (counted from here)."""
+        need = gather_nbytes(shard, op.chunks, self.world)
+        if not need:
+            return
+        gathers = [s for s in self.slots.values() if s.kind == "gather"]
+        if not gathers:
+            self.add(
+                line,
+                3,
+                f"gather of {op.unit} in {op.chunks} chunks lands each chunk of every rank in a gather slot "
+                f"of {format_bytes(need)}, and the slot table has none; add 'slot g0 gather {need}'",
+            )
+            return
+        slot = gathers[0]
+        if len(gathers) > 1:
+            self.add(line, 7, f"the slot table has {len(gathers)} gather slots; chunked gathers share one")
+        if slot.nbytes < need:
+            self.add(
+                line,
+                3,
+                f"gather of {op.unit} in {op.chunks} chunks needs {format_bytes(need)} in gather slot "
+                f"{slot.name}, which holds {format_bytes(slot.nbytes)}; size it to the largest chunk set",
+            )
+        if slot.name not in self.allocated:
+            self.allocated.add(slot.name)
+            self._grow(slot.nbytes, line)
 
     def _stage(self, op: Op, line: int, size: int) -> None:
         if not self.tier.copies(op, line) and op.src is not None:
@@ -491,9 +520,10 @@ def check(schedule: Schedule, plan: Plan) -> None:
     2. No slot is written while a reader may still use it: a block slot is loaded or gathered into
        only after its previous unit was evicted; a shard slot only after its shard was gathered.
     3. Every op's byte count is its unit's (shards: `shard_nbytes`; gathers: shard x world) and fits
-       the slot it goes to.
-    4. Device bytes (slots from first use, staged and acquired units while held) never exceed
-       ``plan.config.device_memory_bytes``.
+       the slot it goes to; a gather in more than one chunk has the table's one ``gather`` slot of at
+       least `gather_nbytes` to land them in.
+    4. Device bytes (slots from first use, the gather slot from the first chunked gather, staged and
+       acquired units while held) never exceed ``plan.config.device_memory_bytes``.
     5. The exit residency is exactly what the entry and the ops leave; acquired units are released.
     6. Collective order is identical across ranks: only blocks that the plan all-gathers (world > 1)
        are gathered, never a block of a component the plan marks as a stub (loaded on some ranks

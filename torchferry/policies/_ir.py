@@ -56,6 +56,7 @@ __all__ = [
     "StreamName",
     "When",
     "declare",
+    "gather_nbytes",
     "index_free",
     "is_index_free",
     "op_columns",
@@ -66,8 +67,9 @@ When = Literal["before", "after"]
 StreamName = Literal["copy", "comm", "compute", "io"]
 OpKind = Literal["load", "gather", "wait", "evict", "stage", "unstage", "acquire", "release", "read"]
 #: ``block`` and ``shard`` slots are device memory; ``staging`` slots are pinned host memory that
-#: file-tier reads fill (`Schedule.file`).
-SlotKind = Literal["block", "shard", "staging"]
+#: file-tier reads fill (`Schedule.file`); a ``gather`` slot is the device memory a chunked
+#: all-gather lands each chunk of every rank in (`gather_nbytes`), one per schedule.
+SlotKind = Literal["block", "shard", "staging", "gather"]
 
 OP_KINDS: tuple[OpKind, ...] = (
     "load",
@@ -286,3 +288,10 @@ def index_free(policy: Policy) -> Policy:
 def is_index_free(policy: Policy) -> bool:
     """Whether ``policy`` was declared index-free (`declare`)."""
     return isinstance(policy, Declared) and policy.index_free
+
+
+def gather_nbytes(shard: int, chunks: int, world: int) -> int:
+    """Device bytes a gather of ``shard``-byte shards in ``chunks`` chunks lands one chunk of every rank
+    in, its ``gather`` slot: ``world x ceil(shard / chunks)``; 0 for a gather in one piece, which
+    lands in its block slot directly."""
+    return world * -(-shard // chunks) if chunks > 1 and shard else 0

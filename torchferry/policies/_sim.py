@@ -27,7 +27,8 @@ what tells a well-overlapped ring's +0.3% from a host-synchronising one's +7% wh
 compute, each stall) so a step can be drawn; it takes no part in any other figure.
 
 Device bytes are counted in op order, as a runtime allocating on the host would measure them: a slot
-is allocated once, at its first use (already allocated if the entry names it); a staged or acquired
+is allocated once, at its first use (already allocated if the entry names it; the ``gather`` slot at
+the first gather in more than one chunk, whose chunks land there); a staged or acquired
 unit holds its bytes until it is unstaged or released; entry units in their own memory hold their
 placement's ``nbytes``. Staging slots are host memory and count nowhere here (`policies.tiers`
 counts host bytes).
@@ -242,6 +243,8 @@ class _Replay:
         self.component = schedule.step.component
         self.slot_size = {s.name: s.nbytes for s in schedule.slots}
         self.slot_kind = {s.name: s.kind for s in schedule.slots}
+        # Why: the slot chunked gathers land their chunks in (``None``: the schedule has none).
+        self.gather_slot = next((s.name for s in schedule.slots if s.kind == "gather"), None)
         self.copy = 0.0
         self.comm = 0.0
         self.compute = 0.0
@@ -399,6 +402,8 @@ class _Replay:
     def _gather(self, index: int, op: Op) -> None:
         slot = op.slot or ""
         self._use_slot(slot, op.nbytes, index)
+        if op.chunks > 1 and self.gather_slot is not None:
+            self._use_slot(self.gather_slot, 0, index)
         k = max(op.chunks, 1)
         ends = self.shard_ends.get(op.unit, [0.0])
         received = max(op.nbytes - self.shard_bytes.get(op.unit, 0), 0)

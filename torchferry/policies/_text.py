@@ -47,7 +47,7 @@ _TOKEN = re.compile(r'(?:"(?:[^"\\]|\\.)*"|[^\s"]+)+')
 _EXACT = re.compile(r"\((\d+)\)")
 _WHEN: tuple[When, ...] = ("before", "after")
 _STREAMS: tuple[StreamName, ...] = ("copy", "comm", "compute", "io")
-_SLOT_KINDS: tuple[SlotKind, ...] = ("block", "shard", "staging")
+_SLOT_KINDS: tuple[SlotKind, ...] = ("block", "shard", "staging", "gather")
 _GROUP = re.compile(r"(.*)(\.)\{([^{}]*)\}")
 _HEADER_KEYS = ("policy", "plan", "step", "file", "note", "sim")
 
@@ -373,7 +373,7 @@ def parse_schedule(text: str) -> Schedule:
         elif tag == "slot":
             kind = tokens[2] if len(tokens) >= 4 else ""
             if section > 1 or kind not in _SLOT_KINDS:
-                raise line.error("expected 'slot <name> block|shard|staging <bytes>' before the ops")
+                raise line.error("expected 'slot <name> block|shard|staging|gather <bytes>' before the ops")
             section = 1
             nbytes, end = _bytes(line, tokens, 3)
             if end != len(tokens):

@@ -197,8 +197,9 @@ class Comm:
     ) -> None:
         """Gather every rank's ``shard`` (``S`` bytes) into the first ``world * S`` bytes of ``slot``.
 
-        ``chunks`` pieces, byte order as the Note at the top says; ``staging`` (``world *
-        ceil(S / chunks)`` bytes) is needed for chunked gathers on backends other than gloo.
+        ``chunks`` pieces, byte order as the Note at the top says. A chunked gather lands each chunk
+        of every rank in ``staging`` (``world * ceil(S / chunks)`` bytes, the schedule's gather slot)
+        and copies it into place; without one (gloo only) each chunk lands in views of ``slot``.
         """
         size = shard.numel()
         full = slot.narrow(0, 0, self.world * size)
@@ -207,13 +208,13 @@ class Comm:
             return
         piece = -(-size // chunks)
         count = -(-size // piece)
-        if not self.staged:
+        if staging is None:
+            assert not self.staged, "a chunked gather on this backend needs its gather slot"
             for j, outputs in enumerate(self._chunk_views(slot, size, piece)):
                 lo = j * piece
                 part = shard.narrow(0, lo, outputs[0].numel())
                 self._run(f"all-gather of {what} (chunk {j + 1} of {count})", dist.all_gather, outputs, part)
             return
-        assert staging is not None
         grid = full.view(self.world, size)
         for j in range(count):
             lo = j * piece

@@ -297,7 +297,6 @@ class Engine(Mover):
         if program is not None:
             return program
         program = compile_program(schedule, self.store.units, self.handlers(), self.comm)
-        self._fit_staging(program)
         self.anchor(dict.fromkeys(op.anchor for op in schedule.ops))
         self.anchor(self._blocks_of(schedule.step.component))
         if len(self._programs) >= MAX_PROGRAMS:  # bounded: a policy that is not index-free makes many
@@ -338,6 +337,7 @@ class Engine(Mover):
         self.ledger.mark()
         program.pc = 0
         self.program = program
+        self.gather_slot = program.gather
         self.hooks.ran.clear()
         if self._tracing is not None and self._tracing.wants(schedule.step):
             self.tracer = self.streams.tracer = self._tracing

@@ -1,12 +1,13 @@
 """The op handlers: what each kind of op does to the device, and the tables of what is where.
 
-`Mover` is the engine's device side. It owns the slot pool, the tables that say where each unit is
-(``placed``), which transfer is bringing or brought it (``transfers``), which unit each slot holds
-(``occupants``) and what is staged, acquired or held as a shard, the staging buffer of chunked
-gathers, and the grad guard. One short handler per op kind (`_HANDLERS`) changes them; a program
-binds each of its ops to this mover's handler when it is compiled, and `Mover.run` carries the ops
-out in order. `Engine`, built on it, adds the lifecycle: opening, steps begun and finished, abort and
-close ([Note: the multi-rank engine] in `_engine` says how loads of shards and gathers meet).
+`Mover` is the engine's device side. It owns the slot pool (the schedule's slots, the gather slot of
+chunked all-gathers among them), the tables that say where each unit is (``placed``), which transfer
+is bringing or brought it (``transfers``), which unit each slot holds (``occupants``) and what is
+staged, acquired or held as a shard, and the grad guard. One short handler per op kind
+(`_HANDLERS`) changes them; a program binds each of its ops to this mover's handler when it is
+compiled, and `Mover.run` carries the ops out in order. `Engine`, built on it, adds the lifecycle:
+opening, steps begun and finished, abort and close ([Note: the multi-rank engine] in `_engine` says
+how loads of shards and gathers meet).
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ class Mover:
     """Moves units between the host store and the device, one handler per op kind, and keeps the tables.
 
     `Engine` is the one kind of mover: it sets the attributes declared here (what the handlers read
-    but do not own) when it opens, then `Mover.__init__` makes the tables, empty, and sizes the
-    staging buffer for the plan's own chunks.
+    but do not own) when it opens, then `Mover.__init__` makes the tables, empty.
     """
 
     #: Given by the engine before `Mover.__init__` runs.
@@ -71,9 +71,8 @@ class Mover:
         self._load_takes_device: dict[str, bool] = {}
         # Why: shard slot -> the unit whose shard it holds, so a gather reads the shard it names.
         self.shards: dict[str, Unit] = {}
-        # Why: chunked gathers on NCCL land in one staging buffer, sized at open (see `_size_staging`).
-        self._staging: DeviceBuffer | None = None
-        self._size_staging(self._plan_staging())
+        #: The running program's gather slot (`Program.gather`), which its chunked gathers land in.
+        self.gather_slot: str | None = None
         # Why: the tracer of the step running now; checked once per op and per block hook.
         self.tracer: Tracer | None = None
         self.guard = GradGuard(self.placed, self.store.units)
@@ -161,21 +160,16 @@ class Mover:
             self.placed.clear()
 
     def buffers(self) -> Iterator[DeviceBuffer]:
-        """Every device buffer this mover holds: slots (parked ones too), staged copies, staging."""
+        """Every device buffer this mover holds: slots (parked ones too) and staged copies."""
         for _, buffer in (*self.slots.slots.values(), *self.slots.parked.values()):
             yield buffer
         for held in self.staged.values():
             for buffer, _ in held:
                 yield buffer
-        if self._staging is not None:
-            yield self._staging
 
     def _free(self) -> None:
-        """Give the slots' and the staging buffer's device memory back (nothing may still write them)."""
+        """Give the slots' device memory back (nothing may still write them)."""
         self.slots.clear()
-        if self._staging is not None:
-            self.ledger.sub(self._staging.data.numel())
-            self._staging = None
 
     # ------------------------------------------------------------------------------ handlers
     def _read(self, unit: Unit, op: Op) -> None:
@@ -296,7 +290,8 @@ class Mover:
         src = self.slots.get(op.src)
         slot = self.slots.get(op.slot)
         shard = pack.shard_bytes(op.src, src.data)
-        staging = None if self._staging is None else self._staging.data
+        # A gather in chunks lands each in the schedule's gather slot (compiling checked it has one).
+        staging = self.slots.get(self.gather_slot).data if op.chunks > 1 and self.gather_slot else None
         comm = self.comm
 
         def run() -> None:
@@ -306,39 +301,6 @@ class Mover:
         del self.shards[op.src]
         _, views = pack.views(op.slot, slot.data)
         self._placed_in(unit, op.slot, slot, views)
-
-    def _fit_staging(self, program: Program) -> None:
-        """Grow the staging buffer for ``program``'s chunked gathers, before its step begins."""
-        self._size_staging(max((self._staging_need(u, op) for _, u, op in program.calls), default=0))
-
-    def _staging_need(self, unit: Unit, op: Op) -> int:
-        """Staging bytes op ``op`` (a chunked gather of ``unit`` on a staged backend) needs, else 0."""
-        comm = self.comm
-        if comm is None or op.kind != "gather" or op.chunks <= 1 or not comm.staged:
-            return 0
-        return comm.world * -(-unit.packs[0].held_bytes // op.chunks)
-
-    def _plan_staging(self) -> int:
-        """Staging bytes the plan's own chunking needs: ``world`` chunks of at most ``chunk_bytes``."""
-        comm, chunk = self.comm, self.plan.config.chunk_bytes
-        if comm is None or not comm.staged or not chunk or not self.store.sharded:
-            return 0
-        largest = max(pack.held_bytes for pack in self.store.sharded)
-        return comm.world * min(largest, chunk) if largest > chunk else 0
-
-    def _size_staging(self, need: int) -> None:
-        """Make the staging buffer hold ``need`` bytes: sized at open for the plan's chunks, so a step
-        never swaps it; a custom policy's larger chunks grow it when its schedule is compiled, before
-        the step begins, with compute ordered after every gather first (the old buffer's memory goes
-        back to the allocator under the compute stream)."""
-        if need == 0 or (self._staging is not None and self._staging.data.numel() >= need):
-            return
-        if self._staging is not None:
-            self.streams.settle()
-            self.ledger.sub(self._staging.data.numel())
-        self._staging = self.streams.transfer(need)
-        self.ledger.add(need)
-        self.streams.fence()
 
     def _wait(self, unit: Unit, op: Op) -> None:
         transfer = self.transfers.get(unit.name)

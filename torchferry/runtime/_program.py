@@ -1,7 +1,8 @@
 """A schedule compiled for one engine: ops bound to handlers, anchor stops, and the text ranks agree on.
 
 Compiling checks every op against the host store (its unit exists, its slot is in the slot table,
-a shard load or gather fits this rank's shard) and raises `ExecutionError` with the listing marked
+a shard load or gather fits this rank's shard, a gather in chunks has the table's gather slot to
+land them in) and raises `ExecutionError` with the listing marked
 at the first op that cannot run, before anything moves.
 """
 
@@ -52,6 +53,8 @@ class Program:
     exit: dict[str, str]
     slots: frozenset[str]
     collective: bool = False
+    #: The gather slot its chunked gathers land their chunks in (``None``: it gathers in one piece).
+    gather: str | None = None
     #: The schedule's text the ranks agree on before every run (made at the first; see `Engine.begin`).
     agreed: str | None = None
     pc: int = 0
@@ -65,6 +68,8 @@ def compile_program(
     stops: dict[str, int] = {}
     names = {s.name for s in schedule.slots} | {p.where for p in schedule.entry}
     staging = {s.name for s in schedule.slots if s.kind == "staging"}
+    gather = next((s.name for s in schedule.slots if s.kind == "gather"), None)
+    chunked = False
     for i, op in enumerate(schedule.ops):
         unit = units.get(op.unit)
         problem = None
@@ -80,6 +85,10 @@ def compile_program(
             problem = _staged_problem(unit, op)
         elif op.kind in ("load", "gather") and op.src is not None:
             problem = _shard_problem(unit, op, names, comm)
+        if problem is None and op.kind == "gather" and op.chunks > 1:
+            chunked = True
+            if gather is None:
+                problem = f"a gather in {op.chunks} chunks lands them in a gather slot; the table has none"
         if problem is not None or unit is None:
             raise ExecutionError(
                 f"cannot run op {i} of step {step_name(schedule.step)}: {problem}\n" + listing(schedule, i)
@@ -89,14 +98,16 @@ def compile_program(
     # The end of the step's own component is past every anchor inside it: whatever a skipped last
     # block left pending runs there.
     stops[f"after {schedule.step.component}"] = len(calls)
+    used = {gather} if chunked and gather is not None else set()
     return Program(
         schedule=schedule,
         calls=tuple(calls),
         stops=stops,
         entry={p.unit: p.where for p in schedule.entry},
         exit={p.unit: p.where for p in schedule.exit},
-        slots=frozenset(op.slot for op in schedule.ops if op.slot is not None),
+        slots=frozenset(op.slot for op in schedule.ops if op.slot is not None) | used,
         collective=any(op.kind == "gather" for op in schedule.ops),
+        gather=gather if chunked else None,
     )
 
 
