@@ -389,3 +389,27 @@ def test_gather_on_close_gives_full_weights_back_from_the_with_form() -> None:
         assert seen["warned"] == [], rank
         assert seen["raised_warned"] == 1 and seen["raised_empty"], rank
         assert seen["raised_restored"], rank
+
+
+def _wrong_layout(rank: int, world: int) -> tuple[str, bool]:
+    """offload under a layout naming one rank more than the group; the refusal, and weights untouched."""
+    from torchferry.topology import ParallelLayout
+
+    p = toy.build(0)
+    before = _snapshot(p)
+    try:
+        layout = ParallelLayout(data_parallel_size=world + 1)
+        torchferry.offload(p, strategy="distributed_layerwise", device="cpu", parallel=layout)
+    except PlanError as exc:
+        return str(exc), _snapshot(p) == before
+    return "", False
+
+
+def test_a_layout_of_another_size_than_the_group_is_refused_at_resolve() -> None:
+    """A weight-shard group the process group does not match is refused on every rank before any move."""
+    for message, untouched in run_ranks(_wrong_layout, 2, timeout=60):
+        assert message == (
+            "the parallel layout gives a weight-shard group of 3 ranks but the process group has 2; pass the "
+            "group whose ranks share one copy of the weights, or fix the layout"
+        )
+        assert untouched

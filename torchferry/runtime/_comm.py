@@ -10,10 +10,11 @@ different collective) becomes an `ExecutionError` that says so; host weights are
 A full slot holds the ranks' shards back to back: rank ``r``'s shard at ``[r * S, (r + 1) * S)``,
 which is exactly the block's packed bytes followed by zero padding. A gather in ``k`` chunks moves
 piece ``j`` (bytes ``[j * c, min((j + 1) * c, S))``, ``c = ceil(S / k)``) of every rank's shard at
-once. With gloo the outputs are ``world`` views of the slot, one at each rank's offset, so the bytes
-land in place with no staging memory. NCCL needs one contiguous output, so a chunk is gathered into
-a staging buffer of ``world * c`` bytes (allocated once) and copied into the ``world`` places with
-one strided copy on the same stream.
+once. NCCL needs one contiguous output, so a chunk is gathered into the schedule's ``gather`` slot
+of ``world * c`` bytes (a slot like any other: `policies.check` and `simulate` count it, the engine
+allocates it once) and copied into the ``world`` places with one strided copy on the same stream;
+every backend gathers this way, so what runs on gloo is what runs on NCCL. Only the gathers a failed
+step still owes (`drain`) land on gloo as ``world`` views of the slot, one at each rank's offset.
 
 [Note: ranks out of step]
 gloo aborts the process (SIGABRT, "Received data size doesn't match expected size") when ranks post
@@ -113,7 +114,7 @@ class Comm:
 
     @property
     def staged(self) -> bool:
-        """Whether a chunked gather needs a staging buffer (every backend but gloo)."""
+        """Whether a chunked gather needs a contiguous output to land in (every backend but gloo)."""
         return self.backend != "gloo"
 
     def _run(self, what: str, fn: Callable[..., object], *args: Any) -> None:

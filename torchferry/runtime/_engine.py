@@ -155,7 +155,7 @@ class Engine(Mover):
             pipeline, plan, pin=pin, sharding=sharding, prefix_map=prefix_map, tier=tier, variant=variant,
             from_module=from_module,
         )
-        super().__init__()  # the device tables, the slot pool, the staging buffer and the grad guard
+        super().__init__()  # the device tables, the slot pool and the grad guard
         self._residency: tuple[Placement, ...] = ()
         # Why: the schedule that finished last, for inspection (what did the last step do?).
         self.last: Schedule | None = None
@@ -441,7 +441,7 @@ class Engine(Mover):
         self.unhook()
         self.abort()
         self._programs.clear()
-        # After a failed collective a gather still queued may write the slots and the staging buffer
+        # After a failed collective a gather still queued may write the slots (the gather slot too)
         # one day, so their memory is kept, and no collective is tried (see [Note: failures] in `_comm`);
         # a device that failed to synchronize is asked nothing more either.
         try:
