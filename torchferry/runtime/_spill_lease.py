@@ -159,9 +159,14 @@ class SpillLease:
                 self._lock, made, self.read_only = _open_lock(where)
                 if made:
                     self._made_lock = where / LOCK_NAME
-            if self._lock is None:
+            if self.read_only is not None:  # nothing is written: sharing the lock keeps writers out
+                if self._lock is not None and not _flock(self._lock, fcntl.LOCK_SH, where):
+                    raise PlanError(  # pragma: no cover - only a writer holds it alone, under the gate
+                        f"spill={_shown(where)}: another session holds the folder's lock while writing it"
+                    )
                 yield "read-only"
                 return
+            assert self._lock is not None
             alone = _flock(self._lock, fcntl.LOCK_EX, where)
             if not alone and not _flock(self._lock, fcntl.LOCK_SH, where):
                 raise PlanError(  # pragma: no cover - only a writer holds it alone, and only under the gate
@@ -288,13 +293,14 @@ def _take_gate(where: Path, *, missing_ok: bool = False) -> int | None:
 
 
 def _open_lock(where: Path) -> tuple[int | None, bool, str | None]:
-    """The lock file's descriptor (made when missing), whether this made it, and, when the folder
-    cannot be written (no lock file and none can be made), ``None`` and why. A lock file that cannot
-    be written is opened read-only (a folder another user shares); one that is not a regular file is
-    a `PlanError`."""
+    """The lock file's descriptor (made when missing; ``None`` when there is none and none can be
+    made), whether this made it, and why the folder cannot be written (``None``: it can). A lock file
+    that cannot be written is opened read-only (a folder another user shares, or a read-only mount);
+    one that is not a regular file is a `PlanError`."""
     path = where / LOCK_NAME
     flags = os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
     made = False
+    why: str | None = None
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flags, 0o644)
         made = True
@@ -308,6 +314,8 @@ def _open_lock(where: Path) -> tuple[int | None, bool, str | None]:
                 fd = os.open(path, os.O_RDONLY | flags)
             except OSError as again:
                 raise PlanError(_bad_lock(where, again)) from None
+            if exc.errno == errno.EROFS or not os.access(where, os.W_OK):
+                why = exc.strerror or str(exc)
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return None, False, exc.strerror or str(exc)
@@ -316,7 +324,7 @@ def _open_lock(where: Path) -> tuple[int | None, bool, str | None]:
         os.close(fd)
         raise PlanError(_bad_lock(where, OSError(errno.EINVAL, "not a regular file")))
     os.set_blocking(fd, True)
-    return fd, made, None
+    return fd, made, why
 
 
 def _flock(fd: int, how: int, where: Path) -> bool:

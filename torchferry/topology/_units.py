@@ -57,7 +57,7 @@ def parse_bytes(text: str, *, bare_bytes: bool = True) -> int:
 
 
 class _TooLarge(ValueError):
-    """A size over `MAX_BYTES` (a bandwidth says so too, not that it cannot be read)."""
+    """A size over `MAX_BYTES` (a bandwidth says so, not that it cannot be read)."""
 
 
 def _shown(text: str) -> str:
@@ -82,7 +82,10 @@ def parse_rate(text: str) -> float:
     try:
         value = parse_bytes(body[:-2])
     except _TooLarge:
-        raise
+        raise ValueError(
+            f"bandwidth {_shown(text)} is more than 8 EiB per second (2**63 - 1 bytes), faster than any "
+            "link; write the link's rate, such as 25GB/s"
+        ) from None
     except ValueError:
         raise ValueError(
             f"cannot read {text!r} as a bandwidth; write a size per second such as 25GB/s"
