@@ -179,6 +179,7 @@ def offload(
         )
     request, group = _shard_group(request, process_group)
     check_variant(checkpoint_variant, request.checkpoint)
+    runtime.check_spill(spill)
     if gather_on_close and not request.distributed:
         raise PlanError(
             f"offload(gather_on_close=True) re-assembles the weight shards of strategy="

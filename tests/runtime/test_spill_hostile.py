@@ -267,6 +267,16 @@ def test_an_empty_spill_name_is_refused(
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("value", [123, b"/var/tmp/spill"])
+def test_a_spill_that_is_no_path_is_a_type_error(value: object) -> None:
+    """spill= of another type than a path (an int, bytes) is a TypeError naming spill=."""
+    message = (
+        f"offload(spill=...) must be a folder path (str or os.PathLike), got {type(value).__name__} {value!r}"
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        _open(_build(0), value)
+
+
 def _as_nobody(run: Any) -> tuple[str, str]:
     """``run()``'s error (type name, message) as a user without root's powers over files: in a forked
     child that drops to ``nobody`` when this is root, else here."""

@@ -63,7 +63,16 @@ from torchferry.topology import SAFETENSORS_DTYPES, Plan, find_attr
 if TYPE_CHECKING:
     from torchferry.runtime._comm import Comm
 
-__all__ = ["INDEX_NAME", "LOCK_NAME", "SpillLease", "agreed", "spill", "spill_folder", "statfs_type"]
+__all__ = [
+    "INDEX_NAME",
+    "LOCK_NAME",
+    "SpillLease",
+    "agreed",
+    "check_spill",
+    "spill",
+    "spill_folder",
+    "statfs_type",
+]
 
 _T = TypeVar("_T")
 #: ``statfs`` magic numbers of file systems held in memory: tmpfs and ramfs.
@@ -136,16 +145,30 @@ def statfs_type(path: str | os.PathLike[str]) -> int | None:
     return int(ctypes.c_long.from_buffer(buffer).value) & 0xFFFFFFFF
 
 
+def check_spill(folder: object) -> None:
+    """Refuse a ``spill=`` that names no folder before anything else looks at it: another type than a
+    path (``TypeError``), or an empty name (`PlanError`: it would be the working directory)."""
+    if folder is None:
+        return
+    text = os.fspath(folder) if isinstance(folder, os.PathLike) else folder
+    if not isinstance(text, str):
+        raise TypeError(
+            f"offload(spill=...) must be a folder path (str or os.PathLike), got {type(folder).__name__} "
+            f"{folder!r}"
+        )
+    if not text.strip():
+        raise PlanError(
+            f"spill={text!r}: an empty name is no folder (the packs would go into the working "
+            "directory); name the folder to write them in, such as spill='/var/tmp/torchferry'"
+        )
+
+
 def spill_folder(folder: str | os.PathLike[str]) -> Path:
     """The spill folder, created if missing; an empty name, one that cannot be created, or one on a
     file system held in memory (tmpfs, ramfs), is a `PlanError` naming the remedy, and the folders a
     refused call made are removed (inside a session's open, they are removed if the open fails)."""
+    check_spill(folder)
     shown = os.fspath(folder)
-    if not str(shown).strip():
-        raise PlanError(
-            f"spill={shown!r}: an empty name is no folder (the packs would go into the working "
-            "directory); name the folder to write them in, such as spill='/var/tmp/torchferry'"
-        )
     try:
         where = Path(folder).expanduser()
         made = made_folders(where)
