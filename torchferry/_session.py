@@ -174,6 +174,7 @@ def offload(
         )
     request, group = _shard_group(request, process_group)
     check_variant(checkpoint_variant, request.checkpoint)
+    runtime.check_spill(spill)
     if gather_on_close and not request.distributed:
         raise PlanError(
             f"offload(gather_on_close=True) re-assembles the weight shards of strategy="
@@ -276,29 +277,34 @@ class Session:
         variant: str | None = None,
         checkpoint_components: Collection[str] | None = None,
     ) -> None:
-        # Host memory is proved (a spill written) first, then each top-level component's first schedule.
+        # Host memory is proved first, then each top-level component's first schedule, and only then is
+        # a spill written: every refusal comes before its first byte (docs/host-memory.md).
         self.host = host  # Why: the host budget and its source (`report`); ``None``: not planned here.
         pin = plan.config.pin_memory and device.type == "cuda"
-        # Why: with a group, every rank learns whether every rank could (a failed one fails them all).
-        tier = None if host is None else runtime.open_tier(pipeline, plan, host, pin=pin, comm=comm)
-        for top in plan.components:
-            prove(policy(plan, Step(component=top.path)), plan)
         self.pipeline = pipeline
         self.plan = plan
         self.policy = policy
         self.device = device
-        self.engine = Engine(
-            pipeline,
-            plan,
-            device=device,
-            pin_memory=plan.config.pin_memory,
-            comm=comm,
-            prefix_map=prefix_map,
-            driver=self,
-            tier=tier,
-            variant=variant,
-            checkpoint_components=checkpoint_components,
-        )
+        # Why: the spill folder this session holds until close; a failed open takes out what it wrote.
+        self._spill = runtime.SpillLease()
+        with self._spill.opening():
+            # Why: with a group, every rank learns whether every rank could (a failed one fails them all).
+            tier = None if host is None else runtime.open_tier(pipeline, plan, host, pin=pin, comm=comm)
+            for top in plan.components:
+                prove(policy(plan, Step(component=top.path)), plan)
+            self._spill.write()
+            self.engine = Engine(
+                pipeline,
+                plan,
+                device=device,
+                pin_memory=plan.config.pin_memory,
+                comm=comm,
+                prefix_map=prefix_map,
+                driver=self,
+                tier=tier,
+                variant=variant,
+                checkpoint_components=checkpoint_components,
+            )
         self._steps = Steps(plan, policy, index_free=policies.is_index_free(policy))
         self.schedules: dict[Step, Schedule] = self._steps.schedules
         # Why: the most device bytes each step held while it ran, to compare with `policies.simulate`.
@@ -323,6 +329,7 @@ class Session:
             if inputs is not None:
                 inputs.remove()
             self.engine.close()
+            self._spill.abandon()
             raise
         self._inputs = inputs
         #: Whether leaving a ``with`` block gathers full weights back (see `offload`'s gather_on_close).
@@ -538,6 +545,7 @@ class Session:
             CLAIMS.release(self._claimed)
             self._claimed = None
             self._watch.clear()
+            self._spill.release()
 
     def __enter__(self) -> Session:
         return self

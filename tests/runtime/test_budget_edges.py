@@ -5,6 +5,7 @@ folders (tmpfs refused, complete identical files kept)."""
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -175,23 +176,22 @@ def test_locked_limit_refuses_pins_of_a_pinner_subject_to_it(
 
 def test_spill_into_tmpfs_is_refused(tmp_path: Path) -> None:
     """spill= on a tmpfs (/dev/shm) would keep the file tier in memory: a PlanError naming a folder on
-    a disk, raised before anything is written."""
+    a disk, raised before anything is written, and the folders the refused open made are gone again."""
     shm = Path("/dev/shm")
     if not shm.is_dir() or _spill.MEMORY_FILESYSTEMS.get(_spill.statfs_type(shm) or 0) != "tmpfs":
         pytest.skip("no tmpfs at /dev/shm here")
-    folder = shm / f"torchferry-test-{os.getpid()}"
+    top = shm / f"torchferry-test-{os.getpid()}"
+    folder = top / "nested" / "spill"
     pipe = toy.build(0, hidden=HIDDEN)
     try:
         with pytest.raises(PlanError, match=r"is on a tmpfs.*name a folder on a disk"):
             torchferry.offload(
                 pipe, strategy="layerwise", device="cpu", host_memory=60 * MiB, spill=str(folder)
             )
-        assert not any(folder.iterdir())
+        assert not top.exists()
     finally:
-        if folder.exists():
-            for f in folder.iterdir():
-                f.unlink()
-            folder.rmdir()
+        if top.exists():
+            shutil.rmtree(top)
     if _spill.statfs_type(tmp_path) not in _spill.MEMORY_FILESYSTEMS:
         assert _spill.spill_folder(tmp_path / "ok") == tmp_path / "ok"
 

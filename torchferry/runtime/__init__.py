@@ -31,6 +31,8 @@ from torchferry.runtime._probe import copy_bytes_per_s as copy_bytes_per_s
 from torchferry.runtime._probe import host_name as host_name
 from torchferry.runtime._probe import load_profile, probe, profile_path, save_profile
 from torchferry.runtime._program import listing
+from torchferry.runtime._spill import check_spill as check_spill
+from torchferry.runtime._spill_lease import SpillLease as SpillLease
 from torchferry.runtime._steps import Steps as Steps
 from torchferry.runtime._steps import prove as prove
 from torchferry.runtime._streams import DeviceBuffer as DeviceBuffer

@@ -16,7 +16,7 @@ import attrs
 
 from torchferry._errors import PlanError
 from torchferry.topology._storage import STORAGE_DTYPES
-from torchferry.topology._units import memory_bytes
+from torchferry.topology._units import MAX_BYTES, memory_bytes, too_large
 
 __all__ = [
     "COMPONENT_NAMES",
@@ -135,12 +135,15 @@ def non_negative(instance: object, attribute: attrs.Attribute[int], value: objec
 
 
 def positive_or_none(instance: object, attribute: attrs.Attribute[int | None], value: object) -> None:
-    """A byte count above 0, or ``None`` for none given."""
+    """A byte count above 0 and at most `MAX_BYTES`, or ``None`` for none given."""
     if value is None:
         return
     where = _where(instance, attribute)
-    if require_int(where, value) <= 0:
-        raise PlanError(f"{where} must be a positive number of bytes or None, got {value}")
+    count = require_int(where, value)
+    if count <= 0:
+        raise PlanError(f"{where} must be a positive number of bytes or None, got {_show_int(count)}")
+    if count > MAX_BYTES:
+        raise PlanError(f"{where}: {too_large(_show_int(count))}")
 
 
 def memory_or_none(value: int | str | None, where: str) -> int | None:

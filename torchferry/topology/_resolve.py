@@ -5,7 +5,9 @@ The rules, in the order they are applied (messages name the component, what was 
 1. Explicit selection (``config.components`` set): model-level offload needs a DiT and an encoder;
    a selected ``dit``, ``text_encoder`` or ``vae`` must exist.
 2. Resident layers (either layerwise strategy) apply only to DiTs in
-   ``Declaration.resident_dit_paths``; none matching is an error when explicit, a warning otherwise.
+   ``Declaration.resident_dit_paths``; none matching is an error when explicit, a warning otherwise,
+   as is a strategy or selection that streams no DiT ring for them to head; a DiT left out while
+   another is declared is a warning naming it.
 3. A selected DiT streams its ring under a layerwise strategy. No blocks: error when explicit,
    else a warning and the DiT stays resident. Its resident head is ``resident_layers`` clamped to
    the block count.
@@ -197,12 +199,31 @@ class _Resolver:
             )
 
     def resident_paths(self) -> None:
-        """Rule 2: resident layers need a declared resident DiT."""
+        """Rule 2: resident layers need a declared resident DiT, and a DiT ring to head."""
         config = self.config
-        if not (config.layerwise and config.resident_layers and config.offloads("dit")):
+        if not config.resident_layers:
+            return
+        if not (config.layerwise and config.offloads("dit")):
+            why = (
+                f"strategy={config.strategy!r} streams no block ring"
+                if not config.layerwise
+                else "the DiT is not selected (components=)"
+            )
+            message = (
+                f"resident_layers={config.resident_layers} keeps the leading blocks of a streamed DiT on the "
+                f"device, and {why}"
+            )
+            self.report(config.explicit, f"{message}; set resident_layers=0", f"{message}; it is ignored")
             return
         dit_paths = {d.path for d in self.topology.of_kind("dit")}
-        if self.declaration.resident_dit_paths & dit_paths:
+        heads = self.declaration.resident_dit_paths & dit_paths
+        if heads:
+            for path in sorted(dit_paths - heads):
+                self.warnings.append(
+                    f"resident_layers={config.resident_layers} applies to the DiTs declared in "
+                    f"Declaration.resident_dit_paths ({', '.join(repr(p) for p in sorted(heads))}); "
+                    f"{path!r} is not declared there, so all its blocks stream"
+                )
             return
         declared = ", ".join(repr(p) for p in sorted(self.declaration.resident_dit_paths)) or "none"
         message = (
