@@ -32,6 +32,7 @@ written by a read, so no weight is lost and the session stays closeable.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import mmap
 import os
@@ -45,7 +46,7 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
-from torchferry.runtime._checkpoint import CheckpointReader, Span
+from torchferry.runtime._checkpoint import CheckpointReader, Span, changed
 from torchferry.runtime._pack import Piece
 from torchferry.runtime._pinning import PAGE, page_bytes
 from torchferry.topology import TensorSpec
@@ -178,14 +179,12 @@ class FileViews:
 
 @attrs.frozen
 class _Opened:
-    """What a file was when the reader opened it, to find it replaced, truncated or rewritten."""
+    """A file's descriptors, and what it was when its checkpoint opened it (``stat``: to find it
+    replaced, truncated or rewritten)."""
 
     fd: int
     direct: int | None
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
+    stat: os.stat_result
 
 
 class Ticket:
@@ -254,10 +253,10 @@ class FileReader:
         self.modes: dict[str, str] = {}
         for file in dict.fromkeys(e.file for e in checkpoint.entries.values()):
             fd = checkpoint.descriptor(file)
-            info = os.fstat(fd)
+            info = checkpoint.opened(file)
             raw = self._open_direct(file, info) if file in direct else None
             self.modes.setdefault(file, "buffered")
-            self._opened[file] = _Opened(fd, raw, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+            self._opened[file] = _Opened(fd, raw, info)
             if raw is None and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self._bounces: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
@@ -431,18 +430,28 @@ class FileReader:
             self._scratch.put(scratch)
 
     def _check_file(self, file: str) -> None:
+        """`_Changed` unless ``file``'s name still names the file opened, unchanged (see the Note).
+
+        A folder on the way that can no longer be searched (``chmod 000``) hides the name, not the
+        file: the open descriptor is still that file, so it is read on, with every check it allows.
+        """
         opened = self._opened[file]
         try:
-            now = os.stat(file)
+            now: os.stat_result | None = os.stat(file)
+        except PermissionError:
+            now = None
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise _Changed(
+                f"is no longer at its path ({error_reason(exc)}): it was deleted, or moved with its folder",
+                fix="put it back where it was, or close() the session and open a new one from where it is",
+            ) from None
         except OSError as exc:
-            raise OSError(exc.errno, f"the file is gone ({error_reason(exc)})") from None
-        if (now.st_dev, now.st_ino) != (opened.device, opened.inode):
+            raise OSError(exc.errno, f"looking the file up failed ({error_reason(exc)})") from None
+        if now is not None and (now.st_dev, now.st_ino) != (opened.stat.st_dev, opened.stat.st_ino):
             raise _Changed("was replaced on disk (another file now has its name)")
-        held = os.fstat(opened.fd)
-        if held.st_size < opened.size:
-            raise _Changed(f"was truncated from {opened.size} to {held.st_size} bytes")
-        if held.st_mtime_ns != opened.mtime_ns or held.st_size != opened.size:
-            raise _Changed("was rewritten in place")
+        change = changed(opened.stat, os.fstat(opened.fd), inode_time=now is not None)
+        if change is not None:
+            raise _Changed(change)
 
     def _buffered(self, fd: int, chunk: Chunk, into: torch.Tensor) -> None:
         parts = list(chunk.parts)
@@ -496,7 +505,7 @@ class FileReader:
             fix = "restore the file (re-save or re-download it) and open a new session"
         elif isinstance(exc, _Changed):
             what = f"the file {exc}"
-            fix = "do not rewrite a checkpoint while a session reads it; close() and open a new session"
+            fix = exc.fix
         elif isinstance(exc, OSError):
             what = f"the read failed: {error_reason(exc)} (errno {exc.errno})"
             fix = "check the drive (dmesg), then run the step again or close() the session"
@@ -508,7 +517,8 @@ class FileReader:
 
     # ------------------------------------------------------------------------------- lifetime
     def close(self) -> None:
-        """Wait for reads in flight, stop the threads and close the direct descriptors; idempotent."""
+        """Wait for reads in flight, stop the threads, close the direct descriptors and drop the bounce
+        and scratch buffers (their memory goes back to the system); idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -516,6 +526,14 @@ class FileReader:
         for opened in self._opened.values():
             if opened.direct is not None:
                 os.close(opened.direct)
+        for buffers in (self._bounces, self._scratch):
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    buffers.get_nowait()  # the last reference: its mapping is unmapped
+        self.bounce_bytes = self.scratch_bytes = 0
+
+
+_REOPEN = "do not rewrite a checkpoint while a session reads it; close() and open a new session"
 
 
 class _Short(Exception):
@@ -525,7 +543,9 @@ class _Short(Exception):
 
 
 class _Changed(Exception):
-    pass
+    def __init__(self, what: str, fix: str = _REOPEN) -> None:
+        super().__init__(what)
+        self.fix = fix
 
 
 def _chunks(file: str, spans: Sequence[Span], limit: int) -> list[Chunk]:
