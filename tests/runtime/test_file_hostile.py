@@ -281,3 +281,54 @@ def test_a_folder_made_unsearchable_keeps_reading_through_the_open_file(
     assert "hidden" in done.stdout  # the name really could not be looked up
     first, second = torch.load(folder / "out.pt")
     assert torch.equal(first, want) and torch.equal(second, want)
+
+
+# ------------------------------------------------------------------------------- a forked process
+_FORKED = """
+import faulthandler, os, sys, torch, torchferry
+from torchferry.testing import toy
+path, budget = sys.argv[1], int(sys.argv[2])
+pipe = toy.build_empty(hidden={hidden}, blocks={blocks})
+s = torchferry.offload(pipe, device="cpu", strategy="layerwise", checkpoint=path, host_memory=budget)
+first = pipe("a cat", steps=2)
+child = os.fork()
+if child == 0:
+    faulthandler.dump_traceback_later(60, exit=True)  # a read that waits for ever fails the test
+    try:
+        pipe("a cat", steps=2)
+        print("child read", flush=True)
+    except torchferry.ExecutionError as exc:
+        print("child refused:", exc, flush=True)
+    s.close()
+    os._exit(0)
+_, status = os.waitpid(child, 0)
+second = pipe("a cat", steps=2)
+s.close()
+torch.save([first, second, status], sys.argv[3])
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_forked_from_a_session_is_refused_not_hung(
+    model: tuple[Path, torch.Tensor, int], tmp_path: Path
+) -> None:
+    """A process forked while a file-tier session is open and calling the pipeline gets an ExecutionError
+    that says why and what to do (the reader threads did not come along, the staging buffers are shared),
+    instead of waiting for ever; the parent runs on bit-identical."""
+    path, want, budget = model
+    out = tmp_path / "out.pt"
+    code = _FORKED.format(hidden=HIDDEN, blocks=BLOCKS)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}  # torch's own pool and fork
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path), str(budget), str(out)],
+        capture_output=True, text=True, env=env, timeout=300, check=False, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(
+        r"child refused: read of text_encoder\.blocks\.0: this session was opened in process \d+ and this "
+        r"is process \d+, forked from it; a forked process has none of the file tier's reader threads and "
+        r"shares its staging buffers with the process that opened it",
+        done.stdout,
+    ), done.stdout
+    first, second, status = torch.load(out)
+    assert status == 0 and torch.equal(first, want) and torch.equal(second, want)

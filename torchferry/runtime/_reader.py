@@ -276,6 +276,9 @@ class FileReader:
             threads, thread_name_prefix="torchferry-read", **thread_setup(device)
         )
         self._closed = False
+        # Why: a process forked from this one has none of the pool's threads (a read would wait for
+        # them for ever) and shares the staging and bounce buffers with it, so it may not read.
+        self._pid = os.getpid()
         #: Bytes read from files and ``preadv`` calls made, for reports and benchmarks.
         self.bytes_read = 0
         self.syscalls = 0
@@ -360,6 +363,14 @@ class FileReader:
         each thread first calls ``before`` (the wait for the buffer's last reader to finish)."""
         if self._closed:
             raise ExecutionError(f"the file tier's reader of {self.checkpoint.path} is closed")
+        if os.getpid() != self._pid:
+            raise ExecutionError(
+                f"read of {read.name}: this session was opened in process {self._pid} and this is process "
+                f"{os.getpid()}, forked from it; a forked process has none of the file tier's reader threads "
+                "and shares its staging buffers with the process that opened it, so it cannot read from the "
+                "checkpoint; open a session of its own in this process (torchferry.offload after the fork), "
+                "or start it with the 'spawn' method of multiprocessing"
+            )
         if into.numel() < read.nbytes:
             raise ExecutionError(
                 f"read of {read.name}: the staging buffer holds {into.numel()} bytes, the read {read.nbytes}"
