@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -133,6 +134,46 @@ def test_a_deleted_checkpoint_says_so(model: tuple[Path, torch.Tensor, int], tmp
         assert "dmesg" not in text
     finally:
         s.close()
+
+
+def test_permissions_and_links_changed_are_not_a_rewrite(
+    model: tuple[Path, torch.Tensor, int], tmp_path: Path
+) -> None:
+    """The checkpoint made unreadable (chmod 000), given another owner and a hard link while a session
+    reads it (each moves its inode change time) runs on bit-identical through the file opened."""
+    _, want, budget = model
+    path = tmp_path / "toy.safetensors"
+    toy.save_checkpoint(toy.build(0, hidden=HIDDEN, blocks=BLOCKS), path)
+    pipe, s = _open(path, budget)
+    with s:
+        assert torch.equal(pipe("a cat", steps=2), want)
+        before = os.stat(path).st_ctime_ns
+        time.sleep(0.01)  # past the file system's timestamp granularity
+        path.chmod(0)
+        assert torch.equal(pipe("a cat", steps=2), want)
+        os.link(path, tmp_path / "backup.safetensors")
+        os.chown(path, 1234, 1234)
+        assert os.stat(path).st_ctime_ns != before
+        assert torch.equal(pipe("a cat", steps=2), want)
+
+
+def test_a_symlink_pointed_elsewhere_fails_the_step(
+    model: tuple[Path, torch.Tensor, int], tmp_path: Path
+) -> None:
+    """A checkpoint opened through a symlink that is then pointed at another model's file fails the next
+    call with an ExecutionError saying the file was replaced, never the other model's output."""
+    path, want, budget = model
+    other = tmp_path / "other.safetensors"
+    toy.save_checkpoint(toy.build(1, hidden=HIDDEN, blocks=BLOCKS), other)
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(path)
+    pipe, s = _open(link, budget)
+    with s:
+        assert torch.equal(pipe("a cat", steps=2), want)
+        (tmp_path / "new").symlink_to(other)
+        os.replace(tmp_path / "new", link)
+        with pytest.raises(ExecutionError, match="the file was replaced on disk"):
+            pipe("a cat", steps=2)
 
 
 # --------------------------------------------------------------- relative paths and chdir (item 2)
@@ -332,3 +373,38 @@ def test_a_process_forked_from_a_session_is_refused_not_hung(
     ), done.stdout
     first, second, status = torch.load(out)
     assert status == 0 and torch.equal(first, want) and torch.equal(second, want)
+
+
+class _Alarm(Exception):
+    pass
+
+
+def _raise_alarm(signum: int, frame: object) -> None:
+    raise _Alarm
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_a_signal_during_reads_loses_nothing(model: tuple[Path, torch.Tensor, int]) -> None:
+    """A SIGALRM whose handler raises, landing at spread points of a call while file-tier reads are in
+    flight, aborts that call; the next call is bit-identical each time."""
+    path, want, budget = model
+    pipe, s = _open(path, budget)
+    previous = signal.signal(signal.SIGALRM, _raise_alarm)
+    try:
+        with s:
+            start = time.perf_counter()
+            assert torch.equal(pipe("a cat", steps=2), want)
+            took = time.perf_counter() - start
+            landed = 0
+            for i in range(8):
+                signal.setitimer(signal.ITIMER_REAL, took * (i + 0.5) / 8)
+                try:
+                    pipe("a cat", steps=2)
+                except _Alarm:
+                    landed += 1
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                assert torch.equal(pipe("a cat", steps=2), want), i
+            assert landed > 0
+    finally:
+        signal.signal(signal.SIGALRM, previous)

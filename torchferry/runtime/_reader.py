@@ -22,11 +22,15 @@ is copied from the file's mapping into its strides; a non-persistent buffer (abs
 checkpoints) from the module's own bytes, kept for it at open. Both run in the reader thread that
 finishes a pack's last chunk, so nothing of a read runs on the compute thread.
 
-Before each chunk the file is checked against what was opened: the path must still name the same
-inode (a replaced file), and the open file must keep its size and modification time (a file
-truncated or rewritten in place). A failed system call, a short read or a changed file is an
-`ExecutionError` naming the file, the byte range and the tensors; nothing of the host store is
-written by a read, so no weight is lost and the session stays closeable.
+Every read goes through the descriptors the checkpoint opened (its file names made absolute then,
+so a later ``os.chdir`` changes nothing). Before each chunk the file is checked against what it was
+when opened: its name must still name the same inode (not replaced, deleted or moved), and the open
+file must keep its size, modification time and inode change time (`changed`: not truncated or
+rewritten in place, even with its time set back). A folder on the way made unsearchable hides the
+name, not the file: the read goes on through the descriptor. A failed system call, a short read or
+a changed file is an `ExecutionError` naming the file, the byte range, the tensors and what to do;
+nothing of the host store is written by a read, so no weight is lost and the session stays
+closeable. A process forked from the one that opened the reader may not read (`submit`).
 """
 
 from __future__ import annotations
