@@ -34,6 +34,7 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
+from torchferry.runtime._identity import changed
 from torchferry.topology import SAFETENSORS_DTYPES as _HEADER_DTYPES
 from torchferry.topology import (
     Block,
@@ -56,7 +57,6 @@ __all__ = [
     "WINDOW_BYTES",
     "CheckpointReader",
     "Span",
-    "changed",
 ]
 
 #: safetensors dtype codes torchferry reads, with the torch dtype name each one holds (topology's table).
@@ -162,15 +162,13 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         widen: Collection[str] = (),
     ) -> None:
         self.path = os.fspath(path)
-        # Why: file names are resolved once, here, so a later os.chdir changes nothing of what is read
-        # (not normalised: ``a/link/..`` means what the kernel says it means).
-        path = os.path.join(os.getcwd(), self.path)
+        path = os.path.join(os.getcwd(), self.path)  # Why: file names fixed at open (a chdir later)
         self.prefix_map: FrozenMap[str, str] = FrozenMap(dict(prefix_map or {}))
         #: Model tensor names held in float32 that may be read from a 16-bit float (see above).
         self.widen: frozenset[str] = frozenset(widen)
         self._handles: dict[str, BinaryIO] = {}
-        #: What each file was when opened (the identity `changed` compares with).
-        self._stats: dict[str, os.stat_result] = {}
+        #: ``os.fstat`` of each file when its header was read, for `changed` (a rewrite since then).
+        self.stats: dict[str, os.stat_result] = {}
         self._closed = False
         # A diffusers pipeline folder: names under "<component>.".
         folder = pipeline_sources(path, variant)
@@ -210,7 +208,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                     broken.update(dict.fromkeys(listed, problem))
                     continue
                 self._handles[file] = handle
-                self._stats[file] = os.fstat(handle.fileno())
+                self.stats[file] = os.fstat(handle.fileno())
                 try:
                     # The header comes from the descriptor the data is later mapped from (no reopen).
                     found = parse_header(file, handle)
@@ -529,17 +527,10 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         handle = self._handles[file]
         fd = handle.fileno()
         length = dst.numel()
-        now = os.fstat(fd)
-        size = now.st_size
-        if src + length > size:
+        if (change := changed(self.stats[file], os.fstat(fd), inode_time=False)) is not None:
             raise ExecutionError(
-                f"{file} shrank to {size} bytes while open; bytes [{src}, {src + length}) are gone. "
-                f"Do not rewrite a checkpoint while it is being read"
-            )
-        if (change := changed(self._stats[file], now, inode_time=False)) is not None:  # may be renamed
-            raise ExecutionError(
-                f"{file} {change} since it was opened; do not rewrite a checkpoint while it is being read, "
-                "and open it again"
+                f"{file} {change} since it was opened, so bytes [{src}, {src + length}) are not what its "
+                "header said; do not rewrite a checkpoint while it is being read, and open it again"
             )
         pos = 0
         while pos < length:
@@ -553,11 +544,6 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                 dst[pos : pos + n].copy_(view)
                 del view  # releases the buffer export so the window can be unmapped
             pos += n
-
-    def opened(self, file: str) -> os.stat_result:
-        """What ``file`` (one of `files`) was when its header was read: ``os.fstat`` of its descriptor."""
-        self._check_open()
-        return self._stats[file]
 
     def descriptor(self, file: str) -> int:
         """The open descriptor of ``file`` (one of `files`), the one its header was read from."""
@@ -590,29 +576,6 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.entries)} tensors in {len(self.files)} files"
         return f"CheckpointReader({self.path!r}, {state})"
-
-
-def changed(opened: os.stat_result, now: os.stat_result, *, inode_time: bool = True) -> str | None:
-    """How an open file whose ``os.fstat`` was ``opened`` differs in ``now`` (``None``: not at all).
-
-    A rewrite in place moves the size or the modification time, unless the writer sets the time back
-    (``os.utime``, ``touch -r``, ``rsync -t``); the inode change time (``inode_time``) finds that one,
-    since nothing but the kernel sets it. It also moves when the file is renamed or its permissions,
-    owner or link count change (a name replaced by another file drops its link): a visible change of
-    mode, owner or links explains it, and only a caller that found the file still under its name
-    passes ``inode_time``, so a rename is not taken for a rewrite.
-    """
-    if now.st_size < opened.st_size:
-        return f"was truncated from {opened.st_size} to {now.st_size} bytes"
-    if now.st_size != opened.st_size or now.st_mtime_ns != opened.st_mtime_ns:
-        return "was rewritten in place"
-    same = all(getattr(now, k) == getattr(opened, k) for k in ("st_mode", "st_uid", "st_gid", "st_nlink"))
-    if inode_time and same and now.st_ctime_ns != opened.st_ctime_ns:
-        return (
-            "was rewritten in place with its modification time set back (its inode change time moved, "
-            "while its size, modification time, permissions, owner and links did not)"
-        )
-    return None
 
 
 def _merge(

@@ -50,7 +50,8 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
-from torchferry.runtime._checkpoint import CheckpointReader, Span, changed
+from torchferry.runtime._checkpoint import CheckpointReader, Span
+from torchferry.runtime._identity import changed
 from torchferry.runtime._pack import Piece
 from torchferry.runtime._pinning import PAGE, page_bytes
 from torchferry.topology import TensorSpec
@@ -257,7 +258,7 @@ class FileReader:
         self.modes: dict[str, str] = {}
         for file in dict.fromkeys(e.file for e in checkpoint.entries.values()):
             fd = checkpoint.descriptor(file)
-            info = checkpoint.opened(file)
+            info = checkpoint.stats[file]
             raw = self._open_direct(file, info) if file in direct else None
             self.modes.setdefault(file, "buffered")
             self._opened[file] = _Opened(fd, raw, info)
