@@ -446,11 +446,8 @@ class FileReader:
             self._scratch.put(scratch)
 
     def _check_file(self, file: str) -> None:
-        """`_Changed` unless ``file``'s name still names the file opened, unchanged (see the Note).
-
-        A folder on the way that can no longer be searched (``chmod 000``) hides the name, not the
-        file: the open descriptor is still that file, so it is read on, with every check it allows.
-        """
+        """`_Changed` unless ``file``'s name still names the file opened, unchanged (see the Note); a
+        folder made unsearchable hides the name, not the file, which is read on through its descriptor."""
         opened = self._opened[file]
         try:
             now: os.stat_result | None = os.stat(file)
@@ -465,9 +462,11 @@ class FileReader:
             raise OSError(exc.errno, f"looking the file up failed ({error_reason(exc)})") from None
         if now is not None and (now.st_dev, now.st_ino) != (opened.stat.st_dev, opened.stat.st_ino):
             raise _Changed("was replaced on disk (another file now has its name)")
-        change = changed(opened.stat, os.fstat(opened.fd), inode_time=now is not None)
-        if change is not None:
+        held = os.fstat(opened.fd)
+        if (change := changed(opened.stat, held, inode_time=now is not None)) is not None:
             raise _Changed(change)
+        if now is not None and held.st_ctime_ns != opened.stat.st_ctime_ns:  # explained (chmod): the new one
+            self._opened[file] = attrs.evolve(opened, stat=held)
 
     def _buffered(self, fd: int, chunk: Chunk, into: torch.Tensor) -> None:
         parts = list(chunk.parts)
