@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -417,3 +418,26 @@ def test_a_signal_during_reads_loses_nothing(model: tuple[Path, torch.Tensor, in
             assert landed > 0
     finally:
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_sessions_on_one_checkpoint_at_once_are_each_exact(model: tuple[Path, torch.Tensor, int]) -> None:
+    """Three pipelines with file tiers on one checkpoint, each opened, called twice and closed on a thread
+    of its own at the same time, all give the plain model's output."""
+    path, want, budget = model
+    results: list[bool] = []
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            pipe, s = _open(path, budget)
+            with s:
+                results.extend(torch.equal(pipe("a cat", steps=2), want) for _ in range(2))
+        except BaseException as exc:  # reported on the test's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == [] and results == [True] * 6
