@@ -34,6 +34,7 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
+from torchferry.runtime._identity import changed
 from torchferry.topology import SAFETENSORS_DTYPES as _HEADER_DTYPES
 from torchferry.topology import (
     Block,
@@ -160,11 +161,14 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         variant: str | None = None,
         widen: Collection[str] = (),
     ) -> None:
-        self.path = str(path)
+        self.path = os.fspath(path)
+        path = os.path.join(os.getcwd(), self.path)  # Why: file names fixed at open (a chdir later)
         self.prefix_map: FrozenMap[str, str] = FrozenMap(dict(prefix_map or {}))
         #: Model tensor names held in float32 that may be read from a 16-bit float (see above).
         self.widen: frozenset[str] = frozenset(widen)
         self._handles: dict[str, BinaryIO] = {}
+        #: ``os.fstat`` of each file when its header was read, for `changed` (a rewrite since then).
+        self.stats: dict[str, os.stat_result] = {}
         self._closed = False
         # A diffusers pipeline folder: names under "<component>.".
         folder = pipeline_sources(path, variant)
@@ -204,6 +208,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                     broken.update(dict.fromkeys(listed, problem))
                     continue
                 self._handles[file] = handle
+                self.stats[file] = os.fstat(handle.fileno())
                 try:
                     # The header comes from the descriptor the data is later mapped from (no reopen).
                     found = parse_header(file, handle)
@@ -522,11 +527,10 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         handle = self._handles[file]
         fd = handle.fileno()
         length = dst.numel()
-        size = os.fstat(fd).st_size
-        if src + length > size:
+        if (change := changed(self.stats[file], os.fstat(fd), inode_time=False)) is not None:
             raise ExecutionError(
-                f"{file} shrank to {size} bytes while open; bytes [{src}, {src + length}) are gone. "
-                f"Do not rewrite a checkpoint while it is being read"
+                f"{file} {change} since it was opened, so bytes [{src}, {src + length}) are not what its "
+                "header said; do not rewrite a checkpoint while it is being read, and open it again"
             )
         pos = 0
         while pos < length:

@@ -22,16 +22,21 @@ is copied from the file's mapping into its strides; a non-persistent buffer (abs
 checkpoints) from the module's own bytes, kept for it at open. Both run in the reader thread that
 finishes a pack's last chunk, so nothing of a read runs on the compute thread.
 
-Before each chunk the file is checked against what was opened: the path must still name the same
-inode (a replaced file), and the open file must keep its size and modification time (a file
-truncated or rewritten in place). A failed system call, a short read or a changed file is an
-`ExecutionError` naming the file, the byte range and the tensors; nothing of the host store is
-written by a read, so no weight is lost and the session stays closeable.
+Every read goes through the descriptors the checkpoint opened (its file names made absolute then,
+so a later ``os.chdir`` changes nothing). Before each chunk the file is checked against what it was
+when opened: its name must still name the same inode (not replaced, deleted or moved), and the open
+file must keep its size, modification time and inode change time (`changed`: not truncated or
+rewritten in place, even with its time set back). A folder on the way made unsearchable hides the
+name, not the file: the read goes on through the descriptor. A failed system call, a short read or
+a changed file is an `ExecutionError` naming the file, the byte range, the tensors and what to do;
+nothing of the host store is written by a read, so no weight is lost and the session stays
+closeable. A process forked from the one that opened the reader may not read (`submit`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import mmap
 import os
@@ -46,6 +51,7 @@ import torch
 
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.runtime._checkpoint import CheckpointReader, Span
+from torchferry.runtime._identity import changed
 from torchferry.runtime._pack import Piece
 from torchferry.runtime._pinning import PAGE, page_bytes
 from torchferry.topology import TensorSpec
@@ -178,14 +184,12 @@ class FileViews:
 
 @attrs.frozen
 class _Opened:
-    """What a file was when the reader opened it, to find it replaced, truncated or rewritten."""
+    """A file's descriptors, and what it was when its checkpoint opened it (``stat``: to find it
+    replaced, truncated or rewritten)."""
 
     fd: int
     direct: int | None
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
+    stat: os.stat_result
 
 
 class Ticket:
@@ -254,10 +258,10 @@ class FileReader:
         self.modes: dict[str, str] = {}
         for file in dict.fromkeys(e.file for e in checkpoint.entries.values()):
             fd = checkpoint.descriptor(file)
-            info = os.fstat(fd)
+            info = checkpoint.stats[file]
             raw = self._open_direct(file, info) if file in direct else None
             self.modes.setdefault(file, "buffered")
-            self._opened[file] = _Opened(fd, raw, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+            self._opened[file] = _Opened(fd, raw, info)
             if raw is None and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self._bounces: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
@@ -277,6 +281,9 @@ class FileReader:
             threads, thread_name_prefix="torchferry-read", **thread_setup(device)
         )
         self._closed = False
+        # Why: a process forked from this one has none of the pool's threads (a read would wait for
+        # them for ever) and shares the staging and bounce buffers with it, so it may not read.
+        self._pid = os.getpid()
         #: Bytes read from files and ``preadv`` calls made, for reports and benchmarks.
         self.bytes_read = 0
         self.syscalls = 0
@@ -361,6 +368,14 @@ class FileReader:
         each thread first calls ``before`` (the wait for the buffer's last reader to finish)."""
         if self._closed:
             raise ExecutionError(f"the file tier's reader of {self.checkpoint.path} is closed")
+        if os.getpid() != self._pid:
+            raise ExecutionError(
+                f"read of {read.name}: this session was opened in process {self._pid} and this is process "
+                f"{os.getpid()}, forked from it; a forked process has none of the file tier's reader threads "
+                "and shares its staging buffers with the process that opened it, so it cannot read from the "
+                "checkpoint; open a session of its own in this process (torchferry.offload after the fork), "
+                "or start it with the 'spawn' method of multiprocessing"
+            )
         if into.numel() < read.nbytes:
             raise ExecutionError(
                 f"read of {read.name}: the staging buffer holds {into.numel()} bytes, the read {read.nbytes}"
@@ -431,18 +446,27 @@ class FileReader:
             self._scratch.put(scratch)
 
     def _check_file(self, file: str) -> None:
+        """`_Changed` unless ``file``'s name still names the file opened, unchanged (see the Note); a
+        folder made unsearchable hides the name, not the file, which is read on through its descriptor."""
         opened = self._opened[file]
         try:
-            now = os.stat(file)
+            now: os.stat_result | None = os.stat(file)
+        except PermissionError:
+            now = None
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise _Changed(
+                f"is no longer at its path ({error_reason(exc)}): it was deleted, or moved with its folder",
+                fix="put it back where it was, or close() the session and open a new one from where it is",
+            ) from None
         except OSError as exc:
-            raise OSError(exc.errno, f"the file is gone ({error_reason(exc)})") from None
-        if (now.st_dev, now.st_ino) != (opened.device, opened.inode):
+            raise OSError(exc.errno, f"looking the file up failed ({error_reason(exc)})") from None
+        if now is not None and (now.st_dev, now.st_ino) != (opened.stat.st_dev, opened.stat.st_ino):
             raise _Changed("was replaced on disk (another file now has its name)")
         held = os.fstat(opened.fd)
-        if held.st_size < opened.size:
-            raise _Changed(f"was truncated from {opened.size} to {held.st_size} bytes")
-        if held.st_mtime_ns != opened.mtime_ns or held.st_size != opened.size:
-            raise _Changed("was rewritten in place")
+        if (change := changed(opened.stat, held, inode_time=now is not None)) is not None:
+            raise _Changed(change)
+        if now is not None and held.st_ctime_ns != opened.stat.st_ctime_ns:  # explained (chmod): the new one
+            self._opened[file] = attrs.evolve(opened, stat=held)
 
     def _buffered(self, fd: int, chunk: Chunk, into: torch.Tensor) -> None:
         parts = list(chunk.parts)
@@ -496,7 +520,7 @@ class FileReader:
             fix = "restore the file (re-save or re-download it) and open a new session"
         elif isinstance(exc, _Changed):
             what = f"the file {exc}"
-            fix = "do not rewrite a checkpoint while a session reads it; close() and open a new session"
+            fix = exc.fix
         elif isinstance(exc, OSError):
             what = f"the read failed: {error_reason(exc)} (errno {exc.errno})"
             fix = "check the drive (dmesg), then run the step again or close() the session"
@@ -508,7 +532,8 @@ class FileReader:
 
     # ------------------------------------------------------------------------------- lifetime
     def close(self) -> None:
-        """Wait for reads in flight, stop the threads and close the direct descriptors; idempotent."""
+        """Wait for reads in flight, stop the threads, close the direct descriptors and drop the bounce
+        and scratch buffers (their memory goes back to the system); idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -516,6 +541,14 @@ class FileReader:
         for opened in self._opened.values():
             if opened.direct is not None:
                 os.close(opened.direct)
+        for buffers in (self._bounces, self._scratch):
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    buffers.get_nowait()  # the last reference: its mapping is unmapped
+        self.bounce_bytes = self.scratch_bytes = 0
+
+
+_REOPEN = "do not rewrite a checkpoint while a session reads it; close() and open a new session"
 
 
 class _Short(Exception):
@@ -525,7 +558,9 @@ class _Short(Exception):
 
 
 class _Changed(Exception):
-    pass
+    def __init__(self, what: str, fix: str = _REOPEN) -> None:
+        super().__init__(what)
+        self.fix = fix
 
 
 def _chunks(file: str, spans: Sequence[Span], limit: int) -> list[Chunk]:

@@ -294,7 +294,7 @@ class FileTier:
     def host_views(self, name: str, pieces: Sequence[Piece]) -> tuple[torch.Tensor, ...]:
         """Pack ``name``'s tensors between uses, one per piece (aliases share their owner's)."""
         views = self.views[name]
-        return tuple(views[p.offset] for p in pieces)
+        return tuple(views[p.offset] if p.nbytes else _empty(p) for p in pieces)
 
     # -------------------------------------------------------------------------------- reading
     def slot(self, name: str) -> _Staging:
@@ -378,6 +378,7 @@ class FileTier:
             for slot in self.staging:
                 self.memory.release(f"staging {slot}")
             self.staging.clear()
+        self.kept_bytes = 0  # the kept buffers are the given-back tensors' own memory now
         # The tensors given back keep their views; no other tensor object may stay on those storages
         # (one would read as a view taken elsewhere when a session opens on the pipeline again).
         self.views.clear()
@@ -388,6 +389,11 @@ class FileTier:
 #: Staging slots of file tiers closed while their weight-shard group was broken: they stay mapped and
 #: registered (a copy queued on the device may still read them), so nothing here is ever dropped.
 _KEPT: list[_Staging] = []
+
+
+def _empty(piece: Piece) -> torch.Tensor:
+    """A tensor of no elements in ``piece``'s shape, dtype and strides (a file holds no bytes of it)."""
+    return torch.empty_strided(piece.shape, piece.stride, dtype=piece.dtype)
 
 
 def _views(
@@ -402,6 +408,8 @@ def _views(
     where = {s.name: s for s in reader.checkpoint.spans(layout, 0, nbytes, prefix_map)}
     out: dict[int, torch.Tensor] = {}
     for (spec, _), piece in zip(layout, pieces, strict=True):
+        if piece.nbytes == 0:  # no bytes in any file, and its offset may be the next tensor's
+            continue
         if spec.name in module:
             out[piece.offset] = piece.view(module[spec.name], 0)
             continue
