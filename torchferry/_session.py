@@ -193,6 +193,11 @@ def offload(
     refuse_foreign(pipeline, topo)
     CLAIMS.check(pipeline, topo)
     plan = topology.resolve(topo, request)
+    if request.checkpoint is not None:  # the names its library saved the files under (topology.KeyMap)
+        paths = [c.path for c in topo.components]
+        checkpoint_prefix_map = topology.checkpoint_key_map(
+            pipeline, paths, request.checkpoint, checkpoint_variant, checkpoint_prefix_map
+        )
     plan, host = runtime.host_plan(
         pipeline, plan, group=group, spill=spill, device=target, prefix_map=checkpoint_prefix_map,
         variant=checkpoint_variant,

@@ -40,6 +40,7 @@ from torchferry.topology import (
     Component,
     FrozenMap,
     HeaderEntry,
+    KeyMap,
     Plan,
     TensorSpec,
     Topology,
@@ -161,7 +162,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         widen: Collection[str] = (),
     ) -> None:
         self.path = str(path)
-        self.prefix_map: FrozenMap[str, str] = FrozenMap(dict(prefix_map or {}))
+        self.prefix_map: KeyMap = KeyMap.of(prefix_map)  # with a library's renames (`topology.KeyMap`)
         #: Model tensor names held in float32 that may be read from a 16-bit float (see above).
         self.widen: frozenset[str] = frozenset(widen)
         self._handles: dict[str, BinaryIO] = {}
@@ -253,9 +254,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
 
     def key(self, name: str, prefix_map: Mapping[str, str] | None = None) -> str:
         """The checkpoint key a model tensor name maps to (longest matching prefix of the map)."""
-        mapping = self.prefix_map if prefix_map is None else prefix_map
-        best = max((p for p in mapping if name.startswith(p)), key=len, default=None)
-        return name if best is None else mapping[best] + name[len(best) :]
+        return (self.prefix_map if prefix_map is None else KeyMap.of(prefix_map)).key(name)
 
     def __contains__(self, key: object) -> bool:
         return key in self.entries
@@ -280,6 +279,11 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         keys = [self.key(n, prefix_map) for n in (spec.name, *spec.aliases)]
         if claimed is not None:
             claimed.update(keys)
+        conversion = (self.prefix_map if prefix_map is None else KeyMap.of(prefix_map)).converted(spec.name)
+        if conversion is not None:  # a library builds it from other stored tensors: refused by name
+            if claimed is not None:
+                claimed.update(conversion.sources)
+            return None, [conversion.problem(self.path)]
         present = [self.entries[k] for k in keys if k in self.entries]
         if not present:
             broken = [self._broken[k] for k in keys if k in self._broken]
