@@ -217,13 +217,14 @@ def _stored_dtypes(
 def _by_module_names(model: nn.Module, comp: FolderComponent, stored: Mapping[str, str]) -> Mapping[str, str]:
     """``stored`` (checkpoint key -> dtype) with the model's own names added where its library saves
     them under others (`topology.library_key_map`: transformers 5 writes Qwen2.5-VL's language model
-    as ``model.layers.*``, for one)."""
+    as ``model.layers.*``, for one); a tensor it converts on load has its first source's dtype."""
     assert comp.source is not None
     sharded = (comp.name,) if len(locate(comp.source).files) > 1 else ()
     keys = library_key_map({comp.name: model}, stored, sharded=sharded)
-    if not keys.renames:
+    if not keys.renames and not keys.conversions:
         return stored
-    return {**stored, **{name: stored[key] for name, key in keys.renames.items() if key in stored}}
+    made = {t: stored[c.sources[0]] for c in keys.conversions for t in c.targets if c.sources[0] in stored}
+    return {**stored, **made, **{name: stored[key] for name, key in keys.renames.items() if key in stored}}
 
 
 def from_pretrained(

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import torchferry
 from torchferry import PlanError, topology
@@ -241,11 +242,12 @@ def test_plan_of_such_a_folder_counts_the_module_tensors(tmp_path: Path) -> None
     assert {t.dtype for t in stored} == {"bfloat16"}
 
 
-def _mixtral() -> Any:
+def _mixtral(width: int = 32) -> Any:
+    """A MixtralModel of 2 experts: ``width=256`` makes 6 blocks of 6 MiB (a file tier pays)."""
     config = transformers.MixtralConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
+        hidden_size=width,
+        intermediate_size=2 * width if width < 256 else 4 * width,
+        num_hidden_layers=1 if width < 256 else 6,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=64,
@@ -255,31 +257,66 @@ def _mixtral() -> Any:
     return transformers.MixtralModel(config)
 
 
-def test_a_conversion_torchferry_does_not_carry_out_is_refused_by_name(tmp_path: Path) -> None:
-    """A checkpoint whose tensors transformers fuses on load (Mixtral's per-expert weights into one
-    gate_up_proj) is refused before anything is read, naming the class, the keys and the operation."""
+def _mixtral_folder(folder: Path, width: int = 32) -> Any:
+    """A MixtralModel saved to ``folder`` (transformers writes its fused experts one by one)."""
     torch.manual_seed(0)
-    model = _mixtral().eval()
-    model.save_pretrained(str(tmp_path / "mixtral"))
-    stored = _stored_keys(tmp_path, "mixtral")
-    assert "layers.0.block_sparse_moe.experts.0.w1.weight" in stored
+    model = _mixtral(width).eval()
+    model.save_pretrained(str(folder))
+    assert "layers.0.block_sparse_moe.experts.0.w1.weight" in _stored_keys(folder.parent, folder.name)
+    assert "layers.0.mlp.experts.gate_up_proj" in model.state_dict()
+    return model
+
+
+def _on_meta(width: int = 32) -> tuple[Any, dict[str, Any]]:
     with torchferry.meta_parameters():
-        meta = _mixtral().eval()
+        meta = _mixtral(width).eval()
     declaration = topology.Declaration(block_attrs={"": ("layers",)})
+    return meta, {"declaration": declaration, "device": "cpu", "strategy": "layerwise"}
+
+
+@pytest.mark.parametrize("host_memory", [None, 32 << 20])
+def test_a_conversion_is_carried_out_as_transformers_loads_it(
+    tmp_path: Path, host_memory: int | None
+) -> None:
+    """A checkpoint whose tensors transformers fuses on load (Mixtral's per-expert weights into one
+    gate_up_proj) fills the module's fused tensors, in memory and, over a host budget, from the file
+    tier, and the model runs as transformers' own load of the same folder, bit for bit."""
+    width = 32 if host_memory is None else 256
+    _mixtral_folder(tmp_path / "mixtral", width)
+    loaded = transformers.MixtralModel.from_pretrained(str(tmp_path / "mixtral")).eval()
+    ids = torch.arange(2, 10).reshape(1, 8)
+    with torch.no_grad():
+        expected = loaded(input_ids=ids).last_hidden_state
+    meta, options = _on_meta(width)
+    with torchferry.offload(
+        meta, checkpoint=str(tmp_path / "mixtral"), host_memory=host_memory, **options
+    ) as session:
+        with torch.no_grad():
+            got = meta(input_ids=ids).last_hidden_state
+        assert (session.report().file_packs > 0) == (host_memory is not None)
+    assert torch.equal(got, expected)
+    weights = loaded.state_dict()
+    assert [k for k, v in meta.state_dict().items() if not torch.equal(v, weights[k])] == []
+
+
+def test_a_conversion_that_cannot_be_carried_out_is_refused_by_name(tmp_path: Path) -> None:
+    """A fused tensor one of whose stored parts is missing from the checkpoint (so the conversion makes
+    the wrong shape) is refused before anything is read, naming the model class, the keys and the
+    conversion."""
+    _mixtral_folder(tmp_path / "mixtral")
+    file = tmp_path / "mixtral" / "model.safetensors"
+    tensors = load_file(str(file))
+    del tensors["layers.0.block_sparse_moe.experts.1.w2.weight"]
+    save_file(tensors, str(file))
+    meta, options = _on_meta()
     with pytest.raises(PlanError) as raised:
-        torchferry.offload(meta, declaration=declaration, device="cpu", checkpoint=str(tmp_path / "mixtral"))
+        torchferry.offload(meta, checkpoint=str(tmp_path / "mixtral"), **options)
     folder = tmp_path / "mixtral"
-    stored_from = "when it loads, a conversion torchferry does not carry out; load that model with "
-    keep = "MixtralModel.from_pretrained and keep its weights (offload it without checkpoint=)"
     assert str(raised.value) == (
-        f"checkpoint {folder} cannot fill the expected tensors; 2 problems (nothing was read or changed):\n"
-        f"  - {folder}: transformers MixtralModel makes 'layers.0.mlp.experts.gate_up_proj' from the stored "
-        "'layers.0.block_sparse_moe.experts.0.w1.weight', 'layers.0.block_sparse_moe.experts.0.w3.weight', "
-        "'layers.0.block_sparse_moe.experts.1.w1.weight', 'layers.0.block_sparse_moe.experts.1.w3.weight' "
-        "with MergeModulelist(dim=0) then Concatenate(dim=1, num_shards_attribute=None) "
-        f"{stored_from}{keep}\n"
+        f"checkpoint {folder} cannot fill the expected tensors; 1 problem (nothing was read or changed):\n"
         f"  - {folder}: transformers MixtralModel makes 'layers.0.mlp.experts.down_proj' from the stored "
-        "'layers.0.block_sparse_moe.experts.0.w2.weight', 'layers.0.block_sparse_moe.experts.1.w2.weight' "
-        f"with MergeModulelist(dim=0) {stored_from}{keep}"
+        "'layers.0.block_sparse_moe.experts.0.w2.weight' with MergeModulelist(dim=0) when it loads, which "
+        "makes [1, 32, 64] of float32 where the model holds [2, 32, 64] of float32; load that model with "
+        "MixtralModel.from_pretrained and keep its weights (offload it without checkpoint=)"
     )
     assert all(t.device.type == "meta" for t in meta.parameters())

@@ -34,6 +34,7 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
+from torchferry.runtime._converted import bytes_of, conversion_problems, converted
 from torchferry.topology import SAFETENSORS_DTYPES as _HEADER_DTYPES
 from torchferry.topology import (
     Block,
@@ -78,11 +79,6 @@ Expected: TypeAlias = Plan | Topology | Component | Block | Iterable[TensorSpec]
 
 def _shape_text(shape: Iterable[int]) -> str:
     return str(list(shape))
-
-
-def _problem(exc: PlanError) -> str:
-    """A header problem from `read_header`, with the fix for a damaged file appended."""
-    return f"{exc}; {_RESAVE}"
 
 
 def _expected_specs(expected: Expected) -> list[TensorSpec]:
@@ -211,7 +207,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                     if prefixes:
                         found = tuple(attrs.evolve(e, name=prefixes[file] + e.name) for e in found)
                 except PlanError as exc:
-                    problem = _problem(exc)
+                    problem = f"{exc}; {_RESAVE}"  # a header problem, with the fix for a damaged file
                     problems.append(problem)
                     unreadable.append(file)
                     broken.update(dict.fromkeys(listed, problem))
@@ -279,11 +275,8 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         keys = [self.key(n, prefix_map) for n in (spec.name, *spec.aliases)]
         if claimed is not None:
             claimed.update(keys)
-        conversion = (self.prefix_map if prefix_map is None else KeyMap.of(prefix_map)).converted(spec.name)
-        if conversion is not None:  # a library builds it from other stored tensors: refused by name
-            if claimed is not None:
-                claimed.update(conversion.sources)
-            return None, [conversion.problem(self.path)]
+        if (made := conversion_problems(self, spec, prefix_map, claimed)) is not None:
+            return None, made  # a library makes it from other stored tensors: checked, or refused by name
         present = [self.entries[k] for k in keys if k in self.entries]
         if not present:
             broken = [self._broken[k] for k in keys if k in self._broken]
@@ -482,6 +475,8 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                 widened = self._widened(entry)
                 span = Span(name=spec.name, file=None, src=lo - off, dst=lo - start, length=hi - lo)
                 found.append(attrs.evolve(span, source=widened))
+            elif entry is None and not wrong and (made := converted(self, spec.name, prefix_map)) is not None:
+                found.append(Span(spec.name, None, lo - off, lo - start, hi - lo, bytes_of(made)))
             elif entry is not None and not wrong:
                 src = entry.data_start + entry.begin + lo - off
                 found.append(Span(name=spec.name, file=entry.file, src=src, dst=lo - start, length=hi - lo))
@@ -495,6 +490,8 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         self._check_open()
         key = self.key(name, prefix_map)
         entry = self.entries.get(key)
+        if entry is None and (value := converted(self, name, prefix_map)) is not None:
+            return value
         if entry is None:
             problem = self._broken.get(key) or (
                 f"{self.path}: tensor {name!r}"

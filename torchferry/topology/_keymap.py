@@ -14,8 +14,10 @@ data, one layer between the files and the reader, whatever wrote the files:
 - ``renames``: exact model name -> checkpoint key (one tensor under another name, bytes unchanged);
   a rename wins over the prefixes;
 - ``conversions``: model tensors a library builds from other stored tensors on load (fused or split
-  weights, permuted ones): sources, targets, the model class and the operation, so the reader can
-  refuse them by name (`Conversion.problem`) rather than call them missing.
+  weights, permuted ones): sources, targets, the model class, the operation and the library's own
+  function that carries it out; the reader runs it when a pack is filled (or read by the file tier),
+  so bytes and tiers are planned on what the module holds, and refuses one it cannot run by name
+  (`Conversion.problem`) rather than call its tensors missing.
 
 `KeyMap` is a `Mapping` of its prefixes, so it travels wherever a prefix map does; the runtime's
 `CheckpointReader` looks names up through `KeyMap.key`. Builders: `library_key_map` asks the
@@ -26,7 +28,8 @@ its own name table the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -51,9 +54,15 @@ class Conversion:
     operation: str
     sources: tuple[str, ...] = attrs.field(converter=_names)
     targets: tuple[str, ...] = attrs.field(converter=_names)
+    #: The library's own conversion: the stored tensors by checkpoint key -> the tensors it makes,
+    #: by model name (``None``: it cannot be carried out here, and is refused by name).
+    apply: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = attrs.field(
+        default=None, eq=False, repr=False
+    )
 
-    def problem(self, where: str) -> str:
-        """The sentence a refusal lists for this conversion (``where``: the checkpoint's path)."""
+    def problem(self, where: str, why: str = "a conversion torchferry does not carry out") -> str:
+        """The sentence a refusal lists for this conversion (``where``: the checkpoint's path; ``why``:
+        what went wrong)."""
         shown = ", ".join(repr(s) for s in self.sources[:4]) + (", ..." if len(self.sources) > 4 else "")
         made = ", ".join(repr(t) for t in self.targets[:4]) + (", ..." if len(self.targets) > 4 else "")
         keep = (
@@ -64,7 +73,7 @@ class Conversion:
         )
         return (
             f"{where}: {self.library} {self.model_class} makes {made} from the stored {shown} with "
-            f"{self.operation} when it loads, a conversion torchferry does not carry out; load that model "
+            f"{self.operation} when it loads, {why}; load that model "
             f"with {self.model_class}.from_pretrained and keep its weights ({keep})"
         )
 

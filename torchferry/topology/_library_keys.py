@@ -15,10 +15,11 @@ tensors are fine) and the libraries are imported only when a model of theirs is 
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from torchferry._errors import PlanError
@@ -80,6 +81,7 @@ def library_key_map(
                     operation=c.operation,
                     sources=c.sources,
                     targets=tuple(lead + t for t in c.targets),
+                    apply=None if c.apply is None else _prefixed(c.apply, lead),
                 )
             )
     if not renames and not conversions:
@@ -108,8 +110,8 @@ def _transformers(
     known = dict.fromkeys(names, True)
     prefix = getattr(model, "base_model_prefix", None)
     renames: dict[str, str] = {}
-    groups: dict[tuple[int, str], tuple[Any, list[str], list[str]]] = {}
-    for rel in sorted(local):
+    groups: dict[tuple[int, str], tuple[Any, list[tuple[str, str, str]], list[str]]] = {}
+    for rel in sorted(local, key=loading.dot_natural_key):  # the order transformers collects them in
         renamed, pattern = loading.rename_source_key(rel, renamings, converters, prefix, known)
         if renamed not in names and rel in names:
             renamed, pattern = rel, None  # as transformers: a key the model already has stays
@@ -121,7 +123,7 @@ def _transformers(
             continue
         converter = next(c for c in converters if pattern in c.source_patterns)
         group = groups.setdefault((id(converter), renamed), (converter, [], []))
-        group[1].append(local[rel])
+        group[1].append((rel, local[rel], pattern))
         if not group[2]:
             first = converter.target_patterns[0]
             group[2].extend(renamed.replace(first, t) for t in converter.target_patterns)
@@ -131,12 +133,37 @@ def _transformers(
             component="",
             model_class=type(model).__name__,
             operation=_operation(converter),
-            sources=sources,
+            sources=[full for _, full, _ in sources],
             targets=targets,
+            apply=_converting(model, converter, targets[0], sources),
         )
         for converter, sources, targets in groups.values()
     ]
     return renames, conversions
+
+
+def _converting(
+    model: Any, converter: Any, first: str, sources: list[tuple[str, str, str]]
+) -> Callable[[Mapping[str, Any]], Mapping[str, Any]]:
+    """transformers' own conversion of ``sources`` ((model-relative key, checkpoint key, pattern)) into
+    the tensors named from ``first`` on, as its loader runs it: a fresh copy of ``converter`` is
+    given each stored tensor, in the loader's order, and its ``convert`` makes the targets."""
+
+    def apply(stored: Mapping[str, Any]) -> Mapping[str, Any]:
+        fresh = copy.deepcopy(converter)
+        for rel, full, pattern in sources:
+            fresh.add_tensor(first, rel, pattern, (lambda t=stored[full]: t))
+        made = fresh.convert(first, model=model, config=model.config)
+        return {k: v[0] if isinstance(v, list) else v for k, v in made.items()}
+
+    return apply
+
+
+def _prefixed(
+    apply: Callable[[Mapping[str, Any]], Mapping[str, Any]], lead: str
+) -> Callable[[Mapping[str, Any]], Mapping[str, Any]]:
+    """``apply`` with its tensors named from the pipeline root (under ``lead``)."""
+    return lambda stored: {lead + k: v for k, v in apply(stored).items()}
 
 
 def _operation(converter: Any) -> str:
