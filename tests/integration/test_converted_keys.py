@@ -12,6 +12,7 @@ their published checkpoints have), then opened with `torchferry.from_pretrained`
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,7 @@ def test_a_folder_saved_under_transformers_names_opens_bit_exact(tmp_path: Path,
     _opens_bit_exact(name, tmp_path / name, None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["Flux2Pipeline", "LTX2Pipeline", "QwenImagePipeline"])
 def test_such_a_folder_over_the_host_budget_reads_packs_from_its_files(tmp_path: Path, name: str) -> None:
     """The same with a host budget that leaves packs in the files (read on demand by their saved
@@ -274,6 +276,7 @@ def _on_meta(width: int = 32) -> tuple[Any, dict[str, Any]]:
     return meta, {"declaration": declaration, "device": "cpu", "strategy": "layerwise"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host_memory", [None, 32 << 20])
 def test_a_conversion_is_carried_out_as_transformers_loads_it(
     tmp_path: Path, host_memory: int | None
@@ -320,3 +323,30 @@ def test_a_conversion_that_cannot_be_carried_out_is_refused_by_name(tmp_path: Pa
         "MixtralModel.from_pretrained and keep its weights (offload it without checkpoint=)"
     )
     assert all(t.device.type == "meta" for t in meta.parameters())
+
+
+def test_a_diffusers_legacy_single_file_reads_as_diffusers_loads_it(tmp_path: Path) -> None:
+    """A VAE file whose attention block has its old names (``query``, ``proj_attn``), which diffusers
+    renames when it loads one file, fills the module's ``to_q``... and equals diffusers' load."""
+    config = {"block_out_channels": (8, 8), "norm_num_groups": 4, "latent_channels": 4}
+    torch.manual_seed(0)
+    diffusers.AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2, **config
+    ).save_pretrained(str(tmp_path / "vae"))
+    file = tmp_path / "vae" / "diffusion_pytorch_model.safetensors"
+    old = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
+    tensors = load_file(str(file))
+    renamed = {
+        re.sub(r"\.(to_q|to_k|to_v|to_out\.0)\.", lambda m: f".{old[m.group(1)]}.", k): v
+        for k, v in tensors.items()
+    }
+    assert "encoder.mid_block.attentions.0.query.weight" in renamed
+    save_file(renamed, str(file))
+    loaded = diffusers.AutoencoderKL.from_pretrained(str(tmp_path / "vae")).eval()
+    with torchferry.meta_parameters():
+        meta = diffusers.AutoencoderKL.from_config(diffusers.AutoencoderKL.load_config(str(tmp_path / "vae")))
+    with torchferry.offload(meta.eval(), strategy="layerwise", device="cpu", checkpoint=str(file)):
+        weights = {k: v.clone() for k, v in meta.state_dict().items()}
+    expected = loaded.state_dict()
+    assert weights.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(weights[k], expected[k])] == []
