@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 import torchferry
 from torchferry import PlanError, topology
 from torchferry._pretrained import pipeline_on_meta
+from torchferry.cli import main
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -228,8 +229,10 @@ def test_such_a_folder_over_the_host_budget_reads_packs_from_its_files(tmp_path:
     _opens_bit_exact(name, tmp_path / name, budget)
 
 
-def test_plan_of_such_a_folder_counts_the_module_tensors(tmp_path: Path) -> None:
-    """The pipeline built on meta from such a folder (what ``torchferry plan FOLDER`` plans) holds the
+def test_plan_of_such_a_folder_counts_the_module_tensors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``torchferry plan FOLDER`` plans such a folder as the pipeline built on meta, which holds the
     dtypes the files store under their other names, so it counts the files' bytes."""
     folder = tmp_path / "qwen"
     torch.manual_seed(0)
@@ -242,14 +245,19 @@ def test_plan_of_such_a_folder_counts_the_module_tensors(tmp_path: Path) -> None
     files = topology.from_checkpoint(folder)
     assert sum(t.nbytes for t in stored) == sum(t.nbytes for c in files.components for t in c.all_tensors())
     assert {t.dtype for t in stored} == {"bfloat16"}
+    assert main(["plan", str(folder), "--device-memory", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{folder} (QwenImagePipeline)\nthe pipeline folder {folder}, built on meta as ")
+    assert re.search(r"^text_encoder\s+encoder\s+Qwen2_5_VLForConditionalGeneration\s", out, re.MULTILINE)
 
 
 def _mixtral(width: int = 32) -> Any:
-    """A MixtralModel of 2 experts: ``width=256`` makes 6 blocks of 6 MiB (a file tier pays)."""
+    """A MixtralModel of 2 experts: ``width=512`` makes 10 blocks of 3.5 MiB whose experts (the fused
+    tensors, kept in host memory as made) are 0.4 MiB, so a file tier pays."""
     config = transformers.MixtralConfig(
         hidden_size=width,
-        intermediate_size=2 * width if width < 256 else 4 * width,
-        num_hidden_layers=1 if width < 256 else 6,
+        intermediate_size=2 * width if width < 512 else 32,
+        num_hidden_layers=1 if width < 512 else 10,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=64,
@@ -284,7 +292,7 @@ def test_a_conversion_is_carried_out_as_transformers_loads_it(
     """A checkpoint whose tensors transformers fuses on load (Mixtral's per-expert weights into one
     gate_up_proj) fills the module's fused tensors, in memory and, over a host budget, from the file
     tier, and the model runs as transformers' own load of the same folder, bit for bit."""
-    width = 32 if host_memory is None else 256
+    width = 32 if host_memory is None else 512
     _mixtral_folder(tmp_path / "mixtral", width)
     loaded = transformers.MixtralModel.from_pretrained(str(tmp_path / "mixtral")).eval()
     ids = torch.arange(2, 10).reshape(1, 8)

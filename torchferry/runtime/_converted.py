@@ -10,16 +10,26 @@ names in the modules] in `torchferry.topology._keymap`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from torchferry.topology import Conversion, KeyMap, TensorSpec
-
-if TYPE_CHECKING:
-    from torchferry.runtime._checkpoint import CheckpointReader
+from torchferry.topology import Conversion, HeaderEntry, KeyMap, TensorSpec
 
 __all__ = ["bytes_of", "conversion_problems", "converted"]
+
+
+class CheckpointReader(Protocol):
+    """What of `torchferry.runtime.CheckpointReader` a conversion reads (its path, key map, entries
+    and stored tensors)."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def prefix_map(self) -> KeyMap: ...
+    @property
+    def entries(self) -> Mapping[str, HeaderEntry]: ...
+    def _stored(self, entry: HeaderEntry) -> torch.Tensor: ...
 
 
 def _conversion(
