@@ -135,8 +135,9 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
 
     Opening reads headers only. ``prefix_map`` maps a prefix of the model's qualified names to the
     prefix the checkpoint uses instead (``{"transformer.": ""}`` for a component checkpoint whose keys
-    lack the component path); the longest matching prefix applies. Every method taking
-    ``prefix_map`` uses the reader's own when given ``None``.
+    lack the component path); the longest matching prefix applies. A `topology.KeyMap` also names
+    the keys a library saved tensors under and the tensors it makes from others on load (made here
+    by the library's converter). Every method taking ``prefix_map`` uses the reader's own for ``None``.
 
     ``variant`` (``"fp16"``) reads a pipeline folder's files of that weight variant (see
     `topology.read_pipeline_folder`). Loading copies bytes and never converts, with one exception:
