@@ -44,6 +44,8 @@ from torchferry.topology import (
     from_checkpoint,
     hub_snapshot,
     is_pipeline_folder,
+    library_key_map,
+    locate,
     read_pipeline_folder,
 )
 
@@ -212,6 +214,19 @@ def _stored_dtypes(
                 module._buffers[attr] = buf.to(getattr(torch, stored_as))
 
 
+def _by_module_names(model: nn.Module, comp: FolderComponent, stored: Mapping[str, str]) -> Mapping[str, str]:
+    """``stored`` (checkpoint key -> dtype) with the model's own names added where its library saves
+    them under others (`topology.library_key_map`: transformers 5 writes Qwen2.5-VL's language model
+    as ``model.layers.*``, for one); a tensor it converts on load has its first source's dtype."""
+    assert comp.source is not None
+    sharded = (comp.name,) if len(locate(comp.source).files) > 1 else ()
+    keys = library_key_map({comp.name: model}, stored, sharded=sharded)
+    if not keys.renames and not keys.conversions:
+        return stored
+    made = {t: stored[c.sources[0]] for c in keys.conversions for t in c.targets if c.sources[0] in stored}
+    return {**stored, **made, **{name: stored[key] for name, key in keys.renames.items() if key in stored}}
+
+
 def from_pretrained(
     pipeline_class: Any,
     pretrained_model_name_or_path: str | os.PathLike[str],
@@ -374,7 +389,8 @@ def _build_on_meta(
                     "save_pretrained (safetensors is its default) or pass the component yourself"
                 )
             model = _build_model(comp, cls)
-            _stored_dtypes(model, comp.name, stored, _dtype_of(dtypes, comp.name), problems)
+            named = _by_module_names(model, comp, stored)
+            _stored_dtypes(model, comp.name, named, _dtype_of(dtypes, comp.name), problems)
             values[comp.name] = model
         else:
             loader = getattr(cls, "from_pretrained", None)

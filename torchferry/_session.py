@@ -190,6 +190,11 @@ def offload(
     CLAIMS.check(pipeline, topo)
     world = None if group is None else torch.distributed.get_world_size(group)
     plan = topology.resolve(topo, request, world=world, checkpoint_components=checkpoint_components)
+    if request.checkpoint is not None:  # the names its library saved the files under (topology.KeyMap)
+        paths = [c.path for c in topo.components]
+        checkpoint_prefix_map = topology.checkpoint_key_map(
+            pipeline, paths, request.checkpoint, checkpoint_variant, checkpoint_prefix_map
+        )
     plan, host = runtime.host_plan(
         pipeline, plan, group=group, spill=spill, device=target, prefix_map=checkpoint_prefix_map,
         variant=checkpoint_variant,

@@ -34,6 +34,7 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
+from torchferry.runtime._converted import bytes_of, conversion_problems, converted
 from torchferry.runtime._identity import changed
 from torchferry.topology import SAFETENSORS_DTYPES as _HEADER_DTYPES
 from torchferry.topology import (
@@ -41,6 +42,7 @@ from torchferry.topology import (
     Component,
     FrozenMap,
     HeaderEntry,
+    KeyMap,
     Plan,
     TensorSpec,
     Topology,
@@ -78,11 +80,6 @@ Expected: TypeAlias = Plan | Topology | Component | Block | Iterable[TensorSpec]
 
 def _shape_text(shape: Iterable[int]) -> str:
     return str(list(shape))
-
-
-def _problem(exc: PlanError) -> str:
-    """A header problem from `read_header`, with the fix for a damaged file appended."""
-    return f"{exc}; {_RESAVE}"
 
 
 def _expected_specs(expected: Expected) -> list[TensorSpec]:
@@ -139,8 +136,9 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
 
     Opening reads headers only. ``prefix_map`` maps a prefix of the model's qualified names to the
     prefix the checkpoint uses instead (``{"transformer.": ""}`` for a component checkpoint whose keys
-    lack the component path); the longest matching prefix applies. Every method taking
-    ``prefix_map`` uses the reader's own when given ``None``.
+    lack the component path); the longest matching prefix applies. A `topology.KeyMap` also names
+    the keys a library saved tensors under and the tensors it makes from others on load (made here
+    by the library's converter). Every method taking ``prefix_map`` uses the reader's own for ``None``.
 
     ``variant`` (``"fp16"``) reads a pipeline folder's files of that weight variant (see
     `topology.read_pipeline_folder`). Loading copies bytes and never converts, with one exception:
@@ -163,7 +161,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
     ) -> None:
         self.path = os.fspath(path)
         path = os.path.join(os.getcwd(), self.path)  # Why: file names fixed at open (a chdir later)
-        self.prefix_map: FrozenMap[str, str] = FrozenMap(dict(prefix_map or {}))
+        self.prefix_map: KeyMap = KeyMap.of(prefix_map)  # with a library's renames (`topology.KeyMap`)
         #: Model tensor names held in float32 that may be read from a 16-bit float (see above).
         self.widen: frozenset[str] = frozenset(widen)
         self._handles: dict[str, BinaryIO] = {}
@@ -215,7 +213,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                     if prefixes:
                         found = tuple(attrs.evolve(e, name=prefixes[file] + e.name) for e in found)
                 except PlanError as exc:
-                    problem = _problem(exc)
+                    problem = f"{exc}; {_RESAVE}"  # a header problem, with the fix for a damaged file
                     problems.append(problem)
                     unreadable.append(file)
                     broken.update(dict.fromkeys(listed, problem))
@@ -258,9 +256,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
 
     def key(self, name: str, prefix_map: Mapping[str, str] | None = None) -> str:
         """The checkpoint key a model tensor name maps to (longest matching prefix of the map)."""
-        mapping = self.prefix_map if prefix_map is None else prefix_map
-        best = max((p for p in mapping if name.startswith(p)), key=len, default=None)
-        return name if best is None else mapping[best] + name[len(best) :]
+        return (self.prefix_map if prefix_map is None else KeyMap.of(prefix_map)).key(name)
 
     def __contains__(self, key: object) -> bool:
         return key in self.entries
@@ -285,6 +281,8 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         keys = [self.key(n, prefix_map) for n in (spec.name, *spec.aliases)]
         if claimed is not None:
             claimed.update(keys)
+        if (made := conversion_problems(self, spec, prefix_map, claimed)) is not None:
+            return None, made  # a library makes it from other stored tensors: checked, or refused by name
         present = [self.entries[k] for k in keys if k in self.entries]
         if not present:
             broken = [self._broken[k] for k in keys if k in self._broken]
@@ -483,6 +481,8 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                 widened = self._widened(entry)
                 span = Span(name=spec.name, file=None, src=lo - off, dst=lo - start, length=hi - lo)
                 found.append(attrs.evolve(span, source=widened))
+            elif entry is None and not wrong and (made := converted(self, spec.name, prefix_map)) is not None:
+                found.append(Span(spec.name, None, lo - off, lo - start, hi - lo, bytes_of(made)))
             elif entry is not None and not wrong:
                 src = entry.data_start + entry.begin + lo - off
                 found.append(Span(name=spec.name, file=entry.file, src=src, dst=lo - start, length=hi - lo))
@@ -496,6 +496,8 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         self._check_open()
         key = self.key(name, prefix_map)
         entry = self.entries.get(key)
+        if entry is None and (value := converted(self, name, prefix_map)) is not None:
+            return value
         if entry is None:
             problem = self._broken.get(key) or (
                 f"{self.path}: tensor {name!r}"

@@ -41,7 +41,7 @@ from torchferry.runtime._reader import READ_THREADS
 from torchferry.runtime._spill import agreed, spill, spill_folder
 from torchferry.runtime._tiers import TierLayout
 from torchferry.runtime._widen import kept_in_float32
-from torchferry.topology import Plan, Topology, find_attr
+from torchferry.topology import KeyMap, Plan, Topology, find_attr
 
 if TYPE_CHECKING:
     from torchferry.runtime._comm import Comm
@@ -172,15 +172,17 @@ def _widened(
     path = plan.config.checkpoint
     if path is None or pipeline is None:
         return frozenset()
+    # A tensor its library makes from other stored tensors on load is kept as made, too (KeyMap).
+    made = frozenset(t for c in KeyMap.of(prefix_map).conversions for t in c.targets)
     kept = kept_in_float32(pipeline, plan.topology)
     if not kept:
-        return kept
+        return made
     try:
         with CheckpointReader(path, prefix_map=prefix_map, variant=variant) as reader:
             stored = {n: reader.entries.get(reader.key(n)) for n in kept}
     except (PlanError, OSError):
-        return kept  # the engine names the checkpoint's problem; count every candidate meanwhile
-    return frozenset(n for n, e in stored.items() if e is None or e.dtype in WIDENED_FROM)
+        return kept | made  # the engine names the checkpoint's problem; count every candidate meanwhile
+    return made | frozenset(n for n, e in stored.items() if e is None or e.dtype in WIDENED_FROM)
 
 
 def _with_budget(plan: Plan, nbytes: int) -> Plan:

@@ -29,6 +29,8 @@ from torchferry.topology._folder import is_hub_id as is_hub_id
 from torchferry.topology._folder import known_match as known_match
 from torchferry.topology._folder import pipeline_sources as pipeline_sources
 from torchferry.topology._frozen import FrozenMap
+from torchferry.topology._keymap import Conversion as Conversion
+from torchferry.topology._keymap import KeyMap as KeyMap
 from torchferry.topology._known import (
     HUB_IDS,
     KNOWN_ALIASES,
@@ -40,6 +42,8 @@ from torchferry.topology._known import (
     known_model,
     known_topology,
 )
+from torchferry.topology._library_keys import checkpoint_key_map as checkpoint_key_map
+from torchferry.topology._library_keys import library_key_map as library_key_map
 from torchferry.topology._locate import locate as locate
 from torchferry.topology._model import (
     DTYPE_SIZES,
