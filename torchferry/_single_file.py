@@ -16,8 +16,10 @@ budget keeps every pack there.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from torchferry._session import Session, offload
 from torchferry.runtime import meta_parameters, model_entries
 from torchferry.topology import is_gguf, read_gguf
 
-__all__ = ["from_single_file", "model_on_meta"]
+__all__ = ["from_single_file", "gguf_source", "model_on_meta"]
 
 
 def _config(model_class: Any, config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
@@ -42,6 +44,36 @@ def _config(model_class: Any, config: str | os.PathLike[str] | Mapping[str, Any]
             f"({type(exc).__name__}: {exc}); pass the model's folder (its config.json) or a dict"
         ) from None
     return loaded
+
+
+def gguf_source(path: str | os.PathLike[str]) -> tuple[str, Any, dict[str, Any]] | None:
+    """The GGUF file ``path`` names (itself, or the one ``*.gguf`` in a folder), the diffusers class
+    its ``config.json`` (beside it) names, and that configuration; ``None`` if ``path`` holds no GGUF
+    file. A GGUF file without a readable ``config.json`` naming a diffusers class is a `PlanError`."""
+    where = Path(os.fspath(path))
+    files = sorted(where.glob("*.gguf")) if where.is_dir() else [where]
+    files = [f for f in files if f.is_file() and is_gguf(f)]
+    if not files:
+        return None
+    if len(files) > 1:
+        raise PlanError(f"{where}: holds {len(files)} GGUF files; name the one to plan")
+    file = files[0]
+    config_file = file.parent / "config.json"
+    fix = (
+        "put the model's config.json (from its diffusers folder, e.g. transformer/config.json) beside it; "
+        "a GGUF file does not say which diffusers class it fills"
+    )
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"{file}: no readable config.json beside it ({type(exc).__name__}); {fix}") from None
+    import diffusers
+
+    named = config.get("_class_name") if isinstance(config, dict) else None
+    model_class = getattr(diffusers, named, None) if isinstance(named, str) else None
+    if not isinstance(model_class, type):
+        raise PlanError(f"{config_file}: names no diffusers model class ('_class_name' is {named!r}); {fix}")
+    return str(file), model_class, config
 
 
 def model_on_meta(

@@ -200,3 +200,33 @@ def test_a_diffusers_named_file_needs_no_conversion(
         diffusers.WanTransformer3DModel, path, config=config, device="cpu"
     ) as session:
         assert torch.equal(gguf_files.call(session.pipeline), gguf_files.call(_load(path, config)))
+
+
+def test_plan_reads_a_gguf_folder_from_its_header(
+    small: tuple[Path, Path, torch.Tensor], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`torchferry plan` on a folder holding a .gguf and its config.json counts the quantized bytes the
+    model holds (3 blocks found on the model's names, not text_embedding/time_embedding), and a
+    .gguf without its config.json is refused with the fix."""
+    import json
+    import shutil
+
+    from torchferry.cli import main
+
+    path, config, _ = small
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    shutil.copy(path, folder / "wan.gguf")
+    shutil.copy(config / "config.json", folder / "config.json")
+    assert main(["plan", str(folder), "--device-memory", "2MiB", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (component,) = doc["components"]
+    held = topology.discover(_load(path, config)).nbytes  # what diffusers' model holds, as stored bytes
+    assert component["blocks"] == 3 and component["nbytes"] == doc["total_bytes"] == held
+    (folder / "config.json").unlink()
+    assert main(["plan", str(folder / "wan.gguf"), "--device-memory", "2MiB"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "no readable config.json beside it (FileNotFoundError); put the model's config.json (from its "
+        "diffusers folder, e.g. transformer/config.json) beside it; a GGUF file does not say which "
+        "diffusers class it fills\n"
+    )

@@ -211,10 +211,14 @@ def parse_gguf(file: str, handle: BinaryIO) -> tuple[GGUFEntry, ...]:
         for d in dims:
             numel *= d
         nbytes = numel // block * type_size
-        if offset % alignment or offset + nbytes > data_bytes:
+        if offset % alignment:
             raise PlanError(
-                f"{where} has offset {offset} ({nbytes} bytes), which is not {alignment}-byte aligned inside "
-                f"the file's {data_bytes}-byte data region; the file is truncated or damaged"
+                f"{where} has offset {offset}, which is not {alignment}-byte aligned; the file is damaged"
+            )
+        if offset + nbytes > data_bytes:
+            raise PlanError(
+                f"{where} needs bytes {offset}-{offset + nbytes} of the data region, which holds "
+                f"{data_bytes}; the file is truncated"
             )
         plain = _PLAIN.get(quant)
         shape = logical if plain else (*logical[:-1], logical[-1] // block * type_size)
