@@ -5,6 +5,7 @@ tensors, streamed bit-identically under every strategy."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -230,3 +231,44 @@ def test_plan_reads_a_gguf_folder_from_its_header(
         "diffusers folder, e.g. transformer/config.json) beside it; a GGUF file does not say which "
         "diffusers class it fills\n"
     )
+
+
+def test_a_quantized_tensor_diffusers_would_dequantize_is_refused(tmp_path: Path) -> None:
+    """A Q8_0 weight in a module Wan keeps in float32 (diffusers dequantizes it at load) is refused
+    before anything is read, naming the tensor and the fix."""
+    path = tmp_path / "kept.gguf"
+    model = gguf_files.wan()
+    gguf_files.write(
+        path,
+        model,
+        original=False,
+        types={"condition_embedder.time_embedder.linear_2.weight": gguf.GGMLQuantizationType.Q8_0},
+    )
+    config = gguf_files.config_folder(tmp_path / "config")
+    with pytest.raises(
+        torchferry.PlanError,
+        match=re.escape(
+            f"{path}: 1 quantized tensor(s) ('condition_embedder.time_embedder.linear_2.weight') are in "
+            "modules WanTransformer3DModel keeps in float32, which diffusers dequantizes at load; "
+            "torchferry streams stored bytes only: store those tensors as F32 or F16"
+        ),
+    ):
+        torchferry.from_single_file(diffusers.WanTransformer3DModel, path, config=config, device="cpu")
+
+
+def test_a_model_not_built_for_the_file_is_refused_with_every_problem(
+    small: tuple[Path, Path, torch.Tensor],
+) -> None:
+    """offload(model, checkpoint=<.gguf>) over a model with plain Linear layers (not built as diffusers'
+    GGUF load builds it) lists every mismatch, as for a safetensors checkpoint, before anything is read."""
+    path, _, _ = small
+    with torchferry.meta_parameters():
+        model = diffusers.WanTransformer3DModel(**gguf_files.WAN_GGUF).eval()
+    expected = (
+        r"^checkpoint .*wan\.gguf cannot fill the expected tensors; 66 problems \(nothing was read or "
+        r"changed\):\n  - .*wan\.gguf: tensor 'condition_embedder\.time_proj\.weight': shape \[1536, 512\] "
+        r"but the model expects \[1536, 256\] for 'condition_embedder\.time_proj\.weight'; this checkpoint "
+        r"is for another model configuration\n"
+    )
+    with pytest.raises(torchferry.PlanError, match=expected):
+        torchferry.offload(model, checkpoint=str(path), device="cpu")
