@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from typing import BinaryIO
@@ -75,8 +76,10 @@ class GGUFEntry(HeaderEntry):
 
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a regular file that begins with the GGUF magic."""
+    """Whether ``path`` is a regular file that begins with the GGUF magic (a FIFO is never opened)."""
     try:
+        if not stat.S_ISREG(os.stat(os.fspath(path)).st_mode):
+            return False
         with open(os.fspath(path), "rb") as handle:
             return handle.read(4) == _MAGIC
     except (OSError, ValueError):
