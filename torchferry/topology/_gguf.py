@@ -68,6 +68,10 @@ class GGUFEntry(HeaderEntry):
 
     quant_type: str = "F32"
     logical_shape: tuple[int, ...] = ()
+    #: For a model tensor joined from several byte ranges of the file (a conversion's ``cat`` of row
+    #: ranges in another order): those ranges as file offsets, in order; ``begin``/``end`` then span
+    #: the joined bytes (``data_start`` 0). Empty for a tensor that is one range of the file.
+    pieces: tuple[tuple[int, int], ...] = ()
 
     @property
     def quantized(self) -> bool:
