@@ -40,7 +40,10 @@ goes on), ``DIR/gpu_check.json`` is rewritten after every row, and one table is 
   memory back to the inputs only);
 - ``diffusers record_stream False`` / ``True``: diffusers group offloading, ``use_stream=True``;
 - ``quantized``: ``quant.py``'s transfer-bound schedule at bf16, float8 storage, torchao int8 and
-  float8, quanto qint8 (bytes moved per step, host bytes, step min/median/max, bit identity).
+  float8, quanto qint8 (bytes moved per step, host bytes, step min/median/max, bit identity);
+- ``gguf``: the same transformer as GGUF Q8_0 and Q4_K files opened with ``from_single_file`` under a
+  host budget of 80% of the file (bytes moved, host bytes, file tier reads per step, step times,
+  bit identity with diffusers' GGUF load run resident).
 
 Only torch and torchferry are needed; diffusers (and transformers for the WanPipeline row) are
 optional: without them those rows say how to bring them and the others run. Without CUDA (or with
@@ -1230,6 +1233,35 @@ def quantized_row(check: Check) -> dict[str, Any]:
     return result
 
 
+def gguf_row(check: Check) -> dict[str, Any]:
+    """A GGUF model on this GPU (issue 33): ``quant.py``'s bf16 Wan transformer written as GGUF Q8_0 and
+    Q4_K files, opened with ``torchferry.from_single_file`` under a host budget of 80% of the file
+    (layerwise depth 1): bytes moved per step, host bytes, the file tier's reads per step, step
+    min/median/max, and each bit-identical to diffusers' GGUF load of the same file run resident."""
+    check.needs_cuda()
+    for package in ("diffusers", "gguf"):
+        if importlib.util.find_spec(package) is None:
+            raise Skip(f"{package} is not installed; pip install 'torchferry[diffusers,gguf]'")
+    quant: Any = importlib.import_module("quant")
+    forms_of: Any = importlib.import_module("_gguf_forms")
+    size = dict(quant.QUICK_SIZE if check.quick else quant.GPU_SIZE)
+    x = quant.inputs(check.device, torch.bfloat16)
+    forms: dict[str, Any] = {}
+    calls: dict[str, Callable[[], object]] = {}
+    with contextlib.ExitStack() as stack:
+        forms_of.add(
+            forms, calls, stack, model=lambda: quant.build(size, torch.float32), dtype=torch.bfloat16,
+            device=check.device, forward=lambda m: quant._forward(m, x, check.device), counted=quant._counted,
+        )  # fmt: skip
+        if calls:
+            for name, stats in common.round_robin(calls, 2 if check.quick else 10, warmup=1).items():
+                forms[name]["step"] = stats.to_json()
+    wrong = [name for name, f in forms.items() if "skipped" not in f and not f["identical"]]
+    if wrong:
+        raise AssertionError(f"not bit-identical to diffusers' GGUF load run resident: {', '.join(wrong)}")
+    return {"size": size, "forms": forms}
+
+
 def _offsets(engine: Any, src: torch.Tensor) -> list[int]:
     """The byte offsets of the tensors of the pack whose host buffer is ``src`` (none if no pack's is)."""
     for pack in engine.store.packs.values():
@@ -1367,6 +1399,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check.row("exception mid-step", check.exception_mid_step)
     check.row("file tier", functools.partial(importlib.import_module("host_tier").gpu_row, check))
     check.row("quantized", functools.partial(quantized_row, check))
+    check.row("gguf", functools.partial(gguf_row, check))
     for flag in (False, True):
         check.row(f"diffusers record_stream {flag}", functools.partial(check.diffusers_offload, flag))
     say("")

@@ -10,7 +10,10 @@ prefetch_depth=1)`` in each form:
 - ``torchao int8``: ``quantize_(model, Int8WeightOnlyConfig())``;
 - ``torchao float8``: ``quantize_(model, Float8WeightOnlyConfig())`` (CUDA needs compute
   capability 8.9 or newer);
-- ``quanto qint8``: ``quantize(model, weights=qint8); freeze(model)``.
+- ``quanto qint8``: ``quantize(model, weights=qint8); freeze(model)``;
+- ``gguf Q8_0``, ``gguf Q4_K``: the model written as a GGUF file and opened with
+  ``torchferry.from_single_file`` under a host budget of 80% of the file, so the file tier reads
+  packs from the ``.gguf`` (``benchmarks/_gguf_forms.py``; its JSON adds the file tier's reads per step).
 
 Each form runs on its own copy of the model, with its own session, and the forms are timed
 round-robin in one run, so machine noise falls on all of them alike. Each form's output under the
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as common  # first: puts the repository root on sys.path
+import _gguf_forms
 import torch
 
 import torchferry
@@ -226,6 +230,10 @@ def compare(
                 "wrappers_per_block": wrappers,
             }
             calls[name] = _stepper(model, x, device)
+        _gguf_forms.add(
+            forms, calls, stack, model=lambda: build(size, torch.float32), dtype=dtype, device=device,
+            forward=lambda m: _forward(m, x, device), counted=_counted,
+        )  # fmt: skip
         if calls:
             timed = common.round_robin(calls, repeats, warmup=1)
             for name, stats in timed.items():

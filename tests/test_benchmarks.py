@@ -71,6 +71,7 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
         "diffusers record_stream False",
         "diffusers record_stream True",
         "quantized",
+        "gguf",
     }
     assert {name for name, row in rows.items() if row["status"] == "skipped"} == cuda_only
     assert all(rows[name]["why"] == "needs CUDA" for name in cuda_only)
@@ -140,7 +141,14 @@ def test_quant_quick_runs_every_form_on_one_schedule(tmp_path: Path) -> None:
     out = _run("quant.py", "--quick", "--out", str(target), timeout=600)
     assert "moved/step" in out
     forms = json.loads(target.read_text())["forms"]
-    assert set(forms) == {"full", "float8 storage", "torchao int8", "torchao float8", "quanto qint8"}
+    assert set(forms) == {
+        "full", "float8 storage", "torchao int8", "torchao float8", "quanto qint8", "gguf Q8_0", "gguf Q4_K"
+    }  # fmt: skip
+    # the quick model's rows of 64 values hold no Q4_K block of 256: a full run measures it
+    skipped = "no Linear weight has rows of whole Q4_K blocks (256 values)"
+    assert forms.pop("gguf Q4_K") == {"skipped": skipped}
+    gguf = forms["gguf Q8_0"]
+    assert gguf["file_packs"] == gguf["file_read_bytes_per_step"] == 0  # it fits beside the read buffers
     assert all(f["identical"] for f in forms.values()), forms
     full = forms.pop("full")
     assert full["wrappers_per_block"] == 0 and full["bytes_per_step"] > 0

@@ -13,6 +13,7 @@ from torchferry._errors import (
 )
 from torchferry._pretrained import from_pretrained
 from torchferry._session import Session, SessionReport, offload, session_of
+from torchferry._single_file import from_single_file
 from torchferry.runtime import meta_parameters
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "TorchferryDeprecationWarning",
     "__version__",
     "from_pretrained",
+    "from_single_file",
     "meta_parameters",
     "offload",
     "policies",

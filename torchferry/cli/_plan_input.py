@@ -97,6 +97,22 @@ def _pipeline_folder(path: str, hub_id: str | None) -> tuple[Topology, KnownMode
     return topo, None if match is None else topology.known_model(match)
 
 
+def _gguf(model: str) -> Topology | None:
+    """The topology of the GGUF file ``model`` names (or the one ``.gguf`` of a folder), built on meta as
+    diffusers' GGUF single-file load builds it (`torchferry.from_single_file`), from the header and
+    the ``config.json`` beside it; ``None`` when ``model`` is neither."""
+    from torchferry._single_file import gguf_source, model_on_meta
+
+    source = gguf_source(model)
+    if source is None:
+        return None
+    file, model_class, config = source
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the model's own warnings while building; not the plan's
+        built = model_on_meta(model_class, file, config=config)
+    return attrs.evolve(topology.discover(built), source=f"gguf:{file}", pipeline_class=model_class.__name__)
+
+
 def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[Topology, KnownModel | None]:
     """The topology ``model`` names (a known id, a hub id, a pipeline folder or a checkpoint).
 
@@ -109,8 +125,13 @@ def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[To
       attributes are ``block_attrs`` or, when not given, guessed with `topology` ``guess_block_attrs`` (a
       checkpoint of a whole pipeline, its tensors named ``<component>.…``, becomes one component
       per name prefix);
+    - a GGUF file (or a folder holding one) with the model's ``config.json`` beside it: the model
+      built on meta as diffusers loads it, so every quantized byte is counted (`_gguf`);
     - else a known id. Unknown ids and broken checkpoints raise `PlanError`.
     """
+    found = _gguf(model) if os.path.exists(model) else None
+    if found is not None:
+        return found, None
     snapshot = None if os.path.exists(model) else topology.hub_snapshot(model)
     folder = model if os.path.isdir(model) else (str(snapshot) if snapshot is not None else None)
     if folder is not None and topology.is_pipeline_folder(folder):

@@ -19,6 +19,9 @@ from torchferry.runtime._devices import resolved as resolved
 from torchferry.runtime._devices import same_device as same_device
 from torchferry.runtime._engine import Engine, execute
 from torchferry.runtime._engine import stream_factory as stream_factory
+from torchferry.runtime._gguf import GGUFCheckpointReader as GGUFCheckpointReader
+from torchferry.runtime._gguf import model_entries as model_entries
+from torchferry.runtime._gguf import open_checkpoint as open_checkpoint
 from torchferry.runtime._guard import SessionGuard as SessionGuard
 from torchferry.runtime._inputs import Inputs as Inputs
 from torchferry.runtime._meta import meta_parameters

@@ -53,6 +53,7 @@ from torchferry.runtime._checkpoint import CheckpointReader
 from torchferry.runtime._comm import Comm
 from torchferry.runtime._device import Ledger
 from torchferry.runtime._devices import resolved
+from torchferry.runtime._gguf import open_checkpoint
 from torchferry.runtime._hooks import Driver, Hooks
 from torchferry.runtime._host import HostStore
 from torchferry.runtime._mover import Mover
@@ -193,8 +194,9 @@ class Engine(Mover):
             try:
                 reader = None
                 if path is not None:
-                    reader = CheckpointReader(
+                    reader = open_checkpoint(
                         path,
+                        pipeline=pipeline,
                         prefix_map=prefix_map,
                         variant=variant,
                         widen=kept_in_float32(pipeline, plan.topology),

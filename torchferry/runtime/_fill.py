@@ -148,11 +148,15 @@ def read_loose(reader: CheckpointReader, spec: TensorSpec, live: torch.Tensor | 
 
 
 def materialise(t: torch.Tensor) -> None:
-    """Turn meta tensor ``t`` into an empty CPU tensor in place (same object, so ties survive)."""
+    """Turn meta tensor ``t`` into an empty CPU tensor in place (same object, so ties survive; its class
+    and attributes too, such as a ``GGUFParameter``'s ``quant_type``)."""
     fresh = torch.empty(0, dtype=t.dtype)
     if isinstance(t, nn.Parameter):
         fresh = nn.Parameter(fresh, requires_grad=t.requires_grad)
+    cls = type(t)
     torch.utils.swap_tensors(t, fresh)  # type: ignore[no-untyped-call]
+    t.__class__, fresh.__class__ = cls, type(t)
+    t.__dict__, fresh.__dict__ = fresh.__dict__, t.__dict__
 
 
 def swappable(t: torch.Tensor) -> bool:

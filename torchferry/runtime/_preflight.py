@@ -33,7 +33,8 @@ import torch
 from torchferry._errors import PlanError
 from torchferry.policies import READ_BOUNCE_BYTES, Tiers, format_bytes, group_specs, pack_bytes, tiers
 from torchferry.runtime._budget import HostBudget, given_budget, host_budget
-from torchferry.runtime._checkpoint import WIDENED_FROM, CheckpointReader
+from torchferry.runtime._checkpoint import WIDENED_FROM
+from torchferry.runtime._gguf import open_checkpoint
 from torchferry.runtime._host import HostStore
 from torchferry.runtime._pack import contiguous_strides, dense_strides
 from torchferry.runtime._pinning import CudaPinner, HostPinner, page_bytes
@@ -178,7 +179,7 @@ def _widened(
     if not kept:
         return made
     try:
-        with CheckpointReader(path, prefix_map=prefix_map, variant=variant) as reader:
+        with open_checkpoint(path, pipeline=pipeline, prefix_map=prefix_map, variant=variant) as reader:
             stored = {n: reader.entries.get(reader.key(n)) for n in kept}
     except (PlanError, OSError):
         return kept | made  # the engine names the checkpoint's problem; count every candidate meanwhile

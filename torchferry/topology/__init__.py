@@ -29,6 +29,11 @@ from torchferry.topology._folder import is_hub_id as is_hub_id
 from torchferry.topology._folder import known_match as known_match
 from torchferry.topology._folder import pipeline_sources as pipeline_sources
 from torchferry.topology._frozen import FrozenMap
+from torchferry.topology._gguf import GGUF_TYPES as GGUF_TYPES
+from torchferry.topology._gguf import GGUFEntry as GGUFEntry
+from torchferry.topology._gguf import is_gguf as is_gguf
+from torchferry.topology._gguf import parse_gguf as parse_gguf
+from torchferry.topology._gguf import read_gguf as read_gguf
 from torchferry.topology._keymap import Conversion as Conversion
 from torchferry.topology._keymap import KeyMap as KeyMap
 from torchferry.topology._known import (
