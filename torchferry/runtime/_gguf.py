@@ -36,6 +36,7 @@ from torchferry.topology import (
     FrozenMap,
     GGUFEntry,
     HeaderEntry,
+    KeyMap,
     TensorSpec,
     is_gguf,
     open_regular,
@@ -214,10 +215,11 @@ class GGUFCheckpointReader(CheckpointReader):
         module_prefix: str = "",
         convert: Any = None,
     ) -> None:
-        self.path = str(path)
-        self.prefix_map = FrozenMap(dict(prefix_map or {}))
+        self.path = os.path.join(os.getcwd(), os.fspath(path))  # Why: fixed at open (a chdir later)
+        self.prefix_map = KeyMap.of(prefix_map)
         self.widen = frozenset(widen)
         self._handles = {}
+        self.stats = {}
         self._closed = False
         self._broken = {}
         self.files = (self.path,)
@@ -232,6 +234,7 @@ class GGUFCheckpointReader(CheckpointReader):
             handle.close()
             raise
         self._handles[self.path] = handle  # the header's descriptor is the one the data is read from
+        self.stats[self.path] = os.fstat(handle.fileno())
         config = getattr(module, "config", None)
         try:
             entries = model_entries(
