@@ -28,10 +28,14 @@ For each form the script reports:
 
 On the CPU the "device" is host memory, so a copy is a memcpy. The quantized forms then pay their
 CPU kernels (dequantizing at every matmul), which a GPU does not: on the CPU the bytes are the
-figures to read, and ``gpu_check.py``'s ``quantized`` row gives the step times on a GPU. The script
-prints a table and writes ``benchmarks/results/quant.json``.
+figures to read, and ``gpu_check.py``'s ``quantized`` row gives the step times on a GPU.
 
-    python benchmarks/quant.py [--repeats 10] [--blocks 8] [--threads 1] [--quick]
+On the CPU a second table (``quant_files.py``) reads the same transformer from checkpoint folders
+diffusers saved (full, torchao int8, quanto qint8) through ``torchferry.from_pretrained`` with most
+blocks left in the files: the bytes the file tier reads per step are the quantized bytes. The
+script prints the tables and writes ``benchmarks/results/quant.json``.
+
+    python benchmarks/quant.py [--repeats 10] [--blocks 8] [--threads 1] [--quick] [--no-files]
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as common  # first: puts the repository root on sys.path
+import quant_files
 import torch
 
 import torchferry
@@ -314,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (pinned)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--quick", action="store_true", help="a 3-block tiny model, 2 rounds: a smoke run")
+    parser.add_argument("--no-files", action="store_true", help="skip the rows read from checkpoint folders")
     parser.add_argument("--out", type=Path, default=common.RESULTS / "quant.json")
     args = parser.parse_args(argv)
     if args.quick:
@@ -321,6 +327,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     common.pin_threads(args.threads)
     load_before = common.load_average()
     result = compare(torch.device(args.device), quick=args.quick, repeats=args.repeats, blocks=args.blocks)
+    if args.device == "cpu" and not args.no_files:
+        size = dict(QUICK_SIZE if args.quick else CPU_SIZE)
+        if args.blocks is not None:
+            size["blocks"] = args.blocks
+        x = inputs(torch.device("cpu"), torch.float32)
+        result["files"] = quant_files.files(build(size, torch.float32), x, size["blocks"], args.repeats)
     result["load_before"], result["load_after"] = load_before, common.load_average()
     size = result["size"]
     print(
@@ -331,6 +343,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{common.fmt_load(result['load_after'])} after"
     )
     print(report(result))
+    if "files" in result:
+        print("read from quantized checkpoint folders (from_pretrained, all but 3 blocks left in the files):")
+        print(quant_files.report(result["files"]))
     common.write_json(args.out, result)
     print(f"wrote {args.out}")
     return result

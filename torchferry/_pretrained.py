@@ -36,6 +36,7 @@ from torch import nn
 
 from torchferry._errors import PlanError
 from torchferry._options import unknown_options
+from torchferry._quantized import quantization_method, quantize_on_meta
 from torchferry._session import Session, offload
 from torchferry.runtime import keep_lists, meta_parameters
 from torchferry.topology import (
@@ -374,6 +375,9 @@ def _build_on_meta(
                     "save_pretrained (safetensors is its default) or pass the component yourself"
                 )
             model = _build_model(comp, cls)
+            method = quantization_method(comp)
+            if method is not None:
+                quantize_on_meta(model, comp, method)  # docs/quantized.md, Quantized checkpoints
             _stored_dtypes(model, comp.name, stored, _dtype_of(dtypes, comp.name), problems)
             values[comp.name] = model
         else:
