@@ -54,6 +54,18 @@ def _budget(folder: Path, blocks: int) -> int:
     return total - (blocks - 3) * block + policies.READ_BOUNCE_BYTES + policies.STAGING_SLOTS * block
 
 
+def _own_memory(model: torch.nn.Module) -> None:
+    """Give every tensor of ``model`` memory of its own: diffusers' load leaves float32 weights as
+    views of the file's mapping, at the file's offsets, and the CPU's float32 matmul can round
+    differently on a differently aligned weight (torchferry's host copies are 256-byte aligned)."""
+    for t in (*model.parameters(), *model.buffers()):
+        if topology.is_wrapper(t):
+            for name in t.__tensor_flatten__()[0]:  # type: ignore[attr-defined]
+                setattr(t, name, getattr(t, name).clone())
+        else:
+            t.data = t.data.clone()
+
+
 def files(
     transformer: torch.nn.Module, x: dict[str, torch.Tensor], blocks: int, repeats: int
 ) -> dict[str, Any]:
@@ -79,6 +91,7 @@ def files(
                         str(plain), tokenizer=None, quantization_config=quant, dtype=dtypes
                     ).save_pretrained(str(folder))
                 loaded = diffusers.WanPipeline.from_pretrained(str(folder), tokenizer=None, dtype=dtypes)
+                _own_memory(loaded.transformer)
                 reference = _forward(loaded.transformer, x)
                 del loaded
                 budget = _budget(folder, blocks)

@@ -249,8 +249,11 @@ def from_pretrained(
         with torchferry.from_pretrained(FluxPipeline, "black-forest-labs/FLUX.1-dev", device="cuda") as s:
             image = s.pipeline("a ferry at dawn").images[0]
 
-    A component diffusers or transformers cannot build under meta, a folder without safetensors
-    weights, or a request ``offload`` rejects is a `PlanError`, raised before anything is read.
+    A component diffusers saved quantized with torchao or optimum-quanto is built as diffusers builds
+    it to load one and filled with its quantized bytes; other quantization methods are refused with
+    the reason (docs/quantized.md, Quantized checkpoints). A component diffusers or transformers
+    cannot build under meta, a folder without safetensors weights, or a request ``offload`` rejects
+    is a `PlanError`, raised before anything is read.
     """
     if dtype is not None and torch_dtype is not None:
         raise PlanError(
