@@ -43,12 +43,11 @@ from torchferry.topology import (
     Plan,
     TensorSpec,
     Topology,
-    flattened_names,
-    header_metadata,
     locate,
     open_regular,
     parse_header,
     pipeline_sources,
+    quantized_names,
     show,
 )
 
@@ -210,13 +209,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                     # The header comes from the descriptor the data is later mapped from (no reopen).
                     found = parse_header(file, handle)
                     # torchao's names for a wrapper's parts are discovery's (topology/_quantized.py).
-                    renamed = flattened_names(header_metadata(file, handle))
-                    if renamed:
-                        found = tuple(attrs.evolve(e, name=renamed.get(e.name, e.name)) for e in found)
-                        if index is not None:
-                            at = prefixes.get(file, "")
-                            names = {at + k: at + v for k, v in renamed.items()}
-                            index = {names.get(k, k) if f == file else k: f for k, f in index.items()}
+                    found, index = quantized_names(file, handle, found, index, prefixes.get(file, ""))
                     if prefixes:
                         found = tuple(attrs.evolve(e, name=prefixes[file] + e.name) for e in found)
                 except PlanError as exc:

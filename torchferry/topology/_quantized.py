@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import BinaryIO
 
-from torchferry.topology._safetensors import MAX_HEADER_BYTES, strict_json
+import attrs
 
-__all__ = ["flattened_names", "header_metadata"]
+from torchferry.topology._safetensors import MAX_HEADER_BYTES, HeaderEntry, strict_json
+
+__all__ = ["flattened_names", "header_metadata", "quantized_names"]
 
 #: The metadata key torchao writes, listing every tensor of the saved state dict.
 _TENSOR_NAMES = "tensor_names"
@@ -79,3 +81,22 @@ def flattened_names(metadata: Mapping[str, str]) -> dict[str, str]:
             if isinstance(part, str):
                 renamed[f"{module}._{param}_{part}"] = f"{name}.{part}"
     return renamed
+
+
+def quantized_names(
+    file: str,
+    handle: BinaryIO,
+    entries: Sequence[HeaderEntry],
+    index: Mapping[str, str] | None,
+    prefix: str = "",
+) -> tuple[tuple[HeaderEntry, ...], Mapping[str, str] | None]:
+    """``entries`` of ``file`` (open as ``handle``, checked by `parse_header`) and the shard ``index``
+    (its keys under ``prefix``), torchao's names for a wrapper's parts renamed to discovery's."""
+    renamed = flattened_names(header_metadata(file, handle))
+    if not renamed:
+        return tuple(entries), index
+    found = tuple(attrs.evolve(e, name=renamed.get(e.name, e.name)) for e in entries)
+    if index is not None:
+        names = {prefix + k: prefix + v for k, v in renamed.items()}
+        index = {names.get(k, k) if f == file else k: f for k, f in index.items()}
+    return found, index
