@@ -119,11 +119,10 @@ def quantize_on_meta(model: nn.Module, comp: FolderComponent, method: str) -> No
         raise _refuse(comp, method, f"diffusers cannot load its quantization config ({exc})") from None
     keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
     entries = _header(comp)
+    quantizer.preprocess_model(model=model, device_map=None, keep_in_fp32_modules=keep)
     if method == "quanto":
-        quantizer.preprocess_model(model=model, device_map=None, keep_in_fp32_modules=keep)
         _quanto_parts(model, entries)
     else:
-        quantizer.preprocess_model(model=model, device_map=None, keep_in_fp32_modules=keep)
         _torchao_wrappers(model, comp, entries)
     quantizer.postprocess_model(model)
     model.hf_quantizer = quantizer
