@@ -31,10 +31,16 @@ For each form the script reports:
 
 On the CPU the "device" is host memory, so a copy is a memcpy. The quantized forms then pay their
 CPU kernels (dequantizing at every matmul), which a GPU does not: on the CPU the bytes are the
-figures to read, and ``gpu_check.py``'s ``quantized`` row gives the step times on a GPU. The script
-prints a table and writes ``benchmarks/results/quant.json``.
+figures to read, and ``gpu_check.py``'s ``quantized`` row gives the step times on a GPU.
 
-    python benchmarks/quant.py [--repeats 10] [--blocks 8] [--threads 1] [--quick]
+On the CPU a second table (``quant_files.py``) reads the same transformer, with 16 blocks
+(``--file-blocks``), from checkpoint folders diffusers saved (full, torchao int8, quanto qint8)
+through ``torchferry.from_pretrained``, with a host budget for three blocks beside the file tier's
+buffers, so most blocks stay in the files: the bytes the file tier reads per step are the quantized
+bytes. The
+script prints the tables and writes ``benchmarks/results/quant.json``.
+
+    python benchmarks/quant.py [--repeats 10] [--blocks 8] [--threads 1] [--quick] [--no-files]
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from typing import Any
 
 import _common as common  # first: puts the repository root on sys.path
 import _gguf_forms
+import quant_files
 import torch
 
 import torchferry
@@ -322,6 +329,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (pinned)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--quick", action="store_true", help="a 3-block tiny model, 2 rounds: a smoke run")
+    parser.add_argument("--no-files", action="store_true", help="skip the rows read from checkpoint folders")
+    parser.add_argument("--file-blocks", type=int, help="blocks of the model read from folders (default 16)")
     parser.add_argument("--out", type=Path, default=common.RESULTS / "quant.json")
     args = parser.parse_args(argv)
     if args.quick:
@@ -329,6 +338,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     common.pin_threads(args.threads)
     load_before = common.load_average()
     result = compare(torch.device(args.device), quick=args.quick, repeats=args.repeats, blocks=args.blocks)
+    if args.device == "cpu" and not args.no_files:
+        size = dict(QUICK_SIZE if args.quick else CPU_SIZE)
+        size["blocks"] = args.file_blocks or (size["blocks"] if args.quick else 16)
+        x = inputs(torch.device("cpu"), torch.float32)
+        result["files"] = quant_files.files(build(size, torch.float32), x, size["blocks"], args.repeats)
+        result["files_blocks"] = size["blocks"]
     result["load_before"], result["load_after"] = load_before, common.load_average()
     size = result["size"]
     print(
@@ -339,6 +354,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{common.fmt_load(result['load_after'])} after"
     )
     print(report(result))
+    if "files" in result:
+        blocks = result["files_blocks"]
+        print(f"read from checkpoint folders ({blocks} blocks; from_pretrained, host budget for 3 blocks):")
+        print(quant_files.report(result["files"]))
     common.write_json(args.out, result)
     print(f"wrote {args.out}")
     return result

@@ -36,6 +36,7 @@ from torch import nn
 
 from torchferry._errors import PlanError
 from torchferry._options import unknown_options
+from torchferry._quantized import quantization_method, quantize_on_meta
 from torchferry._session import Session, offload
 from torchferry.runtime import keep_lists, meta_parameters
 from torchferry.topology import (
@@ -263,8 +264,11 @@ def from_pretrained(
         with torchferry.from_pretrained(FluxPipeline, "black-forest-labs/FLUX.1-dev", device="cuda") as s:
             image = s.pipeline("a ferry at dawn").images[0]
 
-    A component diffusers or transformers cannot build under meta, a folder without safetensors
-    weights, or a request ``offload`` rejects is a `PlanError`, raised before anything is read.
+    A component diffusers saved quantized with torchao or optimum-quanto is built as diffusers builds
+    it to load one and filled with its quantized bytes; other quantization methods are refused with
+    the reason (docs/quantized.md, Quantized checkpoints). A component diffusers or transformers
+    cannot build under meta, a folder without safetensors weights, or a request ``offload`` rejects
+    is a `PlanError`, raised before anything is read.
     """
     if dtype is not None and torch_dtype is not None:
         raise PlanError(
@@ -389,6 +393,9 @@ def _build_on_meta(
                     "save_pretrained (safetensors is its default) or pass the component yourself"
                 )
             model = _build_model(comp, cls)
+            method = quantization_method(comp)
+            if method is not None:
+                quantize_on_meta(model, comp, method)  # docs/quantized.md, Quantized checkpoints
             named = _by_module_names(model, comp, stored)
             _stored_dtypes(model, comp.name, named, _dtype_of(dtypes, comp.name), problems)
             values[comp.name] = model

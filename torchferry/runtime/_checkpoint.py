@@ -50,6 +50,7 @@ from torchferry.topology import (
     open_regular,
     parse_header,
     pipeline_sources,
+    quantized_names,
     show,
 )
 
@@ -210,6 +211,8 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                 try:
                     # The header comes from the descriptor the data is later mapped from (no reopen).
                     found = parse_header(file, handle)
+                    # torchao's names for a wrapper's parts are discovery's (topology/_quantized.py).
+                    found, index = quantized_names(file, handle, found, index, prefixes.get(file, ""))
                     if prefixes:
                         found = tuple(attrs.evolve(e, name=prefixes[file] + e.name) for e in found)
                 except PlanError as exc:

@@ -64,7 +64,7 @@ from torchferry.runtime._fill import (
 from torchferry.runtime._layouts import Layouts, aliased, shared_elsewhere
 from torchferry.runtime._pack import Pack, Piece, Sharding, Unit, shard_span
 from torchferry.runtime._pinning import CudaPinner, HostMemory, HostPinner, page_bytes
-from torchferry.runtime._wrappers import Wrapper, check_wrappers, find_wrappers, holders
+from torchferry.runtime._wrappers import check_wrappers, find_wrappers, holders, on_host
 from torchferry.topology import Plan, TensorSpec, find_attr
 from torchferry.topology import pack as pack_specs
 
@@ -422,9 +422,7 @@ class Prepared:
                 buffers=tuple(
                     i for i, t in enumerate(ordered) if not isinstance(t, nn.Parameter) and id(t) not in inner
                 ),
-                wrappers=tuple(
-                    Wrapper(tensor=w, device=torch.device("cpu")) for w in self.wrappers.get(name, ())
-                ),
+                wrappers=tuple(on_host(w) for w in self.wrappers.get(name, ())),
                 in_file=filed,
             )
         for live, value in self.loose:

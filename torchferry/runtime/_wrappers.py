@@ -38,7 +38,7 @@ import torch
 from torchferry._errors import PlanError
 from torchferry.topology import TensorSpec, find_attr, is_wrapper
 
-__all__ = ["Wrapper", "check_wrappers", "find_wrappers", "holders", "standalone"]
+__all__ = ["Wrapper", "check_wrappers", "find_wrappers", "holders", "on_host", "standalone"]
 
 # Why: the impl exchange ``torch.utils.swap_tensors`` ends with, without its ``__dict__``/slot swaps.
 _swap_impl: Any = torch._C._swap_tensor_impl
@@ -87,6 +87,18 @@ class Wrapper:
                 twin.requires_grad_(grad)
         _swap_impl(tensor, twin)
         self.twin_device, self.device = self.device, device
+
+
+def on_host(tensor: torch.Tensor) -> Wrapper:
+    """The `Wrapper` of a pack's wrapper tensor whose inner tensors now sit in host memory. A wrapper
+    built on the meta device (a quantized model filled from a checkpoint, docs/quantized.md) takes the
+    CPU at once, so ``weight.device`` says where its bytes are."""
+    with _plain_access():
+        device = tensor.device
+    wrapper = Wrapper(tensor=tensor, device=device)
+    if device.type != "cpu":
+        wrapper.follow(torch.device("cpu"))
+    return wrapper
 
 
 def find_wrappers(pipeline: Any, specs: Iterable[TensorSpec]) -> list[torch.Tensor]:

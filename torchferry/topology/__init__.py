@@ -69,6 +69,9 @@ from torchferry.topology._model import find_attr as find_attr
 from torchferry.topology._parallel import ParallelLayout
 from torchferry.topology._plan import Plan, canonical
 from torchferry.topology._protocol import SupportsComponentDiscovery
+from torchferry.topology._quantized import flattened_names as flattened_names
+from torchferry.topology._quantized import header_metadata as header_metadata
+from torchferry.topology._quantized import quantized_names as quantized_names
 from torchferry.topology._resolve import order_mismatch as order_mismatch
 from torchferry.topology._resolve import resolve
 from torchferry.topology._safetensors import SAFETENSORS_DTYPES as SAFETENSORS_DTYPES
