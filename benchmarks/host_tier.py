@@ -226,7 +226,7 @@ def _traced(session: torchferry.Session, pipe: Any, calls: int, steps: int) -> l
 
 
 def overlap(checkpoint: Path, shape: dict[str, int], budget: int, rounds: int) -> dict[str, Any]:
-    from torchferry._auto import calibrate, measure
+    from torchferry.policies import calibrate, measure
     from torchferry.runtime._readrate import sequential_read
 
     steps = max(shape["steps"], 2)
