@@ -195,7 +195,7 @@ def offload(
     plan = topology.resolve(topo, request)
     plan, host = runtime.host_plan(
         pipeline, plan, group=group, spill=spill, device=target, prefix_map=checkpoint_prefix_map,
-        variant=checkpoint_variant,
+        variant=checkpoint_variant, own=_own(plan, checkpoint_components),
     )  # fmt: skip
     chooser = None
     if auto:
@@ -215,6 +215,16 @@ def offload(
     )  # fmt: skip
     session.gather_on_close = gather_on_close
     return session
+
+
+def _own(plan: Plan, fill: Collection[str] | str | None) -> frozenset[str]:
+    """The top-level components that keep their own weights although a checkpoint is given (those
+    ``checkpoint_components=`` leaves out): none of their packs can be in the file tier. Names that are
+    no component are the engine's to refuse."""
+    if fill is None or plan.config.checkpoint is None:
+        return frozenset()
+    named = {fill} if isinstance(fill, str) else set(fill)
+    return frozenset(c.path for c in plan.components if c.path not in named)
 
 
 def session_of(pipeline: Any) -> Session | None:

@@ -78,6 +78,10 @@ class Options:
     read_note: str = ""
     #: Store the DiTs' castable weights in this dtype (``--storage-dtype``; `OffloadConfig.storage_dtype`).
     storage_dtype: str | None = None
+    #: The checkpoint a session would open the model from (a folder or file given as MODEL), and the
+    #: facts read of its pipeline: planned with both, the host figures are the session's.
+    checkpoint: str | None = None
+    facts: topology.StoreFacts = attrs.field(factory=topology.StoreFacts)
 
     @property
     def read(self) -> float:
@@ -201,6 +205,8 @@ def _component_row(c: topology.Component) -> ComponentRow:
 
 def _one_line(error: Exception) -> str:
     """``error`` on one line, in the command line's words (`for_the_command_line`)."""
+    if isinstance(error, policies.HostBudgetTooSmall):
+        return error.message("cli")
     lines = [line.strip().lstrip("- ").strip() for line in str(error).splitlines() if line.strip()]
     if len(lines) > 1 and lines[0].endswith(":"):
         lines = lines[1:]
@@ -275,12 +281,17 @@ class _Planner:
 
     def config(self, strategy: str) -> OffloadConfig:
         host = self.options.host_bytes
+        files = self.options.checkpoint
         if strategy == "none":
-            return OffloadConfig(strategy="none", host_memory_bytes=host)
+            return OffloadConfig(strategy="none", host_memory_bytes=host, checkpoint=files)
         if strategy == "model_level":
-            return OffloadConfig(strategy="model_level", components=self.selection, host_memory_bytes=host)
+            return OffloadConfig(
+                strategy="model_level", components=self.selection, host_memory_bytes=host, checkpoint=files
+            )
         if strategy == "layerwise":
-            return OffloadConfig(strategy="layerwise", components=self.selection, host_memory_bytes=host)
+            return OffloadConfig(
+                strategy="layerwise", components=self.selection, host_memory_bytes=host, checkpoint=files
+            )
         return OffloadConfig(
             strategy="distributed_layerwise",
             components=self.selection,
@@ -288,6 +299,7 @@ class _Planner:
             encoder_transfer="rank-local",
             parallel=ParallelLayout(data_parallel_size=self.world),
             host_memory_bytes=host,
+            checkpoint=files,
         )
 
     def resolve(self, strategy: str) -> Plan:
@@ -298,7 +310,11 @@ class _Planner:
             text = f"{strategy}: {w.message}"
             if text not in self.warnings:
                 self.warnings.append(text)
-        return plan
+        plan = attrs.evolve(plan, facts=self.options.facts)
+        if self.options.host_bytes is None:
+            return plan
+        # The session's host planner, on the given budget: the same tiers, host bytes and refusals.
+        return policies.host_plan(plan, policies.HostFacts()).plan
 
     def generation(self, policy: Policy, plan: Plan) -> tuple[list[Schedule], Schedule | None]:
         """The schedules of one generation in order, and the steady step of the first DiT."""

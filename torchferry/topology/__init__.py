@@ -58,7 +58,7 @@ from torchferry.topology._model import (
 )
 from torchferry.topology._model import find_attr as find_attr
 from torchferry.topology._parallel import ParallelLayout
-from torchferry.topology._plan import Plan, canonical
+from torchferry.topology._plan import Plan, StoreFacts, canonical
 from torchferry.topology._protocol import SupportsComponentDiscovery
 from torchferry.topology._resolve import order_mismatch as order_mismatch
 from torchferry.topology._resolve import resolve
@@ -99,6 +99,7 @@ __all__ = [
     "Resolution",
     "SelectableComponent",
     "Stack",
+    "StoreFacts",
     "Strategy",
     "SupportsComponentDiscovery",
     "TensorSpec",
