@@ -483,10 +483,21 @@ class Session:
             "peak_host_bytes": self._peak_host,
             "host_budget": self.plan.config.host_memory_bytes,
             **runtime.host_figures(self.engine.store, self.host, self.plan),
+            **self._planned_reads(),
         }
         if self._chooser is not None:
             return attrs.evolve(self._chooser.report(), **memory)
         return named_report(self.running_policy, self.plan, **memory)
+
+    def _planned_reads(self) -> dict[str, Any]:
+        """The plan's digest, file-tier packs and planned reads by how often, as `torchferry plan` says."""
+        chosen = policies.tiers(self.plan)
+        reads = policies.policy_reads(self.policy, self.plan, chosen)
+        return {
+            "plan_digest": self.plan.digest,
+            "file_pack_names": tuple(sorted(chosen.file)),
+            "planned_read_bytes": {h: sum(r[h] for r in reads.values()) for h in policies.HEATS},
+        }
 
     @property
     def device_bytes(self) -> int:

@@ -379,7 +379,11 @@ def _checkpoint_options(model: str) -> dict[str, Any]:
 
     if not os.path.exists(model):
         return {}
-    return {"checkpoint": model, "facts": _plan_input.store_facts(model)}
+    return {
+        "checkpoint": model,
+        "facts": _plan_input.store_facts(model),
+        "opened_as": _plan_input.opened_as(model),
+    }
 
 
 def _device_figures(args: argparse.Namespace) -> DeviceProfile:

@@ -8,7 +8,7 @@ import math
 import attrs
 
 from torchferry import policies
-from torchferry.policies import CostModel, Schedule
+from torchferry.policies import CostModel, Policy, Schedule
 from torchferry.topology import Plan
 
 __all__ = ["HostTier", "TierRow", "hidden_down_to", "host_tier"]
@@ -68,13 +68,16 @@ class HostTier:
     forward_read_bytes: int = 0
 
 
-def host_tier(budget: int, plan: Plan, steady: Schedule | None, cost: CostModel, source: str) -> HostTier:
+def host_tier(
+    budget: int, plan: Plan, steady: Schedule | None, cost: CostModel, source: str, policy: Policy
+) -> HostTier:
     """The tiers of ``plan`` under host budget ``budget``, and how slow reads may get before
-    ``steady`` (its steady DiT step, read rate from ``cost``, named by ``source``) slows."""
+    ``steady`` (its steady DiT step under ``policy``, read rate from ``cost``, named by ``source``)
+    slows."""
     t = policies.tiers(plan)
     # What the policy keeps on the device once staged (none(), auto's resident blocks) is read once a
     # session: the same function the session's report reads its frequencies from.
-    reads = policies.file_reads(plan, t, steady)
+    reads = policies.policy_reads(policy, plan, t)
     rows = []
     for c in plan.components:
         packs = policies.unit_packs(plan, c.path)

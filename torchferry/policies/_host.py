@@ -28,9 +28,10 @@ from __future__ import annotations
 import attrs
 
 from torchferry._errors import PlanError
-from torchferry.policies._ir import DEVICE, Schedule
+from torchferry.policies._ir import DEVICE, Policy, Schedule
 from torchferry.policies._layout import pack_bytes, unit_packs
 from torchferry.policies._refusal import HostBudgetTooSmall
+from torchferry.policies._sim import steady_schedule
 from torchferry.policies._tiers import HEATS, Heat, Tiers, pack_heats, tiers
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Plan
@@ -48,6 +49,7 @@ __all__ = [
     "group_least",
     "host_plan",
     "machine_budget",
+    "policy_reads",
     "read_direct",
     "shared_device_budget",
 ]
@@ -287,3 +289,11 @@ def file_reads(plan: Plan, chosen: Tiers, steady: Schedule | None) -> dict[str, 
         infile = [p for p in unit_packs(plan, top.path) if p in chosen.file]
         out[top.path] = {h: sum(pack_bytes(plan, p) for p in infile if heats[p] == h) for h in HEATS}
     return out
+
+
+def policy_reads(policy: Policy, plan: Plan, chosen: Tiers) -> dict[str, dict[Heat, int]]:
+    """`file_reads` as ``policy`` runs ``plan``: judged by the steady step of its first DiT (entered
+    from nothing; ``None`` without a DiT)."""
+    dits = [c.path for c in plan.components if c.kind == "dit" and not c.on_demand]
+    steady = steady_schedule(policy, plan, dits[0]) if dits and chosen.file else None
+    return file_reads(plan, chosen, steady)

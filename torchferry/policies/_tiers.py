@@ -172,10 +172,9 @@ def unfiled(plan: Plan) -> dict[str, str]:
                     f"{top.path!r} keeps its own weights (passed by keyword, or left out of "
                     "checkpoint_components=), which are not the checkpoint's"
                 )
-            elif any(t.compute_dtype is not None for t in specs[name]):
+            elif cast := [t.dtype for t in specs[name] if t.compute_dtype is not None]:
                 out[name] = (
-                    f"packs held in storage_dtype={plan.config.storage_dtype!r} would be read back in the "
-                    "model's own dtypes"
+                    f"packs held in storage_dtype={cast[0]!r} would be read back in the model's own dtypes"
                 )
     return out
 
