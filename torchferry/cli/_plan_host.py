@@ -69,7 +69,7 @@ class HostTier:
 
 
 def host_tier(
-    budget: int, plan: Plan, steady: Schedule | None, cost: CostModel, source: str, policy: Policy
+    budget: int, plan: Plan, steady: Schedule | None, cost: CostModel, source: str, *, policy: Policy
 ) -> HostTier:
     """The tiers of ``plan`` under host budget ``budget``, and how slow reads may get before
     ``steady`` (its steady DiT step under ``policy``, read rate from ``cost``, named by ``source``)

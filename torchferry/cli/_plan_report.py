@@ -458,7 +458,7 @@ def _host(planner: _Planner, strategy: str) -> HostTier | None:
         return None
     plan, steady, policy = planner.made[strategy]
     budget, source = planner.options.host_bytes, planner.options.read_source
-    return host_tier(budget, plan, steady, planner.cost, source, policy)
+    return host_tier(budget, plan, steady, planner.cost, source, policy=policy)
 
 
 def build_report(model: str, topo: Topology, known: KnownModel | None, options: Options) -> PlanReport:
