@@ -186,6 +186,8 @@ def offload(
             "whole weights: close() gives them back as they were; drop gather_on_close"
         )
     source = "given"
+    # A device whose memory is host memory takes its budget from the host's (one memory, both proven).
+    shared = auto and request.device_memory_bytes is None and target.type in policies.SHARED_DEVICES
     if auto and request.device_memory_bytes is None:
         budget, source = default_budget(target)
         request = attrs.evolve(request, device_memory_bytes=budget)
@@ -195,8 +197,11 @@ def offload(
     plan = topology.resolve(topo, request)
     plan, host = runtime.host_plan(
         pipeline, plan, group=group, spill=spill, device=target, prefix_map=checkpoint_prefix_map,
-        variant=checkpoint_variant, own=_own(plan, checkpoint_components),
+        variant=checkpoint_variant, own=_own(plan, checkpoint_components), shared=shared,
     )  # fmt: skip
+    if host.device_bytes is not None:
+        source = host.device_source
+        plan = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=host.device_bytes))
     chooser = None
     if auto:
         assert plan.config.device_memory_bytes is not None

@@ -28,6 +28,7 @@ from torchferry.policies._cost import (
 from torchferry.policies._host import NO_LIMIT as NO_LIMIT
 from torchferry.policies._host import RESERVE_FRACTION as RESERVE_FRACTION
 from torchferry.policies._host import RESERVE_MIN as RESERVE_MIN
+from torchferry.policies._host import SHARED_DEVICES as SHARED_DEVICES
 from torchferry.policies._host import Bound as Bound
 from torchferry.policies._host import HostBudget as HostBudget
 from torchferry.policies._host import HostFacts as HostFacts

@@ -208,15 +208,21 @@ class HostFigure:
     tiers: Tiers
     cache_bytes: int | None
     pinned_bytes: int
+    #: On a device that shares host memory (``shared=True``): its budget, the other half of the one
+    #: memory (``None``: not shared, or no host limit), and where it came from.
+    device_bytes: int | None = None
+    device_source: str = ""
 
 
 def _with_budget(plan: Plan, nbytes: int | None) -> Plan:
     return attrs.evolve(plan, config=attrs.evolve(plan.config, host_memory_bytes=nbytes))
 
 
-def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None) -> HostFigure:
+def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None, shared: bool = False) -> HostFigure:
     """The whole host figure of ``plan`` (see [Note: the host planner]); ``least``: the least budget
-    of a process group's ranks (`group_least`). A budget too small for every tiering is a
+    of a process group's ranks (`group_least`). ``shared``: the device's memory is host memory and its
+    budget is not given: the one budget is split in halves, one the device budget (`shared_device_budget`),
+    one the host's, so both are proven against the memory there is. A budget too small for every tiering is a
     `HostBudgetTooSmall` naming its source and the smallest budget that opens; 0 bytes, or pinned
     bytes over ``RLIMIT_MEMLOCK`` where that binds, a `PlanError` naming the remedies."""
     given = plan.config.host_memory_bytes
@@ -232,6 +238,21 @@ def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None) -> Host
             f"the host budget is {_size(budget.bytes)} ({budget.source}): no host memory is left for "
             "torchferry's buffers; free host memory (close other processes or sessions), raise the "
             "memory cgroup's limit, or pass host_memory=<bytes> to name what torchferry may hold"
+        )
+    device: tuple[int | None, str] = (None, "")
+    if shared and given is not None:  # the caller's host budget stands; the device has what is left
+        machine = machine_budget(facts, facts.module_bytes if copied else 0)
+        if machine.bytes is not None:
+            left = max(machine.bytes - given, 0)
+            device = (left, f"the host memory left beyond host_memory= (the device's memory is host memory): "
+                      f"{_size(machine.bytes)}, {machine.source}")  # fmt: skip
+    elif shared and budget.bytes is not None:
+        device = shared_device_budget(budget)
+        assert device[0] is not None
+        budget = attrs.evolve(
+            budget,
+            bytes=budget.bytes - device[0],
+            source=f"{budget.source}, less {_size(device[0])} for the device (its memory is host memory)",
         )
     locked = facts.locked_bytes if facts.pins_locked else None
     plan = attrs.evolve(
@@ -261,16 +282,27 @@ def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None) -> Host
     if facts.bounds and budget.bytes is not None:
         tightest = facts.bounds[0].available
         cache = max(tightest - min(budget.bytes, tightest), 0)
-    return HostFigure(plan=plan, budget=budget, tiers=chosen, cache_bytes=cache, pinned_bytes=pinned)
+    return HostFigure(
+        plan=plan,
+        budget=budget,
+        tiers=chosen,
+        cache_bytes=cache,
+        pinned_bytes=pinned,
+        device_bytes=device[0],
+        device_source=device[1],
+    )
 
 
-def shared_device_budget(host: HostBudget, device_type: str) -> tuple[int | None, str]:
-    """The device budget of a device whose memory is host memory (`SHARED_DEVICES`), and its source:
-    the host budget itself, so the device and host figures are proven against one memory (``None``:
-    not such a device, or no host limit)."""
-    if device_type not in SHARED_DEVICES or host.bytes is None:
-        return None, ""
-    return host.bytes, f"the host budget ({device_type} memory is host memory): {host.source}"
+def shared_device_budget(host: HostBudget) -> tuple[int, str]:
+    """The device budget of a device whose memory is host memory (`SHARED_DEVICES`: the CPU, Apple's
+    MPS), and where it came from: half the one budget ``host`` (given or the machine's), the other
+    half left to the host store, so the device and host figures together stay within it."""
+    assert host.bytes is not None
+    half = host.bytes // 2
+    return (
+        half,
+        f"half the host budget of {_size(host.bytes)} (the device's memory is host memory): {host.source}",
+    )
 
 
 def file_reads(plan: Plan, chosen: Tiers, steady: Schedule | None) -> dict[str, dict[Heat, int]]:

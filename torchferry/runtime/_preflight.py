@@ -120,6 +120,9 @@ class HostPlan:
     cache_bytes: int | None
     spill: str | None = None
     tiers: Tiers | None = None
+    #: On a device that shares host memory, the device budget taken from the host's, and its source.
+    device_bytes: int | None = None
+    device_source: str = ""
 
 
 def store_facts(
@@ -149,10 +152,12 @@ def host_plan(
     prefix_map: Mapping[str, str] | None = None,
     variant: str | None = None,
     own: frozenset[str] = frozenset(),
+    shared: bool = False,
 ) -> tuple[Plan, HostPlan]:
     """Read the facts (the machine's, the module's and the checkpoint's) and plan the host with
     `policies.host_plan` (see [Note: the host planner]): the plan the session runs, carrying the
-    budget when it binds, and its host side."""
+    budget when it binds, and its host side. ``shared``: the device's memory is host memory, and its
+    budget comes from the host's (`policies.shared_device_budget`)."""
     target = torch.device("cpu") if device is None else device
     copied = plan.config.checkpoint is None
     facts = host_facts(
@@ -172,12 +177,14 @@ def host_plan(
             else policies.machine_budget(facts, facts.module_bytes)
         )
         least = _group_least(mine, group, target)
-    figure = policies.host_plan(plan, facts, least=least)
+    figure = policies.host_plan(plan, facts, least=least, shared=shared)
     host = HostPlan(
         budget=figure.budget,
         cache_bytes=figure.cache_bytes,
         spill=None if spill is None else os.fspath(spill),
         tiers=figure.tiers,
+        device_bytes=figure.device_bytes,
+        device_source=figure.device_source,
     )
     return figure.plan, host
 
