@@ -30,17 +30,11 @@ def _opens(p: Plan, nbytes: int) -> bool:
 
 def _rope_plan(n: int, **config: object) -> Plan:
     """A DiT of ``n`` 4 MiB blocks, each with a 16 KiB non-persistent buffer (as RoPE tables are)."""
-    blocks = [
-        Block(
-            path=f"{T}.blocks.{i}",
-            tensors=[
-                TensorSpec(name=f"{T}.blocks.{i}.weight", shape=(BLOCK // 2,), dtype="bfloat16"),
-                TensorSpec(name=f"{T}.blocks.{i}.freqs", shape=(4096,), dtype="float32", buffer=True,
-                           persistent=False),
-            ],
-        )  # fmt: skip
-        for i in range(n)
-    ]
+    blocks = []
+    for i in range(n):
+        weight = TensorSpec(name=f"{T}.blocks.{i}.weight", shape=(BLOCK // 2,), dtype="bfloat16")
+        freqs = TensorSpec(name=f"{T}.blocks.{i}.freqs", shape=(4096,), dtype="float32", buffer=True, persistent=False)
+        blocks.append(Block(path=f"{T}.blocks.{i}", tensors=[weight, freqs]))
     return plan([component(T, "dit", 0, [Stack(attrs=("blocks",), blocks=blocks)])], **config)
 
 
