@@ -33,7 +33,8 @@ def _rope_plan(n: int, **config: object) -> Plan:
     blocks = []
     for i in range(n):
         weight = TensorSpec(name=f"{T}.blocks.{i}.weight", shape=(BLOCK // 2,), dtype="bfloat16")
-        freqs = TensorSpec(name=f"{T}.blocks.{i}.freqs", shape=(4096,), dtype="float32", buffer=True, persistent=False)
+        name = f"{T}.blocks.{i}.freqs"
+        freqs = TensorSpec(name=name, shape=(4096,), dtype="float32", buffer=True, persistent=False)
         blocks.append(Block(path=f"{T}.blocks.{i}", tensors=[weight, freqs]))
     return plan([component(T, "dit", 0, [Stack(attrs=("blocks",), blocks=blocks)])], **config)
 
