@@ -8,7 +8,7 @@ import attrs
 import pytest
 from policy_plans import component, plan, ring_plan, stack
 
-from torchferry import PlanError, policies
+from torchferry import PlanError, ScheduleError, policies
 from torchferry.topology import Block, Plan, Stack, StoreFacts, TensorSpec
 
 MIB = 1 << 20
@@ -155,3 +155,12 @@ def test_zero_budget_and_locked_memory_are_refused_with_their_sources() -> None:
     locked = policies.HostFacts(locked_bytes=MIB, locked_source="RLIMIT_MEMLOCK 1.0 MiB", pins_locked=True)
     with pytest.raises(PlanError, match=r"^torchferry would pin 8\.0 MiB of host memory, over the locked"):
         policies.host_plan(ring_plan(2, BLOCK, host_memory_bytes=64 * MIB), locked)
+
+
+def test_check_proves_pinned_bytes_against_the_locked_memory_limit() -> None:
+    """[10]: a schedule whose pinned host bytes exceed the plan's locked-memory fact is refused by check."""
+    p = ring_plan(2, BLOCK)
+    schedule = policies.layerwise(1)(p, policies.Step(component=T))
+    policies.check(schedule, attrs.evolve(p, facts=StoreFacts(locked_bytes=2 * BLOCK)))
+    with pytest.raises(ScheduleError, match=r"\[10\] pinned host bytes reach 8\.0 MiB"):
+        policies.check(schedule, attrs.evolve(p, facts=StoreFacts(locked_bytes=BLOCK)))
