@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import attrs
@@ -208,3 +209,16 @@ def test_host_refusals_speak_flags_and_sit_under_the_table(
         "stream the blocks of 'transformer' (--strategy "
         "layerwise) so the largest pack read is a block, not transformer:rest (26.7 GiB)"
     )
+
+
+def test_a_host_budget_too_small_for_everything_prints_the_table_with_notes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 31 item 9: --device-memory 8GiB --host-memory 10MiB exits 0 with the table, each refusal a
+    note in the command line's words read from the refusal's fields (the least that opens, as a flag)."""
+    out = _plan(capsys, "flux.1-dev", "--device-memory", "8GiB", "--host-memory", "10MiB")
+    notes = [x for x in out.splitlines() if x.startswith("note ")]
+    assert out.splitlines()[0] and any(x.startswith("strategy ") for x in out.splitlines())
+    assert notes and all(": --host-memory 10.0 MiB is too small for this plan: " in x for x in notes)
+    assert all(re.search(r"; pass --host-memory [\d.]+[GM]iB or more", x) for x in notes)
+    assert "host_memory=" not in out and "config." not in out
