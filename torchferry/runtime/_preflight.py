@@ -1,24 +1,15 @@
-"""Preflight: the host budget a session plans against, and the proof, before anything is read,
-pinned or moved, that what it will hold in host memory fits it.
+"""Preflight: the facts the host planner needs, read once before planning, and the proof, before
+anything is read, pinned or moved, that what the session holds in host memory fits its budget.
 
 [Note: preflight]
-Every byte torchferry holds in host memory is a number known before the session opens: the pinned
-store and the file tier's staging slots and bounce buffers (`policies.tiers`, whose ``host_bytes``
-`check` proves against the plan's budget as [8]), the non-persistent buffers a file-tier pack keeps,
-and the transient peak of the open itself (one pack while the store copies a pipeline's own weights
-in; from a checkpoint the bytes go straight to their buffers, through file-backed windows that are
-not anonymous memory). `host_plan` sets the budget: the caller's ``host_memory=``, else the machine's
-(`host_budget`), credited with the pipeline's own CPU weights when the store takes them over (their
-memory is freed pack by pack as it fills), and the minimum over the ranks of a process group (every
-rank plans the same tiers and schedules). A machine budget that the whole store fits is not written
-into the plan (nothing is chosen, so plans, digests and schedules stay exactly as without it); one
-that binds is, and `policies.tiers` moves the coldest packs to the file tier. What the tiers do not
-count (kept buffers, the reader's scratch, the open's peak) is taken off the plan's budget first, so
-the tiers chosen leave the whole budget met. `preflight` then adds
-the transient figures (against a machine budget: a given one bounds torchferry's own buffers); over
-the budget is a `PlanError` naming the bytes, the budget's source and the remedies, raised before
-the engine touches anything. Pinned bytes are held to
-``RLIMIT_MEMLOCK`` only where the pinner is subject to it (see [Note: the host budget]).
+`host_plan` reads the facts, and `policies.host_plan` decides (see [Note: the host planner]): the
+machine's `HostFacts` (`runtime._budget.host_facts`: every bound on host memory, the locked-memory
+limit, the pipeline's own CPU bytes, the read mode) and the plan's `StoreFacts` (`store_facts`:
+float32 tensors the checkpoint stores in 16 bits, tensors stored with other strides, components
+that keep their own weights). Every byte the host holds is then counted by `policies.tiers` as it
+chooses (no budget is lowered after the fact), so `preflight` only proves the same figure and the
+locked-memory limit of a pinner held to it, and names the budget's source in a refusal. Under a
+process group the ranks exchange their budgets first and every rank plans against the least.
 """
 
 from __future__ import annotations
