@@ -164,3 +164,13 @@ def test_check_proves_pinned_bytes_against_the_locked_memory_limit() -> None:
     policies.check(schedule, attrs.evolve(p, facts=StoreFacts(locked_bytes=2 * BLOCK)))
     with pytest.raises(ScheduleError, match=r"\[10\] pinned host bytes reach 8\.0 MiB"):
         policies.check(schedule, attrs.evolve(p, facts=StoreFacts(locked_bytes=BLOCK)))
+
+
+def test_the_read_mode_is_a_pure_decision() -> None:
+    """Direct I/O when the file tier's files outgrow what the page cache keeps, unless a mode is forced;
+    an unknown mode is a PlanError naming the three."""
+    assert policies.read_direct(2 * MIB, MIB) and not policies.read_direct(MIB, 2 * MIB)
+    assert not policies.read_direct(2 * MIB, None)
+    assert policies.read_direct(MIB, 2 * MIB, "direct") and not policies.read_direct(2 * MIB, MIB, "buffered")
+    with pytest.raises(PlanError, match=r"^TORCHFERRY_READ='fast': say direct, buffered or auto$"):
+        policies.read_direct(MIB, MIB, "fast")

@@ -193,7 +193,7 @@ def read_direct(file_bytes: int, cache_bytes: int | None, mode: str = "auto") ->
     if mode in ("direct", "buffered"):
         return mode == "direct"
     if mode != "auto":
-        raise PlanError(f"TORCHFERRY_READ={mode!r}: say direct, buffered or auto")
+        raise PlanError(f"TORCHFERRY_READ={mode!r}: say direct, buffered or auto")  # the env var that sets it
     return cache_bytes is not None and file_bytes > cache_bytes
 
 
