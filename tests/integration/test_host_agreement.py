@@ -78,7 +78,7 @@ def _whole(folder: Path) -> int:
     return total
 
 
-GRID = [("layerwise", None), ("none", None), ("layerwise", "bfloat16")]
+GRID = [("layerwise", None), ("none", None), ("model_level", None), ("layerwise", "bfloat16")]
 
 
 @pytest.mark.parametrize(("strategy", "dtype"), GRID)
