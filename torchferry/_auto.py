@@ -161,6 +161,11 @@ class SessionReport:
     read_mode: str = ""
     memlock_bytes: int | None = None
     memlock_source: str = ""
+    #: The plan's digest, its file-tier packs, and the bytes the file tier reads by how often
+    #: (`policies.policy_reads`): what `torchferry plan` says of the same plan.
+    plan_digest: str = ""
+    file_pack_names: tuple[str, ...] = ()
+    planned_read_bytes: Mapping[str, int] = attrs.field(factory=dict)
 
     def error(self, component: str) -> float | None:
         """``predicted / measured - 1`` of ``component``'s step, the prediction made before the model

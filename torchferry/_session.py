@@ -182,6 +182,8 @@ def offload(
             "whole weights: close() gives them back as they were; drop gather_on_close"
         )
     source = "given"
+    # A device whose memory is host memory takes its budget from the host's (one memory, both proven).
+    shared = auto and request.device_memory_bytes is None and target.type in policies.SHARED_DEVICES
     if auto and request.device_memory_bytes is None:
         budget, source = default_budget(target)
         request = attrs.evolve(request, device_memory_bytes=budget)
@@ -197,8 +199,11 @@ def offload(
         )
     plan, host = runtime.host_plan(
         pipeline, plan, group=group, spill=spill, device=target, prefix_map=checkpoint_prefix_map,
-        variant=checkpoint_variant,
+        variant=checkpoint_variant, own=_own(plan, checkpoint_components), shared=shared,
     )  # fmt: skip
+    if host.device_bytes is not None:
+        source = host.device_source
+        plan = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=host.device_bytes))
     chooser = None
     if auto:
         assert plan.config.device_memory_bytes is not None
@@ -217,6 +222,16 @@ def offload(
     )  # fmt: skip
     session.gather_on_close = gather_on_close
     return session
+
+
+def _own(plan: Plan, fill: Collection[str] | str | None) -> frozenset[str]:
+    """The top-level components that keep their own weights although a checkpoint is given (those
+    ``checkpoint_components=`` leaves out): none of their packs can be in the file tier. Names that are
+    no component are the engine's to refuse."""
+    if fill is None or plan.config.checkpoint is None:
+        return frozenset()
+    named = {fill} if isinstance(fill, str) else set(fill)
+    return frozenset(c.path for c in plan.components if c.path not in named)
 
 
 def session_of(pipeline: Any) -> Session | None:
@@ -480,10 +495,21 @@ class Session:
             "peak_host_bytes": self._peak_host,
             "host_budget": self.plan.config.host_memory_bytes,
             **runtime.host_figures(self.engine.store, self.host, self.plan),
+            **self._planned_reads(),
         }
         if self._chooser is not None:
             return attrs.evolve(self._chooser.report(), **memory)
         return named_report(self.running_policy, self.plan, **memory)
+
+    def _planned_reads(self) -> dict[str, Any]:
+        """The plan's digest, file-tier packs and planned reads by how often, as `torchferry plan` says."""
+        chosen = policies.tiers(self.plan)
+        reads = policies.policy_reads(self.policy, self.plan, chosen)
+        return {
+            "plan_digest": self.plan.digest,
+            "file_pack_names": tuple(sorted(chosen.file)),
+            "planned_read_bytes": {h: sum(r[h] for r in reads.values()) for h in policies.HEATS},
+        }
 
     @property
     def device_bytes(self) -> int:

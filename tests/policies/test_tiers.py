@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import attrs
 import pytest
 from policy_plans import ParallelLayout, component, model_plan, plan, ring_plan, stack
 
@@ -92,14 +93,17 @@ def test_a_budget_nothing_fits_is_refused_with_the_least_it_could_take() -> None
 
 
 def test_a_whole_component_pack_names_the_remedy() -> None:
-    """A plan that keeps a component whole says which pack makes the slots large and how to stream it."""
+    """A plan that keeps a component whole says which pack makes the slots large and how to stream it;
+    the least it names is the whole store in host memory (128 MiB), less than the file tier's 272 MiB."""
     p = plan([component(T, "dit", 8 * BLOCK)], strategy="none", host_memory_bytes=64 * MIB)
     with pytest.raises(PlanError) as caught:
         policies.tiers(p)
     assert str(caught.value).endswith(
-        "raise host_memory= to 272.0 MiB, or stream the blocks of 'transformer' (strategy='layerwise' with "
+        "raise host_memory= to 128.0 MiB, or stream the blocks of 'transformer' (strategy='layerwise' with "
         "it selected) so the largest pack read is a block, not transformer:rest (128.0 MiB)"
     )
+    opens = attrs.evolve(p, config=attrs.evolve(p.config, host_memory_bytes=128 * MIB))
+    assert not policies.tiers(opens).file
 
 
 def test_shards_count_and_read_as_shards() -> None:

@@ -63,6 +63,7 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, required=True)
     parser.add_argument("--host-memory", type=int, default=None)
     parser.add_argument("--plain", action="store_true", help="load every weight into memory instead")
+    parser.add_argument("--auto", action="store_true", help="offload(pipe, checkpoint=, device='cpu') alone")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -74,10 +75,10 @@ def main() -> int:
     baseline = rss_anon()
     sampler = Sampler()
     sampler.start()
-    options = {} if args.host_memory is None else {"host_memory": args.host_memory}
-    with torchferry.offload(
-        pipe, device="cpu", strategy="layerwise", checkpoint=args.checkpoint, **options
-    ) as session:
+    options: dict[str, object] = {} if args.host_memory is None else {"host_memory": args.host_memory}
+    if not args.auto:
+        options["strategy"] = "layerwise"
+    with torchferry.offload(pipe, device="cpu", checkpoint=args.checkpoint, **options) as session:
         opened = rss_anon()
         image = pipe(PROMPT, steps=STEPS)
         report = session.report()
@@ -93,6 +94,9 @@ def main() -> int:
         "peak_host_bytes": report.peak_host_bytes,
         "device_peak_bytes": session.peak_device_bytes,
         "file_packs": report.file_packs,
+        "device_budget": report.budget,
+        "device_budget_source": report.budget_source,
+        "policy": report.policy,
         "file_read_bytes": report.file_read_bytes,
         "modes": sorted(set(session.engine.store.tier.reader.modes.values()))
         if session.engine.store.tier is not None

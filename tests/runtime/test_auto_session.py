@@ -13,7 +13,7 @@ from module_checks import hook_count, same_weights
 
 import torchferry
 from torchferry import PlanError, policies
-from torchferry._auto import CPU_BUDGET, SessionReport
+from torchferry._auto import SessionReport
 from torchferry.testing import toy
 
 
@@ -48,16 +48,20 @@ def test_budget_broken_by_depth_is_refused_before_anything_moves(custom: bool) -
 
 
 def test_offload_with_no_options_fits_the_cpu_default_and_is_bit_identical() -> None:
-    """offload(pipe) alone picks, within the stated CPU budget, a plan whose outputs equal the plain run."""
+    """offload(pipe) alone picks, within the stated CPU budget (half the machine's host budget: a CPU
+    device's memory is host memory), a plan whose outputs equal the plain run."""
     p, ref = toy.build(0), toy.build(0)
     with torchferry.offload(p, device="cpu") as session:
         for _ in range(2):
             assert torch.equal(p("a cat", steps=4), ref("a cat", steps=4))
         report = session.report()
-        assert session.plan.config.device_memory_bytes == CPU_BUDGET
-        assert session.peak_device_bytes <= CPU_BUDGET
-    assert report.budget == CPU_BUDGET
-    assert report.budget_source == "the CPU default of 8.0 GiB"
+        budget = session.plan.config.device_memory_bytes
+        assert budget is not None and session.peak_device_bytes <= budget
+        assert session.host is not None and session.host.budget.bytes is not None
+        assert budget <= session.host.budget.bytes <= budget + 1  # the two halves of one budget
+    assert report.budget == budget
+    assert report.budget_source.startswith("half the host budget of ")
+    assert "(the device's memory is host memory): " in report.budget_source
     assert report.policy == "none()"
     assert report.reason.startswith("none(): every component fits whole")
     assert same_weights(p, ref) and hook_count(p) == 0
@@ -67,7 +71,8 @@ def test_device_memory_none_is_the_default() -> None:
     """``device_memory=None``, the documented default, is the same as not passing it (not a TypeError)."""
     p = toy.build(0)
     with torchferry.offload(p, device="cpu", device_memory=None, host_memory=None) as session:
-        assert session.report().budget == CPU_BUDGET
+        assert session.host is not None
+        assert session.report().budget == session.host.device_bytes
         assert session.plan.config.host_memory_bytes is None
     with torchferry.offload(p, device="cpu", device_memory=None, device_memory_bytes=123_456) as session:
         assert session.plan.config.device_memory_bytes == 123_456

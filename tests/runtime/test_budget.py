@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from torchferry import policies
 from torchferry.runtime._budget import RESERVE_MIN, given_budget, host_budget, locked_limit
 
 MiB = 1 << 20
@@ -162,12 +163,12 @@ def test_locked_limit_and_capability(tmp_path: Path) -> None:
 
 
 def test_given_budget_and_credit(tmp_path: Path) -> None:
-    """A given budget is the caller's word (no credit); a read one is credited with the bytes the
-    store takes over, and says why."""
+    """A given budget is the caller's word; a read one is credited with the bytes the store takes over
+    before the reserve is taken off (the reserve is kept whatever is credited), and says why."""
     assert given_budget(GiB).bytes == GiB
-    assert given_budget(GiB).credited(GiB, "x").bytes == GiB
     read = host_budget(proc=_proc(tmp_path, available=4 * GiB))
-    more = read.credited(GiB, "of the pipeline's own weights the store takes over")
-    assert more.bytes == read.bytes + GiB
-    assert more.source.endswith(", plus 1.0 GiB of the pipeline's own weights the store takes over")
+    facts = policies.HostFacts(bounds=read.bounds)
+    more = policies.machine_budget(facts, GiB)
+    assert read.bytes is not None and more.bytes == read.bytes + GiB
+    assert ", plus 1.0 GiB of the pipeline's own weights the store takes over, less a reserve" in more.source
     assert "MemAvailable: 4.0 GiB" in more.describe()

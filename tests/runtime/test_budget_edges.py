@@ -35,8 +35,8 @@ def _fake_proc(root: Path, meminfo: str | None = None, status: str | None = None
 
 
 def _use_proc(monkeypatch: pytest.MonkeyPatch, proc: Path) -> None:
-    real = _budget.host_budget
-    monkeypatch.setattr(_preflight, "host_budget", lambda: real(proc=proc))
+    real = _budget.host_facts
+    monkeypatch.setattr(_preflight, "host_facts", lambda **known: real(proc=proc, **known))
     monkeypatch.setattr(_budget, "_WARNED", set())
 
 
@@ -133,10 +133,9 @@ def test_preflight_counts_tensors_the_file_tier_keeps_widened(tmp_path: Path) ->
         tier = session.engine.store.tier
         assert tier is not None and tier.kept_bytes > 0  # float32 copies really are kept
         assert session.host is not None
-        assert "transformer.blocks.0.fc1.weight" in session.host.widened
+        assert "transformer.blocks.0.fc1.weight" in session.plan.facts.widened
         chosen = policies.tiers(session.plan)
-        kept, _scratch, _peak = _preflight._extras(pipe, session.plan, session.host, chosen)
-        assert kept >= tier.kept_bytes
+        assert chosen.kept_bytes >= tier.kept_bytes
         assert session.host_bytes <= budget
 
 

@@ -473,7 +473,14 @@ def test_spill_with_storage_dtype_is_refused_before_writing(
     pipe = toy.build(0, hidden=HIDDEN, blocks=BLOCKS)
     budget = int(_whole(pipe) * 0.47)
     folder = tmp_path / "spill"
-    with pytest.raises(PlanError, match=r"spill= with storage_dtype='bfloat16'.*drop storage_dtype="):
+    refusal = (
+        r"host budget [\d.]+ MiB \(given as host_memory=\) is too small for plan [0-9a-f]{8}: .*"
+        r"\d+ pack\(s\) cannot be in the file tier, so they stay in host memory \(packs held in "
+        r"storage_dtype='bfloat16' "
+        r"would be read back in the model's own dtypes\); raise host_memory= to [\d.]+ MiB, or drop "
+        r"storage_dtype="
+    )
+    with pytest.raises(PlanError, match=refusal):
         torchferry.offload(
             pipe,
             device="cpu",

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import attrs
 
@@ -354,7 +354,7 @@ def _plan(args: argparse.Namespace) -> int:
         host_op_s=(args.host_op_us or 0.0) / 1e6, world_size=args.world_size, depth=args.depth,
         strategy=args.strategy, resolution=args.resolution, tflops=args.tflops, block_ms=args.block_ms,
         host_bytes=args.host_memory, read_bytes_per_s=args.read_bandwidth,
-        storage_dtype=args.storage_dtype,
+        storage_dtype=args.storage_dtype, **_checkpoint_options(args.model),
     )
     if known is None and (args.resolution is not None or args.tflops is not None):
         raise UsageError(
@@ -370,6 +370,20 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(_plan_output.format_report(result, show_schedule=args.show_schedule))
     return 0
+
+
+def _checkpoint_options(model: str) -> dict[str, Any]:
+    """A model read from files is planned as a session opened from them: with that checkpoint, and the
+    facts read of its pipeline (`_plan_input.store_facts`), so the host figures are the session's."""
+    from torchferry.cli import _plan_input
+
+    if not os.path.exists(model):
+        return {}
+    return {
+        "checkpoint": model,
+        "facts": _plan_input.store_facts(model),
+        "opened_as": _plan_input.opened_as(model),
+    }
 
 
 def _device_figures(args: argparse.Namespace) -> DeviceProfile:

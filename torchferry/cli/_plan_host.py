@@ -8,7 +8,7 @@ import math
 import attrs
 
 from torchferry import policies
-from torchferry.policies import CostModel, Schedule
+from torchferry.policies import CostModel, Policy, Schedule
 from torchferry.topology import Plan
 
 __all__ = ["HostTier", "TierRow", "hidden_down_to", "host_tier"]
@@ -53,6 +53,12 @@ class HostTier:
     host_bytes: int
     store_bytes: int
     read_bytes: tuple[tuple[str, int], ...]
+    #: Of ``host_bytes``: kept, widened and scratch buffers of file-tier packs; the open's copy of a pack.
+    kept_bytes: int = 0
+    transient_bytes: int = 0
+    #: The plan's digest and its file-tier packs, as the session that runs it reports them.
+    digest: str = ""
+    file_packs: tuple[str, ...] = ()
     hidden_down_to: float | None = None
     #: The steady DiT forward simulated with free reads, and at ``read_bytes_per_s``.
     forward_free_reads_s: float = 0.0
@@ -62,14 +68,16 @@ class HostTier:
     forward_read_bytes: int = 0
 
 
-def host_tier(budget: int, plan: Plan, steady: Schedule | None, cost: CostModel, source: str) -> HostTier:
+def host_tier(
+    budget: int, plan: Plan, steady: Schedule | None, cost: CostModel, source: str, *, policy: Policy
+) -> HostTier:
     """The tiers of ``plan`` under host budget ``budget``, and how slow reads may get before
-    ``steady`` (its steady DiT step, read rate from ``cost``, named by ``source``) slows."""
+    ``steady`` (its steady DiT step under ``policy``, read rate from ``cost``, named by ``source``)
+    slows."""
     t = policies.tiers(plan)
-    heats = policies.pack_heats(plan)
-    # Blocks the policy keeps on the device (auto's resident ones) are read once a session.
-    kept = {p.unit for p in (steady.exit if steady is not None else ()) if p.where == policies.DEVICE}
-    heats.update({unit: "session" for unit in kept if unit in heats})
+    # What the policy keeps on the device once staged (none(), auto's resident blocks) is read once a
+    # session: the same function the session's report reads its frequencies from.
+    reads = policies.policy_reads(policy, plan, t)
     rows = []
     for c in plan.components:
         packs = policies.unit_packs(plan, c.path)
@@ -84,10 +92,7 @@ def host_tier(budget: int, plan: Plan, steady: Schedule | None, cost: CostModel,
                 blocks=len(blocks),
                 file_blocks=sum(p in blocks for p in infile),
                 rest_in_file=any(p not in blocks for p in infile),
-                reads=tuple(
-                    (h, sum(policies.pack_bytes(plan, p) for p in infile if heats[p] == h))
-                    for h in ("forward", "call", "session")
-                ),
+                reads=tuple((h, reads[c.path][h]) for h in ("forward", "call", "session")),
             )
         )
     floor, free = hidden_down_to(steady, cost) if steady is not None else (None, 0.0)
@@ -100,7 +105,11 @@ def host_tier(budget: int, plan: Plan, steady: Schedule | None, cost: CostModel,
         staging=tuple(s.nbytes for s in t.staging),
         host_bytes=t.host_bytes,
         store_bytes=t.store_bytes,
-        read_bytes=tuple(t.read_bytes.items()),
+        read_bytes=tuple((h, sum(r[h] for r in reads.values())) for h in policies.HEATS),
+        kept_bytes=t.kept_bytes,
+        transient_bytes=t.transient_bytes,
+        digest=plan.digest,
+        file_packs=tuple(sorted(t.file)),
         hidden_down_to=floor,
         forward_free_reads_s=free,
         forward_s=forward,

@@ -66,6 +66,26 @@ def _known_candidates() -> dict[str, Topology]:
     return {m: topology.known_topology(m) for m in (*topology.KNOWN_MODELS, *topology.KNOWN_ALIASES)}
 
 
+#: Pipeline folder -> the `StoreFacts` of its pipeline built on the meta device (`store_facts`).
+_FACTS: dict[str, topology.StoreFacts] = {}
+
+
+#: Pipeline folder -> the (source, pipeline class) its topology has when a session discovers it.
+_OPENED_AS: dict[str, tuple[str, str]] = {}
+
+
+def opened_as(path: str) -> tuple[str, str] | None:
+    """The ``(source, pipeline_class)`` a session's topology of the folder ``path`` planned last has
+    (discovered from the pipeline), which its plan digest covers; ``None``: not built here."""
+    return _OPENED_AS.get(path)
+
+
+def store_facts(path: str) -> topology.StoreFacts:
+    """What the host planner counts beyond the shapes of the folder ``path`` planned last (float32
+    tensors its files store in 16 bits, strided tensors), as a session opened from it reads them."""
+    return _FACTS.get(path, topology.StoreFacts())
+
+
 def _built(path: str) -> Topology | None:
     """The topology of the folder's pipeline built on the meta device as `from_pretrained` builds it
     (what a session holds: non-persistent buffers included), or ``None`` when it cannot be built here
@@ -77,6 +97,12 @@ def _built(path: str) -> Topology | None:
             warnings.simplefilter("ignore")  # the models' own warnings while building; not the plan's
             pipeline = pipeline_on_meta(path)
         topo = topology.discover(pipeline)
+        from torchferry.runtime import strided_names, widened_names
+
+        _FACTS[path] = topology.StoreFacts(
+            widened=widened_names(pipeline, topo, path), strided=strided_names(pipeline, topo)
+        )
+        _OPENED_AS[path] = (topo.source, topo.pipeline_class)
     except Exception:  # planning falls back to the headers alone, and the report says so
         return None
     named = topology.read_pipeline_folder(path).pipeline_class

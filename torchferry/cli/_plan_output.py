@@ -205,6 +205,10 @@ def _host_document(h: HostTier) -> dict[str, Any]:
         "store_bytes": h.store_bytes,
         "staging_slot_bytes": list(h.staging),
         "read_bounce_bytes": policies.READ_BOUNCE_BYTES if h.staging else 0,
+        "kept_bytes": h.kept_bytes,
+        "transient_bytes": h.transient_bytes,
+        "plan_digest": h.digest,
+        "file_packs": list(h.file_packs),
         "file_read_bytes": dict(h.read_bytes),
         "components": [
             {

@@ -78,6 +78,13 @@ class Options:
     read_note: str = ""
     #: Store the DiTs' castable weights in this dtype (``--storage-dtype``; `OffloadConfig.storage_dtype`).
     storage_dtype: str | None = None
+    #: The checkpoint a session would open the model from (a folder or file given as MODEL), and the
+    #: facts read of its pipeline: planned with both, the host figures are the session's.
+    checkpoint: str | None = None
+    facts: topology.StoreFacts = attrs.field(factory=topology.StoreFacts)
+    #: The (source, pipeline class) of the topology a session opened from ``checkpoint`` discovers:
+    #: plans are resolved against it, so their digests are the session's.
+    opened_as: tuple[str, str] | None = None
 
     @property
     def read(self) -> float:
@@ -201,6 +208,8 @@ def _component_row(c: topology.Component) -> ComponentRow:
 
 def _one_line(error: Exception) -> str:
     """``error`` on one line, in the command line's words (`for_the_command_line`)."""
+    if isinstance(error, policies.HostBudgetTooSmall):
+        return error.message("cli")
     lines = [line.strip().lstrip("- ").strip() for line in str(error).splitlines() if line.strip()]
     if len(lines) > 1 and lines[0].endswith(":"):
         lines = lines[1:]
@@ -210,10 +219,17 @@ def _one_line(error: Exception) -> str:
 class _Planner:
     """Resolves, schedules and simulates the strategies of one topology under one set of options."""
 
-    def __init__(self, topo: Topology, known: KnownModel | None, options: Options) -> None:
+    def __init__(
+        self, topo: Topology, known: KnownModel | None, options: Options, planned: Topology | None = None
+    ) -> None:
         self.topo = topo
         self.known = known
         self.options = options
+        #: The topology plans are resolved against: the session's identity of it when known.
+        self.planned = topo if planned is None else planned
+        if options.opened_as is not None:
+            source, named = options.opened_as
+            self.planned = attrs.evolve(self.planned, source=source, pipeline_class=named)
         self.warnings: list[str] = []
         selection: list[SelectableComponent] = []
         if topo.of_kind("dit"):
@@ -228,7 +244,7 @@ class _Planner:
         self.world = options.world_size or 2
         self.cost, self.compute, self.block_s = self._cost()
         #: strategy row -> the plan and policy behind it, and its steady DiT step
-        self.made: dict[str, tuple[Plan, Schedule | None]] = {}
+        self.made: dict[str, tuple[Plan, Schedule | None, Policy]] = {}
 
     def _cost(self) -> tuple[CostModel, str, float]:
         o = self.options
@@ -275,12 +291,22 @@ class _Planner:
 
     def config(self, strategy: str) -> OffloadConfig:
         host = self.options.host_bytes
+        files = self.options.checkpoint
+        dtype = self.options.storage_dtype  # `resolve` stores the DiTs' weights in it, as a session does
         if strategy == "none":
-            return OffloadConfig(strategy="none", host_memory_bytes=host)
+            return OffloadConfig(
+                strategy="none", host_memory_bytes=host, checkpoint=files, storage_dtype=dtype
+            )
         if strategy == "model_level":
-            return OffloadConfig(strategy="model_level", components=self.selection, host_memory_bytes=host)
+            return OffloadConfig(
+                strategy="model_level", components=self.selection, host_memory_bytes=host, checkpoint=files,
+                storage_dtype=dtype,
+            )  # fmt: skip
         if strategy == "layerwise":
-            return OffloadConfig(strategy="layerwise", components=self.selection, host_memory_bytes=host)
+            return OffloadConfig(
+                strategy="layerwise", components=self.selection, host_memory_bytes=host, checkpoint=files,
+                storage_dtype=dtype,
+            )  # fmt: skip
         return OffloadConfig(
             strategy="distributed_layerwise",
             components=self.selection,
@@ -288,17 +314,23 @@ class _Planner:
             encoder_transfer="rank-local",
             parallel=ParallelLayout(data_parallel_size=self.world),
             host_memory_bytes=host,
+            checkpoint=files,
+            storage_dtype=dtype,
         )
 
     def resolve(self, strategy: str) -> Plan:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            plan = topology.resolve(self.topo, self.config(strategy))
+            plan = topology.resolve(self.planned, self.config(strategy))
         for w in caught:
             text = f"{strategy}: {w.message}"
             if text not in self.warnings:
                 self.warnings.append(text)
-        return plan
+        plan = attrs.evolve(plan, facts=self.options.facts)
+        if self.options.host_bytes is None:
+            return plan
+        # The session's host planner, on the given budget: the same tiers, host bytes and refusals.
+        return policies.host_plan(plan, policies.HostFacts()).plan
 
     def generation(self, policy: Policy, plan: Plan) -> tuple[list[Schedule], Schedule | None]:
         """The schedules of one generation in order, and the steady step of the first DiT."""
@@ -385,7 +417,7 @@ class _Planner:
             if strategy == "model_level" and len(self.topo.of_kind("dit")) > 1:
                 notes.append("swaps experts at the boundary")
             row, steady = self.row(strategy, policy, plan, notes)
-            self.made[strategy] = (plan, steady)
+            self.made[strategy] = (plan, steady, policy)
             return row, steady
         except OffloadError as exc:
             return StrategyRow(strategy=strategy, error=_one_line(exc)), None
@@ -414,7 +446,7 @@ class _Planner:
             row = attrs.evolve(chosen, strategy="auto", reason=choice.reason)
             if best is None or row.step_s < best[0].step_s * (1 - 1e-9):
                 best = (row, steady)
-                self.made["auto"] = (plan, steady)
+                self.made["auto"] = (plan, steady, policy)
         if best is None:
             return StrategyRow(strategy="auto", error=problems[0] if problems else "nothing to plan"), None
         return best
@@ -424,15 +456,17 @@ def _host(planner: _Planner, strategy: str) -> HostTier | None:
     """The host tier of row ``strategy``'s plan, with a host budget only."""
     if planner.options.host_bytes is None or strategy not in planner.made:
         return None
-    plan, steady = planner.made[strategy]
-    return host_tier(planner.options.host_bytes, plan, steady, planner.cost, planner.options.read_source)
+    plan, steady, policy = planner.made[strategy]
+    budget, source = planner.options.host_bytes, planner.options.read_source
+    return host_tier(budget, plan, steady, planner.cost, source, policy=policy)
 
 
 def build_report(model: str, topo: Topology, known: KnownModel | None, options: Options) -> PlanReport:
     """Evaluate the requested strategies (all, by default) and auto's choice for ``topo``."""
+    planned = topo  # resolved with storage_dtype=, as a session's request is
     if options.storage_dtype is not None:
         topo = topology.stored_as(topo, options.storage_dtype)  # every figure in the stored bytes
-    planner = _Planner(topo, known, options)
+    planner = _Planner(topo, known, options, planned)
     wanted = [options.strategy] if options.strategy else list(STRATEGY_ORDER)
     rows: list[StrategyRow] = []
     schedules: dict[str, Schedule | None] = {}

@@ -40,6 +40,22 @@ from torchferry.policies._cost import (
     estimate_cost,
     match_device_class,
 )
+from torchferry.policies._host import NO_LIMIT as NO_LIMIT
+from torchferry.policies._host import RESERVE_FRACTION as RESERVE_FRACTION
+from torchferry.policies._host import RESERVE_MIN as RESERVE_MIN
+from torchferry.policies._host import SHARED_DEVICES as SHARED_DEVICES
+from torchferry.policies._host import Bound as Bound
+from torchferry.policies._host import HostBudget as HostBudget
+from torchferry.policies._host import HostFacts as HostFacts
+from torchferry.policies._host import HostFigure as HostFigure
+from torchferry.policies._host import file_reads as file_reads
+from torchferry.policies._host import given_budget as given_budget
+from torchferry.policies._host import group_least as group_least
+from torchferry.policies._host import host_plan as host_plan
+from torchferry.policies._host import machine_budget as machine_budget
+from torchferry.policies._host import policy_reads as policy_reads
+from torchferry.policies._host import read_direct as read_direct
+from torchferry.policies._host import shared_device_budget as shared_device_budget
 from torchferry.policies._ir import (
     DEVICE,
     OP_KINDS,
@@ -67,6 +83,8 @@ from torchferry.policies._layout import pack_bytes as pack_bytes
 from torchferry.policies._layout import shard_nbytes
 from torchferry.policies._layout import unit_packs as unit_packs
 from torchferry.policies._listing import format_schedule
+from torchferry.policies._refusal import HostBudgetTooSmall as HostBudgetTooSmall
+from torchferry.policies._refusal import size_at_least as size_at_least
 from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, Span, simulate, steady_schedule
 from torchferry.policies._steps import StepState as StepState
 from torchferry.policies._steps import init_steps as init_steps
@@ -74,7 +92,9 @@ from torchferry.policies._steps import next_step as next_step
 from torchferry.policies._steps import step_failed as step_failed
 from torchferry.policies._steps import step_name as step_name
 from torchferry.policies._text import Mark, format_marked, parse_schedule
+from torchferry.policies._tiers import HEATS as HEATS
 from torchferry.policies._tiers import READ_BOUNCE_BYTES, STAGING_SLOTS, Tiers, tiers
+from torchferry.policies._tiers import READ_THREADS as READ_THREADS
 from torchferry.policies._tiers import file_packs as file_packs
 from torchferry.policies._tiers import host_bytes as host_bytes
 from torchferry.policies._tiers import pack_heats as pack_heats

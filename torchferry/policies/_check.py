@@ -27,9 +27,12 @@ INVARIANTS: dict[int, str] = {
     6: "collectives match on every rank: only all-gathered blocks of loaded components gather, right "
     "after their shard load",
     7: "the schedule is well formed: its plan, step, anchors in forward order, streams, units and slots",
-    8: "host bytes (packs in host memory, staging slots, read buffers) never exceed config.host_memory_bytes",
+    8: "host bytes (packs in host memory, staging slots, read buffers, and the kept, widened and scratch "
+    "buffers the plan's facts add) never exceed config.host_memory_bytes",
     9: "only file-tier units are read, each into an empty staging slot; a file-tier unit is loaded or "
     "staged only from the staging slot it was read into, in the same step",
+    10: "pinned host bytes (packs in host memory, staging slots, read buffers) never exceed the "
+    "locked-memory limit where it binds the pinner (plan.facts.locked_bytes)",
 }
 
 
@@ -534,11 +537,14 @@ def check(schedule: Schedule, plan: Plan) -> None:
        the plan and slots of the table (a read a staging slot), its file tier packs of the plan.
     8. Host bytes (the packs in host memory, whole pages, an all-gathered block's shard only; the
        staging slots; the reader's buffers when there is a file tier: `policies.tiers`) never
-       exceed ``plan.config.host_memory_bytes``.
+       exceed ``plan.config.host_memory_bytes``; with the kept, widened and scratch buffers of its
+       `StoreFacts`, that is the whole host figure.
     9. Only units with packs in the file tier (``schedule.file``) are read, each into a staging slot
        whose previous read a load or stage already copied out; a load or stage of such a unit copies
        from the staging slot it was read into (the store has no bytes for it), and no other does; no
        read is left in a staging slot at the exit (reads never cross a step).
+    10. Pinned host bytes (the store, the staging slots, the read buffers) never exceed
+        ``plan.facts.locked_bytes``, ``RLIMIT_MEMLOCK`` where it binds the pinner.
     """
     checker = _Checker(schedule, plan)
     checker.run()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from torchferry.policies._ir import Op, Schedule
 from torchferry.policies._layout import layout, pack_bytes, pack_table
-from torchferry.policies._tiers import READ_BOUNCE_BYTES, file_packs, host_bytes, read_nbytes
+from torchferry.policies._tiers import READ_BOUNCE_BYTES, file_packs, host_bytes, page_bytes, read_nbytes
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Plan
 
@@ -40,6 +40,10 @@ class FileTierCheck:
         budget = self.plan.config.host_memory_bytes
         staging = [self.slots[n] for n in sorted(self.staging)]
         total, store = host_bytes(self.plan, self.file, staging)
+        self.locked(
+            line,
+            store + sum(page_bytes(sl.nbytes) for sl in staging) + (READ_BOUNCE_BYTES if self.file else 0),
+        )
         if budget is None or total <= budget:
             return
         parts = f"{format_bytes(store)} of packs in host memory"
@@ -55,6 +59,18 @@ class FileTierCheck:
             f"{format_bytes(budget)} (config.host_memory_bytes); put more packs in the file tier "
             "(policies.tiers(plan) chooses them for this budget) or raise the budget",
         )
+
+    def locked(self, line: int, pinned: int) -> None:
+        """[10] pinned host bytes within the locked-memory limit, where it binds the pinner."""
+        limit = self.plan.facts.locked_bytes
+        if limit is not None and pinned > limit:
+            self.add(
+                line,
+                10,
+                f"pinned host bytes reach {format_bytes(pinned)}, over the locked-memory limit of "
+                f"{format_bytes(limit)} (plan.facts.locked_bytes); put more packs in the file tier or raise "
+                "the limit (ulimit -l)",
+            )
 
     def read(self, op: Op, line: int) -> None:
         """A ``read``: into an empty staging slot, of a file-tier unit, its file bytes."""

@@ -30,11 +30,11 @@ from typing import Literal
 
 import attrs
 
-from torchferry._errors import PlanError
 from torchferry.policies._ir import Slot
 from torchferry.policies._layout import has_blocks, layout, pack_bytes, pack_table, swaps, unit_packs
+from torchferry.policies._refusal import HostBudgetTooSmall
 from torchferry.policies._tokens import format_bytes
-from torchferry.topology import FrozenMap, Plan
+from torchferry.topology import FrozenMap, Plan, TensorSpec
 
 __all__ = [
     "HEATS",
@@ -59,6 +59,9 @@ STAGING_SLOTS = 2
 #: host bytes whenever something is in the file tier.
 READ_BOUNCE_BYTES = 2 * (8 << 20)
 
+#: Reader threads of the file tier, each with its own scratch for a read whose strides differ.
+READ_THREADS = 4
+
 #: How often the file tier reads a pack: once a session, once a pipeline call, every DiT forward.
 Heat = Literal["session", "call", "forward"]
 HEATS: tuple[Heat, ...] = ("session", "call", "forward")
@@ -76,8 +79,9 @@ class Tiers:
 
     - ``file``: the packs with no host copy, read from the checkpoint when needed (`Schedule.file`).
     - ``staging``: the staging slots (``t0``, ``t1``; kind ``staging``), empty without a file tier.
-    - ``host_bytes``: the host bytes `check` proves against the budget ([8]): ``store_bytes`` plus
-      the staging slots and `READ_BOUNCE_BYTES` (both only with a file tier), whole pages.
+    - ``host_bytes``: the host bytes `check` proves against the budget ([8]), the whole host figure:
+      ``store_bytes`` plus the staging slots and `READ_BOUNCE_BYTES` (both only with a file tier), and
+      what the plan's `StoreFacts` add (``kept_bytes``, ``transient_bytes``), whole pages.
     - ``store_bytes``: the pinned store, the packs in host memory.
     - ``budget``: ``config.host_memory_bytes`` (``None``: no host budget).
     - ``read_bytes``: bytes the file tier reads, by how often (`Heat`).
@@ -91,6 +95,10 @@ class Tiers:
     budget: int | None
     read_bytes: FrozenMap[str, int] = attrs.field(factory=FrozenMap)
     notes: tuple[str, ...] = ()
+    #: Of ``host_bytes``: the kept, widened and scratch buffers of file-tier packs (`extra_bytes`).
+    kept_bytes: int = 0
+    #: Of ``host_bytes``: the open's copy of one pack while the store copies the pipeline's weights in.
+    transient_bytes: int = 0
 
 
 def file_packs(plan: Plan, file: Collection[str], unit: str) -> tuple[str, ...]:
@@ -105,10 +113,70 @@ def read_nbytes(plan: Plan, file: Collection[str], unit: str) -> int:
 
 
 def host_bytes(plan: Plan, file: Collection[str], staging: Collection[Slot]) -> tuple[int, int]:
-    """(host bytes, store bytes) of ``plan`` with ``file`` in the file tier and ``staging`` slots."""
+    """(host bytes, store bytes) of ``plan`` with ``file`` in the file tier and ``staging`` slots: the
+    store, the slots, the read buffers, and what the plan's `StoreFacts` add (`extra_bytes`)."""
     store = sum(page_bytes(pack_bytes(plan, name)) for name, _ in pack_table(plan) if name not in file)
     extra = sum(page_bytes(s.nbytes) for s in staging) + (READ_BOUNCE_BYTES if file else 0)
-    return store + extra, store
+    return store + extra + sum(extra_bytes(plan, file)), store
+
+
+def kept_bytes(plan: Plan, name: str) -> int:
+    """Host bytes pack ``name`` still holds in the file tier: its non-persistent buffers (no checkpoint
+    holds them) and its tensors widened to float32 (`StoreFacts.widened`), whole pages each."""
+    widened = plan.facts.widened
+    return sum(
+        page_bytes(s.nbytes)
+        for s in _specs(plan)[name]
+        if (s.buffer and not s.persistent) or s.name in widened
+    )
+
+
+def scratch_bytes(largest: int) -> int:
+    """The reader's scratch for a tensor of ``largest`` bytes stored with other strides than the file's
+    (per reader thread, twice the tensor); none when ``largest`` is 0."""
+    return READ_THREADS * page_bytes(2 * largest) if largest else 0
+
+
+def extra_bytes(plan: Plan, file: Collection[str]) -> tuple[int, int, int]:
+    """Host bytes beyond the store, slots and read buffers, with ``file`` in the file tier: (kept and
+    widened buffers of file-tier packs, the reader's scratch, the open's copy of the largest pack in host
+    memory when the store copies the pipeline's own weights in)."""
+    facts = plan.facts
+    kept = sum(kept_bytes(plan, n) for n in file)
+    strided = max((_strided(plan, n) for n in file), default=0)
+    transient = 0
+    if facts.copied:
+        held = (page_bytes(pack_bytes(plan, n)) for n, _ in pack_table(plan) if n not in file)
+        transient = max(held, default=0)
+    return kept, scratch_bytes(strided), transient
+
+
+def _specs(plan: Plan) -> Mapping[str, tuple[TensorSpec, ...]]:
+    return dict(pack_table(plan))
+
+
+def _strided(plan: Plan, name: str) -> int:
+    strided = plan.facts.strided
+    return max((s.nbytes for s in _specs(plan)[name] if s.name in strided), default=0)
+
+
+def unfiled(plan: Plan) -> dict[str, str]:
+    """Pack -> why it cannot be in the file tier: held in ``storage_dtype=`` (the file tier reads
+    bytes as stored), or of a component that keeps its own weights (`StoreFacts.own`)."""
+    out: dict[str, str] = {}
+    specs = _specs(plan)
+    for top in plan.components:
+        for name in unit_packs(plan, top.path):
+            if top.path in plan.facts.own:
+                out[name] = (
+                    f"{top.path!r} keeps its own weights (passed by keyword, or left out of "
+                    "checkpoint_components=), which are not the checkpoint's"
+                )
+            elif cast := [t.dtype for t in specs[name] if t.compute_dtype is not None]:
+                out[name] = (
+                    f"packs held in storage_dtype={cast[0]!r} would be read back in the model's own dtypes"
+                )
+    return out
 
 
 def pack_heats(plan: Plan) -> dict[str, Heat]:
@@ -141,55 +209,91 @@ class _Option:
     host: int
     store: int
     read: Mapping[Heat, int]
+    extras: tuple[int, int, int]
 
     def cost(self) -> tuple[int, ...]:
         return (self.read["forward"], self.read["call"], self.read["session"], self.host)
+
+
+@attrs.frozen
+class _Least:
+    """The smallest host figure any tiering reaches, and what makes it up."""
+
+    need: int
+    store: int
+    largest: int
+    extras: tuple[int, int, int]
 
 
 @lru_cache(maxsize=64)
 def tiers(plan: Plan) -> Tiers:
     """The tier of every pack of ``plan`` within ``config.host_memory_bytes`` (see [Note: tiers]).
 
-    Pure and cached: it depends on the plan alone. A budget that even the smallest host footprint
-    the file tier allows does not fit is a `PlanError` naming the bytes and the remedies.
+    Pure and cached: it depends on the plan alone (its `StoreFacts` included: every extra a pack
+    holds in the file tier is counted as that pack is chosen, so the figure is the whole host figure).
+    A budget that no tiering fits is a `HostBudgetTooSmall` naming the smallest budget that opens.
     """
     budget = plan.config.host_memory_bytes
     sizes = {name: pack_bytes(plan, name) for name, _ in pack_table(plan)}
-    whole, _ = host_bytes(plan, (), ())
+    whole, whole_store = host_bytes(plan, (), ())
     if budget is None or whole <= budget:
-        return Tiers(file=frozenset(), staging=(), host_bytes=whole, store_bytes=whole, budget=budget)
+        transient = extra_bytes(plan, ())[2]
+        return Tiers(
+            file=frozenset(), staging=(), host_bytes=whole, store_bytes=whole_store, budget=budget,
+            transient_bytes=transient,
+        )  # fmt: skip
     heats = _heats(plan)
-    ranked = sorted(sizes, key=lambda n: (HEATS.index(heats[n][0]), heats[n][1], heats[n][2]))
+    barred = unfiled(plan)
+    order = {n: (HEATS.index(heats[n][0]), heats[n][1], heats[n][2]) for n in sizes if n not in barred}
+    ranked = sorted(order, key=order.__getitem__)
+    by_size = sorted(sizes, key=lambda n: -page_bytes(sizes[n]))
+    kept_of = {n: kept_bytes(plan, n) for n in ranked}
+    strided_of = {n: _strided(plan, n) for n in ranked}
     best: _Option | None = None
-    least: tuple[int, int, int] | None = None  # (host bytes, store bytes, slot) at the smallest
-    for largest in sorted(set(sizes.values())):
+    least = _Least(need=whole, store=whole_store, largest=0, extras=extra_bytes(plan, ()))
+    for largest in sorted({sizes[n] for n in ranked}):
         fixed = STAGING_SLOTS * page_bytes(largest) + READ_BOUNCE_BYTES
-        store = whole
+        store = whole_store
+        kept = strided = 0
         chosen: list[str] = []
+        filed: set[str] = set()
+        top = 0  # the first pack of `by_size` still in host memory: the open's transient copy
+        total, extras = 0, (0, 0, 0)
+        fits = False
         for name in (n for n in ranked if sizes[n] <= largest):
-            if store + fixed <= budget:
-                break
             chosen.append(name)
+            filed.add(name)
             store -= page_bytes(sizes[name])
-        if least is None or store + fixed < least[0]:
-            least = (store + fixed, store, largest)
-        if store + fixed > budget:
+            kept += kept_of[name]
+            strided = max(strided, strided_of[name])
+            while top < len(by_size) and by_size[top] in filed:
+                top += 1
+            copy = page_bytes(sizes[by_size[top]]) if plan.facts.copied and top < len(by_size) else 0
+            extras = (kept, scratch_bytes(strided), copy)
+            total = store + fixed + sum(extras)
+            if total < least.need or (total == least.need and not least.largest):
+                least = _Least(need=total, store=store, largest=largest, extras=extras)
+            if total <= budget:
+                fits = True
+                break
+        if not fits:
             continue
         slot = max(sizes[n] for n in chosen)
         read = {h: sum(sizes[n] for n in chosen if heats[n][0] == h) for h in HEATS}
         option = _Option(
             file=tuple(chosen),
             slot=slot,
-            host=store + STAGING_SLOTS * page_bytes(slot) + READ_BOUNCE_BYTES,
+            host=total - STAGING_SLOTS * (page_bytes(largest) - page_bytes(slot)),
             store=store,
             read=read,
+            extras=extras,
         )
         if best is None or option.cost() < best.cost():
             best = option
     if best is None:
-        assert least is not None
-        raise PlanError(_too_small(plan, budget, *least))
+        raise _too_small(plan, budget, least, barred)
     staging = tuple(Slot(name=f"t{i}", nbytes=best.slot, kind="staging") for i in range(STAGING_SLOTS))
+    kept, scratch, transient = best.extras
     return Tiers(
         file=frozenset(best.file),
         staging=staging,
@@ -198,6 +302,8 @@ def tiers(plan: Plan) -> Tiers:
         budget=budget,
         read_bytes=FrozenMap(tuple(best.read.items())),
         notes=_notes(best, len(sizes), budget),
+        kept_bytes=kept + scratch,
+        transient_bytes=transient,
     )
 
 
@@ -219,22 +325,36 @@ def _notes(best: _Option, packs: int, budget: int) -> tuple[str, ...]:
     )
 
 
-def _too_small(plan: Plan, budget: int, need: int, store: int, largest: int) -> str:
-    def b(n: int) -> str:
-        return format_bytes(n, exact=False)
-
+def _too_small(plan: Plan, budget: int, least: _Least, barred: Mapping[str, str]) -> HostBudgetTooSmall:
     biggest = max((name for name, _ in pack_table(plan)), key=lambda n: pack_bytes(plan, n))
-    remedy = ""
-    holder = biggest.partition(":")[0]
-    whole = plan.block_owner(biggest) is None and not has_blocks(plan.component(holder))
-    if whole:  # a component kept whole: streaming its blocks would make the largest pack a block
-        remedy = (
-            f", or stream the blocks of {holder!r} (strategy='layerwise' with it "
-            f"selected) so the largest pack read is a block, not {biggest} ({b(pack_bytes(plan, biggest))})"
-        )
-    return (
-        f"host budget {b(budget)} (config.host_memory_bytes) is too small for plan {plan.digest}: even "
-        f"with packs read from the checkpoint (the file tier) its host buffers need {b(need)} "
-        f"({STAGING_SLOTS} staging slots of {b(largest)}, the largest pack read; {b(READ_BOUNCE_BYTES)} "
-        f"of read buffers; {b(store)} of packs in host memory); raise host_memory= to {b(need)}{remedy}"
+    holder: str | None = biggest.partition(":")[0]
+    if plan.block_owner(biggest) is not None or has_blocks(plan.component(holder or "")):
+        holder = None  # only a component kept whole is helped by streaming its blocks
+    kept, scratch, transient = least.extras
+    filed = least.largest > 0
+    own = tuple(c.path for c in plan.components if c.path in plan.facts.own and any(
+        n in barred for n in unit_packs(plan, c.path)
+    ))  # fmt: skip
+    cast = any("storage_dtype=" in why for why in barred.values())
+    why = ""
+    if barred:
+        reasons = "; ".join(sorted(set(barred.values())))
+        why = f"{len(barred)} pack(s) cannot be in the file tier, so they stay in host memory ({reasons})"
+    return HostBudgetTooSmall(
+        budget=budget,
+        minimum=least.need,
+        file_tier=filed,
+        store=least.store,
+        slots=STAGING_SLOTS,
+        largest=least.largest,
+        bounce=READ_BOUNCE_BYTES if filed else 0,
+        kept=kept + scratch,
+        transient=transient,
+        digest=plan.digest,
+        holder=holder,
+        biggest=biggest,
+        biggest_bytes=pack_bytes(plan, biggest),
+        unfiled=why,
+        own=own,
+        cast=cast,
     )

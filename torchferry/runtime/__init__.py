@@ -30,6 +30,8 @@ from torchferry.runtime._preflight import HostPlan as HostPlan
 from torchferry.runtime._preflight import host_figures as host_figures
 from torchferry.runtime._preflight import host_plan as host_plan
 from torchferry.runtime._preflight import open_tier as open_tier
+from torchferry.runtime._preflight import strided_names as strided_names
+from torchferry.runtime._preflight import widened_names as widened_names
 from torchferry.runtime._probe import copy_bytes_per_s as copy_bytes_per_s
 from torchferry.runtime._probe import host_name as host_name
 from torchferry.runtime._probe import load_profile, probe, profile_path, save_profile

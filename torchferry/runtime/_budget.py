@@ -41,8 +41,9 @@ from pathlib import Path
 
 import attrs
 
+from torchferry import policies
 from torchferry._errors import OffloadWarning
-from torchferry.policies import format_bytes
+from torchferry.policies import RESERVE_FRACTION, RESERVE_MIN, Bound, HostBudget, HostFacts, format_bytes
 
 __all__ = [
     "RESERVE_FRACTION",
@@ -51,13 +52,11 @@ __all__ = [
     "HostBudget",
     "given_budget",
     "host_budget",
+    "host_facts",
     "locked_limit",
+    "read_bounds",
 ]
 
-#: The share of the tightest bound kept back for what is not torchferry's.
-RESERVE_FRACTION = 0.05
-#: The least kept back (bytes): 256 MiB.
-RESERVE_MIN = 256 << 20
 # cgroup v1 reports "no limit" as its page counter's maximum (9223372036854771712 on x86-64).
 _UNLIMITED = 1 << 60
 _CAP_IPC_LOCK = 14
@@ -67,61 +66,45 @@ def _size(n: int) -> str:
     return format_bytes(n, exact=False)
 
 
-@attrs.frozen(kw_only=True)
-class Bound:
-    """One bound on host memory: ``available`` bytes it leaves now, ``what`` it is (``MemAvailable``,
-    ``cgroup v2 /user.slice``), and ``source``: the files and the arithmetic it came from."""
-
-    what: str
-    available: int
-    source: str
-
-
-@attrs.frozen(kw_only=True)
-class HostBudget:
-    """The most bytes of host memory torchferry's own buffers may hold, and where that came from.
-
-    ``bytes`` is the budget (``None``: no limit, when the machine's figures could not be read);
-    ``source`` says in a sentence which bound set it (or that it was given); ``given`` whether the
-    caller named it (``host_memory=``) rather than the machine; ``bounds`` every bound read, tightest
-    first; ``reserve`` what was kept back from the tightest.
-    ``locked_bytes`` is ``RLIMIT_MEMLOCK`` when it bounds this process (``None``: unlimited, or
-    lifted by ``CAP_IPC_LOCK``), ``locked_source`` where that came from.
-    """
-
-    bytes: int | None
-    source: str
-    given: bool = False
-    bounds: tuple[Bound, ...] = ()
-    reserve: int = 0
-    locked_bytes: int | None = None
-    locked_source: str = ""
-
-    def credited(self, nbytes: int, why: str) -> HostBudget:
-        """This budget plus ``nbytes`` that torchferry's buffers take over from memory counted as used
-        now (a pipeline's own weights, freed pack by pack as the host store fills): a read budget
-        only, a given one is the caller's word."""
-        if self.given or self.bytes is None or nbytes <= 0:
-            return self
-        return attrs.evolve(
-            self, bytes=self.bytes + nbytes, source=f"{self.source}, plus {_size(nbytes)} {why}"
-        )
-
-    def describe(self) -> str:
-        """Every bound read, one per line, tightest first (for reports and ``--verbose`` output)."""
-        figure = "unlimited" if self.bytes is None else _size(self.bytes)
-        lines = [f"host budget {figure}: {self.source}"]
-        lines += [f"  {b.what}: {_size(b.available)} ({b.source})" for b in self.bounds]
-        if self.locked_source:
-            lines.append(f"  locked memory: {self.locked_source}")
-        return "\n".join(lines)
-
-
 def given_budget(nbytes: int) -> HostBudget:
     """The budget the caller named (``host_memory=``)."""
     locked, why = locked_limit()
-    return HostBudget(
-        bytes=nbytes, source="given as host_memory=", given=True, locked_bytes=locked, locked_source=why
+    return policies.given_budget(nbytes, HostFacts(locked_bytes=locked, locked_source=why))
+
+
+def read_bounds(proc: str | os.PathLike[str] = "/proc") -> tuple[tuple[Bound, ...], str]:
+    """Every bound on host memory read under ``proc``, tightest first (see [Note: the host budget]);
+    with none, where they were looked for (and one `OffloadWarning` says so)."""
+    root = Path(proc)
+    bounds = [_meminfo(root)]
+    bounds.extend(_cgroup_bounds(root))
+    known = sorted((b for b in bounds if b.available >= 0), key=lambda b: b.available)
+    if known:
+        return tuple(known), ""
+    source = f"no machine limit: no memory figure could be read under {root}"
+    _warn_unread(source)
+    return (), source
+
+
+def host_facts(
+    *,
+    proc: str | os.PathLike[str] = "/proc",
+    module_bytes: int = 0,
+    pins_locked: bool = False,
+    read_mode: str = "auto",
+) -> HostFacts:
+    """The machine's `HostFacts` now, read once: the bounds, the locked-memory limit, and what the
+    caller knows (the pipeline's own CPU bytes, whether its pinner is held to ``RLIMIT_MEMLOCK``)."""
+    bounds, unread = read_bounds(proc)
+    locked, why = locked_limit(proc)
+    return HostFacts(
+        bounds=bounds,
+        unread=unread,
+        locked_bytes=locked,
+        locked_source=why,
+        pins_locked=pins_locked,
+        module_bytes=module_bytes,
+        read_mode=read_mode,
     )
 
 
@@ -132,31 +115,10 @@ def host_budget(
     reserve_min: int = RESERVE_MIN,
 ) -> HostBudget:
     """The machine's host budget now: the tightest of `Bound` s read under ``proc`` (see [Note: the
-    host budget]), less the reserve. ``proc`` is for tests (a fake ``/proc`` tree whose
-    ``self/mountinfo`` names fake cgroup folders)."""
-    root = Path(proc)
-    bounds = [_meminfo(root)]
-    bounds.extend(_cgroup_bounds(root))
-    known = sorted((b for b in bounds if b.available >= 0), key=lambda b: b.available)
-    locked, why = locked_limit(root)
-    if not known:
-        source = f"no machine limit: no memory figure could be read under {root}"
-        _warn_unread(source)
-        return HostBudget(bytes=None, source=source, locked_bytes=locked, locked_source=why)
-    tightest = known[0]
-    reserve = max(int(tightest.available * reserve_fraction), reserve_min)
-    budget = max(tightest.available - reserve, 0)
-    source = (
-        f"{tightest.what} {_size(tightest.available)} ({tightest.source}) less a reserve of {_size(reserve)}"
-    )
-    return HostBudget(
-        bytes=budget,
-        source=source,
-        bounds=tuple(known),
-        reserve=reserve,
-        locked_bytes=locked,
-        locked_source=why,
-    )
+    host budget]), less the reserve (`policies.machine_budget`). ``proc`` is for tests (a fake
+    ``/proc`` tree whose ``self/mountinfo`` names fake cgroup folders)."""
+    facts = attrs.evolve(host_facts(proc=proc), reserve_fraction=reserve_fraction, reserve_min=reserve_min)
+    return policies.machine_budget(facts)
 
 
 _WARNED: set[str] = set()

@@ -31,6 +31,7 @@ from typing import Any
 import attrs
 import torch
 
+from torchferry import policies
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import format_bytes, pack_bytes, tiers, unit_packs
 from torchferry.runtime._checkpoint import CheckpointReader
@@ -55,15 +56,10 @@ READ_MODE_ENV = "TORCHFERRY_READ"
 
 
 def read_direct(file_bytes: int, cache_bytes: int | None) -> bool:
-    """Whether the file tier reads with ``O_DIRECT``: when its files (``file_bytes``) are larger than
-    the page cache can keep (``cache_bytes``, what the host leaves it; ``None``: unknown, so
-    buffered), unless `READ_MODE_ENV` says otherwise."""
-    forced = os.environ.get(READ_MODE_ENV, "auto").strip().lower()
-    if forced in ("direct", "buffered"):
-        return forced == "direct"
-    if forced != "auto":
-        raise PlanError(f"{READ_MODE_ENV}={forced!r}: say direct, buffered or auto")
-    return cache_bytes is not None and file_bytes > cache_bytes
+    """Whether the file tier reads with ``O_DIRECT`` (`policies.read_direct`, the decision), with the
+    mode `READ_MODE_ENV` sets (``direct``, ``buffered`` or ``auto``), read here."""
+    mode = os.environ.get(READ_MODE_ENV, "auto").strip().lower()
+    return policies.read_direct(file_bytes, cache_bytes, mode)
 
 
 @attrs.frozen(kw_only=True)

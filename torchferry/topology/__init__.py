@@ -67,7 +67,7 @@ from torchferry.topology._model import (
 )
 from torchferry.topology._model import find_attr as find_attr
 from torchferry.topology._parallel import ParallelLayout
-from torchferry.topology._plan import Plan, canonical
+from torchferry.topology._plan import Plan, StoreFacts, canonical
 from torchferry.topology._protocol import SupportsComponentDiscovery
 from torchferry.topology._quantized import flattened_names as flattened_names
 from torchferry.topology._quantized import header_metadata as header_metadata
@@ -111,6 +111,7 @@ __all__ = [
     "Resolution",
     "SelectableComponent",
     "Stack",
+    "StoreFacts",
     "Strategy",
     "SupportsComponentDiscovery",
     "TensorSpec",

@@ -13,7 +13,34 @@ from torchferry.topology._fields import WHEN_SET, Strategy
 from torchferry.topology._frozen import FrozenMap
 from torchferry.topology._model import Component, ComponentKind, TensorSpec, Topology, find_component
 
-__all__ = ["Plan", "canonical"]
+__all__ = ["Plan", "StoreFacts", "canonical"]
+
+
+@attrs.frozen(kw_only=True)
+class StoreFacts:
+    """What the host planner (`policies.host_plan`, `policies.tiers`) must know of a plan's weights
+    beyond their shapes: facts read once at open, from the live module and the checkpoint's headers
+    (or, by `torchferry plan`, from the folder's pipeline built on the meta device). Not part of
+    `Plan.digest`: they change what host memory holds, not what the plan is.
+
+    - ``widened``: tensor names a file-tier pack keeps in host memory, widened to float32 (the
+      model keeps them in float32, the checkpoint stores them in 16 bits).
+    - ``strided``: tensor names stored with other strides than row-major (a transposed weight): a
+      file-tier read goes through the reader's scratch for them.
+    - ``own``: top-level components that keep their own weights (given by keyword, or left out of
+      ``checkpoint_components=``): the checkpoint does not hold their bytes, so none of their packs
+      can be in the file tier.
+    - ``copied``: the store copies the pipeline's own weights in, one pack at a time, so the open
+      holds one more pack for a moment (counted against a machine budget).
+    - ``locked_bytes``: ``RLIMIT_MEMLOCK`` where it bounds the bytes this session pins (``None``: it
+      does not, or nothing is pinned).
+    """
+
+    widened: frozenset[str] = frozenset()
+    strided: frozenset[str] = frozenset()
+    own: frozenset[str] = frozenset()
+    copied: bool = False
+    locked_bytes: int | None = None
 
 
 def _components(value: Iterable[Component]) -> tuple[Component, ...]:
@@ -33,6 +60,8 @@ class Plan:
     config: OffloadConfig
     components: tuple[Component, ...] = attrs.field(converter=_components)
     skip_reason: str | None = None
+    #: Facts of the weights the host planner counts (`StoreFacts`); not part of the digest.
+    facts: StoreFacts = attrs.field(default=StoreFacts(), metadata=WHEN_SET)
 
     @property
     def strategy(self) -> Strategy:
@@ -91,8 +120,12 @@ def canonical(value: object) -> object:
     return value
 
 
+_NO_FACTS = StoreFacts()
+
+
 @lru_cache(maxsize=256)
 def _digest(plan: Plan) -> str:
     request = plan.config.request  # runtime options are not part of what a plan is
-    identity = plan if request is plan.config else attrs.evolve(plan, config=request)
+    unset = request is plan.config and plan.facts == _NO_FACTS
+    identity = plan if unset else attrs.evolve(plan, config=request, facts=_NO_FACTS)
     return hashlib.sha256(repr(canonical(identity)).encode()).hexdigest()[:8]

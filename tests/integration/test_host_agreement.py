@@ -1,0 +1,105 @@
+"""`torchferry plan FOLDER --host-memory X --format json` and the session opened from that folder with
+``host_memory=X`` are one host planner: over small saved pipelines (sharded, float32-kept modules
+stored in bf16), a grid of budgets, each strategy, with and without ``storage_dtype=``, they name the
+same file-tier packs, host bytes, read bytes per forward, call and session, and plan digest; and a
+refusal's least budget opens while one byte less is refused."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchferry
+from torchferry import policies
+from torchferry.cli._main import main
+from torchferry.testing import toy
+
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::DeprecationWarning"),
+]
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module", params=["sharded", "bf16"])
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved Wan pipeline: float32 in 4 MB shards, or bf16 (its float32-kept modules widened on read)."""
+    path = tmp_path_factory.mktemp(request.param) / "wan"
+    pipe = toy.wan_pipeline(layers=4, heads=4, head_dim=64, ffn_dim=1024)
+    if request.param == "bf16":
+        pipe.to(torch.bfloat16)
+        pipe.save_pretrained(str(path))
+    else:
+        pipe.save_pretrained(str(path), max_shard_size="4MB")
+    return path
+
+
+def _plan(folder: Path, strategy: str, budget: int, dtype: str | None) -> dict[str, Any]:
+    argv = ["plan", str(folder), "--device-memory", "8GiB", "--host-memory", f"{budget}B"]
+    argv += ["--strategy", strategy, "--format", "json", *(["--storage-dtype", dtype] if dtype else [])]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    doc: dict[str, Any] = json.loads(out.getvalue())
+    return doc
+
+
+def _open(folder: Path, strategy: str, budget: int, dtype: str | None) -> Any:
+    """The session's report, or its refusal (`policies.HostBudgetTooSmall`)."""
+    options: dict[str, Any] = {} if dtype is None else {"storage_dtype": dtype}
+    if strategy != "none":  # as `torchferry plan` selects them
+        options["components"] = {"dit", "text_encoder"}
+    bf16 = folder.parent.name.startswith("bf16")
+    if bf16:
+        options["torch_dtype"] = torch.bfloat16
+    try:
+        session = torchferry.from_pretrained(
+            diffusers.WanPipeline, folder, strategy=strategy, device="cpu", host_memory=budget, **options
+        )
+    except policies.HostBudgetTooSmall as refused:
+        return refused
+    with session:
+        return session.report()
+
+
+def _whole(folder: Path) -> int:
+    doc = _plan(folder, "layerwise", 1 << 40, None)
+    total: int = doc["host"]["host_bytes"]
+    return total
+
+
+GRID = [("layerwise", None), ("none", None), ("model_level", None), ("layerwise", "bfloat16")]
+
+
+@pytest.mark.parametrize(("strategy", "dtype"), GRID)
+def test_plan_and_session_agree_on_the_host_figure(folder: Path, strategy: str, dtype: str | None) -> None:
+    """At budgets from under the file tier's least to over the whole store, plan and session agree on
+    tiers, host bytes, reads by how often and digest, or refuse alike, naming a least that opens."""
+    whole = _whole(folder)
+    refusals = []
+    for budget in (whole // 2, whole * 4 // 5, whole + MiB):
+        doc = _plan(folder, strategy, budget, dtype)
+        row = doc["strategies"][0]
+        got = _open(folder, strategy, budget, dtype)
+        if isinstance(got, policies.HostBudgetTooSmall):
+            assert row["error"] == got.message("cli")
+            refusals.append(got)
+            continue
+        host = doc["host"]
+        assert (got.plan_digest, got.file_pack_names) == (host["plan_digest"], tuple(host["file_packs"]))
+        assert got.planned_host_bytes == host["host_bytes"] <= budget
+        assert dict(got.planned_read_bytes) == host["file_read_bytes"]
+    for refused in refusals[:1]:
+        least = refused.minimum
+        assert not isinstance(_open(folder, strategy, least, dtype), policies.HostBudgetTooSmall)
+        assert isinstance(_open(folder, strategy, least - 1, dtype), policies.HostBudgetTooSmall)

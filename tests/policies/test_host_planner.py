@@ -1,0 +1,176 @@
+"""The host planner on facts given, not read: the budget's arithmetic, the refusals' least budgets,
+packs that cannot be in the file tier, read frequencies by policy, and a device sharing host memory
+(the cases of the issue on one host planner, each a figure a user was told wrong)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from policy_plans import component, plan, ring_plan, stack
+
+from torchferry import PlanError, ScheduleError, policies
+from torchferry.topology import Block, Plan, Stack, StoreFacts, TensorSpec
+
+MIB = 1 << 20
+BLOCK = 4 * MIB
+T = "transformer"
+
+
+def _budget(p: Plan, nbytes: int) -> Plan:
+    return attrs.evolve(p, config=attrs.evolve(p.config, host_memory_bytes=nbytes))
+
+
+def _opens(p: Plan, nbytes: int) -> bool:
+    try:
+        policies.tiers(_budget(p, nbytes))
+    except policies.HostBudgetTooSmall:
+        return False
+    return True
+
+
+def _rope_plan(n: int, **config: object) -> Plan:
+    """A DiT of ``n`` 4 MiB blocks, each with a 16 KiB non-persistent buffer (as RoPE tables are)."""
+    blocks = []
+    for i in range(n):
+        weight = TensorSpec(name=f"{T}.blocks.{i}.weight", shape=(BLOCK // 2,), dtype="bfloat16")
+        name = f"{T}.blocks.{i}.freqs"
+        freqs = TensorSpec(name=name, shape=(4096,), dtype="float32", buffer=True, persistent=False)
+        blocks.append(Block(path=f"{T}.blocks.{i}", tensors=[weight, freqs]))
+    return plan([component(T, "dit", 0, [Stack(attrs=("blocks",), blocks=blocks)])], **config)
+
+
+def test_a_refusal_names_the_given_budget_and_a_least_that_opens() -> None:
+    """Case 1: the refusal says the budget as given (not one lowered for kept buffers), and the least it
+    names opens while one byte less is refused, kept buffers of file-tier packs counted."""
+    p = _rope_plan(8, host_memory_bytes=23 * MIB)
+    with pytest.raises(policies.HostBudgetTooSmall) as caught:
+        policies.tiers(p)
+    refused = caught.value
+    assert refused.budget == 23 * MIB
+    assert str(refused).startswith("host budget 23.0 MiB (config.host_memory_bytes)")
+    assert refused.kept > 0
+    assert _opens(p, refused.minimum) and not _opens(p, refused.minimum - 1)
+    opened = policies.tiers(_budget(p, refused.minimum))
+    assert opened.host_bytes == refused.minimum and opened.kept_bytes == refused.kept
+
+
+@pytest.mark.parametrize("strategy", ["none", "model_level"])
+def test_a_component_kept_whole_asks_for_the_whole_store_not_more(strategy: str) -> None:
+    """Case 2: under none/model_level the least is every pack in host memory, which the file tier
+    (staging slots as large as the whole component) cannot beat."""
+    dit = component(T, "dit", 8 * BLOCK)
+    enc = component("text_encoder", "encoder", 2 * BLOCK)
+    p = plan([dit, enc], strategy=strategy, host_memory_bytes=20 * MIB)
+    with pytest.raises(policies.HostBudgetTooSmall) as caught:
+        policies.tiers(p)
+    assert caught.value.minimum == 10 * BLOCK and not caught.value.file_tier
+    assert _opens(p, 10 * BLOCK) and not _opens(p, 10 * BLOCK - 1)
+
+
+def test_the_reserve_is_kept_when_the_pipelines_weights_are_credited() -> None:
+    """Case 3: 95 MiB free in a cgroup, 252.9 MiB of the pipeline's own weights credited and a 256 MiB
+    reserve: the budget is 95 + 252.9 - 256 = 91.9 MiB, not 0 + 252.9, and its source adds up."""
+    bound = policies.Bound(what="cgroup v1 memory /x", available=95 * MIB, source="memory.limit_in_bytes ...")
+    weights = 265_187_738  # 252.9 MiB
+    budget = policies.machine_budget(policies.HostFacts(bounds=(bound,)), weights)
+    assert budget.bytes == 95 * MIB + weights - policies.RESERVE_MIN
+    assert budget.source == (
+        "cgroup v1 memory /x 95.0 MiB (memory.limit_in_bytes ...), plus 252.9 MiB of the pipeline's own "
+        "weights the store takes over, less a reserve of 256.0 MiB"
+    )
+    empty = policies.machine_budget(policies.HostFacts(bounds=(bound,)), 0)
+    assert empty.bytes == 0
+
+
+def test_kept_buffers_are_counted_as_packs_are_chosen() -> None:
+    """Case 4: the tiers count each file-tier pack's kept buffers as they choose, so the figure proven
+    is the whole figure (no budget lowered after the fact) and stays within the budget."""
+    p = _rope_plan(8, host_memory_bytes=26 * MIB)
+    t = policies.tiers(p)
+    assert t.file and t.kept_bytes == len(t.file) * policies.page_bytes(4096 * 4)
+    assert t.host_bytes <= 26 * MIB
+    assert t.host_bytes == policies.host_bytes(p, t.file, t.staging)[0]
+
+
+def test_packs_in_storage_dtype_are_never_in_the_file_tier() -> None:
+    """Case 5: a pack held in storage_dtype= is read back only in its own dtypes, so tiers keep it in
+    host memory; with nothing else to file, the refusal says why and names drop storage_dtype=."""
+    spec = TensorSpec(name=f"{T}.blocks.0.weight", shape=(BLOCK,), dtype="float8_e4m3fn",
+                      compute_dtype="bfloat16")  # fmt: skip
+    cast = Block(path=f"{T}.blocks.0", tensors=[spec])
+    dit = component(T, "dit", 0, [Stack(attrs=("blocks",), blocks=[cast])])
+    enc = component("text_encoder", "encoder", 0, [stack("text_encoder", "blocks", [4 * BLOCK] * 6)])
+    p = plan([dit, enc], host_memory_bytes=80 * MIB)
+    t = policies.tiers(p)
+    assert t.file and f"{T}.blocks.0" not in t.file
+    with pytest.raises(policies.HostBudgetTooSmall, match=r"or drop storage_dtype=$"):
+        policies.tiers(plan([dit], host_memory_bytes=MIB))
+
+
+def test_none_reads_nothing_after_its_first_call() -> None:
+    """Case 6: none() keeps every weight on the device once staged, so on a layerwise plan with a file
+    tier it reads every file-tier byte once a session, not every forward."""
+    p = ring_plan(8, BLOCK, host_memory_bytes=30 * MIB)
+    t = policies.tiers(p)
+    streaming = policies.policy_reads(policies.layerwise(1), p, t)[T]
+    kept = policies.policy_reads(policies.none(), p, t)[T]
+    assert streaming["forward"] > 0
+    assert kept == {"forward": 0, "call": 0, "session": sum(streaming.values())}
+
+
+def test_a_component_given_by_keyword_leaves_the_others_to_the_file_tier() -> None:
+    """Case 7: an 80 KiB vae= given by keyword (its own weights) stays in host memory, and the
+    transformer's blocks go to the file tier instead of the budget being refused."""
+    dit = component(T, "dit", 0, [stack(T, "blocks", [BLOCK] * 8)])
+    vae = component("vae", "vae", 80 << 10)
+    p = plan([dit, vae], host_memory_bytes=28 * MIB)
+    mine = attrs.evolve(p, facts=StoreFacts(own=frozenset({"vae"})))
+    t = policies.tiers(mine)
+    assert t.file and all(name.startswith(f"{T}.blocks.") for name in t.file)
+    assert t.host_bytes <= 28 * MIB
+
+
+def test_a_cpu_device_takes_its_budget_from_the_host() -> None:
+    """Case 8: on a device sharing host memory the machine's budget is split, device and host halves
+    proven together; with host_memory= given, the device has what the machine leaves beyond it."""
+    bound = policies.Bound(what="cgroup v1 memory /x", available=768 * MIB, source="limit")
+    facts = policies.HostFacts(bounds=(bound,))
+    p = ring_plan(8, 64 * MIB, checkpoint="ckpt")  # 512 MiB of weights in the checkpoint
+    figure = policies.host_plan(p, facts, shared=True)
+    machine = 768 * MIB - policies.RESERVE_MIN
+    assert figure.device_bytes == machine // 2
+    assert figure.budget.bytes == machine - machine // 2
+    assert figure.tiers.file and figure.tiers.host_bytes <= figure.budget.bytes
+    assert figure.device_source.startswith("half the host budget of 512.0 MiB (the device's memory is host")
+    given = policies.host_plan(_budget(p, 300 * MIB), facts, shared=True)
+    assert given.device_bytes == machine - 300 * MIB and given.budget.bytes == 300 * MIB
+    assert policies.host_plan(p, facts).device_bytes is None
+
+
+def test_zero_budget_and_locked_memory_are_refused_with_their_sources() -> None:
+    """No memory left after the reserve, or pinned bytes over RLIMIT_MEMLOCK, is a PlanError naming why."""
+    tight = policies.Bound(what="MemAvailable", available=100 * MIB, source="/proc/meminfo MemAvailable")
+    with pytest.raises(PlanError, match=r"^the host budget is 0 B \(MemAvailable 100\.0 MiB"):
+        policies.host_plan(ring_plan(2, BLOCK), policies.HostFacts(bounds=(tight,)))
+    locked = policies.HostFacts(locked_bytes=MIB, locked_source="RLIMIT_MEMLOCK 1.0 MiB", pins_locked=True)
+    with pytest.raises(PlanError, match=r"^torchferry would pin 8\.0 MiB of host memory, over the locked"):
+        policies.host_plan(ring_plan(2, BLOCK, host_memory_bytes=64 * MIB), locked)
+
+
+def test_check_proves_pinned_bytes_against_the_locked_memory_limit() -> None:
+    """[10]: a schedule whose pinned host bytes exceed the plan's locked-memory fact is refused by check."""
+    p = ring_plan(2, BLOCK)
+    schedule = policies.layerwise(1)(p, policies.Step(component=T))
+    policies.check(schedule, attrs.evolve(p, facts=StoreFacts(locked_bytes=2 * BLOCK)))
+    with pytest.raises(ScheduleError, match=r"\[10\] pinned host bytes reach 8\.0 MiB"):
+        policies.check(schedule, attrs.evolve(p, facts=StoreFacts(locked_bytes=BLOCK)))
+
+
+def test_the_read_mode_is_a_pure_decision() -> None:
+    """Direct I/O when the file tier's files outgrow what the page cache keeps, unless a mode is forced;
+    an unknown mode is a PlanError naming the three."""
+    assert policies.read_direct(2 * MIB, MIB) and not policies.read_direct(MIB, 2 * MIB)
+    assert not policies.read_direct(2 * MIB, None)
+    assert policies.read_direct(MIB, 2 * MIB, "direct") and not policies.read_direct(2 * MIB, MIB, "buffered")
+    with pytest.raises(PlanError, match=r"^TORCHFERRY_READ='fast': say direct, buffered or auto$"):
+        policies.read_direct(MIB, MIB, "fast")

@@ -1,0 +1,331 @@
+"""The host planner: from a plan and the facts read once at open, the whole host figure (the budget
+and where it came from, the tiers with every extra counted, the read mode, the refusals), and the
+device budget of a device that shares host memory. Pure: tests give facts instead of a machine.
+
+[Note: the host planner]
+Facts first: `HostFacts` holds what the runtime read from the machine (every bound on host memory,
+tightest first, each with its source; ``RLIMIT_MEMLOCK``; the pipeline's own CPU bytes; the read-mode
+setting), `StoreFacts` (on the plan) what it read from the module and the checkpoint (kept and
+widened buffers, strided tensors, components that keep their own weights). `host_plan` then decides:
+
+- the budget: the caller's ``host_memory=``; else the tightest bound, plus the pipeline's own weights
+  the store takes over (freed pack by pack as it fills), less the reserve, ``max(available + credit -
+  reserve, 0)`` (the reserve is kept whatever is credited); else the least over a process group;
+- whether a machine budget binds: a store that fits it whole is planned as without one (plans,
+  digests and schedules stay as they were); one that does not is written into the plan;
+- the tiers (`policies.tiers`, which counts every extra a pack holds in the file tier as it chooses,
+  so one pass is exact and `check` [8] proves the whole figure); a refusal names the smallest budget
+  that opens (`HostBudgetTooSmall`) and where the budget came from;
+- pinned bytes against ``RLIMIT_MEMLOCK`` where the pinner is subject to it (`check` [10]);
+- the read mode: ``O_DIRECT`` when the file tier's files are larger than the page cache can keep
+  beside torchferry's buffers.
+
+`torchferry plan` and the session both call it, so they choose the same tiers, host bytes and reads.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from torchferry._errors import PlanError
+from torchferry.policies._ir import DEVICE, Policy, Schedule
+from torchferry.policies._layout import pack_bytes, unit_packs
+from torchferry.policies._refusal import HostBudgetTooSmall
+from torchferry.policies._sim import steady_schedule
+from torchferry.policies._tiers import HEATS, Heat, Tiers, pack_heats, tiers
+from torchferry.policies._tokens import format_bytes
+from torchferry.topology import Plan
+
+__all__ = [
+    "RESERVE_FRACTION",
+    "RESERVE_MIN",
+    "SHARED_DEVICES",
+    "Bound",
+    "HostBudget",
+    "HostFacts",
+    "HostFigure",
+    "file_reads",
+    "given_budget",
+    "group_least",
+    "host_plan",
+    "machine_budget",
+    "policy_reads",
+    "read_direct",
+    "shared_device_budget",
+]
+
+#: The share of the tightest bound kept back for what is not torchferry's.
+RESERVE_FRACTION = 0.05
+#: The least kept back (bytes): 256 MiB.
+RESERVE_MIN = 256 << 20
+#: Device types whose memory is host memory: their device budget comes from the host budget.
+SHARED_DEVICES = frozenset({"cpu", "mps"})
+
+
+def _size(n: int) -> str:
+    return format_bytes(n, exact=False)
+
+
+@attrs.frozen(kw_only=True)
+class Bound:
+    """One bound on host memory: ``available`` bytes it leaves now, ``what`` it is (``MemAvailable``,
+    ``cgroup v2 /user.slice``), and ``source``: the files and the arithmetic it came from."""
+
+    what: str
+    available: int
+    source: str
+
+
+@attrs.frozen(kw_only=True)
+class HostFacts:
+    """What the runtime read from the machine, once, before planning.
+
+    ``bounds``: every bound on host memory read, tightest first (empty: none could be read, and
+    ``unread`` says where they were looked for). ``locked_bytes``: ``RLIMIT_MEMLOCK`` when it bounds
+    this process (``None``: unlimited, or lifted), ``locked_source`` where it came from;
+    ``pins_locked``: whether the session's pinner is held to it. ``module_bytes``: the pipeline's own
+    CPU bytes the store would take over. ``read_mode``: ``direct``, ``buffered`` or ``auto``.
+    """
+
+    bounds: tuple[Bound, ...] = ()
+    unread: str = ""
+    locked_bytes: int | None = None
+    locked_source: str = ""
+    pins_locked: bool = False
+    module_bytes: int = 0
+    read_mode: str = "auto"
+    reserve_fraction: float = RESERVE_FRACTION
+    reserve_min: int = RESERVE_MIN
+
+
+@attrs.frozen(kw_only=True)
+class HostBudget:
+    """The most bytes of host memory torchferry's own buffers may hold, and where that came from.
+
+    ``bytes`` is the budget (``None``: no limit, when the machine's figures could not be read);
+    ``source`` says in a sentence which bound set it (or that it was given); ``given`` whether the
+    caller named it (``host_memory=``) rather than the machine; ``bounds`` every bound read, tightest
+    first; ``reserve`` what was kept back from the tightest; ``credit`` the pipeline's own bytes
+    counted as free. ``locked_bytes`` is ``RLIMIT_MEMLOCK`` when it bounds this process (``None``:
+    unlimited, or lifted by ``CAP_IPC_LOCK``), ``locked_source`` where that came from.
+    """
+
+    bytes: int | None
+    source: str
+    given: bool = False
+    bounds: tuple[Bound, ...] = ()
+    reserve: int = 0
+    credit: int = 0
+    locked_bytes: int | None = None
+    locked_source: str = ""
+
+    def describe(self) -> str:
+        """Every bound read, one per line, tightest first (for reports and ``--verbose`` output)."""
+        figure = "unlimited" if self.bytes is None else _size(self.bytes)
+        lines = [f"host budget {figure}: {self.source}"]
+        lines += [f"  {b.what}: {_size(b.available)} ({b.source})" for b in self.bounds]
+        if self.locked_source:
+            lines.append(f"  locked memory: {self.locked_source}")
+        return "\n".join(lines)
+
+
+def machine_budget(facts: HostFacts, credit: int = 0) -> HostBudget:
+    """The machine's budget: the tightest bound plus ``credit`` (the pipeline's own weights the store
+    takes over, freed as it fills) less the reserve, ``max(available + credit - reserve, 0)``; no
+    limit when no bound was read."""
+    if not facts.bounds:
+        return HostBudget(
+            bytes=None,
+            source=facts.unread or "no machine limit",
+            locked_bytes=facts.locked_bytes,
+            locked_source=facts.locked_source,
+        )
+    tightest = facts.bounds[0]
+    reserve = max(int(tightest.available * facts.reserve_fraction), facts.reserve_min)
+    credit = max(credit, 0)
+    budget = max(tightest.available + credit - reserve, 0)
+    plus = f", plus {_size(credit)} of the pipeline's own weights the store takes over," if credit else ""
+    source = (
+        f"{tightest.what} {_size(tightest.available)} ({tightest.source}){plus} less a reserve of "
+        f"{_size(reserve)}"
+    )
+    return HostBudget(
+        bytes=budget,
+        source=source,
+        bounds=facts.bounds,
+        reserve=reserve,
+        credit=credit,
+        locked_bytes=facts.locked_bytes,
+        locked_source=facts.locked_source,
+    )
+
+
+def given_budget(nbytes: int, facts: HostFacts | None = None) -> HostBudget:
+    """The budget the caller named (``host_memory=``)."""
+    facts = facts or HostFacts()
+    return HostBudget(
+        bytes=nbytes,
+        source="given as host_memory=",
+        given=True,
+        locked_bytes=facts.locked_bytes,
+        locked_source=facts.locked_source,
+    )
+
+
+#: ``None`` (no machine limit) as the group's signed 64-bit figure: the largest.
+NO_LIMIT = (1 << 63) - 1
+
+
+def group_least(budget: HostBudget, least: int) -> HostBudget:
+    """``budget`` after a process group agreed on ``least``, the least of its ranks' budgets."""
+    mine = NO_LIMIT if budget.bytes is None else budget.bytes
+    if least == mine:
+        return attrs.evolve(budget, source=f"{budget.source} (the least of the process group's ranks)")
+    return attrs.evolve(
+        budget, bytes=least, source=f"another rank's host budget, {_size(least)}, the least of the group"
+    )
+
+
+def read_direct(file_bytes: int, cache_bytes: int | None, mode: str = "auto") -> bool:
+    """Whether the file tier reads with ``O_DIRECT``: when its files (``file_bytes``) are larger than
+    the page cache can keep (``cache_bytes``; ``None``: unknown, so buffered), unless ``mode`` says
+    ``direct`` or ``buffered``."""
+    if mode in ("direct", "buffered"):
+        return mode == "direct"
+    if mode != "auto":
+        raise PlanError(f"TORCHFERRY_READ={mode!r}: say direct, buffered or auto")  # the env var that sets it
+    return cache_bytes is not None and file_bytes > cache_bytes
+
+
+@attrs.frozen(kw_only=True)
+class HostFigure:
+    """The whole host figure of a session: the plan it runs (carrying the budget when it binds, and
+    its facts), the budget and its source, the tiers (every host byte), what the page cache can keep
+    beside them (``None``: unknown), and the pinned bytes."""
+
+    plan: Plan
+    budget: HostBudget
+    tiers: Tiers
+    cache_bytes: int | None
+    pinned_bytes: int
+    #: On a device that shares host memory (``shared=True``): its budget, the other half of the one
+    #: memory (``None``: not shared, or no host limit), and where it came from.
+    device_bytes: int | None = None
+    device_source: str = ""
+
+
+def _with_budget(plan: Plan, nbytes: int | None) -> Plan:
+    return attrs.evolve(plan, config=attrs.evolve(plan.config, host_memory_bytes=nbytes))
+
+
+def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None, shared: bool = False) -> HostFigure:
+    """The whole host figure of ``plan`` (see [Note: the host planner]); ``least``: the least budget
+    of a process group's ranks (`group_least`). ``shared``: the device's memory is host memory and its
+    budget is not given: the one budget is split in halves, one the device budget (`shared_device_budget`),
+    one the host's, so both are proven against the memory there is. A budget too small for every tiering is a
+    `HostBudgetTooSmall` naming its source and the smallest budget that opens; 0 bytes, or pinned
+    bytes over ``RLIMIT_MEMLOCK`` where that binds, a `PlanError` naming the remedies."""
+    given = plan.config.host_memory_bytes
+    copied = plan.config.checkpoint is None
+    if given is not None:
+        budget = given_budget(given, facts)
+    else:
+        budget = machine_budget(facts, facts.module_bytes if copied else 0)
+    if least is not None:
+        budget = group_least(budget, least)
+    if budget.bytes is not None and budget.bytes <= 0:
+        raise PlanError(
+            f"the host budget is {_size(budget.bytes)} ({budget.source}): no host memory is left for "
+            "torchferry's buffers; free host memory (close other processes or sessions), raise the "
+            "memory cgroup's limit, or pass host_memory=<bytes> to name what torchferry may hold"
+        )
+    device: tuple[int | None, str] = (None, "")
+    if shared and given is not None:  # the caller's host budget stands; the device has what is left
+        machine = machine_budget(facts, facts.module_bytes if copied else 0)
+        if machine.bytes is not None:
+            left = max(machine.bytes - given, 0)
+            device = (left, f"the host memory left beyond host_memory= (the device's memory is host memory): "
+                      f"{_size(machine.bytes)}, {machine.source}")  # fmt: skip
+    elif shared and budget.bytes is not None:
+        device = shared_device_budget(budget)
+        assert device[0] is not None
+        budget = attrs.evolve(
+            budget,
+            bytes=budget.bytes - device[0],
+            source=f"{budget.source}, less {_size(device[0])} for the device (its memory is host memory)",
+        )
+    locked = facts.locked_bytes if facts.pins_locked else None
+    plan = attrs.evolve(
+        plan, facts=attrs.evolve(plan.facts, copied=copied and given is None, locked_bytes=locked)
+    )
+    bound = _with_budget(plan, budget.bytes)
+    if given is not None or budget.bytes is None:
+        plan = bound
+    else:
+        try:
+            binds = bool(tiers(bound).file)
+        except HostBudgetTooSmall:
+            binds = True
+        plan = bound if binds else _with_budget(plan, None)
+    try:
+        chosen = tiers(plan)
+    except HostBudgetTooSmall as exc:
+        raise exc.with_source(budget.source) from None
+    pinned = chosen.host_bytes - chosen.kept_bytes - chosen.transient_bytes
+    if locked is not None and pinned > locked:
+        raise PlanError(
+            f"torchferry would pin {_size(pinned)} of host memory, over the locked-memory limit of "
+            f"{_size(locked)} ({facts.locked_source}); raise it (ulimit -l, or the container's memlock "
+            "limit), pass pin_memory=False, or lower host_memory= so fewer bytes are pinned"
+        )
+    cache = None
+    if facts.bounds and budget.bytes is not None:
+        tightest = facts.bounds[0].available
+        cache = max(tightest - min(budget.bytes, tightest), 0)
+    return HostFigure(
+        plan=plan,
+        budget=budget,
+        tiers=chosen,
+        cache_bytes=cache,
+        pinned_bytes=pinned,
+        device_bytes=device[0],
+        device_source=device[1],
+    )
+
+
+def shared_device_budget(host: HostBudget) -> tuple[int, str]:
+    """The device budget of a device whose memory is host memory (`SHARED_DEVICES`: the CPU, Apple's
+    MPS), and where it came from: half the one budget ``host`` (given or the machine's), the other
+    half left to the host store, so the device and host figures together stay within it."""
+    assert host.bytes is not None
+    half = host.bytes // 2
+    return (
+        half,
+        f"half the host budget of {_size(host.bytes)} (the device's memory is host memory): {host.source}",
+    )
+
+
+def file_reads(plan: Plan, chosen: Tiers, steady: Schedule | None) -> dict[str, dict[Heat, int]]:
+    """Component -> bytes its file-tier packs are read, by how often (`HEATS`), as the policy behind
+    ``steady`` (its steady DiT step; ``None``: none) runs: a pack it keeps on the device once staged
+    (its exit holds it, as ``none()`` and resident blocks do) is read once a session, whatever the
+    plan's streaming would read. `torchferry plan` and the session's report both say this."""
+    heats = pack_heats(plan)
+    kept = {p.unit for p in (steady.exit if steady is not None else ()) if p.where == DEVICE}
+    for unit in kept:
+        for name in unit_packs(plan, unit):
+            if name in heats:
+                heats[name] = "session"
+    out: dict[str, dict[Heat, int]] = {}
+    for top in plan.components:
+        infile = [p for p in unit_packs(plan, top.path) if p in chosen.file]
+        out[top.path] = {h: sum(pack_bytes(plan, p) for p in infile if heats[p] == h) for h in HEATS}
+    return out
+
+
+def policy_reads(policy: Policy, plan: Plan, chosen: Tiers) -> dict[str, dict[Heat, int]]:
+    """`file_reads` as ``policy`` runs ``plan``: judged by the steady step of its first DiT (entered
+    from nothing; ``None`` without a DiT)."""
+    dits = [c.path for c in plan.components if c.kind == "dit" and not c.on_demand]
+    steady = steady_schedule(policy, plan, dits[0]) if dits and chosen.file else None
+    return file_reads(plan, chosen, steady)
