@@ -82,7 +82,7 @@ from torch import nn
 import torchferry
 from torchferry import policies
 from torchferry.runtime import same_device, stream_factory
-from torchferry.runtime._streams import CudaStreams
+from torchferry.runtime.device._streams import CudaStreams
 from torchferry.testing import toy
 from torchferry.topology import PACK_ALIGN, Declaration, find_attr
 

@@ -183,7 +183,7 @@ def _tier_pass(session: torchferry.Session) -> tuple[int, float]:
 
 
 def throughput(checkpoint: Path, shape: dict[str, int], budget: int, repeats: int) -> dict[str, Any]:
-    from torchferry.runtime._readrate import drop_cache, sequential_read
+    from torchferry.runtime.machine._readrate import drop_cache, sequential_read
 
     out: dict[str, Any] = {}
     for mode in ("buffered", "direct"):
@@ -227,7 +227,7 @@ def _traced(session: torchferry.Session, pipe: Any, calls: int, steps: int) -> l
 
 def overlap(checkpoint: Path, shape: dict[str, int], budget: int, rounds: int) -> dict[str, Any]:
     from torchferry.policies import calibrate, measure
-    from torchferry.runtime._readrate import sequential_read
+    from torchferry.runtime.machine._readrate import sequential_read
 
     steps = max(shape["steps"], 2)
     host_pipe = toy.build_empty(hidden=shape["hidden"], blocks=shape["blocks"])
@@ -315,7 +315,7 @@ def gpu_row(check: Any) -> dict[str, Any]:
     (the share of the read time the step hides)."""
     from dataclasses import replace
 
-    from torchferry.runtime._readrate import drop_cache, sequential_read
+    from torchferry.runtime.machine._readrate import drop_cache, sequential_read
 
     gpu_check = sys.modules[type(check).__module__]
     size = replace(check.size, blocks=min(check.size.blocks, 8))

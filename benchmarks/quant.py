@@ -27,7 +27,7 @@ For each form the script reports:
 - the cost of re-pointing a block: its inner tensors at a slot and back, measured on a CPU
   session;
 - the impl exchange of its wrapper tensors on a device session ([Note: wrapper tensors] in
-  ``torchferry/runtime/_wrappers.py``), as one wait plus one evict of a block.
+  ``torchferry/runtime/memory/_wrappers.py``), as one wait plus one evict of a block.
 
 On the CPU the "device" is host memory, so a copy is a memcpy. The quantized forms then pay their
 CPU kernels (dequantizing at every matmul), which a GPU does not: on the CPU the bytes are the

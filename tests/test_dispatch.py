@@ -9,7 +9,7 @@ import pytest
 from torchferry.policies import OP_KINDS
 from torchferry.policies._check import _CHECKS
 from torchferry.policies._sim import _REPLAYS
-from torchferry.runtime._mover import _HANDLERS, RANGES
+from torchferry.runtime.executor._handlers import _HANDLERS, RANGES
 
 
 @pytest.mark.parametrize(

@@ -37,13 +37,13 @@ def _modules(layer: str) -> list[Path]:
     return sorted((PACKAGE / layer).glob("*.py"))
 
 
-def _package_of(path: Path) -> str:
-    parts = path.relative_to(PACKAGE).parts
-    return "torchferry" if len(parts) == 1 else f"torchferry.{parts[0]}"
-
-
-SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
 ALL_MODULES = sorted(PACKAGE.rglob("*.py"))
+#: Every package of torchferry/ at any depth, dotted (``torchferry.runtime.store``).
+PACKAGES = sorted(
+    ".".join(("torchferry", *p.parent.relative_to(PACKAGE).parts)) for p in PACKAGE.rglob("__init__.py")
+)
+#: The runtime's rooms, lowest first: a room imports only rooms before it (docs/architecture.md).
+RUNTIME_ORDER = ["device", "interop", "memory", "files", "machine", "store", "executor", "guard"]
 
 
 @pytest.mark.parametrize("layer", ["topology", "policies"])
@@ -92,18 +92,61 @@ def test_topology_never_imports_policies() -> None:
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
+def _inside(path: Path, package: str) -> bool:
+    return _module_name(path) == package or _module_name(path).startswith(package + ".")
+
+
 def test_subpackages_are_entered_through_their_init() -> None:
-    """A module imports another subpackage's names from its ``__init__``, never from its private modules."""
+    """A module imports another package's names from its ``__init__``, never from its private modules.
+
+    This holds at every depth: ``runtime/executor/`` reaches the store through
+    ``torchferry.runtime.store``, never ``torchferry.runtime.store._store``.
+    """
     offenders = {
         str(path.relative_to(PACKAGE)): sorted(
             name
             for name in _imports(path)
-            for sub in SUBPACKAGES
-            if name.startswith(f"torchferry.{sub}._") and _package_of(path) != f"torchferry.{sub}"
+            for package in PACKAGES
+            if name.startswith(f"{package}._") and not _inside(path, package)
         )
         for path in ALL_MODULES
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def _runtime_rooms() -> dict[str, set[str]]:
+    """Which room of runtime/ imports which other room, at run time or for type checking."""
+    rooms: dict[str, set[str]] = {}
+    for path in sorted((PACKAGE / "runtime").rglob("*.py")):
+        parts = path.relative_to(PACKAGE / "runtime").parts
+        if len(parts) < 2:
+            continue
+        rooms.setdefault(parts[0], set()).update(
+            name.split(".")[2]
+            for name in _imports(path)
+            if name.startswith("torchferry.runtime.") and name.split(".")[2] != parts[0]
+        )
+    return rooms
+
+
+def test_runtime_rooms_import_one_way() -> None:
+    """runtime/ is laid out by concern, and each room imports only the rooms listed before it."""
+    rooms = _runtime_rooms()
+    assert sorted(rooms) == sorted(RUNTIME_ORDER)
+    upward = {
+        room: sorted(other for other in uses if RUNTIME_ORDER.index(other) > RUNTIME_ORDER.index(room))
+        for room, uses in rooms.items()
+    }
+    assert {k: v for k, v in upward.items() if v} == {}
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """No two modules of torchferry/ have one name: a reader finds a module by its name alone."""
+    seen: dict[str, list[str]] = {}
+    for path in ALL_MODULES:
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: where for name, where in seen.items() if len(where) > 1} == {}
 
 
 @pytest.mark.parametrize(
@@ -140,10 +183,30 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _in_package_imports(path: Path, modules: set[str]) -> set[str]:
-    """The modules of ``path``'s own package that it imports, at run time or for type checking."""
-    package = _package_of(path)
-    found: set[str] = set()
+def _lifted(importer: str, target: str) -> tuple[str, str] | None:
+    """The import as an edge between two members of one package, at whatever depth they meet.
+
+    ``torchferry.runtime.executor._engine`` importing ``torchferry.runtime.store`` is the edge
+    ``runtime.executor -> runtime.store`` in the runtime's graph; a package's ``__init__`` is the
+    package's own node, so an ``__init__`` importing its modules and a module importing its
+    package's ``__init__`` back close a circle too.
+    """
+    mine, theirs = importer.split("."), target.split(".")
+    k = 0
+    while k < min(len(mine), len(theirs)) and mine[k] == theirs[k]:
+        k += 1
+    if k == len(mine) == len(theirs):
+        return None
+    if k == len(theirs):  # the importer lies inside the package it imports
+        return ".".join(mine[: k + 1]), target
+    if k == len(mine):  # a package's __init__ imports something inside it
+        return importer, ".".join(theirs[: k + 1])
+    return ".".join(mine[: k + 1]), ".".join(theirs[: k + 1])
+
+
+def _package_imports(path: Path, modules: set[str]) -> set[tuple[str, str]]:
+    """The edges of torchferry's import graphs that ``path`` adds, at run time or for type checking."""
+    found: set[tuple[str, str]] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -160,8 +223,9 @@ def _in_package_imports(path: Path, modules: set[str]) -> set[str]:
                 targets.append(base)
         else:
             continue
-        found.update(t for t in targets if t in modules and (t == package or t.rpartition(".")[0] == package))
-    found.discard(_module_name(path))
+        for target in targets:
+            if target in modules and (edge := _lifted(_module_name(path), target)) is not None:
+                found.add(edge)
     return found
 
 
@@ -198,16 +262,18 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_cycle_inside_a_package() -> None:
-    """No set of modules of one package imports each other in a circle, at run time or for type checking.
+    """No set of modules or packages of one package imports each other in a circle, at any depth.
 
     A package's ``__init__`` imports its modules; a module importing its own package's ``__init__``
-    back would close a circle too. Seams between modules are one-way: a protocol in the lower
-    module, not an import back.
+    back would close a circle too, and so would two rooms of runtime/ importing each other. Seams
+    between modules are one-way: a protocol in the lower module, not an import back.
     """
-    # A subpackage's __init__ is its own package's node, not a module of the package above it.
-    modules = {_module_name(path) for path in ALL_MODULES if path.name != "__init__.py"}
-    modules |= {f"torchferry.{sub}" for sub in SUBPACKAGES} | {"torchferry"}
-    graph = {_module_name(path): _in_package_imports(path, modules) for path in ALL_MODULES}
+    # A package's __init__ is the package's own node, in its own graph and in its parent's.
+    modules = {_module_name(path) for path in ALL_MODULES}
+    graph: dict[str, set[str]] = {}
+    for path in ALL_MODULES:
+        for source, target in _package_imports(path, modules):
+            graph.setdefault(source, set()).add(target)
     assert _cycles(graph) == []
 
 
@@ -216,3 +282,22 @@ def test_the_cycle_finder_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"], ["d", "e"]]
     assert _cycles({"a": {"b"}, "b": {"c"}}) == []
+
+
+def test_imports_become_edges_where_their_packages_meet() -> None:
+    """An import deep in one room of a package is an edge between rooms, so rooms in a circle are found."""
+    assert _lifted("torchferry.runtime.executor._engine", "torchferry.runtime.store") == (
+        "torchferry.runtime.executor",
+        "torchferry.runtime.store",
+    )
+    assert _lifted("torchferry.runtime", "torchferry.runtime.store._store") == (
+        "torchferry.runtime",
+        "torchferry.runtime.store",
+    )
+    assert _lifted("torchferry.runtime.store._store", "torchferry.runtime") == (
+        "torchferry.runtime.store",
+        "torchferry.runtime",
+    )
+    assert _lifted("torchferry._session", "torchferry._session") is None
+    graph = {"runtime.executor": {"runtime.guard"}, "runtime.guard": {"runtime.executor"}}
+    assert _cycles(graph) == [["runtime.executor", "runtime.guard"]]

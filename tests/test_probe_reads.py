@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from torchferry import PlanError
 from torchferry.cli import main
 from torchferry.runtime import load_profile
-from torchferry.runtime._readrate import read_files, sequential_read
+from torchferry.runtime.machine._readrate import read_files, sequential_read
 
 
 @pytest.fixture

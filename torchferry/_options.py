@@ -17,14 +17,17 @@ import attrs
 import torch
 
 from torchferry._errors import PlanError
+from torchferry.policies import Policy
 from torchferry.topology import OffloadConfig
 
 __all__ = [
     "DEVICE_TYPES",
     "EQUIVALENTS",
+    "RING_KNOBS",
     "check_pipeline",
     "check_variant",
     "default_device",
+    "is_auto",
     "offload_config",
     "positional",
     "require_cuda",
@@ -191,3 +194,31 @@ def offload_config(
         raise PlanError(unknown_options("offload", unknown, fields))
     base = config if config is not None else OffloadConfig()
     return attrs.evolve(base, **changes) if changes else base
+
+
+def is_auto(
+    config: OffloadConfig | None, strategy: str | None, policy: Policy | None, options: Mapping[str, Any]
+) -> bool:
+    """Whether the session chooses (``strategy="auto"``, the default when nothing else names a policy).
+
+    A config, a strategy, a policy or a ring knob (`RING_KNOBS`) names one; ``strategy="auto"`` with
+    a policy or a ring knob is a `PlanError` (auto picks the depth and resident blocks itself).
+    """
+    if strategy == "auto":
+        named = [k for k in RING_KNOBS if k in options]
+        if policy is not None:
+            named.insert(0, "policy")
+        if named:
+            raise PlanError(
+                f"offload(strategy='auto') with {' and '.join(f'{k}=' for k in named)}: auto picks the "
+                "policy, its depth and its resident blocks itself; drop them, or name the strategy "
+                "(strategy='layerwise')"
+            )
+        return True
+    chosen = config is not None or policy is not None or any(k in options for k in RING_KNOBS)
+    return strategy is None and not chosen
+
+
+#: What a request may set that names a ring policy rather than leave the choice to auto (a resident
+#: head given to auto would raise the budget its choice needs and then not be what it chose).
+RING_KNOBS = ("prefetch_depth", "chunk_bytes", "resident_layers")

@@ -36,7 +36,7 @@ from torch import nn
 
 from torchferry._errors import PlanError
 from torchferry._options import unknown_options
-from torchferry._quantized import quantization_method, quantize_on_meta
+from torchferry._prequantized import quantization_method, quantize_on_meta
 from torchferry._session import Session, offload
 from torchferry.runtime import keep_lists, meta_parameters
 from torchferry.topology import (

@@ -20,9 +20,16 @@ import attrs
 import torch
 
 from torchferry import _served, policies, runtime, topology
-from torchferry._auto import Chooser, SessionReport, default_budget, named_report
+from torchferry._chooser import Chooser, SessionReport, default_budget, named_report
 from torchferry._errors import ExecutionError, PlanError
-from torchferry._options import check_pipeline, check_variant, offload_config, positional, target_device
+from torchferry._options import (
+    check_pipeline,
+    check_variant,
+    is_auto,
+    offload_config,
+    positional,
+    target_device,
+)
 from torchferry.policies import Placement, Policy, Schedule, Step
 from torchferry.runtime import (
     CLAIMS,
@@ -114,7 +121,7 @@ def offload(
 
     ``strategy`` defaults to ``"auto"``: the session picks strategy, depth and resident blocks that
     fit the budget (``device_memory=``, else the device's free memory at open less a margin for
-    activations), measures this machine and re-chooses once calibrated (see `torchferry._auto`,
+    activations), measures this machine and re-chooses once calibrated (see `torchferry._chooser`,
     `Session.report`). A ``config``, a ``policy`` or a ring knob (``prefetch_depth=``) names the
     policy instead. ``config`` (or ``strategy`` and any `OffloadConfig` field as a keyword) says what
     to offload (a strategy name in its place is the strategy: ``offload(pipe, "layerwise")``);
@@ -164,7 +171,7 @@ def offload(
             config_options = dict(config_options)
             value = config_options.pop(budget_name)
             config_options[f"{budget_name}_bytes"] = topology.memory_bytes(value, f"{budget_name}")
-    auto = _is_auto(config, strategy, policy, config_options)
+    auto = is_auto(config, strategy, policy, config_options)
     request = offload_config(config, "layerwise" if auto else strategy, config_options)
     if policy is not None and _policy_knobs(request):
         raise PlanError(
@@ -246,34 +253,6 @@ def session_of(pipeline: Any) -> Session | None:
     """
     found = _served.find(pipeline)
     return found if isinstance(found, Session) else None
-
-
-def _is_auto(
-    config: OffloadConfig | None, strategy: str | None, policy: Policy | None, options: Mapping[str, Any]
-) -> bool:
-    """Whether the session chooses (``strategy="auto"``, the default when nothing else names a policy).
-
-    A config, a strategy, a policy or a ring knob (`_RING_KNOBS`) names one; ``strategy="auto"`` with
-    a policy or a ring knob is a `PlanError` (auto picks the depth and resident blocks itself).
-    """
-    if strategy == "auto":
-        named = [k for k in _RING_KNOBS if k in options]
-        if policy is not None:
-            named.insert(0, "policy")
-        if named:
-            raise PlanError(
-                f"offload(strategy='auto') with {' and '.join(f'{k}=' for k in named)}: auto picks the "
-                "policy, its depth and its resident blocks itself; drop them, or name the strategy "
-                "(strategy='layerwise')"
-            )
-        return True
-    chosen = config is not None or policy is not None or any(k in options for k in _RING_KNOBS)
-    return strategy is None and not chosen
-
-
-#: What a request may set that names a ring policy rather than leave the choice to auto (a resident
-#: head given to auto would raise the budget its choice needs and then not be what it chose).
-_RING_KNOBS = ("prefetch_depth", "chunk_bytes", "resident_layers")
 
 
 class Session:

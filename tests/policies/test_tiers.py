@@ -130,7 +130,7 @@ def test_shards_count_and_read_as_shards() -> None:
 
 def test_the_store_it_counts_is_the_one_the_runtime_allocates() -> None:
     """tiers' store bytes are the pinned bytes the runtime's host store allocates for the same plan."""
-    from torchferry.runtime._fill import footprint, group_specs
+    from torchferry.runtime.store._fill import footprint, group_specs
 
     p: Plan = model_plan("flux.1-dev", stream=(T, "text_encoder_2"))
     assert group_specs is policies.group_specs

@@ -15,7 +15,7 @@ import torch
 
 import torchferry
 from torchferry import ExecutionError, OffloadWarning
-from torchferry.runtime._comm import cpu_backend
+from torchferry.runtime.device._comm import cpu_backend
 from torchferry.testing import StreamSanitizer, run_ranks, toy
 from torchferry.testing._multiproc import SANITIZE_ENV
 

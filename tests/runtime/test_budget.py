@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchferry import policies
-from torchferry.runtime._budget import RESERVE_MIN, given_budget, host_budget, locked_limit
+from torchferry.runtime.machine._host_facts import RESERVE_MIN, given_budget, host_budget, locked_limit
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 import torchferry
 from torchferry import OffloadWarning, PlanError, policies
 from torchferry.runtime import _budget, _preflight, _spill
-from torchferry.runtime._budget import given_budget, host_budget, locked_limit
-from torchferry.runtime._pinning import BookPinner, CudaPinner
-from torchferry.runtime._preflight import HostPlan, open_tier
+from torchferry.runtime.machine._host_facts import given_budget, host_budget, locked_limit
+from torchferry.runtime.memory._pinning import BookPinner, CudaPinner
+from torchferry.runtime.store._preflight import HostPlan, open_tier
 from torchferry.testing import toy
 
 HIDDEN = 512
@@ -218,7 +218,7 @@ def test_spill_keeps_a_complete_identical_file_and_rewrites_others(tmp_path: Pat
     _spill.spill(pipe, plan, packs, tmp_path)
     after = {f.name: f.stat().st_ino for f in files}
     assert all(after[n] != first[n] for n in first)
-    from torchferry.runtime._checkpoint import CheckpointReader
+    from torchferry.runtime.files._checkpoint_reader import CheckpointReader
 
     with CheckpointReader(index) as reader:
         got = reader.read_tensor("transformer.blocks.7.fc1.weight")
@@ -228,7 +228,7 @@ def test_spill_keeps_a_complete_identical_file_and_rewrites_others(tmp_path: Pat
 def test_reader_threads_take_the_session_device() -> None:
     """On CUDA the reader pool's threads start with torch.cuda.set_device of the session's device (so
     their drain waits bind no other GPU's context); elsewhere they are plain threads."""
-    from torchferry.runtime._reader import thread_setup
+    from torchferry.runtime.files._reader import thread_setup
 
     setup = thread_setup(torch.device("cuda", 3))
     assert setup == {"initializer": torch.cuda.set_device, "initargs": (torch.device("cuda", 3),)}

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-import torchferry.runtime._checkpoint as checkpoint_module
+import torchferry.runtime.files._checkpoint_reader as checkpoint_module
 from torchferry import ExecutionError, PlanError
-from torchferry.runtime._checkpoint import MAX_LISTED, CheckpointReader
+from torchferry.runtime.files._checkpoint_reader import MAX_LISTED, CheckpointReader
 from torchferry.topology import (
     Block,
     Component,

@@ -13,7 +13,7 @@ from torchferry.testing import run_ranks
 
 def _gather(rank: int, world: int) -> tuple[list[int], list[str]]:
     """One rank: an agreement, a plain and a chunked gather, and a host re-assembly, recording warnings."""
-    from torchferry.runtime._comm import Comm
+    from torchferry.runtime.device._comm import Comm
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

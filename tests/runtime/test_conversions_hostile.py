@@ -1,6 +1,6 @@
 """Conversions of served modules (``.to()``, ``.cpu()``, ``.half()``, ...) under hostile use.
 
-Rule 3 of [Note: the session contract] in `torchferry.runtime._guard`: a conversion that would change
+Rule 3 of [Note: the session contract] in `torchferry.runtime.guard._guard`: a conversion that would change
 no tensor returns the module, as in plain torch; any other is refused before anything is converted.
 Each test runs the same call on a served module and on an identical plain one and compares what
 comes back, every tensor's object, data pointer, dtype, device and strides, later outputs bit for

@@ -22,8 +22,8 @@ import torchferry
 from torchferry import ExecutionError, OffloadWarning, policies, runtime, topology
 from torchferry.policies import Op, Schedule, Slot
 from torchferry.runtime import PackState, Tracer, resolved, same_device, stream_factory
-from torchferry.runtime._host import HostStore
-from torchferry.runtime._pinning import (
+from torchferry.runtime.device._streams import CpuStreams, regrow
+from torchferry.runtime.memory._pinning import (
     PAGE,
     BookPinner,
     CudaPinner,
@@ -32,7 +32,7 @@ from torchferry.runtime._pinning import (
     _loaded,
     last_error,
 )
-from torchferry.runtime._streams import CpuStreams, regrow
+from torchferry.runtime.store._store import HostStore
 from torchferry.testing import StreamSanitizer, toy
 from torchferry.testing._sanitizer import caller_stream
 from torchferry.topology import PACK_ALIGN

@@ -19,7 +19,7 @@ import torch
 
 import torchferry
 from torchferry import ExecutionError, policies, topology
-from torchferry.runtime._checkpoint import CheckpointReader
+from torchferry.runtime.files._checkpoint_reader import CheckpointReader
 from torchferry.testing import toy
 
 HIDDEN, BLOCKS = 256, 16  # 45 MiB: a file tier pays beside its 16 MiB of bounce buffers

@@ -13,7 +13,7 @@ import torch
 
 from torchferry import ExecutionError, PlanError, runtime, topology
 from torchferry.policies import Op, Schedule, Slot, Step, rest_unit
-from torchferry.runtime._tiers import TierLayout
+from torchferry.runtime.store._file_tier import TierLayout
 from torchferry.testing import toy
 
 

@@ -19,7 +19,7 @@ from test_file_tier import _inputs, _layout, _plan, file_ring
 import torchferry
 from torchferry import ExecutionError, PlanError, runtime
 from torchferry.policies import Op, Schedule, Slot, Step
-from torchferry.runtime._tiers import TierLayout
+from torchferry.runtime.store._file_tier import TierLayout
 from torchferry.testing import toy
 
 

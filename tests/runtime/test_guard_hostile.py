@@ -2,7 +2,7 @@
 
 Each test serves a toy pipeline on the CPU next to an identical plain copy and asserts bit-equal
 outputs and weights (between steps, in later steps and after ``close()``), or a loud refusal where
-rule 2 of [Note: the session contract] in `torchferry.runtime._guard` says so. The cases reach the
+rule 2 of [Note: the session contract] in `torchferry.runtime.guard._guard` says so. The cases reach the
 units the device holds between steps (the first ring block under layerwise, resident layers, a
 depth-2 ring, components staged whole under model_level and none) as well as blocks at host memory.
 Tests marked ``xfail(strict=True)`` pin a wrong behaviour still there: the reason says what happens.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from torchferry import topology
-from torchferry.runtime._host import HostStore
+from torchferry.runtime.store._store import HostStore
 from torchferry.testing import toy
 
 

@@ -4,7 +4,7 @@ A streamed block's tensors take their slot at its wait, not at its load: between
 blocks of a ring during a step, and between steps the first blocks of the next step) they point at
 the host copy, and an in-place write to them is adopted at the next step start (made between calls)
 or found at the wait, which copies the block again (see docs/contract.md and [Note: why tensors are
-re-pointed] in `torchferry.runtime._pack`). Each test serves a toy pipeline on the CPU (under the
+re-pointed] in `torchferry.runtime.memory._pack`). Each test serves a toy pipeline on the CPU (under the
 stream sanitizer, which fails any tensor left pointing at a copy in flight) next to an identical
 plain copy, and reads or edits in-flight blocks between calls, from hooks of the transformer, of
 neighbouring blocks and of their submodules, around failures, interrupts, skipped blocks, a

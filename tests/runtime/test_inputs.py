@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 import torchferry
-from torchferry.runtime._inputs import to_device
+from torchferry.runtime.interop._inputs import to_device
 from torchferry.testing import toy
 
 

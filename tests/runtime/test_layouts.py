@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torchferry.runtime._layouts import Layouts
+from torchferry.runtime.memory._layouts import Layouts
 
 
 def test_plain_tensors_record_nothing() -> None:
@@ -78,7 +78,7 @@ def test_an_expanded_buffer_comes_back_expanded_after_a_session() -> None:
 
 def test_overlapping_views_on_one_storage_are_rebuilt() -> None:
     """Strides whose elements share memory (an expand, a sliding window) are rebuilt location by location."""
-    from torchferry.runtime._layouts import _overlapping
+    from torchferry.runtime.memory._layouts import _overlapping
 
     window = torch.arange(10, dtype=torch.float32).as_strided((4, 4), (2, 1))
     layouts = Layouts.take({"a": [window]})

@@ -11,9 +11,9 @@ import torch
 
 import torchferry
 from torchferry import OffloadWarning, topology
-from torchferry.runtime._fill import footprint
-from torchferry.runtime._host import HostStore
-from torchferry.runtime._pinning import PAGE, BookPinner, HostPinner, page_bytes
+from torchferry.runtime.memory._pinning import PAGE, BookPinner, HostPinner, page_bytes
+from torchferry.runtime.store._fill import footprint
+from torchferry.runtime.store._store import HostStore
 from torchferry.testing import toy
 from torchferry.topology import KNOWN_MODELS, PACK_ALIGN, known_topology
 
@@ -55,7 +55,7 @@ def test_pinned_bytes_of_every_known_model_are_within_one_percent(model_id: str)
 
 
 def _sizes(plan: topology.Plan) -> list[int]:
-    from torchferry.runtime._fill import group_specs
+    from torchferry.runtime.store._fill import group_specs
 
     return [topology.packed_nbytes(topology.pack(g)) for g in group_specs(plan).values()]
 
@@ -236,7 +236,7 @@ def _rss() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_released_buffers_give_their_memory_back_to_the_os() -> None:
     """A filled 64 MiB buffer raises RSS by its size, and releasing it (as close does) takes it back."""
-    from torchferry.runtime._pinning import HostMemory
+    from torchferry.runtime.memory._pinning import HostMemory
 
     memory = HostMemory(BookPinner())
     size = 64 << 20

@@ -9,8 +9,8 @@ import attrs
 import pytest
 
 from torchferry import PlanError, policies, topology
-from torchferry.runtime._budget import HostBudget, given_budget
-from torchferry.runtime._preflight import HostPlan, preflight
+from torchferry.runtime.machine._host_facts import HostBudget, given_budget
+from torchferry.runtime.store._preflight import HostPlan, preflight
 from torchferry.testing import toy
 
 

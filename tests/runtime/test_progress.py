@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torchferry
-from torchferry.runtime._progress import Progress, wanted
+from torchferry.runtime.store._progress import Progress, wanted
 from torchferry.testing import toy
 
 

@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 from torchferry import topology
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import READ_BOUNCE_BYTES
-from torchferry.runtime._checkpoint import CheckpointReader
-from torchferry.runtime._fill import group_specs, pack_layout, read_pack
-from torchferry.runtime._reader import BUFFERED_CHUNK_BYTES, CHUNK_BYTES, FileReader, PackRead
+from torchferry.runtime.files._checkpoint_reader import CheckpointReader
+from torchferry.runtime.files._reader import BUFFERED_CHUNK_BYTES, CHUNK_BYTES, FileReader, PackRead
+from torchferry.runtime.store._fill import group_specs, pack_layout, read_pack
 from torchferry.testing import toy
 from torchferry.topology import TensorSpec
 from torchferry.topology import pack as pack_specs

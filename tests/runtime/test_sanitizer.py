@@ -18,7 +18,7 @@ import torchferry
 from torchferry import policies, topology
 from torchferry.policies import Op, Schedule, Slot, Step, rest_unit
 from torchferry.runtime import Comm, Engine, _mover, execute
-from torchferry.runtime._pack import PackState, Unit
+from torchferry.runtime.memory._pack import PackState, Unit
 from torchferry.testing import StreamOrderError, StreamSanitizer, run_ranks, sanitize, toy
 from torchferry.testing._multiproc import SANITIZE_ENV
 from torchferry.testing._sanitizer import op_line

@@ -1,5 +1,5 @@
 """`Session.trace` and `runtime.Tracer`: one step measured op by op and block by block (see the Note in
-`torchferry.runtime._trace`)."""
+`torchferry.runtime.executor._trace`)."""
 
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 Each test runs a toy pipeline (or one with a small custom module inside a block) under a layerwise
 session on the CPU next to an identical plain copy, and asserts the session gives what the plain run
 gives, bit for bit, or fails loudly. Written against "binding" (module tables swapped for ones over
-slot views, see [Note: why tensors are re-pointed] in `torchferry.runtime._pack`), which failed a
+slot views, see [Note: why tensors are re-pointed] in `torchferry.runtime.memory._pack`), which failed a
 dozen of them; with tensors re-pointed they pass. Rule 2 of [Note: the session contract] in
-`torchferry.runtime._guard` says what edits are adopted. Tests marked ``xfail(strict=True)`` pin a
+`torchferry.runtime.guard._guard` says what edits are adopted. Tests marked ``xfail(strict=True)`` pin a
 wrong behaviour still there: the reason says what happens instead.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torchferry import topology
-from torchferry.runtime._fill import group_specs
+from torchferry.runtime.store._fill import group_specs
 from torchferry.topology import KNOWN_MODELS, PACK_ALIGN, TensorSpec, known_topology, pack, packed_nbytes
 
 

@@ -7,45 +7,44 @@ pipeline), the `Engine` behind it and a session, tracing (`Tracer`, `StepTrace`,
 
 from __future__ import annotations
 
+from torchferry.runtime.device import Comm as Comm
+from torchferry.runtime.device import DeviceBuffer as DeviceBuffer
+from torchferry.runtime.device import StreamContext as StreamContext
+from torchferry.runtime.device import Timer as Timer
+from torchferry.runtime.device import aligned_empty as aligned_empty
+from torchferry.runtime.device import resolved as resolved
+from torchferry.runtime.device import same_device as same_device
+from torchferry.runtime.executor import Engine, Span, StepTrace, Tracer, execute, listing
+from torchferry.runtime.executor import Steps as Steps
+from torchferry.runtime.executor import prove as prove
+from torchferry.runtime.executor import stream_factory as stream_factory
+
 # Imports written ``name as name`` are for the layers above, which enter only through this file
 # (tests/test_layering.py); they are not public and not in ``__all__``.
-from torchferry.runtime._checkpoint import CheckpointReader
-from torchferry.runtime._claims import CLAIMS as CLAIMS
-from torchferry.runtime._claims import Claim as Claim
-from torchferry.runtime._claims import Watch as Watch
-from torchferry.runtime._claims import refuse_foreign as refuse_foreign
-from torchferry.runtime._comm import Comm as Comm
-from torchferry.runtime._devices import resolved as resolved
-from torchferry.runtime._devices import same_device as same_device
-from torchferry.runtime._engine import Engine, execute
-from torchferry.runtime._engine import stream_factory as stream_factory
-from torchferry.runtime._gguf import GGUFCheckpointReader as GGUFCheckpointReader
-from torchferry.runtime._gguf import model_entries as model_entries
-from torchferry.runtime._gguf import open_checkpoint as open_checkpoint
-from torchferry.runtime._guard import SessionGuard as SessionGuard
-from torchferry.runtime._inputs import Inputs as Inputs
-from torchferry.runtime._meta import meta_parameters
-from torchferry.runtime._pack import PackState as PackState
-from torchferry.runtime._preflight import HostPlan as HostPlan
-from torchferry.runtime._preflight import host_figures as host_figures
-from torchferry.runtime._preflight import host_plan as host_plan
-from torchferry.runtime._preflight import open_tier as open_tier
-from torchferry.runtime._preflight import strided_names as strided_names
-from torchferry.runtime._preflight import widened_names as widened_names
-from torchferry.runtime._probe import copy_bytes_per_s as copy_bytes_per_s
-from torchferry.runtime._probe import host_name as host_name
-from torchferry.runtime._probe import load_profile, probe, profile_path, save_profile
-from torchferry.runtime._program import listing
-from torchferry.runtime._spill import check_spill as check_spill
-from torchferry.runtime._spill_lease import SpillLease as SpillLease
-from torchferry.runtime._steps import Steps as Steps
-from torchferry.runtime._steps import prove as prove
-from torchferry.runtime._streams import DeviceBuffer as DeviceBuffer
-from torchferry.runtime._streams import StreamContext as StreamContext
-from torchferry.runtime._streams import Timer as Timer
-from torchferry.runtime._streams import aligned_empty as aligned_empty
-from torchferry.runtime._trace import Span, StepTrace, Tracer
-from torchferry.runtime._widen import keep_lists as keep_lists
+from torchferry.runtime.files import CheckpointReader
+from torchferry.runtime.files import GGUFCheckpointReader as GGUFCheckpointReader
+from torchferry.runtime.files import SpillLease as SpillLease
+from torchferry.runtime.files import check_spill as check_spill
+from torchferry.runtime.files import model_entries as model_entries
+from torchferry.runtime.files import open_checkpoint as open_checkpoint
+from torchferry.runtime.guard import CLAIMS as CLAIMS
+from torchferry.runtime.guard import Claim as Claim
+from torchferry.runtime.guard import SessionGuard as SessionGuard
+from torchferry.runtime.guard import Watch as Watch
+from torchferry.runtime.guard import refuse_foreign as refuse_foreign
+from torchferry.runtime.interop import Inputs as Inputs
+from torchferry.runtime.interop import keep_lists as keep_lists
+from torchferry.runtime.interop import meta_parameters
+from torchferry.runtime.machine import copy_bytes_per_s as copy_bytes_per_s
+from torchferry.runtime.machine import host_name as host_name
+from torchferry.runtime.machine import load_profile, probe, profile_path, save_profile
+from torchferry.runtime.memory import PackState as PackState
+from torchferry.runtime.store import HostPlan as HostPlan
+from torchferry.runtime.store import host_figures as host_figures
+from torchferry.runtime.store import host_plan as host_plan
+from torchferry.runtime.store import open_tier as open_tier
+from torchferry.runtime.store import strided_names as strided_names
+from torchferry.runtime.store import widened_names as widened_names
 
 __all__ = [
     "CheckpointReader",

@@ -7,7 +7,7 @@ torchao's quantized tensors (``Int8Tensor``: ``qdata``, ``scale``, ``zero_point`
 Discovery replaces such a tensor by its inner tensors, each a `TensorSpec` of its own named
 ``<wrapper's name>.<attribute>`` (recursively, for wrappers of wrappers), so every byte count
 (blocks, plans, schedules, the simulator) is the bytes that really move. The runtime re-points the
-inner tensors and keeps the wrapper object the module holds (`torchferry.runtime._wrappers`).
+inner tensors and keeps the wrapper object the module holds (`torchferry.runtime.memory._wrappers`).
 
 A wrapper whose inner tensors cannot be re-pointed safely is refused here, before anything moves,
 with a `PlanError` naming its class and the reason: no flatten protocol, an inner tensor that is a

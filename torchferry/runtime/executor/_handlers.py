@@ -1,0 +1,477 @@
+"""The op handlers: what each kind of op does to the device, and the tables of what is where.
+
+`Mover` is the engine's device side. It owns the slot pool (the schedule's slots, the gather slot of
+chunked all-gathers among them), the tables that say where each unit is (``placed``), which transfer
+is bringing or brought it (``transfers``), which unit each slot holds (``occupants``) and what is
+staged, acquired or held as a shard, and the grad guard. One short handler per op kind
+(`_HANDLERS`) changes them; a program binds each of its ops to this mover's handler when it is
+compiled, and `Mover.run` carries the ops out in order. `Engine`, built on it, adds the lifecycle:
+opening, steps begun and finished, abort and close ([Note: the multi-rank engine] in `_engine` says
+how loads of shards and gathers meet).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Iterator
+from types import MethodType
+
+import torch
+
+from torchferry._errors import ExecutionError, OffloadWarning
+from torchferry.policies import DEVICE, OP_KINDS, Op
+from torchferry.runtime.device import Comm, DeviceBuffer, Ledger, SlotPool, StreamContext
+from torchferry.runtime.executor._hooks import GradGuard
+from torchferry.runtime.executor._program import Handler, Program
+from torchferry.runtime.executor._trace import Tracer
+from torchferry.runtime.memory import PackState, Unit
+from torchferry.runtime.store import HostStore
+from torchferry.topology import Plan
+
+__all__ = ["RANGES", "Mover"]
+
+#: The `torch.profiler` range each op runs in, by kind (``torchferry::load``, ``torchferry::gather``...),
+#: so a user's profiler trace shows torchferry's loads, gathers, waits and evicts by name. Opened only
+#: while a profiler is recording: one cheap check per `Mover.run` otherwise.
+RANGES: dict[str, str] = {kind: f"torchferry::{kind}" for kind in OP_KINDS}
+
+_profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
+_READY, _IN_FLIGHT = PackState.READY, PackState.IN_FLIGHT
+
+
+class Mover:
+    """Moves units between the host store and the device, one handler per op kind, and keeps the tables.
+
+    `Engine` is the one kind of mover: it sets the attributes declared here (what the handlers read
+    but do not own) when it opens, then `Mover.__init__` makes the tables, empty.
+    """
+
+    #: Given by the engine before `Mover.__init__` runs.
+    plan: Plan
+    device: torch.device
+    streams: StreamContext
+    ledger: Ledger
+    comm: Comm | None
+    store: HostStore
+
+    def __init__(self) -> None:
+        self.slots = SlotPool(self.streams, self.ledger)
+        # Why: unit -> where it is on the device (slot name or DEVICE); checked against entry and exit.
+        self.placed: dict[str, str] = {}
+        # Why: a unit's latest transfer into device memory, which a wait or evict refers to.
+        self.transfers: dict[str, DeviceBuffer] = {}
+        # Why: slot name -> the unit whose bytes it holds, so a load never overwrites a live unit.
+        self.occupants: dict[str, Unit] = {}
+        # Why: staged units own device memory until unstaged; slots are shared and owned by the pool.
+        self.staged: dict[str, tuple[tuple[DeviceBuffer, int], ...]] = {}
+        self.acquired: dict[str, int] = {}
+        self._load_takes_device: dict[str, bool] = {}
+        # Why: shard slot -> the unit whose shard it holds, so a gather reads the shard it names.
+        self.shards: dict[str, Unit] = {}
+        #: The running program's gather slot (`Program.gather`), which its chunked gathers land in.
+        self.gather_slot: str | None = None
+        # Why: the tracer of the step running now; checked once per op and per block hook.
+        self.tracer: Tracer | None = None
+        self.guard = GradGuard(self.placed, self.store.units)
+
+    def handlers(self) -> dict[str, Handler]:
+        """Each op kind's handler bound to this mover, as a compiled program calls it (read now)."""
+        return {kind: MethodType(handler, self) for kind, handler in _HANDLERS.items()}
+
+    # ---------------------------------------------------------------------------------- running
+    def advance(self, program: Program, stop: int) -> None:
+        """Run ``program``'s ops up to op ``stop``, as ordinary tensors whatever the caller's mode."""
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():
+                self.run(program, stop)
+        else:
+            self.run(program, stop)
+
+    def run(self, program: Program, stop: int) -> None:
+        """Run ``program``'s ops up to (not including) op ``stop``."""
+        calls = program.calls
+        i = program.pc
+        if self.tracer is not None or _profiling():
+            self._run_observed(program, stop)
+            return
+        try:
+            while i < stop:
+                handler, unit, op = calls[i]
+                program.pc = i  # the op running now, as listings and the stream sanitizer name it
+                handler(unit, op)
+                i += 1
+        finally:
+            program.pc = i
+
+    def _run_observed(self, program: Program, stop: int) -> None:
+        """`run` with each op told to the tracer and inside its profiler range."""
+        calls = program.calls
+        i = program.pc
+        tracer = self.tracer
+        profiling = _profiling()
+        while i < stop:
+            handler, unit, op = calls[i]
+            if tracer is not None:
+                tracer.at(i, op)
+            if profiling:
+                with torch.profiler.record_function(RANGES[op.kind]):
+                    handler(unit, op)
+            else:
+                handler(unit, op)
+            i += 1
+            program.pc = i
+
+    def _drop_all(self, *, wait: bool = True) -> None:
+        """Release every acquired module, drop every staged copy and point every weight at host memory.
+
+        Reads in flight finish first (their staging slots are free again; ``wait=False``, after a
+        failed collective, they are given up instead: see `FileTier.settle`). Recovery cannot stop
+        half-way: a component's own ``offload_to_cpu`` that raises here (while a failed step is
+        abandoned, or the session closes) is an `OffloadWarning`, and everything else is dropped all
+        the same, so the next step starts from an empty device; whatever else raises, host memory is
+        where every weight can always go back to.
+        """
+        if self.store.tier is not None:
+            self.store.tier.settle(wait=wait)
+        try:
+            self.guard.leaving_all()
+            for path in list(self.acquired):
+                try:
+                    self._release_module(path)
+                except Exception as exc:
+                    warnings.warn(
+                        f"torchferry: offload_to_cpu() of {path!r} raised {type(exc).__name__}: {exc} "
+                        "while the session dropped its device copies; everything else was dropped and the "
+                        f"session is usable, but {path!r} may still hold the device memory its lifecycle "
+                        "did not free",
+                        OffloadWarning,
+                        stacklevel=2,
+                    )
+        finally:
+            for name in list(self.staged):
+                self._drop_staged(name)
+            self.store.reset()
+            self.shards.clear()
+            self.transfers.clear()
+            self.occupants.clear()
+            self.placed.clear()
+
+    def buffers(self) -> Iterator[DeviceBuffer]:
+        """Every device buffer this mover holds: slots (parked ones too) and staged copies."""
+        for _, buffer in (*self.slots.slots.values(), *self.slots.parked.values()):
+            yield buffer
+        for held in self.staged.values():
+            for buffer, _ in held:
+                yield buffer
+
+    def _free(self) -> None:
+        """Give the slots' device memory back (nothing may still write them)."""
+        self.slots.clear()
+
+    # ------------------------------------------------------------------------------ handlers
+    def _read(self, unit: Unit, op: Op) -> None:
+        """Start reading ``unit``'s (first file-tier) pack into staging slot ``op.slot`` (the io stream)."""
+        tier = self.store.tier
+        pack = next((g for g in unit.packs if g.in_file), None)
+        if tier is None or pack is None:
+            raise ExecutionError(
+                f"read of {unit.name}: it is not in this session's file tier (its bytes are in host memory); "
+                "the schedule's file set must be the one the session's store was laid out from"
+            )
+        assert op.slot is not None
+        tier.issue(pack, op.slot, self.streams.before_read(tier.slot(op.slot).buffer))
+
+    def _load(self, unit: Unit, op: Op) -> None:
+        if op.src == "shard":
+            self._load_shard(unit, op)
+            return
+        if op.src is not None:
+            self._load_staged(unit, op)
+            return
+        name = op.slot
+        assert name is not None
+        slot = self.slots.get(name)
+        held = self.occupants.get(name)
+        if held is not None and held is not unit:
+            self._claim(unit, op)  # raises
+        pack = unit.packs[0]
+        if pack.in_file:
+            raise ExecutionError(
+                f"load of {unit.name}: it is in the file tier (no host copy), so it is loaded from the "
+                "staging slot its read fills (load ... from tK)"
+            )
+        if pack.shard is not None:
+            raise ExecutionError(
+                f"load of {unit.name}: this rank holds only its shard of the block; the schedule must "
+                "load the shard and all-gather it (the distributed_layerwise policy does)"
+            )
+        self._leave_first(unit, op)
+        dst, views = pack.views(name, slot.data)
+        self.streams.copy_in(slot, dst, pack.host)
+        self._placed_in(unit, name, slot, views)
+
+    def _claim(self, unit: Unit, op: Op) -> None:
+        assert op.slot is not None
+        held = self.occupants.get(op.slot)
+        if held is not None and held is not unit:
+            raise ExecutionError(
+                f"{op.kind} of {unit.name} into slot {op.slot} while {held.name} still occupies it"
+            )
+
+    def _leave_first(self, unit: Unit, op: Op) -> None:
+        """``unit`` is loaded or gathered again while a slot holds it (`check` allows it): it leaves
+        that slot first, as at an evict, so the new copy is ordered after this unit's own reads (the
+        slot's ``free`` is recorded after them), what a forward wrote to its buffers there is kept,
+        its tensors point at the host copy until the next wait, and the slot it leaves, when another,
+        is free for its next occupant."""
+        if unit.name in self.transfers:
+            self._evict(unit, op)
+
+    def _placed_in(self, unit: Unit, name: str, slot: DeviceBuffer, views: tuple[torch.Tensor, ...]) -> None:
+        # The tensors move to ``views`` at the wait, once compute is ordered after the copy: until
+        # then anything that reads them (a hook, a tied weight, the caller between steps) reads the
+        # host copy, not bytes still being written on another stream. What is written in place
+        # meanwhile is found at the wait, which copies again: the buffers (a hook of the block before
+        # may write one), or every tensor when the engine bumped the pack's versions since its last
+        # load (`Pack.rewatch`: the session guard then cannot tell an edit from that bump).
+        pack = unit.packs[0]
+        pack.arriving = views
+        if pack.rewatch:
+            pack.rewatch = False
+            pack.carry(range(len(pack.tensors)))
+        elif pack.buffers:
+            pack.carry(pack.buffers)
+        pack.where = _IN_FLIGHT
+        self.transfers[unit.name] = slot
+        self.occupants[name] = unit
+        self.placed[unit.name] = name
+
+    def _load_staged(self, unit: Unit, op: Op) -> None:
+        """Copy ``unit``'s bytes from staging slot ``op.src`` (once its read is in) into ``op.slot``: a
+        block slot, or a shard slot for this rank's shard of an all-gathered block."""
+        assert op.slot is not None and op.src is not None and self.store.tier is not None
+        pack = unit.packs[0]
+        slot = self.slots.get(op.slot)
+        if pack.shard is not None:
+            staging, data = self.store.tier.take(pack, op.src)
+            self.streams.copy_staged(slot, pack.shard_bytes(op.slot, slot.data), staging, data)
+            self.shards[op.slot] = unit
+            return
+        self._claim(unit, op)
+        staging, data = self.store.tier.take(pack, op.src)
+        self._leave_first(unit, op)  # loaded again while a slot holds it: as `_load` does
+        dst, views = pack.views(op.slot, slot.data)
+        self.streams.copy_staged(slot, dst, staging, data)
+        self._placed_in(unit, op.slot, slot, views)
+
+    def _load_shard(self, unit: Unit, op: Op) -> None:
+        """Copy this rank's shard of the block into a shard slot (compile checked it is sharded)."""
+        assert op.slot is not None
+        pack = unit.packs[0]
+        slot = self.slots.get(op.slot)
+        self.streams.copy_in(slot, pack.shard_bytes(op.slot, slot.data), pack.host)
+        self.shards[op.slot] = unit
+
+    def _gather(self, unit: Unit, op: Op) -> None:
+        """All-gather the ranks' shards held in slot ``op.src`` into the block's slot ``op.slot``."""
+        assert op.slot is not None and op.src is not None and self.comm is not None
+        if self.shards.get(op.src) is not unit:
+            held = self.shards.get(op.src)
+            raise ExecutionError(
+                f"gather of {unit.name} from slot {op.src}, which holds "
+                f"{'no shard' if held is None else 'the shard of ' + held.name}; load its shard first"
+            )
+        self._claim(unit, op)
+        self._leave_first(unit, op)
+        pack = unit.packs[0]
+        src = self.slots.get(op.src)
+        slot = self.slots.get(op.slot)
+        shard = pack.shard_bytes(op.src, src.data)
+        # A gather in chunks lands each in the schedule's gather slot (compiling checked it has one).
+        staging = self.slots.get(self.gather_slot).data if op.chunks > 1 and self.gather_slot else None
+        comm = self.comm
+
+        def run() -> None:
+            comm.all_gather(slot.data, shard, op.chunks, unit.name, staging)
+
+        self.streams.collective(slot, src, run)
+        del self.shards[op.src]
+        _, views = pack.views(op.slot, slot.data)
+        self._placed_in(unit, op.slot, slot, views)
+
+    def _wait(self, unit: Unit, op: Op) -> None:
+        transfer = self.transfers.get(unit.name)
+        if transfer is None:
+            if unit.name in self.staged:
+                return
+            raise ExecutionError(f"wait for {unit.name}, which no load brought to the device")
+        pack = unit.packs[0]  # a unit with a transfer streams through a slot: one pack
+        if pack.watched and pack.stale():
+            self._reload(unit, transfer)
+        self.streams.wait(transfer)
+        views = pack.arriving
+        if views is not None:
+            pack.arriving = None
+            pack.point(views)
+            if pack.buffers:
+                pack.arrived()
+        pack.where = _READY
+
+    def _reload(self, unit: Unit, slot: DeviceBuffer) -> None:
+        """Copy ``unit``'s host bytes into its slot again: some of its tensors were written in place
+        while the copy was in flight (see `Pack.carry`); for an all-gathered block, raise."""
+        pack = unit.packs[0]
+        if pack.in_file:
+            raise ExecutionError(
+                f"{unit.name} was written in place while its load was in flight (by a hook, or a forward of "
+                "the blocks before), and it is in the file tier: the write cannot be kept (its bytes are "
+                "read from the checkpoint); raise host_memory= so it stays in host memory, or edit the "
+                "weights before opening the session"
+            )
+        if pack.shard is not None:
+            # Its tensors point at empty placeholders until the wait: the write reached no copy of it.
+            raise ExecutionError(
+                f"{unit.name} was written in place while its all-gather was in flight (by a hook, or a "
+                "forward of the blocks before): this rank holds only its shard of the block, so the write "
+                "cannot reach the gathered copy; edit an all-gathered block's weights only between "
+                "sessions (close(gather=True), edit, open again)"
+            )
+        dst, _ = pack.views(self.placed[unit.name], slot.data)
+        self.streams.copy_in(slot, dst, pack.host)
+
+    def _evict(self, unit: Unit, op: Op) -> None:
+        self._leaving(unit)
+        name = unit.name
+        transfer = self.transfers.pop(name, None)
+        if transfer is not None:
+            if unit.packs[0].where is _IN_FLIGHT:
+                # A prefetch compute never waited for (a stale one, which `check` allows): the slot's
+                # next writer waits only on ``free``, so compute must first be ordered after this
+                # unit's load or gather, which may still be writing the slot on another stream.
+                self.streams.wait(transfer)
+            self.streams.release(transfer)
+        where = self.placed.pop(name, None)
+        if where is not None and self.occupants.get(where) is unit:
+            del self.occupants[where]
+        for pack in unit.packs:
+            pack.to_host()
+
+    def _leaving(self, unit: Unit) -> None:
+        """``unit`` leaves the device: what was written to its buffers there is kept, then the grad
+        guard spoils what autograd saved of it (see [Note: gradients] in `_hooks`)."""
+        for pack in unit.packs:
+            if pack.buffers and pack.where is _READY:
+                pack.keep_written()  # before the grad guard bumps versions of its own
+        if self.guard.graded:
+            self.guard.leaving(unit)
+
+    def _stage(self, unit: Unit, op: Op) -> None:
+        sharded = [g.name for g in unit.packs if g.shard is not None]
+        if sharded:
+            raise ExecutionError(
+                f"stage of {unit.name}: this rank holds only shards of {', '.join(sharded)}, which are "
+                "all-gathered into ring slots, never staged; keep all-gathered blocks out of a policy's "
+                "resident set"
+            )
+        if unit.name in self.staged:
+            self._drop_staged(unit.name)
+        tier = self.store.tier
+        held: list[tuple[DeviceBuffer, int]] = []
+        first = True
+        try:
+            for pack in unit.packs:
+                read = None
+                if pack.in_file:
+                    if tier is None or op.src is None:
+                        raise ExecutionError(
+                            f"stage of {unit.name}: {pack.name} is in the file tier (no host copy), so it is "
+                            "staged from the staging slot its read fills (stage ... from tK)"
+                        )
+                    # A unit of several packs goes through its staging slot one pack at a time: the read
+                    # op brought the first, each later one is read once the copy before it drained.
+                    if not first:
+                        tier.issue(pack, op.src, self.streams.before_read(tier.slot(op.src).buffer))
+                    first = False
+                    read = tier.take(pack, op.src)  # before any device memory is counted: it may fail
+                transfer = self.streams.transfer(pack.nbytes)
+                self.ledger.add(pack.nbytes)
+                held.append((transfer, pack.nbytes))
+                if read is not None:
+                    self.streams.copy_staged(transfer, transfer.data, *read)
+                else:
+                    self.streams.copy_in(transfer, transfer.data, pack.host)
+                self.streams.wait(transfer)
+                pack.point(tuple(p.view(transfer.data) for p in pack.pieces))
+                if pack.buffers:
+                    pack.arrived()
+                pack.where = PackState.READY
+        except BaseException:
+            # Nothing of the unit is staged: the copies made so far go (the abort that follows points
+            # their packs back at the host), and so do their bytes on the ledger.
+            for _, nbytes in held:
+                self.ledger.sub(nbytes)
+            raise
+        self.staged[unit.name] = tuple(held)
+        self.placed[unit.name] = DEVICE
+
+    def _unstage(self, unit: Unit, op: Op) -> None:
+        self._leaving(unit)
+        self._drop_staged(unit.name)
+        for pack in unit.packs:
+            pack.to_host()
+        self.placed.pop(unit.name, None)
+
+    def _drop_staged(self, name: str) -> None:
+        for _, nbytes in self.staged.pop(name, ()):
+            self.ledger.sub(nbytes)
+
+    def _acquire(self, unit: Unit, op: Op) -> None:
+        module = unit.module
+        load = getattr(module, "load_to_device", None)
+        if load is None:
+            raise ExecutionError(f"acquire {unit.name}: the module defines no load_to_device()")
+        takes = self._load_takes_device.get(unit.name)
+        if takes is None:
+            takes = bool(inspect.signature(load).parameters)
+            self._load_takes_device[unit.name] = takes
+        tracer = self.tracer
+        begin = None if tracer is None else tracer.compute_mark()
+        if takes:
+            load(self.device)
+        else:
+            load()
+        if tracer is not None:
+            tracer.span("compute", begin, tracer.compute_mark())
+        nbytes = op.nbytes or self.plan.topology.component(unit.name).nbytes
+        self.acquired[unit.name] = nbytes
+        self.ledger.add(nbytes)
+        self.placed[unit.name] = DEVICE
+
+    def _release(self, unit: Unit, op: Op) -> None:
+        self._release_module(unit.name)
+        self.placed.pop(unit.name, None)
+
+    def _release_module(self, name: str) -> None:
+        nbytes = self.acquired.pop(name, None)
+        if nbytes is None:
+            return
+        self.ledger.sub(nbytes)
+        offload = getattr(self.store.units[name].module, "offload_to_cpu", None)
+        if offload is None:
+            raise ExecutionError(f"release {name}: the module defines no offload_to_cpu()")
+        offload()
+
+
+#: One short handler per op kind; a program binds each op to its handler once, when compiled.
+_HANDLERS: dict[str, Callable[[Mover, Unit, Op], None]] = {
+    "read": Mover._read,
+    "load": Mover._load,
+    "gather": Mover._gather,
+    "wait": Mover._wait,
+    "evict": Mover._evict,
+    "stage": Mover._stage,
+    "unstage": Mover._unstage,
+    "acquire": Mover._acquire,
+    "release": Mover._release,
+}

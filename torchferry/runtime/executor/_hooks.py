@@ -1,0 +1,418 @@
+"""The engine's hooks: a forward pre hook at every anchor, post hooks where ops need one, the grad guard.
+
+A schedule's ops are keyed to anchors (``before``/``after`` a block or component). Each anchor's
+hooks are built once, when it is anchored, with everything that does not change between calls
+bound in (its stop keys, its pack, whether it is a block or a top-level component), so a steady
+call does one dictionary lookup, one comparison and, when ops are due, one run of the program.
+
+- A *block* has a pre hook only: it runs every pending op up to its ``before`` stop (which includes
+  the ``after`` ops of the block before it: ops run in schedule order whatever anchor reaches them)
+  and checks that the block is resident. Ops keyed after the last block run when the component's
+  post hook is reached, or at the next anchor.
+- A *component* has a pre hook and a post hook; the post hook runs the ops keyed after it.
+- A *top-level* component also tells the `Driver` (the session) that its forward starts and ends,
+  which starts and finishes a step. Failure is decided from the forward itself: the post hook runs
+  only when the forward returned (it marks the call done), and a third hook, registered with
+  ``always_call=True`` after it, abandons the step when the call was not done. So a pipeline called
+  inside an ``except`` block runs normally (nothing reads `sys.exc_info`).
+
+The hooks are opaque to `torch.compile` (see `_opaque`): Dynamo traces none of the engine's code,
+so a compiled block stays one graph, the hooks run eagerly around it, and nothing recompiles per
+block; an eager call pays one flag read for it (`torch.compiler.disable`'s own wrapper, which
+switches Dynamo's frame callback off and on at every call, is kept for the first compiled call).
+
+[Note: gradients]
+torchferry serves inference; gradients through streamed weights are not supported, and they fail
+loudly rather than come out wrong. A block in a ring slot shares that slot with the blocks after it,
+and autograd keeps what a forward with grad saved (the weights, and views such as ``weight.t()``)
+pointing into the slot; re-pointing a tensor (``tensor.data = ...``) bumps no version counter, so
+a backward would read whichever block the slot holds by then. So a block that runs with grad
+enabled (its pre hook sees `torch.is_grad_enabled`) while its unit sits in a slot is remembered
+(``graded``), and when that unit leaves the slot (evict, or `abort`) every tensor of it has its
+version counter bumped, frozen ones (``requires_grad=False``) included: autograd also saves the
+frozen weights a forward multiplied by when the gradient flows to the input or to other trainable
+tensors, so a later backward through that forward raises autograd's "modified by an inplace
+operation" error whatever requires grad. The first such block of a session warns
+(`OffloadWarning`). A component whose own remainder sits in a slot (a custom policy may stream one)
+is checked the same way around its forward. Staged units (``device`` placements, and every unit of
+the none and model_level strategies) keep device memory of their own that nothing else overwrites:
+unstaging only drops the engine's reference, what autograd saved stays valid, and their gradients
+are right. Under ``torch.no_grad()`` or inference mode this costs one grad-mode check per block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from torchferry._errors import ExecutionError, OffloadWarning
+from torchferry.policies import DEVICE, rest_unit
+from torchferry.runtime.executor._program import Program, listing
+from torchferry.runtime.executor._step_cache import step_name
+from torchferry.runtime.memory import Pack, PackState, Unit
+from torchferry.topology import Plan, find_attr, order_mismatch
+
+if TYPE_CHECKING:
+    from torchferry.runtime.executor._trace import Tracer
+
+__all__ = ["Driver", "GradGuard", "Hooks", "Runner"]
+
+_READY = PackState.READY
+_grad_enabled = torch.is_grad_enabled
+_inference = torch.is_inference_mode_enabled
+_compiling = torch.compiler.is_compiling
+
+_Hook = Callable[..., None]
+
+
+class Driver(Protocol):
+    """What the engine tells about top-level component forwards (the session picks steps from it)."""
+
+    def enter(self, component: str) -> None:
+        """A top-level component's forward begins."""
+
+    def leave(self, component: str, failing: bool) -> None:
+        """A top-level component's forward ended (``failing``: it raised)."""
+
+
+class Runner(Protocol):
+    """What the hooks need of the engine that installs them: the step running now, and its ops run.
+
+    `Engine` is the one runner; the hooks read nothing else of it, so they sit below it.
+    """
+
+    @property
+    def program(self) -> Program | None:
+        """The program of the step running now (``None`` between steps)."""
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The tracer of the step running now, when it is traced."""
+
+    def advance(self, program: Program, stop: int) -> None:
+        """Run ``program``'s ops up to op ``stop``."""
+
+
+class GradGuard:
+    """Remembers units that ran with grad in a shared slot, and spoils them when they leave it.
+
+    See [Note: gradients].
+    """
+
+    def __init__(self, placed: Mapping[str, str], units: Mapping[str, Unit]) -> None:
+        # Why: the engine's own tables (unit -> where it is on the device; unit name -> unit), read live.
+        self._placed, self._units = placed, units
+        # Why: units that sat in a slot while a forward with grad ran them; bumped when they leave it.
+        self.graded: set[Unit] = set()
+        self._warned = False
+
+    def ran(self, path: str, block: bool) -> None:
+        """A forward with grad runs at ``path``: remember its units in slots."""
+        placed, units = self._placed, self._units
+        names = (path,) if block else (path, rest_unit(path))
+        for name in names:
+            where = placed.get(name)
+            if where is None or where == DEVICE or units[name] in self.graded:
+                continue
+            self.graded.add(units[name])
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"torchferry: {name} ran with gradients enabled while its weights stream through a "
+                    f"shared device slot ({where}); gradients through streamed weights are not supported, "
+                    "and a backward through this forward will raise (the slot is reused for the blocks "
+                    "that follow). Run the pipeline under torch.no_grad() or torch.inference_mode(), or "
+                    "use strategy='none' or 'model_level' if you need gradients",
+                    OffloadWarning,
+                    stacklevel=3,
+                )
+
+    def leaving(self, unit: Unit) -> None:
+        """``unit`` leaves its slot: make what autograd saved of it unusable (frozen tensors too)."""
+        if unit not in self.graded:
+            return
+        self.graded.discard(unit)
+        tensors = [t for pack in unit.packs for t in pack.tensors if not t.is_inference()]
+        for pack in unit.packs:
+            pack.bumps += 1  # the versions moved: the session guard must look at this pack again
+            pack.rewatch = True  # and its next load watches every tensor (see `Pack.rewatch`)
+        if tensors:
+            torch.autograd.graph.increment_version(tensors)
+
+    def leaving_all(self) -> None:
+        """Every unit leaves its slot (the engine aborts)."""
+        for unit in list(self.graded):
+            self.leaving(unit)
+
+
+def _ordinary_call(fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` with inference mode off (and grad off with it) when the caller runs under it:
+    the driver starts and ends steps, which make and re-point tensors ([Note: inference mode] in
+    `_engine`)."""
+    if _inference():
+        with torch.inference_mode(False), torch.no_grad():
+            fn(*args)
+    else:
+        fn(*args)
+
+
+def _opaque(body: _Hook) -> _Hook:
+    """``body`` as a hook Dynamo does not trace, at no cost to an eager call.
+
+    The hook carries Dynamo's ``_torchdynamo_disable`` mark, so a compiled caller does not inline it
+    (it graph-breaks around the call), and its code runs with Dynamo's frame strategy "skip, and skip
+    everything it calls" (`_skip_in_dynamo`), so nothing of the engine is compiled either. Both are
+    read by Dynamo alone: an eager call pays one flag read. Dynamo is never imported for this: when
+    it is not loaded yet at anchor time, the first compiled call finds `torch.compiler.is_compiling`
+    true, runs ``body`` through a disabled wrapper and sets the strategy then.
+    """
+    lazy: list[_Hook] = []
+
+    def eager(*args: Any) -> None:
+        _skip_in_dynamo()
+        body(*args)
+
+    def hook(*args: Any) -> None:
+        if _compiling():
+            if not lazy:
+                lazy.append(torch.compiler.disable(eager, recursive=True))  # type: ignore[no-untyped-call]
+            lazy[0](*args)
+            return
+        body(*args)
+
+    hook._torchdynamo_disable = True  # type: ignore[attr-defined]
+    _HOOK_CODES.add(hook.__code__)
+    _skip_in_dynamo()
+    return hook
+
+
+#: The code objects of the hook functions (shared by every closure made from one ``def``).
+_HOOK_CODES: set[Any] = set()
+_SKIPPED: set[Any] = set()
+
+
+def _skip_in_dynamo() -> None:
+    """Give every hook's code Dynamo's strategy "skip this frame and every frame it calls", if loaded."""
+    if "torch._dynamo" not in sys.modules or _HOOK_CODES <= _SKIPPED:
+        return
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy
+        from torch._dynamo import eval_frame
+    except ImportError:  # another torch: the lazy path above still keeps the engine out of graphs
+        return
+    set_code_exec_strategy = getattr(eval_frame, "set_code_exec_strategy", None)
+    if set_code_exec_strategy is None:
+        return
+    for code in _HOOK_CODES - _SKIPPED:
+        set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+        _SKIPPED.add(code)
+
+
+class Hooks:
+    """The forward hooks one engine installs on its pipeline, built once per anchored path.
+
+    ``engine`` runs the ops the hooks reach; ``pipeline``, ``plan``, ``units`` (the host store's) and
+    ``guard`` are the engine's, fixed for its life.
+    """
+
+    def __init__(
+        self,
+        engine: Runner,
+        driver: Driver | None,
+        *,
+        pipeline: Any,
+        plan: Plan,
+        units: Mapping[str, Unit],
+        guard: GradGuard,
+    ) -> None:
+        self.engine = engine
+        self.driver = driver
+        self._pipeline, self._plan, self._units, self._guard = pipeline, plan, units, guard
+        self._handles: dict[str, tuple[RemovableHandle, ...]] = {}
+        # Why: each anchor's module and hook bodies (pre, post, failed), so `forward` can fire them.
+        self._calls: dict[str, tuple[torch.nn.Module, _Hook, _Hook | None, _Hook | None]] = {}
+        self._tops = frozenset(c.path for c in plan.components)
+        self._blocks = frozenset(b.path for top in plan.components for c in top.walk() for b in c.blocks)
+        # Why: per top-level path, whether its latest forward returned (its post hook ran), so the
+        # always-called hook knows a failure from the forward itself.
+        self._done: dict[str, bool] = {}
+        # Why: the blocks the running step's forward reached, in order, to report a ring it does not
+        # follow; the engine clears it when a step begins.
+        self.ran: list[str] = []
+
+    @property
+    def count(self) -> int:
+        """Forward hooks installed on the pipeline."""
+        return sum(len(h) for h in self._handles.values())
+
+    def anchor(self, paths: Iterable[str]) -> None:
+        """Install the hooks of each block or component path (once per path)."""
+        for path in paths:
+            if path in self._handles:
+                continue
+            try:
+                module = find_attr(self._pipeline, path)
+            except AttributeError:
+                raise ExecutionError(
+                    f"schedule anchor {path!r} is not a module of this pipeline; the plan and the pipeline "
+                    "disagree (discover the topology of this pipeline again)"
+                ) from None
+            if not isinstance(module, torch.nn.Module):
+                raise ExecutionError(
+                    f"schedule anchor {path!r} is a {type(module).__name__}, not a torch module"
+                )
+            top = path in self._tops
+            unit = self._units.get(path)
+            pack = unit.packs[0] if unit is not None and len(unit.packs) == 1 and not top else None
+            handles: list[RemovableHandle] = []
+            post: Callable[..., None] | None = None
+            failed: Callable[..., None] | None = None
+            # Pre hooks go first (``prepend``): a user's pre hook, registered before the session opened
+            # or after, then sees the weights the module runs with (its wait has run), not its host copy
+            # while a copy is still in flight.
+            if path in self._blocks and not top:
+                pre = self._block_hook(path, pack)
+                handles.append(module.register_forward_pre_hook(_opaque(pre), prepend=True))
+            else:
+                pre, post = self._component_hooks(path, top)
+                handles.append(module.register_forward_pre_hook(_opaque(pre), prepend=True))
+                handles.append(module.register_forward_hook(_opaque(post)))
+                if top:
+                    failed = self._failed_hook(path)
+                    handles.append(module.register_forward_hook(_opaque(failed), always_call=True))
+            self._handles[path] = tuple(handles)
+            self._calls[path] = (module, pre, post, failed)
+
+    @contextlib.contextmanager
+    def forward(self, path: str) -> Iterator[None]:
+        """Treat the body as a forward of the anchored module at ``path``: its hooks fire around it."""
+        module, pre, post, failed = self._calls[path]
+        try:
+            pre(module, ())
+            yield
+        except BaseException:
+            if failed is not None:
+                failed(module, (), None)
+            raise
+        if post is not None:
+            post(module, (), None)
+
+    def remove(self) -> None:
+        """Remove every hook from the pipeline."""
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
+        self._handles.clear()
+        self._calls.clear()
+
+    def _block_hook(self, path: str, pack: Pack | None) -> Callable[..., None]:
+        key = f"before {path}"
+        engine, plan, guard, ran = self.engine, self._plan, self._guard, self.ran
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            program = engine.program
+            if program is None:
+                if pack is not None and pack.where is not _READY:
+                    raise called_outside(plan, path, pack.where.value)
+            else:
+                ran.append(path)
+                tracer = engine.tracer
+                if tracer is not None:
+                    tracer.block_end()
+                stop = program.stops.get(key, 0)
+                if stop > program.pc:
+                    engine.advance(program, stop)
+                if pack is not None and pack.where is not _READY:
+                    self._not_resident(path, pack, program)
+                if tracer is not None:
+                    tracer.block_begin(path)
+            if _grad_enabled():
+                guard.ran(path, True)
+
+        return pre
+
+    def _not_resident(self, path: str, pack: Pack, program: Program) -> None:
+        """Raise: block ``path`` was reached while ``pack`` was not ready on the device."""
+        owner = self._plan.block_owner(path)
+        order = None if owner is None else order_mismatch(owner[1], self.ran)
+        if order is not None:
+            raise ExecutionError(
+                f"block {path} was reached out of its ring's order in step "
+                f"{step_name(program.schedule.step)}: {order}"
+            )
+        raise ExecutionError(
+            f"block {path} was reached while its weights were {pack.where.value}: step "
+            f"{step_name(program.schedule.step)} had not made it resident by then (the mark is the next op "
+            "to run); the schedule must load and wait for a block before it runs\n"
+            + listing(program.schedule, program.pc)
+        )
+
+    def _component_hooks(self, path: str, top: bool) -> tuple[Callable[..., None], Callable[..., None]]:
+        before, after = f"before {path}", f"after {path}"
+        driver = self.driver if top else None
+        engine, guard = self.engine, self._guard
+        done = self._done
+        done[path] = True
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            if top:
+                done[path] = False
+            if driver is not None:
+                _ordinary_call(driver.enter, path)
+            program = engine.program
+            if program is not None:
+                stop = program.stops.get(before, 0)
+                if stop > program.pc:
+                    engine.advance(program, stop)
+            if _grad_enabled():
+                guard.ran(path, False)
+
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if top:
+                done[path] = True
+            if _grad_enabled():
+                guard.ran(path, False)
+            program = engine.program
+            if program is not None:
+                tracer = engine.tracer
+                if tracer is not None:
+                    tracer.block_end()
+                if (stop := program.stops.get(after, 0)) > program.pc:
+                    engine.advance(program, stop)
+            if driver is not None:
+                _ordinary_call(driver.leave, path, False)
+
+        return pre, post
+
+    def _failed_hook(self, path: str) -> Callable[..., None]:
+        """The always-called hook of a top-level component: abandons the step when the forward raised."""
+        done = self._done
+        driver = self.driver
+
+        def failed(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if done[path]:
+                return
+            done[path] = True
+            if driver is not None:
+                with torch.inference_mode(False), torch.no_grad():
+                    driver.leave(path, True)
+
+        return failed
+
+
+def called_outside(plan: Plan, path: str, where: str) -> ExecutionError:
+    """The error for block ``path`` run while no step runs and its weights are ``where``."""
+    owner = plan.block_owner(path)
+    name = (path if owner is None else owner[0].path) or "the model"
+    return ExecutionError(
+        f"block {path} ran outside the forward of its component {name!r} while its weights were {where}: "
+        f"torchferry loads the blocks of {name!r} only while its forward runs, and this block was called "
+        f"directly (by the pipeline's own code?); call it from inside the forward of {name!r}, or keep "
+        f"{name!r} on the device (leave it out with components=[...], or use strategy='none')"
+    )

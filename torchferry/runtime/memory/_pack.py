@@ -1,0 +1,327 @@
+"""A pack: the tensors that move together, each one's place in their flat buffer, and where they point now.
+
+A *pack* is the set of tensors that always move together: one block, one component's non-block
+remainder, or what is left of a component that the plan does not split. Its flat ``uint8`` buffer is
+laid out by `topology.pack` (every tensor on a 256-byte boundary; the buffer is exactly the
+topology's byte count; each tensor's place is a `Piece`), and its tensors are re-pointed
+(``tensor.data = view``) between views into that buffer and into device slots. Re-pointing keeps each
+tensor object, so tied weights (one object under several names) stay tied. A `Unit` is what a
+schedule names: a block, ``<component>:rest`` or a whole component, with its packs.
+
+[Note: why tensors are re-pointed]
+A block reaches its slot once per step, so how its modules are made to read the slot is the hot
+path: each tensor is re-pointed (``tensor.data = view``) at the wait and back at the evict, 2 x 27
+assignments per step for a block of a Wan transformer, about 0.13 us each in a tight loop and 0.3 us
+in a live forward. Swapping each module's ``_parameters``/``_buffers`` dict for a cached one holding
+parameters over slot views ("binding", 16 dict assignments each way) was built and measured: it cut
+torchferry's own code per block from 43 to 20 us on benchmarks/overhead.py, and was taken out again,
+because it gives every weight a second identity during a step. A reference taken during a forward
+(a hook or a module keeping ``self.weight``) then pointed into a slot: it read another block's
+bytes after the evict, and crashed the process once the slot was freed; a tensor a forward assigns
+(``self.count = self.count + 1``) or registers landed in the cached dict and was lost; table edits
+between steps (``bias = None``, ``register_parameter``, ``functional_call``) were ignored; a
+weight's own attributes and ``requires_grad_`` changes were not seen, and a backward inside a no-grad
+forward gave its gradient to the stand-in. Each can be checked for, at about the cost binding saved.
+tests/runtime/test_weights_hostile.py keeps those cases, all exact with re-pointing. The tensors
+move at the wait, not at the load: until compute is ordered after the copy they read the host copy,
+so nothing that reads them then (a hook, a tied weight, the caller between steps) races the copy
+stream on a GPU; an in-place write to them meanwhile is caught at the wait, which copies again
+(`Pack.carry`: a pack's buffers from its load on, all its tensors from its load on once the engine
+bumped their versions, which hides a write from the session guard, and all of them once a step ends
+with it in flight; `Pack.recopy`: a write the guard finds at the step's end). An all-gathered
+block in flight points at its empty placeholders: a write then raises at the wait.
+
+[Note: sharded packs]
+Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
+``[rank * shard, (rank + 1) * shard)`` of the block's packed buffer, zero-padded past the block's end
+(``shard = policies.shard_nbytes(block, world)``); from a checkpoint only those bytes are read.
+Outside a step the tensors of a sharded pack are placeholders of shape ``(0,)`` (this rank has no
+full copy to point them at): running a block that is not resident is an `ExecutionError`, and
+reading its weights directly shows empty tensors. They point into a device slot while the block is
+resident, and the session's ``close(gather=True)`` re-assembles full host copies (a collective).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from torchferry.policies import shard_nbytes
+from torchferry.runtime.memory._layouts import dense
+from torchferry.runtime.memory._wrappers import Wrapper
+
+__all__ = [
+    "Pack",
+    "PackState",
+    "Piece",
+    "Sharding",
+    "Unit",
+    "contiguous_strides",
+    "dense_strides",
+    "shard_span",
+]
+
+
+class PackState(enum.Enum):
+    """Where a pack's bytes are: host memory only, also a device copy still in flight, or a ready
+    device copy. Its tensors point at the device copy only when it is ready (see `Pack.point`)."""
+
+    #: At its host buffer (between steps, and after an evict or unstage).
+    HOST = "in host memory"
+    #: A load or gather has issued the device copy but no wait has ordered compute after it yet: the
+    #: tensors still point at the host buffer (a read of them on any stream does not race the copy).
+    IN_FLIGHT = "still in flight (loaded but never waited for)"
+    #: At device bytes compute may read (waited for, or staged).
+    READY = "ready"
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides: list[int] = []
+    expected = 1
+    for size in reversed(shape):
+        strides.insert(0, expected)
+        expected *= size
+    return tuple(strides)
+
+
+def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides if its elements fill a gap-free range of memory, else contiguous strides."""
+    if t.is_contiguous() or not dense(t):
+        return contiguous_strides(t.shape)
+    return tuple(t.stride())
+
+
+@attrs.define(slots=True, frozen=True)
+class Piece:
+    """Where one tensor sits in its group's flat buffer; ``given`` is the dtype close gives it back in
+    when it is stored in another (a ``storage_dtype`` request), else ``None``."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    given: torch.dtype | None = None
+
+    def view(self, flat: torch.Tensor, at: int | None = None) -> torch.Tensor:
+        """This tensor's view into ``flat`` (a ``uint8`` buffer laid out like its pack), or at ``at``."""
+        offset = self.offset if at is None else at
+        return flat.narrow(0, offset, self.nbytes).view(self.dtype).as_strided(self.shape, self.stride)
+
+    @property
+    def row_major(self) -> bool:
+        """Whether the bytes are in the row-major order checkpoints store."""
+        return self.stride == contiguous_strides(self.shape)
+
+    def arranged(self, source: torch.Tensor) -> torch.Tensor:
+        """``source``'s values as this piece stores them: ``nbytes`` bytes in the piece's strides."""
+        flat = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.view(flat, 0).copy_(source)
+        return flat
+
+
+@attrs.frozen(kw_only=True)
+class Sharding:
+    """This rank's part of the weight-shard group: it keeps 1/``world`` of every group in ``names``."""
+
+    rank: int
+    world: int
+    names: frozenset[str]
+
+
+def shard_span(name: str, nbytes: int, sharding: Sharding | None) -> tuple[int, int] | None:
+    """The byte range of pack ``name`` this rank keeps, or ``None`` when it keeps all of it."""
+    if sharding is None or name not in sharding.names:
+        return None
+    shard = shard_nbytes(nbytes, sharding.world)
+    return sharding.rank * shard, (sharding.rank + 1) * shard
+
+
+@attrs.define(slots=True, eq=False)
+class Pack:
+    """Tensors that move together, their host buffer, and where they point now.
+
+    ``where`` is a `PackState`; ``device_views`` caches, per slot name, the byte range
+    and tensor views into the slot's buffer last used, so a repeated load into a slot builds nothing;
+    ``arriving`` holds the views a load or gather issued, which the tensors take at the wait.
+    ``shard`` is the byte range ``[start, end)`` of the pack this rank holds when it holds
+    only a shard (then ``host`` is those bytes and ``host_views`` are placeholders); else ``None``.
+    ``moves`` counts re-pointings and ``bumps`` version bumps the engine made (see `GradGuard`), so
+    the session guard refreshes what it remembers of a pack only when they change.
+    """
+
+    name: str
+    tensors: tuple[torch.Tensor, ...]
+    pieces: tuple[Piece, ...]
+    nbytes: int
+    host: torch.Tensor
+    host_views: tuple[torch.Tensor, ...]
+    where: PackState = PackState.HOST
+    device_views: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] = attrs.field(
+        factory=dict
+    )
+    shard: tuple[int, int] | None = None
+    moves: int = 0
+    bumps: int = 0
+    #: The indices of the pack's buffers (not parameters): a forward may write them in place.
+    buffers: tuple[int, ...] = ()
+    # Why: the buffers' version counters when the pack reached the device (see `arrived`, `keep_written`).
+    _arrival: tuple[int, ...] = ()
+    # Why: per shard slot name, (the slot's buffer, this rank's shard bytes of it).
+    shard_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
+    arriving: tuple[torch.Tensor, ...] | None = None
+    #: While the pack's copy is in flight, the tensors watched for in-place writes (its buffers from
+    #: the load on, all of them from the load on after `rewatch` and once a step ends): index ->
+    #: version counter when the watch began, -1 for one known written (see `carry`, `recopy`).
+    watched: dict[int, int] = attrs.field(factory=dict)
+    # Why: the engine bumped the pack's version counters since its last load (`keep_written`, the grad
+    # guard), so the session guard re-reads them at the step's end and cannot tell an in-place edit
+    # made after the next load from its own bump: that load watches every tensor (see `carry`).
+    rewatch: bool = False
+    #: The wrapper tensors whose inner tensors are among ``tensors``, inner ones first: each takes the
+    #: device its inner tensors are pointed at (see [Note: wrapper tensors] in `_wrappers`).
+    wrappers: tuple[Wrapper, ...] = ()
+    #: The pack is in the file tier: no host buffer (``host`` is empty), ``host_views`` are views of
+    #: the checkpoint, and its bytes reach the device through a staging slot (see `_tiers`).
+    in_file: bool = False
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the pack this rank moves: its shard when it holds one, else all of it."""
+        return self.nbytes if self.shard is None else self.shard[1] - self.shard[0]
+
+    def shard_bytes(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        """The first bytes of ``flat`` (shard slot ``key``'s buffer) that hold this rank's shard of
+        the pack, cached per slot while ``flat`` stays."""
+        cached = self.shard_views.get(key)
+        if cached is None or cached[0] is not flat:
+            cached = (flat, flat.narrow(0, 0, self.held_bytes))
+            self.shard_views[key] = cached
+        return cached[1]
+
+    def views(self, key: str, flat: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The group's bytes of ``flat`` and its tensors' views, cached per ``key`` while ``flat`` stays."""
+        cached = self.device_views.get(key)
+        if cached is not None and cached[0] is flat:
+            return cached[1], cached[2]
+        dst = flat.narrow(0, 0, self.nbytes)
+        views = tuple(p.view(flat) for p in self.pieces)
+        self.device_views[key] = (flat, dst, views)
+        return dst, views
+
+    def point(self, views: Sequence[torch.Tensor]) -> None:
+        """Re-point every tensor of the pack at ``views`` (all on one device, so it is checked once), and
+        give its wrapper tensors that device."""
+        tensors = self.tensors
+        if len(views) != len(tensors):
+            raise ValueError(f"pack {self.name}: {len(views)} views for {len(tensors)} tensors")
+        self.moves += 1
+        if not tensors or tensors[0].is_meta is views[0].is_meta:
+            for t, v in zip(tensors, views):  # noqa: B905 (lengths checked above)
+                t.data = v
+        else:
+            for t, v in zip(tensors, views):  # noqa: B905
+                _swap_in(t, v)
+            self.bumps += 1  # swapping tensors swaps their version counters too
+        wrappers = self.wrappers
+        if wrappers:
+            device = views[0].device
+            for w in wrappers:
+                if w.device != device:
+                    w.follow(device)
+
+    def to_host(self) -> None:
+        """Point the pack back at its host buffer (nothing is copied: host bytes are the truth); a
+        pack whose copy is still in flight points there already."""
+        where = self.where
+        if where is PackState.READY:  # the wait took `arriving` and the watch (`stale`)
+            self.point(self.host_views)
+        elif where is PackState.IN_FLIGHT:
+            self.arriving = None
+            self.watched.clear()
+        self.where = PackState.HOST
+
+    def carry(self, indices: Iterable[int]) -> None:
+        """The pack's copy is in flight: watch tensors ``indices`` from now on, so its wait finds an
+        in-place write made to their host bytes meanwhile (`stale`). Tensors already watched keep the
+        counter seen first."""
+        watched, tensors = self.watched, self.tensors
+        for i in indices:
+            if i not in watched:
+                watched[i] = tensors[i]._version
+
+    def recopy(self, index: int) -> None:
+        """The pack's copy is in flight and tensor ``index`` was written in place since some time in
+        the step that issued it (its host bytes hold the write; the copy may not): make its wait copy
+        the pack again (`stale`)."""
+        self.watched[index] = -1  # no version counter reads -1
+
+    def stale(self) -> bool:
+        """Whether a watched tensor was written in place since `carry` (the copy holds old bytes);
+        the watch ends."""
+        watched, tensors = self.watched, self.tensors
+        written = any(tensors[i]._version != v for i, v in watched.items())
+        watched.clear()
+        return written
+
+    def arrived(self) -> None:
+        """The pack's tensors point at a device copy now: remember its buffers' version counters."""
+        tensors = self.tensors
+        self._arrival = tuple(tensors[i]._version for i in self.buffers)
+
+    def keep_written(self) -> None:
+        """Before the pack leaves the device: copy into the host buffer each buffer a forward wrote in
+        place meanwhile (a running statistic, a counter), as the plain run keeps it. A pack this rank
+        holds only a shard of has no host copy of the whole buffer to take it."""
+        if self.shard is not None or self.in_file:
+            return  # a file-tier pack's write cannot be kept: the session guard refuses it
+        for i, then in zip(self.buffers, self._arrival, strict=True):
+            t = self.tensors[i]
+            if t._version != then:
+                with torch.no_grad():
+                    self.host_views[i].copy_(t.detach())
+                self.bumps += 1
+                self.rewatch = True
+
+    def forget_device(self) -> None:
+        """Drop every cached view of device memory (the slots may be freed)."""
+        self.device_views.clear()
+        self.shard_views.clear()
+
+    def unshard(self, full: torch.Tensor) -> None:
+        """Adopt ``full`` (the whole pack, at least ``nbytes`` bytes) as the host buffer."""
+        self.host = full
+        self.host_views = tuple(p.view(full) for p in self.pieces)
+        self.shard = None
+        self.point(self.host_views)
+        self.where = PackState.HOST
+
+
+def _swap_in(t: torch.Tensor, v: torch.Tensor) -> None:
+    """Re-point ``t`` at ``v`` across the meta device (a session device for tests only).
+
+    ``t.data = v`` cannot cross between CPU and meta tensors; swapping in a fresh alias of ``v`` (of
+    ``t``'s own class) keeps the tensor object, as the plain path does.
+    """
+    alias = v.view_as(v)
+    if isinstance(t, torch.nn.Parameter):
+        alias = torch.nn.Parameter(alias, requires_grad=t.requires_grad)
+    torch.utils.swap_tensors(t, alias)  # type: ignore[no-untyped-call]
+
+
+@attrs.define(slots=True, eq=False)
+class Unit:
+    """A schedule's unit: a block, ``<component>:rest`` or a whole component, and its packs."""
+
+    name: str
+    packs: tuple[Pack, ...]
+    component: str
+    module: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.packs)
