@@ -93,8 +93,8 @@ def _library(comp: FolderComponent) -> Any:
     name = library_module(comp.library, pipeline_local=local, imported=comp.library in sys.modules)
     if name is None:
         raise PlanError(
-            f"component {comp.name!r} is a {comp.library}.{comp.index_class}, and {comp.library} is neither a "
-            "library diffusers loads components from (diffusers, transformers) nor one of its pipeline "
+            f"component {comp.name!r} is a {comp.library}.{comp.index_class}, and {comp.library} is neither "
+            "a library diffusers loads components from (diffusers, transformers) nor one of its pipeline "
             f"modules; import {comp.library} before from_pretrained if it is your own module, or pass the "
             f"component yourself (from_pretrained(..., {comp.name}=...))"
         )
