@@ -45,9 +45,9 @@ from torchferry.topology import (
     from_checkpoint,
     hub_snapshot,
     is_pipeline_folder,
+    library_module,
     read_pipeline_folder,
 )
-from torchferry.topology._folder import library_module
 
 __all__ = ["from_pretrained", "pipeline_on_meta", "resolve_folder"]
 

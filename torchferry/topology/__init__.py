@@ -27,6 +27,7 @@ from torchferry.topology._folder import (
 from torchferry.topology._folder import guess_block_attrs as guess_block_attrs
 from torchferry.topology._folder import is_hub_id as is_hub_id
 from torchferry.topology._folder import known_match as known_match
+from torchferry.topology._folder import library_module as library_module
 from torchferry.topology._folder import pipeline_sources as pipeline_sources
 from torchferry.topology._frozen import FrozenMap
 from torchferry.topology._known import (
