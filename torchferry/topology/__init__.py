@@ -6,6 +6,7 @@ from __future__ import annotations
 # (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.topology._checkpoint import from_checkpoint
 from torchferry.topology._config import RUNTIME_OPTIONS, OffloadConfig
+from torchferry.topology._discover import check_stranded as check_stranded
 from torchferry.topology._discover import discover
 from torchferry.topology._fields import (
     COMPONENT_NAMES,
