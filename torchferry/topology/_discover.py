@@ -242,7 +242,7 @@ def _unmanaged(pipeline: object, managed: Mapping[int, str]) -> list[tuple[str, 
                 (name, f"a {qualname(type(value))} not stored at the pipeline's attribute {name!r}")
             )
         else:
-            found.append((name, f"a {qualname(type(value))}, which holds no module weights"))
+            found.append((name, f"a {type(value).__name__}, which holds no module weights"))
     return found
 
 
