@@ -340,7 +340,8 @@ def _qwen() -> Any:
 
 
 def _run_qwen(pipe: Any) -> tuple[torch.Tensor, ...]:
-    embeds = pipe.text_encoder(input_ids=IDS, attention_mask=MASK, output_hidden_states=True).hidden_states[-1]
+    output = pipe.text_encoder(input_ids=IDS, attention_mask=MASK, output_hidden_states=True)
+    embeds = output.hidden_states[-1]
     images = pipe(
         prompt_embeds=embeds,
         prompt_embeds_mask=MASK,

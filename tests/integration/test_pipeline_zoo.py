@@ -37,7 +37,8 @@ def _cases(folder: bool) -> list[Any]:
     for name, case in zoo.CASES.items():
         marks: list[Any] = [pytest.mark.zoo_full] if case.full else []
         if folder and case.folder_xfail is not None:
-            marks.append(pytest.mark.xfail(reason=case.folder_xfail, strict=True, raises=torchferry.PlanError))
+            xfail = pytest.mark.xfail(reason=case.folder_xfail, strict=True, raises=torchferry.PlanError)
+            marks.append(xfail)
         params.append(pytest.param(name, marks=marks, id=name))
     return params
 
