@@ -247,28 +247,38 @@ def _unmanaged(pipeline: object, managed: Mapping[int, str]) -> list[tuple[str, 
 
 
 def check_stranded(pipeline: object, topo: Topology, device: torch.device) -> None:
-    """Refuse a component ``topo`` leaves unmanaged whose tensors are not on the session's ``device``.
+    """Refuse a component that would stay off the session's ``device``: one ``topo`` leaves unmanaged,
+    or a resident one (which the session leaves where it is), whose tensors are elsewhere.
 
-    Such a component would stay where it is and receive the session's tensors (an image encoder on
-    the host while the pipeline runs on a GPU); a `PlanError` names each one before anything moves.
+    Such a component would receive the session's tensors while its weights stay put (an image
+    encoder or a ControlNet on the host while the pipeline runs on a GPU); a `PlanError` names each
+    one before anything moves. Tensors on ``meta`` count as elsewhere unless ``device`` is meta.
     """
     mapping = None if isinstance(pipeline, nn.Module) else getattr(pipeline, "components", None)
-    if not isinstance(mapping, Mapping):
-        return
+    found: list[tuple[str, str, object]] = []
+    if isinstance(mapping, Mapping):
+        for name, reason in topo.unmanaged:
+            if not reason.endswith("managed there"):
+                found.append((name, reason, mapping.get(name)))
+    for comp in topo.of_kind("resident"):
+        try:
+            module: object = get_path(pipeline, comp.path) if comp.path else pipeline
+        except Missing:
+            continue
+        found.append((comp.path, "a resident component, which the session leaves where it is", module))
     problems: list[str] = []
-    for name, reason in topo.unmanaged:
-        value = mapping.get(name)
-        if not isinstance(value, nn.Module) or reason.endswith("managed there"):
+    for name, reason, value in found:
+        if not isinstance(value, nn.Module):
             continue
         devices = sorted({str(t.device) for t in (*value.parameters(), *value.buffers())} - {str(device)})
         if devices:
             problems.append(f"{name!r} ({reason}) holds tensors on {', '.join(devices)}")
     if problems:
         raise PlanError(
-            f"{qualname(type(pipeline))}: {len(problems)} component(s) torchferry does not manage would stay "
+            f"{qualname(type(pipeline))}: {len(problems)} component(s) torchferry does not stream would stay "
             f"off the session's device {device} and receive its tensors: {'; '.join(problems)}; list each "
-            "in the pipeline's _dit_modules/_encoder_modules/_vae_modules/_resident_modules, or move it "
-            f"to {device} yourself before offload()"
+            "in the pipeline's _dit_modules/_encoder_modules/_vae_modules, or move it to "
+            f"{device} yourself before offload()"
         )
 
 
