@@ -412,6 +412,122 @@ def _run_sana(pipe: Any) -> tuple[torch.Tensor, ...]:
     return embeds, images
 
 
+def _zimage() -> Any:
+    d, t = _diffusers(), _transformers()
+    encoder = t.Qwen3Model(
+        t.Qwen3Config(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+        )
+    ).eval()
+    return d.ZImagePipeline(
+        scheduler=d.FlowMatchEulerDiscreteScheduler(),
+        vae=_kl(16),
+        text_encoder=encoder,
+        tokenizer=None,
+        transformer=_dit("ZImageTransformer2DModel"),
+    )
+
+
+def _run_zimage(pipe: Any) -> tuple[torch.Tensor, ...]:
+    embeds = pipe.text_encoder(IDS, attention_mask=MASK, output_hidden_states=True).hidden_states[-2][0]
+    images = pipe(
+        prompt_embeds=[embeds[:6]],
+        negative_prompt_embeds=[embeds[:6].flip(0)],
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        generator=_generator(),
+        output_type="latent",
+    ).images
+    return embeds, images
+
+
+def _pixart() -> Any:
+    d = _diffusers()
+    return d.PixArtSigmaPipeline(
+        tokenizer=None,
+        text_encoder=_t5(8),
+        vae=_kl(),
+        transformer=_dit("PixArtTransformer2DModel"),
+        scheduler=d.DDIMScheduler(steps_offset=1, clip_sample=False),
+    )
+
+
+def _run_pixart(pipe: Any) -> tuple[torch.Tensor, ...]:
+    embeds = pipe.text_encoder(IDS, attention_mask=MASK).last_hidden_state
+    images = pipe(
+        prompt_embeds=embeds,
+        prompt_attention_mask=MASK,
+        negative_prompt=None,
+        negative_prompt_embeds=embeds.flip(1),
+        negative_prompt_attention_mask=MASK,
+        height=16,
+        width=16,
+        num_inference_steps=2,
+        generator=_generator(),
+        output_type="latent",
+        use_resolution_binning=False,
+    ).images
+    return embeds, images
+
+
+def _vace() -> Any:
+    d = _diffusers()
+    base = toy.wan_pipeline()
+    torch.manual_seed(1)
+    return d.WanVACEPipeline(
+        tokenizer=None,
+        text_encoder=base.text_encoder,
+        vae=base.vae,
+        scheduler=base.scheduler,
+        transformer=_dit("WanVACETransformer3DModel", freq_dim=16, vace_in_channels=96),
+    )
+
+
+def _run_vace(pipe: Any) -> tuple[torch.Tensor, ...]:
+    embeds = pipe.text_encoder(IDS).last_hidden_state
+    from PIL import Image
+
+    seeded = torch.Generator().manual_seed(1)
+    pixels = torch.randint(0, 256, (5, 16, 16, 3), generator=seeded, dtype=torch.uint8)
+    video = [Image.fromarray(frame.numpy()) for frame in pixels]
+    frames = pipe(
+        video=video,
+        prompt_embeds=embeds,
+        negative_prompt_embeds=embeds.flip(1),
+        height=16,
+        width=16,
+        num_frames=5,
+        num_inference_steps=2,
+        generator=_generator(),
+        output_type="latent",
+    ).frames
+    return embeds, frames
+
+
+def _chronoedit() -> Any:
+    d = _diffusers()
+    i2v = _wan_i2v()
+    torch.manual_seed(1)
+    return d.ChronoEditPipeline(
+        tokenizer=None,
+        text_encoder=i2v.text_encoder,
+        image_encoder=i2v.image_encoder,
+        image_processor=i2v.image_processor,
+        transformer=d.ChronoEditTransformer3DModel(
+            **{**diffusers_zoo.ZOO["ChronoEditTransformer3DModel"][0], "in_channels": 36, "image_dim": 16}
+        ).eval(),
+        vae=i2v.vae,
+        scheduler=i2v.scheduler,
+    )
+
+
 #: pipeline class name -> its case.
 CASES: dict[str, Case] = {
     "WanPipeline": Case(build=_wan, call=_run_wan, full=True),
@@ -422,6 +538,10 @@ CASES: dict[str, Case] = {
     "Lumina2Pipeline": Case(build=_lumina2, call=_run_lumina2),
     "QwenImagePipeline": Case(build=_qwen, call=_run_qwen, folder_xfail=KEYS),
     "SanaPipeline": Case(build=_sana, call=_run_sana, full=True),
+    "ZImagePipeline": Case(build=_zimage, call=_run_zimage, full=True),
+    "PixArtSigmaPipeline": Case(build=_pixart, call=_run_pixart, full=True),
+    "WanVACEPipeline": Case(build=_vace, call=_run_vace, full=True),
+    "ChronoEditPipeline": Case(build=_chronoedit, call=_run_wan_i2v, full=True),
 }
 
 
