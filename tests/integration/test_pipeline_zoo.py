@@ -75,7 +75,7 @@ def test_pipeline_runs_bit_identical_in_memory(name: str) -> None:
     _managed(pipe)
     before = zoo.weights(pipe)
     expected = zoo.call(name, pipe)
-    budget = topology.discover(pipe).nbytes * 9 // 10
+    budget = topology.discover(pipe).nbytes - 1  # below the whole pipeline: auto must stream
     runs: dict[str, dict[str, Any]] = {
         "layerwise": {"strategy": "layerwise", "prefetch_depth": 1},
         "model_level": {"strategy": "model_level"},
