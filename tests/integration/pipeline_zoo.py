@@ -528,6 +528,51 @@ def _chronoedit() -> Any:
     )
 
 
+def _flux2_klein() -> Any:
+    d, t = _diffusers(), _transformers()
+    encoder = t.Qwen3ForCausalLM(
+        t.Qwen3Config(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+        )
+    ).eval()
+    vae = d.AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=1,
+        norm_num_groups=4,
+    ).eval()
+    return d.Flux2KleinPipeline(
+        scheduler=d.FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=encoder,
+        tokenizer=None,
+        transformer=_dit("Flux2Transformer2DModel", joint_attention_dim=48),
+    )
+
+
+def _run_flux2_klein(pipe: Any) -> tuple[torch.Tensor, ...]:
+    states = pipe.text_encoder(IDS, attention_mask=MASK, output_hidden_states=True).hidden_states
+    embeds = torch.cat([states[1], states[2], states[2]], dim=-1)
+    images = pipe(
+        prompt_embeds=embeds,
+        negative_prompt_embeds=embeds.flip(1),
+        height=16,
+        width=16,
+        num_inference_steps=2,
+        generator=_generator(),
+        output_type="latent",
+    ).images
+    return embeds, images
+
+
 #: pipeline class name -> its case.
 CASES: dict[str, Case] = {
     "WanPipeline": Case(build=_wan, call=_run_wan, full=True),
@@ -539,6 +584,7 @@ CASES: dict[str, Case] = {
     "QwenImagePipeline": Case(build=_qwen, call=_run_qwen, folder_xfail=KEYS),
     "SanaPipeline": Case(build=_sana, call=_run_sana, full=True),
     "ZImagePipeline": Case(build=_zimage, call=_run_zimage, full=True),
+    "Flux2KleinPipeline": Case(build=_flux2_klein, call=_run_flux2_klein, full=True),
     "PixArtSigmaPipeline": Case(build=_pixart, call=_run_pixart, full=True),
     "WanVACEPipeline": Case(build=_vace, call=_run_vace, full=True),
     "ChronoEditPipeline": Case(build=_chronoedit, call=_run_wan_i2v, full=True),
