@@ -123,3 +123,41 @@ def test_a_pipeline_local_library_resolves_to_its_diffusers_pipelines_module(tmp
     )
     with pytest.raises(PlanError, match=f"^{re.escape(message)}$"):
         _class(stray)
+
+
+def _pipeline_classes() -> list[type]:
+    return [
+        cls
+        for name in sorted(dir(diffusers))
+        if isinstance(cls := getattr(diffusers, name, None), type)
+        and issubclass(cls, diffusers.DiffusionPipeline)
+        and cls is not diffusers.DiffusionPipeline
+    ]
+
+
+def test_every_diffusers_pipeline_class_has_each_listed_module_managed() -> None:
+    """For every pipeline class diffusers exports, built with a module at each model component its
+    ``__init__`` and ``_optional_components`` name (None at schedulers, tokenizers, processors), every
+    module it lists is a managed component and every other entry is stated with a reason."""
+    skip = ("scheduler", "tokenizer", "processor", "feature_extractor", "guider")
+    checked, left = 0, []
+    for cls in _pipeline_classes():
+        expected, _ = cls._get_signature_keys(cls)
+        names = sorted(set(expected) | set(getattr(cls, "_optional_components", None) or ()))
+        pipe = object.__new__(cls)
+        pipe.register_modules(**{k: None if any(w in k for w in skip) else nn.Linear(2, 2) for k in names})
+        try:
+            listed = pipe.components
+        except ValueError:  # LEditsPP's __init__ takes a value its components property cannot list
+            continue
+        topo = topology.discover(pipe)
+        managed = {c.path for c in topo.components}
+        stated = dict(topo.unmanaged)
+        checked += 1
+        for name, value in listed.items():
+            if isinstance(value, nn.Module) and name not in managed:
+                left.append(f"{cls.__name__}.{name}")
+            elif not isinstance(value, nn.Module) and name not in stated:
+                left.append(f"{cls.__name__}.{name} (not stated)")
+    assert left == []
+    assert checked >= 290
