@@ -573,6 +573,61 @@ def _run_flux2_klein(pipe: Any) -> tuple[torch.Tensor, ...]:
     return embeds, images
 
 
+def _ltx() -> Any:
+    d = _diffusers()
+    vae = d.AutoencoderKLLTXVideo(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=8,
+        block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, False, False),
+        decoder_spatio_temporal_scaling=(True, True, False, False),
+        decoder_inject_noise=(False, False, False, False, False),
+        upsample_residual=(False, False, False, False),
+        upsample_factor=(1, 1, 1, 1),
+        timestep_conditioning=False,
+        patch_size=1,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+    ).eval()
+    return d.LTXPipeline(
+        scheduler=d.FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=_t5(16),
+        tokenizer=None,
+        transformer=d.LTXVideoTransformer3DModel(
+            in_channels=8,
+            out_channels=8,
+            num_attention_heads=2,
+            attention_head_dim=8,
+            cross_attention_dim=16,
+            num_layers=4,
+            caption_channels=16,
+        ).eval(),
+    )
+
+
+def _run_ltx(pipe: Any) -> tuple[torch.Tensor, ...]:
+    embeds = pipe.text_encoder(IDS, attention_mask=MASK).last_hidden_state
+    frames = pipe(
+        prompt_embeds=embeds,
+        prompt_attention_mask=MASK,
+        negative_prompt_embeds=embeds.flip(1),
+        negative_prompt_attention_mask=MASK,
+        height=32,
+        width=32,
+        num_frames=9,
+        num_inference_steps=2,
+        generator=_generator(),
+        output_type="latent",
+    ).frames
+    return embeds, frames
+
+
 #: pipeline class name -> its case.
 CASES: dict[str, Case] = {
     "WanPipeline": Case(build=_wan, call=_run_wan, full=True),
@@ -585,6 +640,7 @@ CASES: dict[str, Case] = {
     "SanaPipeline": Case(build=_sana, call=_run_sana, full=True),
     "ZImagePipeline": Case(build=_zimage, call=_run_zimage, full=True),
     "Flux2KleinPipeline": Case(build=_flux2_klein, call=_run_flux2_klein, full=True),
+    "LTXPipeline": Case(build=_ltx, call=_run_ltx, full=True),
     "PixArtSigmaPipeline": Case(build=_pixart, call=_run_pixart, full=True),
     "WanVACEPipeline": Case(build=_vace, call=_run_vace, full=True),
     "ChronoEditPipeline": Case(build=_chronoedit, call=_run_wan_i2v, full=True),
