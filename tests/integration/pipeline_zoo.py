@@ -628,6 +628,43 @@ def _run_ltx(pipe: Any) -> tuple[torch.Tensor, ...]:
     return embeds, frames
 
 
+def _cogvideox() -> Any:
+    d = _diffusers()
+    vae = d.AutoencoderKLCogVideoX(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+    ).eval()
+    return d.CogVideoXPipeline(
+        tokenizer=None,
+        text_encoder=_t5(8),
+        vae=vae,
+        transformer=_dit("CogVideoXTransformer3DModel"),
+        scheduler=d.CogVideoXDDIMScheduler(),
+    )
+
+
+def _run_cogvideox(pipe: Any) -> tuple[torch.Tensor, ...]:
+    embeds = pipe.text_encoder(IDS).last_hidden_state
+    frames = pipe(
+        prompt_embeds=embeds,
+        negative_prompt_embeds=embeds.flip(1),
+        height=16,
+        width=16,
+        num_frames=8,
+        num_inference_steps=2,
+        generator=_generator(),
+        output_type="latent",
+    ).frames
+    return embeds, frames
+
+
 #: pipeline class name -> its case.
 CASES: dict[str, Case] = {
     "WanPipeline": Case(build=_wan, call=_run_wan, full=True),
@@ -641,6 +678,7 @@ CASES: dict[str, Case] = {
     "ZImagePipeline": Case(build=_zimage, call=_run_zimage, full=True),
     "Flux2KleinPipeline": Case(build=_flux2_klein, call=_run_flux2_klein, full=True),
     "LTXPipeline": Case(build=_ltx, call=_run_ltx, full=True),
+    "CogVideoXPipeline": Case(build=_cogvideox, call=_run_cogvideox, full=True),
     "PixArtSigmaPipeline": Case(build=_pixart, call=_run_pixart, full=True),
     "WanVACEPipeline": Case(build=_vace, call=_run_vace, full=True),
     "ChronoEditPipeline": Case(build=_chronoedit, call=_run_wan_i2v, full=True),
