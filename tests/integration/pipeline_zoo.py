@@ -665,6 +665,36 @@ def _run_cogvideox(pipe: Any) -> tuple[torch.Tensor, ...]:
     return embeds, frames
 
 
+def _auraflow() -> Any:
+    d, t = _diffusers(), _transformers()
+    encoder = t.UMT5EncoderModel(
+        t.UMT5Config(vocab_size=32, d_model=32, d_kv=4, d_ff=32, num_layers=2, num_heads=4)
+    ).eval()
+    return d.AuraFlowPipeline(
+        tokenizer=None,
+        text_encoder=encoder,
+        vae=_kl(),
+        transformer=_dit("AuraFlowTransformer2DModel"),
+        scheduler=d.FlowMatchEulerDiscreteScheduler(),
+    )
+
+
+def _run_auraflow(pipe: Any) -> tuple[torch.Tensor, ...]:
+    embeds = pipe.text_encoder(IDS, attention_mask=MASK).last_hidden_state
+    images = pipe(
+        prompt_embeds=embeds,
+        prompt_attention_mask=MASK,
+        negative_prompt_embeds=embeds.flip(1),
+        negative_prompt_attention_mask=MASK,
+        height=32,
+        width=32,
+        num_inference_steps=2,
+        generator=_generator(),
+        output_type="latent",
+    ).images
+    return embeds, images
+
+
 #: pipeline class name -> its case.
 CASES: dict[str, Case] = {
     "WanPipeline": Case(build=_wan, call=_run_wan, full=True),
@@ -679,6 +709,7 @@ CASES: dict[str, Case] = {
     "Flux2KleinPipeline": Case(build=_flux2_klein, call=_run_flux2_klein, full=True),
     "LTXPipeline": Case(build=_ltx, call=_run_ltx, full=True),
     "CogVideoXPipeline": Case(build=_cogvideox, call=_run_cogvideox, full=True),
+    "AuraFlowPipeline": Case(build=_auraflow, call=_run_auraflow, full=True),
     "PixArtSigmaPipeline": Case(build=_pixart, call=_run_pixart, full=True),
     "WanVACEPipeline": Case(build=_vace, call=_run_vace, full=True),
     "ChronoEditPipeline": Case(build=_chronoedit, call=_run_wan_i2v, full=True),
