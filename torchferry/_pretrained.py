@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from torchferry.topology import (
     hub_snapshot,
     is_pipeline_folder,
     library_key_map,
+    library_module,
     locate,
     read_pipeline_folder,
 )
@@ -74,13 +76,7 @@ def resolve_folder(model: str | os.PathLike[str]) -> Path:
 
 
 def _class(comp: FolderComponent) -> Any:
-    try:
-        module = importlib.import_module(comp.library)
-    except ImportError as exc:
-        raise PlanError(
-            f"component {comp.name!r} is a {comp.library}.{comp.index_class}, and {comp.library} cannot be "
-            f"imported ({exc}); install it"
-        ) from None
+    module = _library(comp)
     cls = getattr(module, comp.index_class, None)
     if cls is None:
         raise PlanError(
@@ -88,6 +84,30 @@ def _class(comp: FolderComponent) -> Any:
             f"names it); upgrade {comp.library}"
         )
     return cls
+
+
+def _library(comp: FolderComponent) -> Any:
+    """The module ``comp``'s library names, resolved as diffusers resolves it (`library_module`)."""
+    try:
+        pipelines: Any = importlib.import_module("diffusers.pipelines")
+    except ImportError:
+        pipelines = None
+    local = pipelines is not None and comp.library.isidentifier() and hasattr(pipelines, comp.library)
+    name = library_module(comp.library, pipeline_local=local, imported=comp.library in sys.modules)
+    if name is None:
+        raise PlanError(
+            f"component {comp.name!r} is a {comp.library}.{comp.index_class}, and {comp.library} is neither "
+            "a library diffusers loads components from (diffusers, transformers) nor one of its pipeline "
+            f"modules; import {comp.library} before from_pretrained if it is your own module, or pass the "
+            f"component yourself (from_pretrained(..., {comp.name}=...))"
+        )
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise PlanError(
+            f"component {comp.name!r} is a {comp.library}.{comp.index_class}, and {name} cannot be "
+            f"imported ({exc}); install it"
+        ) from None
 
 
 def _build_model(comp: FolderComponent, cls: type[nn.Module]) -> nn.Module:

@@ -195,6 +195,7 @@ def offload(
         budget, source = default_budget(target)
         request = attrs.evolve(request, device_memory_bytes=budget)
     topo = topology.discover(pipeline, declaration)
+    topology.check_stranded(pipeline, topo, target)
     refuse_foreign(pipeline, topo)
     CLAIMS.check(pipeline, topo)
     world = None if group is None else torch.distributed.get_world_size(group)

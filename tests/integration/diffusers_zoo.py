@@ -1183,7 +1183,7 @@ ZOO: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
             "in_channels": 4,
             "hidden_size": 24,
             "num_layers": 4,
-            "num_refiner_layers": 1,
+            "num_refiner_layers": 2,
             "num_attention_heads": 3,
             "num_kv_heads": 1,
             "multiple_of": 2,

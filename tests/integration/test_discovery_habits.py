@@ -222,10 +222,27 @@ class Hinted(nn.Module):
         return x
 
 
+class Hidden(Hinted):
+    """Hinted, with a forward whose source never names its lists (it looks them up by name)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj_in(x)
+        for name in ("hints", "blocks"):
+            for block in getattr(self, name):
+                x = block(x)
+        return x
+
+
+def test_a_ring_follows_the_order_the_forward_source_names_its_lists() -> None:
+    """Lists registered in one order and run in another stream in the forward's order, nothing declared."""
+    torch.manual_seed(0)
+    _streams_bit_identical(Hinted().eval())
+
+
 def test_forward_order_that_differs_is_reported_with_the_declaration() -> None:
     """A guessed ring the forward does not follow fails naming both orders and the Declaration to use."""
     torch.manual_seed(0)
-    model = Hinted().eval()
+    model = Hidden().eval()
     with (
         pytest.raises(ExecutionError) as caught,
         torch.no_grad(),

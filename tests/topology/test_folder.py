@@ -246,3 +246,14 @@ def test_hub_id_not_cached_plans_the_known_model(tmp_path: Path, monkeypatch: py
     assert known is not None and known.id == "flux.1-dev"
     assert topology.hub_model_id("WAN-AI/wan2.2-t2v-a14b-diffusers") == "wan2.2-t2v-a14b"
     assert topology.hub_model_id("someone/else") is None
+
+
+def test_library_names_resolve_as_diffusers_reads_them() -> None:
+    """A library diffusers loads from is itself, a pipeline-local name is its diffusers.pipelines module,
+    and any other name only a module the process imported already (never one a file names)."""
+    from torchferry.topology._folder import library_module
+
+    assert library_module("transformers", pipeline_local=False, imported=False) == "transformers"
+    assert library_module("ltx2", pipeline_local=True, imported=False) == "diffusers.pipelines.ltx2"
+    assert library_module("my_models", pipeline_local=False, imported=True) == "my_models"
+    assert library_module("evil", pipeline_local=False, imported=False) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 # (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.topology._checkpoint import from_checkpoint
 from torchferry.topology._config import RUNTIME_OPTIONS, OffloadConfig
+from torchferry.topology._discover import check_stranded as check_stranded
 from torchferry.topology._discover import discover
 from torchferry.topology._fields import (
     COMPONENT_NAMES,
@@ -27,6 +28,7 @@ from torchferry.topology._folder import (
 from torchferry.topology._folder import guess_block_attrs as guess_block_attrs
 from torchferry.topology._folder import is_hub_id as is_hub_id
 from torchferry.topology._folder import known_match as known_match
+from torchferry.topology._folder import library_module as library_module
 from torchferry.topology._folder import pipeline_sources as pipeline_sources
 from torchferry.topology._frozen import FrozenMap
 from torchferry.topology._gguf import GGUF_TYPES as GGUF_TYPES
@@ -66,13 +68,13 @@ from torchferry.topology._model import (
     packed_nbytes,
 )
 from torchferry.topology._model import find_attr as find_attr
+from torchferry.topology._order import order_mismatch as order_mismatch
 from torchferry.topology._parallel import ParallelLayout
 from torchferry.topology._plan import Plan, StoreFacts, canonical
 from torchferry.topology._protocol import SupportsComponentDiscovery
 from torchferry.topology._quantized import flattened_names as flattened_names
 from torchferry.topology._quantized import header_metadata as header_metadata
 from torchferry.topology._quantized import quantized_names as quantized_names
-from torchferry.topology._resolve import order_mismatch as order_mismatch
 from torchferry.topology._resolve import resolve
 from torchferry.topology._safetensors import SAFETENSORS_DTYPES as SAFETENSORS_DTYPES
 from torchferry.topology._safetensors import HeaderEntry as HeaderEntry

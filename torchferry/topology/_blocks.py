@@ -1,7 +1,8 @@
 """Which parts of a component are its blocks: a DiT's block attributes, and each component's skeleton.
 
 A DiT's ring comes from its declaration, its class's attributes, the registry of known classes, or
-its structure (`structural_block_attrs`), in that order. A skeleton records what a component is
+its structure (`structural_block_attrs`, in the order its forward visits the lists: `_order`), in
+that order. A skeleton records what a component is
 made of before any tensor is read: its rings of blocks, its large children (each with a ring of its
 own) and the problems found on the way; `_owners` then gives every tensor under it one owner.
 """
@@ -15,6 +16,7 @@ from torch import nn
 
 from torchferry.topology import _registry
 from torchferry.topology._model import ComponentKind, Declaration, join_path
+from torchferry.topology._order import forward_order
 from torchferry.topology._reading import Missing, describe, get_path, qualname, warn_once
 
 __all__ = [
@@ -81,8 +83,9 @@ def structural_block_attrs(module: nn.Module, skip: Iterable[nn.Module] = ()) ->
     of those only the ones nearest the model's root (a list inside an embedder is that embedder's);
     the modules in ``skip`` (other components) are not entered, and a list joins the ring only if it
     holds at least 1/`STRUCTURAL_SHARE` of the largest list's bytes (small helper lists stay in the
-    remainder). Several lists form one ring, in the order the model registered them; a model whose
-    forward interleaves its lists needs its order declared (the runtime reports the order it ran).
+    remainder). Several lists form one ring, in the order the model registered them (`_dit_block_attrs`
+    reorders them as the forward's source names them); a model whose forward interleaves its lists
+    needs its order declared (the runtime reports the order it ran).
     """
     stop = {id(m) for m in skip}
     found: list[tuple[str, int, int]] = []
@@ -136,7 +139,8 @@ def _dit_block_attrs(
     known = _registry.block_attrs_for(type(module))
     if known is not None:
         return known, False
-    return structural_block_attrs(module, skip), False
+    # Lists found from structure come in registration order: stream them in the forward's.
+    return forward_order(type(module), structural_block_attrs(module, skip)), False
 
 
 def declares_block_attrs(module: nn.Module, declaration: Declaration | None) -> bool:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 
+import torch
 from torch import nn
 
-from torchferry._errors import OffloadWarning
+from torchferry._errors import OffloadWarning, PlanError
 from torchferry.topology import _registry
 from torchferry.topology._blocks import (
     Skeleton,
@@ -33,6 +34,7 @@ __all__ = [
     "LEGACY_DIT_ATTRS",
     "LEGACY_ENCODER_ATTRS",
     "LEGACY_VAE_ATTRS",
+    "check_stranded",
     "discover",
 ]
 
@@ -143,7 +145,9 @@ def _kind_of(name: str, module: nn.Module) -> ComponentKind:
     return "resident"
 
 
-def _mapped_components(pipeline: object) -> dict[ComponentKind, list[tuple[str, nn.Module]]] | None:
+def _mapped_components(
+    pipeline: object, skip: Sequence[nn.Module] = ()
+) -> dict[ComponentKind, list[tuple[str, nn.Module]]] | None:
     """The components a pipeline lists in its own ``components`` mapping (every diffusers pipeline does).
 
     Each module the mapping names is a component, under the attribute it is stored at: a diffusers
@@ -162,7 +166,7 @@ def _mapped_components(pipeline: object) -> dict[ComponentKind, list[tuple[str, 
         "vae": [],
         "resident": [],
     }
-    seen: set[int] = set()
+    seen: set[int] = {id(m) for m in skip}
     for name in mapping:
         module = getattr(pipeline, name, None) if isinstance(name, str) else None
         # Only modules stored at the attribute they are listed under: the runtime finds them by path.
@@ -200,6 +204,82 @@ def _mapped_declaration(lists: Mapping[ComponentKind, list[tuple[str, nn.Module]
         encoder_block_attrs=encoder_blocks,
         encoder_dlo_weight_replication=tuple(types),
     )
+
+
+def _joined(first: Declaration, second: Declaration) -> Declaration:
+    """``first`` with the entries of ``second`` (about other components) added."""
+    return Declaration(
+        block_attrs={**second.block_attrs, **first.block_attrs},
+        offload_submodules={**second.offload_submodules, **first.offload_submodules},
+        resident_dit_paths=first.resident_dit_paths | second.resident_dit_paths,
+        on_demand_component_paths=first.on_demand_component_paths | second.on_demand_component_paths,
+        encoder_component_types={**second.encoder_component_types, **first.encoder_component_types},
+        encoder_block_attrs={**second.encoder_block_attrs, **first.encoder_block_attrs},
+        encoder_dlo_weight_replication=first.encoder_dlo_weight_replication
+        | second.encoder_dlo_weight_replication,
+    )
+
+
+def _unmanaged(pipeline: object, managed: Mapping[int, str]) -> list[tuple[str, str]]:
+    """Every component the pipeline's ``components`` lists that is not managed, with the reason."""
+    mapping = None if isinstance(pipeline, nn.Module) else getattr(pipeline, "components", None)
+    if not isinstance(mapping, Mapping):
+        return []
+    found: list[tuple[str, str]] = []
+    paths = set(managed.values())
+    for key, value in mapping.items():
+        name = str(key)
+        if name in paths:
+            continue
+        if value is None:
+            found.append((name, "absent (None)"))
+        elif isinstance(value, nn.Module) and id(value) in managed:
+            found.append((name, f"the same module as {managed[id(value)]!r}, managed there"))
+        elif isinstance(value, nn.Module) and getattr(pipeline, name, None) is value:
+            found.append((name, f"a {qualname(type(value))} its declared component lists leave out"))
+        elif isinstance(value, nn.Module):
+            found.append(
+                (name, f"a {qualname(type(value))} not stored at the pipeline's attribute {name!r}")
+            )
+        else:
+            found.append((name, f"a {type(value).__name__}, which holds no module weights"))
+    return found
+
+
+def check_stranded(pipeline: object, topo: Topology, device: torch.device) -> None:
+    """Refuse a component that would stay off the session's ``device``: one ``topo`` leaves unmanaged,
+    or a resident one (which the session leaves where it is), whose tensors are elsewhere.
+
+    Such a component would receive the session's tensors while its weights stay put (an image
+    encoder or a ControlNet on the host while the pipeline runs on a GPU); a `PlanError` names each
+    one before anything moves. Tensors on ``meta`` count as elsewhere unless ``device`` is meta.
+    """
+    mapping = None if isinstance(pipeline, nn.Module) else getattr(pipeline, "components", None)
+    found: list[tuple[str, str, object]] = []
+    if isinstance(mapping, Mapping):
+        for name, reason in topo.unmanaged:
+            if not reason.endswith("managed there"):
+                found.append((name, reason, mapping.get(name)))
+    for comp in topo.of_kind("resident"):
+        try:
+            module: object = get_path(pipeline, comp.path) if comp.path else pipeline
+        except Missing:
+            continue
+        found.append((comp.path, "a resident component, which the session leaves where it is", module))
+    problems: list[str] = []
+    for name, reason, value in found:
+        if not isinstance(value, nn.Module):
+            continue
+        devices = sorted({str(t.device) for t in (*value.parameters(), *value.buffers())} - {str(device)})
+        if devices:
+            problems.append(f"{name!r} ({reason}) holds tensors on {', '.join(devices)}")
+    if problems:
+        raise PlanError(
+            f"{qualname(type(pipeline))}: {len(problems)} component(s) torchferry does not stream would stay "
+            f"off the session's device {device} and receive its tensors: {'; '.join(problems)}; list each "
+            "in the pipeline's _dit_modules/_encoder_modules/_vae_modules, or move it to "
+            f"{device} yourself before offload()"
+        )
 
 
 def _present(module: nn.Module, dotted: str) -> bool:
@@ -271,11 +351,18 @@ def discover(pipeline: object, declaration: Declaration | None = None) -> Topolo
             module = getattr(pipeline, path, None)
             if isinstance(module, nn.Module):
                 lists[kind].append((path, module))
+        # The registry's paths get its kinds and declaration; every other module the pipeline lists
+        # in its ``components`` (an image encoder, a second text encoder) is managed as if mapped.
+        extra = _mapped_components(pipeline, skip=[m for entries in lists.values() for _, m in entries])
+        for kind, entries in (extra or {}).items():
+            lists[kind].extend(entries)
         if declaration is None:
             declaration = _registry.declaration_for_pipeline(
                 type(pipeline),
                 {path: type(_unwrap(m)).__name__ for entries in lists.values() for path, m in entries},
             )
+            if extra is not None and declaration is not None:
+                declaration = _joined(declaration, _mapped_declaration(extra))
     elif mapped is not None:
         declares = True
         lists = mapped
@@ -324,10 +411,12 @@ def discover(pipeline: object, declaration: Declaration | None = None) -> Topolo
             else:
                 skeletons.append(Skeleton(path=path, kind=kind, module=module))
 
+    managed = {id(m): path for entries in lists.values() for path, m in entries}
     return Topology(
         pipeline_class=qualname(type(pipeline)),
         components=build_components(skeletons, component_ids),
         declaration=declaration,
         declares_components=declares,
         source="module",
+        unmanaged=_unmanaged(pipeline, managed),
     )

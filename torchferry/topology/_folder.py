@@ -47,6 +47,7 @@ __all__ = [
     "is_hub_id",
     "is_pipeline_folder",
     "known_match",
+    "library_module",
     "pipeline_sources",
     "read_pipeline_folder",
 ]
@@ -59,6 +60,25 @@ _WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
 #: stray ``*.safetensors`` in their subfolder is not a model of the pipeline, as diffusers, which
 #: loads them with their own ``from_pretrained``, never reads it either.
 _NO_WEIGHTS = ("Scheduler", "Tokenizer", "TokenizerFast", "Processor", "FeatureExtractor")
+
+
+#: The libraries diffusers imports a component's class from by name (its ``LOADABLE_CLASSES``).
+LOADABLE_LIBRARIES = ("diffusers", "transformers", "onnxruntime.training")
+
+
+def library_module(library: str, *, pipeline_local: bool, imported: bool) -> str | None:
+    """The module a ``model_index.json`` library name means, read as diffusers reads it, or None.
+
+    A library diffusers loads from (`LOADABLE_LIBRARIES`) is itself; a name that is a module of
+    ``diffusers.pipelines`` (``pipeline_local``: LTX-2 records ``["ltx2", "LTX2Vocoder"]``) is that
+    module; any other name is the module only when the process has ``imported`` it already: like
+    diffusers, torchferry never imports a module because a downloaded file names it.
+    """
+    if library in LOADABLE_LIBRARIES:
+        return library
+    if pipeline_local:
+        return f"diffusers.pipelines.{library}"
+    return library if imported else None
 
 
 @attrs.frozen(kw_only=True)

@@ -246,6 +246,10 @@ def _stacks(value: Iterable[Stack]) -> tuple[Stack, ...]:
     return tuple(value)
 
 
+def _reasons(value: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    return tuple((str(name), str(reason)) for name, reason in value)
+
+
 def _components(value: Iterable[Component]) -> tuple[Component, ...]:
     return tuple(value)
 
@@ -364,7 +368,9 @@ class Topology:
     ``components`` are in pipeline order: DiTs, encoders, VAEs, residents. ``declares_components``
     says the pipeline declared its component lists (otherwise they came from the legacy attribute
     scan). ``source`` says where the facts came from (``module``, ``checkpoint:<path>``,
-    ``known:<id>``).
+    ``known:<id>``). ``unmanaged`` names every other component the pipeline declares (a diffusers
+    pipeline's ``components``) with why torchferry leaves it where it is (a tokenizer holds no
+    weights, an absent component is ``None``).
     """
 
     pipeline_class: str
@@ -372,6 +378,7 @@ class Topology:
     declaration: Declaration | None = None
     declares_components: bool = True
     source: str = "module"
+    unmanaged: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_reasons)
 
     def component(self, path: str) -> Component:
         """The component at ``path`` (children included); `KeyError` names the known paths."""

@@ -48,7 +48,6 @@ block tensors fold into their remainder.
 
 from __future__ import annotations
 
-import itertools
 import warnings
 from collections.abc import Collection
 
@@ -60,7 +59,7 @@ from torchferry.topology._model import Component, Declaration, Stack, Topology
 from torchferry.topology._plan import Plan
 from torchferry.topology._storage import stored_as
 
-__all__ = ["TEXT_ENCODER", "encoder_type", "order_mismatch", "resolve", "suggest_declaration"]
+__all__ = ["TEXT_ENCODER", "encoder_type", "resolve", "suggest_declaration"]
 
 TEXT_ENCODER = "text_encoder"
 _NO_DIT_SKIP = "No DiT/transformer component was found for layerwise offload of the DiT"
@@ -538,69 +537,3 @@ def resolve(
     for message in r.warnings:
         warnings.warn(message, OffloadWarning, stacklevel=2)
     return Plan(topology=topology, config=config, components=resolved, skip_reason=skip_reason)
-
-
-def _runs(paths: list[str], ring: tuple[str, ...], attr_of: dict[str, str]) -> str:
-    """``paths`` compactly: consecutive blocks of one attribute as ``attr.0-3``."""
-    out: list[str] = []
-    i = 0
-    while i < len(paths):
-        attr = attr_of.get(paths[i])
-        j = i
-        while (
-            attr is not None
-            and j + 1 < len(paths)
-            and attr_of.get(paths[j + 1]) == attr
-            and paths[j + 1] in ring
-            and ring.index(paths[j + 1]) == ring.index(paths[j]) + 1
-        ):
-            j += 1
-        if j > i + 1 or (j == i + 1):
-            first, last = paths[i], paths[j].rsplit(".", 1)[-1]
-            out.append(f"{first}-{last}")
-        else:
-            out.append(paths[i])
-        i = j + 1
-    return ", ".join(out)
-
-
-def order_mismatch(component: Component, ran: list[str]) -> str | None:
-    """Why the blocks ``ran`` (in forward order so far) do not follow ``component``'s ring, and the fix.
-
-    ``None`` when they do. Otherwise: ``declared order X, forward ran Y; declare ...`` with the
-    `Declaration` whose ring follows the forward: the attributes in the order the forward first
-    entered them when it runs each one's blocks together, else every block named on its own.
-    """
-    for stack in component.stacks:
-        ring = tuple(b.path for b in stack.blocks)
-        seen = [p for p in ran if p in ring]
-        if not seen or seen == list(ring[: len(seen)]):
-            continue
-        prefix = f"{component.path}." if component.path else ""
-        attr_of: dict[str, str] = {}
-        for path in ring:
-            relative = path.removeprefix(prefix)
-            attr_of[path] = next(
-                (a for a in stack.attrs if relative == a or relative.startswith(f"{a}.")), relative
-            )
-        order: list[str] = []
-        for path in seen:
-            if attr_of[path] not in order:
-                order.append(attr_of[path])
-        order += [a for a in stack.attrs if a not in order]
-        grouped = [p for a in order for p in ring if attr_of[p] == a]
-        entered = [attr_of[p] for p in seen]
-        together = all(
-            order.index(x) <= order.index(y) for x, y in itertools.pairwise(entered)
-        )
-        if together and seen == grouped[: len(seen)]:
-            attrs_ = tuple(order)
-        else:
-            rest = [p for p in ring if p not in seen]
-            attrs_ = tuple(p.removeprefix(prefix) for p in [*seen, *rest])
-        return (
-            f"declared order {_runs(list(ring), ring, attr_of)}, forward ran {_runs(seen, ring, attr_of)}; "
-            f"declare Declaration(block_attrs={{{component.path!r}: {attrs_!r}}}) so the ring follows "
-            "the forward"
-        )
-    return None

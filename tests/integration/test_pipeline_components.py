@@ -1,0 +1,163 @@
+"""Components come from the pipeline: every module it lists is managed, or stated unmanaged and refused
+when it would stay off the session's device; library names resolve as diffusers resolves them."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pipeline_zoo as zoo
+import pytest
+import torch
+from tiny import Model
+from torch import nn
+
+import torchferry
+from torchferry import PlanError, topology
+from torchferry._pretrained import _class
+from torchferry.topology import FolderComponent
+
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*requires torchvision:UserWarning")
+
+
+class Declared:
+    """A pipeline declaring its lists, whose ``components`` also lists an image encoder they leave out,
+    and a ControlNet-like module it declares resident."""
+
+    _dit_modules: ClassVar[list[str]] = ["transformer"]
+    _encoder_modules: ClassVar[list[str]] = []
+    _vae_modules: ClassVar[list[str]] = []
+    _resident_modules: ClassVar[list[str]] = ["controlnet"]
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.transformer = Model()
+        self.image_encoder = nn.Linear(4, 4)
+        self.controlnet = nn.Linear(4, 4)
+        self.tokenizer = None
+
+    @property
+    def components(self) -> dict[str, Any]:
+        return {
+            "transformer": self.transformer,
+            "image_encoder": self.image_encoder,
+            "controlnet": self.controlnet,
+            "tokenizer": None,
+        }
+
+
+def test_wan_image_to_video_manages_its_image_encoder() -> None:
+    """The registry's Wan image-to-video pipeline manages the image encoder it lists beside its own
+    entries, and states every other component with the reason it is left where it is."""
+    topo = topology.discover(zoo.built("WanImageToVideoPipeline"))
+    assert [(c.path, c.kind) for c in topo.components] == [
+        ("transformer", "dit"),
+        ("text_encoder", "encoder"),
+        ("image_encoder", "encoder"),
+        ("vae", "vae"),
+    ]
+    assert topo.unmanaged == (
+        ("tokenizer", "absent (None)"),
+        ("scheduler", "a FlowMatchEulerDiscreteScheduler, which holds no module weights"),
+        ("image_processor", "a CLIPImageProcessorPil, which holds no module weights"),
+        ("transformer_2", "absent (None)"),
+    )
+
+
+def test_a_module_left_off_the_session_device_is_refused_naming_it() -> None:
+    """A listed module the declared lists leave out, and a resident one, on the host while the session's
+    device is another (meta stands for a GPU here), are refused by name before anything moves."""
+    pipe = Declared()
+    topo = topology.discover(pipe)
+    assert topo.unmanaged == (
+        ("image_encoder", "a torch.nn.modules.linear.Linear its declared component lists leave out"),
+        ("tokenizer", "absent (None)"),
+    )
+    before = pipe.image_encoder.weight.detach().clone()
+    message = (
+        "test_pipeline_components.Declared: 2 component(s) torchferry does not stream would stay off the "
+        "session's device meta and receive its tensors: 'image_encoder' (a torch.nn.modules.linear.Linear "
+        "its declared component lists leave out) holds tensors on cpu; 'controlnet' (a resident "
+        "component, which the session leaves where it is) holds tensors on cpu; list each in the "
+        "pipeline's _dit_modules/_encoder_modules/_vae_modules, or move it to meta yourself before "
+        "offload()"
+    )
+    with pytest.raises(PlanError, match=f"^{re.escape(message)}$"):
+        torchferry.offload(pipe, strategy="layerwise", device="meta")
+    assert torch.equal(pipe.image_encoder.weight, before)
+    with torchferry.offload(pipe, strategy="layerwise", device="cpu"):  # on its own device it may stay
+        pass
+
+
+def test_a_pipeline_local_library_resolves_to_its_diffusers_pipelines_module(tmp_path: Path) -> None:
+    """LTX-2's ``["ltx2", "LTX2Vocoder"]`` is diffusers.pipelines.ltx2's class; a library that is
+    neither loadable nor imported is refused with the fix, never imported."""
+    vocoder = FolderComponent(
+        name="vocoder",
+        library="ltx2",
+        class_name="LTX2Vocoder",
+        index_class="LTX2Vocoder",
+        folder=tmp_path / "vocoder",
+        source=None,
+    )
+    assert _class(vocoder) is diffusers.pipelines.ltx2.LTX2Vocoder
+    assert "not_imported_lib" not in sys.modules
+    stray = FolderComponent(
+        name="vocoder",
+        library="not_imported_lib",
+        class_name="Vocoder",
+        index_class="Vocoder",
+        folder=tmp_path / "vocoder",
+        source=None,
+    )
+    message = (
+        "component 'vocoder' is a not_imported_lib.Vocoder, and not_imported_lib is neither a library "
+        "diffusers loads components from (diffusers, transformers) nor one of its pipeline modules; "
+        "import not_imported_lib before from_pretrained if it is your own module, or pass the component "
+        "yourself (from_pretrained(..., vocoder=...))"
+    )
+    with pytest.raises(PlanError, match=f"^{re.escape(message)}$"):
+        _class(stray)
+
+
+def _pipeline_classes() -> list[type]:
+    return [
+        cls
+        for name in sorted(dir(diffusers))
+        if isinstance(cls := getattr(diffusers, name, None), type)
+        and issubclass(cls, diffusers.DiffusionPipeline)
+        and cls is not diffusers.DiffusionPipeline
+    ]
+
+
+def test_every_diffusers_pipeline_class_has_each_listed_module_managed() -> None:
+    """For every pipeline class diffusers exports, built with a module at each model component its
+    ``__init__`` and ``_optional_components`` name (None at schedulers, tokenizers, processors), every
+    module it lists is a managed component and every other entry is stated with a reason."""
+    skip = ("scheduler", "tokenizer", "processor", "feature_extractor", "guider")
+    checked, left = 0, []
+    for cls in _pipeline_classes():
+        expected, _ = cls._get_signature_keys(cls)
+        names = sorted(set(expected) | set(getattr(cls, "_optional_components", None) or ()))
+        pipe = object.__new__(cls)
+        pipe.register_modules(**{k: None if any(w in k for w in skip) else nn.Linear(2, 2) for k in names})
+        try:
+            listed = pipe.components
+        except ValueError:  # LEditsPP's __init__ takes a value its components property cannot list
+            continue
+        topo = topology.discover(pipe)
+        managed = {c.path for c in topo.components}
+        stated = dict(topo.unmanaged)
+        checked += 1
+        for name, value in listed.items():
+            if isinstance(value, nn.Module) and name not in managed:
+                left.append(f"{cls.__name__}.{name}")
+            elif not isinstance(value, nn.Module) and name not in stated:
+                left.append(f"{cls.__name__}.{name} (not stated)")
+    assert left == []
+    assert checked >= 290
