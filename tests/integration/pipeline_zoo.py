@@ -19,9 +19,6 @@ from torch import nn
 
 from torchferry.testing import toy
 
-#: Why the from_pretrained steps of some families fail today (strict xfail until it is fixed).
-KEYS = "transformers 5 key names: issue 32 item 1"
-
 IDS = torch.tensor([[3, 7, 1, 9, 2, 5, 0, 0]])
 MASK = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]])
 
@@ -32,8 +29,6 @@ class Case:
 
     build: Callable[[], Any]
     call: Callable[[Any], tuple[torch.Tensor, ...]]
-    #: A reason the from_pretrained steps fail today (strict xfail), or None.
-    folder_xfail: str | None = None
     #: Run only with the full zoo (TORCHFERRY_ZOO_FULL=1).
     full: bool = False
 
@@ -422,7 +417,7 @@ CASES: dict[str, Case] = {
     "StableDiffusion3Pipeline": Case(build=_sd3, call=_run_sd3, full=True),
     "StableDiffusionPipeline": Case(build=_sd, call=_run_sd, full=True),
     "Lumina2Pipeline": Case(build=_lumina2, call=_run_lumina2),
-    "QwenImagePipeline": Case(build=_qwen, call=_run_qwen, folder_xfail=KEYS),
+    "QwenImagePipeline": Case(build=_qwen, call=_run_qwen),
     "SanaPipeline": Case(build=_sana, call=_run_sana, full=True),
     "ZImagePipeline": Case(build=more.zimage, call=more.run_zimage, full=True),
     "Flux2KleinPipeline": Case(build=more.flux2_klein, call=more.run_flux2_klein, full=True),

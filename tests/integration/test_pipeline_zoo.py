@@ -36,9 +36,6 @@ def _cases(folder: bool) -> list[Any]:
     params = []
     for name, case in zoo.CASES.items():
         marks: list[Any] = [pytest.mark.zoo_full] if case.full else []
-        if folder and case.folder_xfail is not None:
-            xfail = pytest.mark.xfail(reason=case.folder_xfail, strict=True, raises=torchferry.PlanError)
-            marks.append(xfail)
         params.append(pytest.param(name, marks=marks, id=name))
     return params
 
