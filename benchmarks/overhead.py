@@ -173,7 +173,7 @@ def breakdown(
     back (``Pack.point``). Each figure is the least over ``repeats`` forwards, per block, less the
     timers nested in it. Torch's own hook dispatch is outside every timer.
     """
-    from torchferry.runtime import _pack
+    from torchferry.runtime.memory import _pack
 
     engine = session.engine
     names = ("hooks", "step", "ops", "copy", "repoint")

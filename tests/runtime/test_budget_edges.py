@@ -15,9 +15,11 @@ from safetensors.torch import save_file
 
 import torchferry
 from torchferry import OffloadWarning, PlanError, policies
-from torchferry.runtime import _budget, _preflight, _spill
+from torchferry.runtime.files import _spill
+from torchferry.runtime.machine import _host_facts
 from torchferry.runtime.machine._host_facts import given_budget, host_budget, locked_limit
 from torchferry.runtime.memory._pinning import BookPinner, CudaPinner
+from torchferry.runtime.store import _preflight
 from torchferry.runtime.store._preflight import HostPlan, open_tier
 from torchferry.testing import toy
 
@@ -35,9 +37,9 @@ def _fake_proc(root: Path, meminfo: str | None = None, status: str | None = None
 
 
 def _use_proc(monkeypatch: pytest.MonkeyPatch, proc: Path) -> None:
-    real = _budget.host_facts
+    real = _host_facts.host_facts
     monkeypatch.setattr(_preflight, "host_facts", lambda **known: real(proc=proc, **known))
-    monkeypatch.setattr(_budget, "_WARNED", set())
+    monkeypatch.setattr(_host_facts, "_WARNED", set())
 
 
 def test_unreadable_machine_figures_mean_no_limit_with_one_warning(

@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torchferry
 from torchferry import policies, topology
 from torchferry.policies import Op, Schedule, Slot, Step, rest_unit
-from torchferry.runtime import Comm, Engine, _mover, execute
+from torchferry.runtime import Comm, Engine, execute
+from torchferry.runtime.executor import _handlers
 from torchferry.runtime.memory._pack import PackState, Unit
 from torchferry.testing import StreamOrderError, StreamSanitizer, run_ranks, sanitize, toy
 from torchferry.testing._multiproc import SANITIZE_ENV
@@ -63,7 +64,7 @@ def test_a_block_read_not_ordered_after_its_load_is_reported_at_the_op() -> None
     """With the wait's stream ordering gone, the first streamed block's forward raises naming its load."""
     p = toy.build(0)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(_mover._HANDLERS, "wait", _unwaited)
+        patch.setitem(_handlers._HANDLERS, "wait", _unwaited)
         with sanitize(), torchferry.offload(p, strategy="layerwise", device="cpu") as session:
             with pytest.raises(StreamOrderError) as caught:
                 p("a cat", steps=1)
@@ -82,7 +83,7 @@ def test_a_block_read_not_ordered_after_its_load_is_reported_at_the_op() -> None
 
 def _early_load(engine: Engine, unit: Unit, op: Op) -> None:
     """The load before tensors waited for their copy: they take the slot as soon as it is issued."""
-    _mover.Mover._load(engine, unit, op)
+    _handlers.Mover._load(engine, unit, op)
     for pack in unit.packs:
         if pack.arriving is not None:
             pack.point(pack.arriving)
@@ -93,7 +94,7 @@ def test_tensors_pointing_at_a_copy_in_flight_are_reported() -> None:
     fails at the first forward after it: a hook or a tied weight reading them would race the copy."""
     p = toy.build(0)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(_mover._HANDLERS, "load", _early_load)
+        patch.setitem(_handlers._HANDLERS, "load", _early_load)
         with (
             sanitize(),
             torchferry.offload(p, strategy="layerwise", device="cpu"),
@@ -177,7 +178,7 @@ def _defect5(rank: int, world: int, old: bool) -> tuple[str, str]:
     plan = topology.resolve(topology.discover(p), config)
     schedule = _stale_gather(plan)
     if old:
-        _mover._HANDLERS["evict"] = _old_evict
+        _handlers._HANDLERS["evict"] = _old_evict
     with sanitize():
         engine = Engine(p, plan, device="cpu", comm=Comm(dist.group.WORLD, torch.device("cpu")))
     try:

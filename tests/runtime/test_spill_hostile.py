@@ -27,7 +27,8 @@ import torch
 
 import torchferry
 from torchferry import PlanError, policies, topology
-from torchferry.runtime import SpillLease, _spill
+from torchferry.runtime import SpillLease
+from torchferry.runtime.files import _spill
 from torchferry.testing import run_ranks, toy
 
 HIDDEN, BLOCKS = 256, 16  # 43 MiB; 70% of it leaves 18 packs to spill

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 
 import torchferry
 from torchferry import PlanError, topology
-from torchferry.runtime import _wrappers
+from torchferry.runtime.memory import _wrappers
 
 
 class Scaled(torch.Tensor):
