@@ -8,13 +8,13 @@ their values with them, so one bad value reads the same whichever way it came in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from types import MappingProxyType
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeVar, cast
 
 import attrs
 
 from torchferry._errors import PlanError
+from torchferry.topology._frozen import WHEN_SET
 from torchferry.topology._storage import STORAGE_DTYPES
 from torchferry.topology._units import MAX_BYTES, memory_bytes, too_large
 
@@ -56,10 +56,6 @@ COMPONENT_NAMES: tuple[SelectableComponent, ...] = ("dit", "text_encoder", "vae"
 #: keeps every schedule small (an unbounded depth built 2**62 slots and never finished).
 MAX_PREFETCH_DEPTH = 256
 
-#: Field metadata for a field added after plan digests were published: `canonical` renders it only
-#: when it differs from its default, so every plan that leaves it alone keeps the digest it had
-#: (and every golden schedule its ``# plan:`` line).
-WHEN_SET: Mapping[str, str] = MappingProxyType({"digest": "when set"})
 
 _T = TypeVar("_T")
 _S = TypeVar("_S", bound=str)

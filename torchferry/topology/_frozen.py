@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Generic, TypeVar, overload
 
 K = TypeVar("K")
 V = TypeVar("V")
 T = TypeVar("T")
 
-__all__ = ["FrozenMap"]
+__all__ = ["WHEN_SET", "FrozenMap"]
+
+#: Field metadata for a field added after plan digests were published: `canonical` renders it only
+#: when it differs from its default, so every plan that leaves it alone keeps the digest it had
+#: (and every golden schedule its ``# plan:`` line).
+WHEN_SET: Mapping[str, str] = MappingProxyType({"digest": "when set"})
 
 
 class FrozenMap(Mapping[K, V], Generic[K, V]):

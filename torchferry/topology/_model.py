@@ -13,7 +13,7 @@ from typing import Any, Literal, SupportsIndex
 import attrs
 from attrs import field as _field
 
-from torchferry.topology._frozen import FrozenMap
+from torchferry.topology._frozen import WHEN_SET, FrozenMap
 
 __all__ = [
     "DTYPE_SIZES",
@@ -378,7 +378,8 @@ class Topology:
     declaration: Declaration | None = None
     declares_components: bool = True
     source: str = "module"
-    unmanaged: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_reasons)
+    # In the digest only when set (`WHEN_SET`), so plans of pipelines that leave nothing out keep theirs.
+    unmanaged: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=_reasons, metadata=WHEN_SET)
 
     def component(self, path: str) -> Component:
         """The component at ``path`` (children included); `KeyError` names the known paths."""
