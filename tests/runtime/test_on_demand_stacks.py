@@ -105,3 +105,32 @@ def test_an_on_demand_encoder_all_gathers_its_blocks_on_two_ranks() -> None:
     """Under distributed_layerwise with the encoder's weights declared replicated, each rank keeps a
     shard of every encoder block and the ranks all-gather it, bit-exact on both."""
     assert run_ranks(_ranks, 2, timeout=120) == [[True, True, True, True]] * 2
+
+
+def test_meta_parameters_from_many_threads_leaves_no_patch_behind() -> None:
+    """Threads building under `meta_parameters()` at once each get meta parameters, and afterwards a
+    module built outside it has real ones (a patch read outside the lock used to leak for good)."""
+    import threading
+
+    from torch import nn
+
+    from torchferry.runtime import meta_parameters
+
+    original = nn.Module.register_parameter
+    start = threading.Barrier(4)
+    built: list[bool] = []
+
+    def build() -> None:
+        start.wait()
+        for _ in range(50):
+            with meta_parameters():
+                built.append(nn.Linear(4, 4).weight.is_meta)
+
+    threads = [threading.Thread(target=build) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert built == [True] * 200
+    assert nn.Module.register_parameter is original
+    assert not nn.Linear(4, 4).weight.is_meta

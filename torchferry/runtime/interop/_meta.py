@@ -11,7 +11,8 @@ from torch import nn
 
 __all__ = ["meta_parameters"]
 
-_LOCK = threading.Lock()
+#: Why: one patch at a time; re-entrant, so a meta_parameters() block may nest in one thread.
+_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -28,15 +29,15 @@ def meta_parameters() -> Iterator[None]:
     context patches ``nn.Module.register_parameter`` for its duration (one block at a time per
     process).
     """
-    original = nn.Module.register_parameter
+    with _LOCK:  # the method is read under the lock: read before it, another thread's patch leaks
+        original = nn.Module.register_parameter
 
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and not param.is_meta:
-            moved: Any = param.to("meta")
-            module._parameters[name] = type(param)(moved, requires_grad=param.requires_grad)
+        def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            original(module, name, param)
+            if param is not None and not param.is_meta:
+                moved: Any = param.to("meta")
+                module._parameters[name] = type(param)(moved, requires_grad=param.requires_grad)
 
-    with _LOCK:
         nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
         try:
             yield
