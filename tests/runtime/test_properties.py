@@ -205,6 +205,8 @@ def requests(draw: st.DrawFn, shape: Shape) -> Request:
             components = (
                 frozenset({"dit"}) if shape.blocks - min(resident_layers, shape.blocks) != 1 else None
             )
+        if components is not None and "dit" not in components:
+            resident_layers = 0  # resident layers of a DiT left out is refused (rule 2)
     resident = budget = None
     policy = draw(st.sampled_from(["built-in", "resident", "auto"]))
     if policy == "resident":

@@ -747,7 +747,7 @@ def test_compiled_component_is_unwrapped() -> None:
 
 def test_order_mismatch_names_both_orders_and_the_declaration() -> None:
     """`order_mismatch` is None for a forward that follows the ring, else both orders and the fix."""
-    from torchferry.topology._resolve import order_mismatch
+    from torchferry.topology._order import order_mismatch
 
     class Model(nn.Module):
         def __init__(self) -> None:
