@@ -3,7 +3,7 @@ anything is read, pinned or moved, that what the session holds in host memory fi
 
 [Note: preflight]
 `host_plan` reads the facts, and `policies.host_plan` decides (see [Note: the host planner]): the
-machine's `HostFacts` (`runtime._budget.host_facts`: every bound on host memory, the locked-memory
+machine's `HostFacts` (`runtime.machine.host_facts`: every bound on host memory, the locked-memory
 limit, the pipeline's own CPU bytes, the read mode) and the plan's `StoreFacts` (`store_facts`:
 float32 tensors the checkpoint stores in 16 bits, tensors stored with other strides, components
 that keep their own weights). Every byte the host holds is then counted by `policies.tiers` as it
