@@ -397,7 +397,8 @@ def test_plan_sixty_gigabyte_folder_in_well_under_a_second(
     folder = tmp_path / "dit"
     total = wan_like_folder(folder)
     start = time.perf_counter()
-    doc = plan_json(capsys, str(folder), "--device-memory", "24GiB", "--block-ms", "50")
+    argv = ("--device-memory", "24GiB", "--block-ms", "50", "--components", "dit")
+    doc = plan_json(capsys, str(folder), *argv)
     # Reading the 60 GiB would take tens of seconds; the bound is loose so a loaded machine passes.
     assert time.perf_counter() - start < 10.0
     assert doc["total_bytes"] == total
@@ -444,7 +445,8 @@ def test_plan_predicts_the_peak_the_runtime_measures(
     """Planned from the demo checkpoint's headers, each strategy's peak is what a session measures,
     less the one buffer a checkpoint does not hold."""
     path, _ = ensure_checkpoint(tmp_path)
-    doc = plan_json(capsys, str(path), "--device-memory", "20MiB", "--block-ms", "1")
+    argv = ("--device-memory", "20MiB", "--block-ms", "1", "--components", "dit,text_encoder")
+    doc = plan_json(capsys, str(path), *argv)  # the selection the sessions below are given
     assert [(c["path"], c["kind"], c["blocks"]) for c in doc["components"]] == [
         ("transformer", "dit", 12),
         ("text_encoder", "encoder", 4),

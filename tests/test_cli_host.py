@@ -85,8 +85,16 @@ def test_slow_reads_make_auto_keep_file_blocks_resident(capsys: pytest.CaptureFi
     """At 50 ms a block and 1 GB/s, layerwise waits on reads; auto keeps file-tier blocks resident and
     the report says what the remaining reads add."""
     doc = _json(
-        capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB", "--block-ms", "50",
-        "--read-bandwidth", "1GB/s",
+        capsys,
+        WAN,
+        "--device-memory",
+        "24GiB",
+        "--host-memory",
+        "32GiB",
+        "--block-ms",
+        "50",
+        "--read-bandwidth",
+        "1GB/s",
     )
     layer = next(r for r in doc["strategies"] if r["strategy"] == "layerwise")
     auto = doc["recommended"]
@@ -96,8 +104,16 @@ def test_slow_reads_make_auto_keep_file_blocks_resident(capsys: pytest.CaptureFi
     floor = doc["host"]["reads_hidden_down_to_bytes_per_s"]
     assert floor is not None and floor > 1e9
     out = _plan(
-        capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB", "--block-ms", "50",
-        "--read-bandwidth", "1GB/s",
+        capsys,
+        WAN,
+        "--device-memory",
+        "24GiB",
+        "--host-memory",
+        "32GiB",
+        "--block-ms",
+        "50",
+        "--read-bandwidth",
+        "1GB/s",
     )
     assert "to the step above, which would hide them only at" in out
 
@@ -181,6 +197,7 @@ def test_host_refusals_speak_flags_and_sit_under_the_table(
 
     path, _ = ensure_checkpoint(tmp_path)
     argv = (str(path), "--device-memory", "20MiB", "--host-memory", "10MiB", "--block-ms", "1")
+    argv += ("--components", "dit,text_encoder")
     out = _plan(capsys, *argv)
     lines = out.splitlines()
     table = lines[lines.index(next(x for x in lines if x.startswith("strategy "))) :]
@@ -201,6 +218,13 @@ def test_host_refusals_speak_flags_and_sit_under_the_table(
     for said in (out, json.dumps(_json(capsys, *argv))):
         assert "config.host_memory_bytes" not in said and "host_memory=" not in said
         assert "strategy='" not in said and " for plan " not in said
+    # A session's default selection streams the DiT alone: the text encoder, kept whole, is the largest
+    # pack, and the remedy names the selection that streams it too.
+    default = [x for x in _plan(capsys, *argv[:-2]).splitlines() if x.startswith("note ")]
+    assert any(
+        "or stream the blocks of 'text_encoder' (--strategy layerwise --components dit,text_encoder)" in x
+        for x in default
+    ), default
     wan = _plan(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB").splitlines()
     note = next(x for x in wan if x.startswith("note 1: "))
     assert note.endswith(

@@ -1,8 +1,9 @@
 """`torchferry plan FOLDER --host-memory X --format json` and the session opened from that folder with
 ``host_memory=X`` are one host planner: over small saved pipelines (sharded, float32-kept modules
 stored in bf16), a grid of budgets, each strategy, with and without ``storage_dtype=``, they name the
-same file-tier packs, host bytes, read bytes per forward, call and session, and plan digest; and a
-refusal's least budget opens while one byte less is refused."""
+same file-tier packs, host bytes, read bytes per forward, call and session, and plan digest, both with
+a session's default selection and with ``components=`` given (``--components``); and a refusal's least
+budget opens while one byte less is refused."""
 
 from __future__ import annotations
 
@@ -44,9 +45,14 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return path
 
 
-def _plan(folder: Path, strategy: str, budget: int, dtype: str | None) -> dict[str, Any]:
+Selection = frozenset[str] | None
+
+
+def _plan(folder: Path, strategy: str, budget: int, dtype: str | None, select: Selection) -> dict[str, Any]:
     argv = ["plan", str(folder), "--device-memory", "8GiB", "--host-memory", f"{budget}B"]
     argv += ["--strategy", strategy, "--format", "json", *(["--storage-dtype", dtype] if dtype else [])]
+    argv += ["--components", ",".join(sorted(select))] if select else []
+    argv += ["--world-size", "1"] if strategy == "distributed_layerwise" else []
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0
@@ -54,11 +60,21 @@ def _plan(folder: Path, strategy: str, budget: int, dtype: str | None) -> dict[s
     return doc
 
 
-def _open(folder: Path, strategy: str, budget: int, dtype: str | None) -> Any:
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Any:
+    """A gloo process group of one rank, which the distributed strategy all-gathers over."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _open(folder: Path, strategy: str, budget: int, dtype: str | None, select: Selection) -> Any:
     """The session's report, or its refusal (`policies.HostBudgetTooSmall`)."""
     options: dict[str, Any] = {} if dtype is None else {"storage_dtype": dtype}
-    if strategy != "none":  # as `torchferry plan` selects them
-        options["components"] = {"dit", "text_encoder"}
+    if select is not None:
+        options["components"] = set(select)
     bf16 = folder.parent.name.startswith("bf16")
     if bf16:
         options["torch_dtype"] = torch.bfloat16
@@ -73,24 +89,47 @@ def _open(folder: Path, strategy: str, budget: int, dtype: str | None) -> Any:
 
 
 def _whole(folder: Path) -> int:
-    doc = _plan(folder, "layerwise", 1 << 40, None)
+    doc = _plan(folder, "layerwise", 1 << 40, None, None)
     total: int = doc["host"]["host_bytes"]
     return total
 
 
-GRID = [("layerwise", None), ("none", None), ("model_level", None), ("layerwise", "bfloat16")]
+BOTH = frozenset({"dit", "text_encoder"})
+GRID = [
+    ("layerwise", None, None),
+    ("layerwise", None, BOTH),
+    ("none", None, None),
+    ("model_level", None, None),
+    ("model_level", None, BOTH),
+    ("layerwise", "bfloat16", None),
+    ("layerwise", "bfloat16", BOTH),
+]
 
 
-@pytest.mark.parametrize(("strategy", "dtype"), GRID)
-def test_plan_and_session_agree_on_the_host_figure(folder: Path, strategy: str, dtype: str | None) -> None:
+@pytest.mark.parametrize(("strategy", "dtype", "select"), GRID)
+def test_plan_and_session_agree_on_the_host_figure(
+    folder: Path, strategy: str, dtype: str | None, select: Selection
+) -> None:
     """At budgets from under the file tier's least to over the whole store, plan and session agree on
     tiers, host bytes, reads by how often and digest, or refuse alike, naming a least that opens."""
+    _agree(folder, strategy, dtype, select)
+
+
+@pytest.mark.parametrize("select", [None, BOTH])
+def test_distributed_plan_and_session_agree_on_the_host_figure(
+    folder: Path, select: Selection, world_of_one: Any
+) -> None:
+    """The same for ``distributed_layerwise`` over a gloo group of one rank (``--world-size 1``)."""
+    _agree(folder, "distributed_layerwise", None, select)
+
+
+def _agree(folder: Path, strategy: str, dtype: str | None, select: Selection) -> None:
     whole = _whole(folder)
     refusals = []
     for budget in (whole // 2, whole * 4 // 5, whole + MiB):
-        doc = _plan(folder, strategy, budget, dtype)
+        doc = _plan(folder, strategy, budget, dtype, select)
         row = doc["strategies"][0]
-        got = _open(folder, strategy, budget, dtype)
+        got = _open(folder, strategy, budget, dtype, select)
         if isinstance(got, policies.HostBudgetTooSmall):
             assert row["error"] == got.message("cli")
             refusals.append(got)
@@ -101,5 +140,5 @@ def test_plan_and_session_agree_on_the_host_figure(folder: Path, strategy: str, 
         assert dict(got.planned_read_bytes) == host["file_read_bytes"]
     for refused in refusals[:1]:
         least = refused.minimum
-        assert not isinstance(_open(folder, strategy, least, dtype), policies.HostBudgetTooSmall)
-        assert isinstance(_open(folder, strategy, least - 1, dtype), policies.HostBudgetTooSmall)
+        assert not isinstance(_open(folder, strategy, least, dtype, select), policies.HostBudgetTooSmall)
+        assert isinstance(_open(folder, strategy, least - 1, dtype, select), policies.HostBudgetTooSmall)

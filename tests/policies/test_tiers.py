@@ -99,11 +99,30 @@ def test_a_whole_component_pack_names_the_remedy() -> None:
     with pytest.raises(PlanError) as caught:
         policies.tiers(p)
     assert str(caught.value).endswith(
-        "raise host_memory= to 128.0 MiB, or stream the blocks of 'transformer' (strategy='layerwise' with "
-        "it selected) so the largest pack read is a block, not transformer:rest (128.0 MiB)"
+        "raise host_memory= to 128.0 MiB, or stream the blocks of 'transformer' (strategy='layerwise') so "
+        "the largest pack read is a block, not transformer:rest (128.0 MiB)"
     )
     opens = attrs.evolve(p, config=attrs.evolve(p.config, host_memory_bytes=128 * MIB))
     assert not policies.tiers(opens).file
+
+
+def test_a_text_encoder_left_out_of_the_selection_names_the_selection_that_streams_it() -> None:
+    """Under a session's default selection (the DiT alone) a text encoder is kept whole: when its pack
+    is the largest, the remedy names the selection that streams it too, in each wording."""
+    dit = component(T, "dit", BLOCK, [stack(T, "blocks", [BLOCK] * 4)])
+    encoder = component("text_encoder", "encoder", 8 * BLOCK, selected=False)
+    p = plan([dit, encoder], strategy="layerwise", host_memory_bytes=64 * MIB)
+    with pytest.raises(policies.HostBudgetTooSmall) as caught:
+        policies.tiers(p)
+    assert caught.value.select == ("dit", "text_encoder")
+    assert "or stream the blocks of 'text_encoder' (strategy='layerwise', components={'dit', " in str(
+        caught.value
+    )
+    assert "(--strategy layerwise --components dit,text_encoder)" in caught.value.message("cli")
+    chosen = attrs.evolve(p, config=attrs.evolve(p.config, components=frozenset({"dit", "text_encoder"})))
+    with pytest.raises(policies.HostBudgetTooSmall) as again:
+        policies.tiers(chosen)  # selected, yet still kept whole (its blocks undeclared): no selection to name
+    assert again.value.select == ()
 
 
 def test_shards_count_and_read_as_shards() -> None:
@@ -123,8 +142,12 @@ def test_shards_count_and_read_as_shards() -> None:
     reads = [op for op in steady.ops if op.kind == "read"]
     assert {(op.src, op.nbytes) for op in reads} == {("shard", shard)}
     loads = [op for op in steady.ops if op.kind == "load" and op.src not in (None, "shard")]
-    assert {(op.slot, op.src, op.nbytes) for op in loads} <= {("h0", "t0", shard), ("h1", "t0", shard),
-                                                               ("h0", "t1", shard), ("h1", "t1", shard)}
+    assert {(op.slot, op.src, op.nbytes) for op in loads} <= {
+        ("h0", "t0", shard),
+        ("h1", "t0", shard),
+        ("h0", "t1", shard),
+        ("h1", "t1", shard),
+    }
     assert len(loads) == len(reads) == 7
 
 

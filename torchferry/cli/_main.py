@@ -94,6 +94,20 @@ def _device(text: str) -> str:
     return text
 
 
+def _components(text: str) -> frozenset[str]:
+    """``dit,text_encoder`` as the selection ``offload(components=...)`` takes; unknown names refused."""
+    from torchferry.topology import COMPONENT_NAMES
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in COMPONENT_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names {', '.join(map(repr, unknown)) or 'no component'}; "
+            f"write some of {', '.join(COMPONENT_NAMES)}, comma-separated"
+        )
+    return frozenset(names)
+
+
 def _resolution(text: str) -> object:
     from torchferry.cli._plan_input import parse_resolution
 
@@ -262,6 +276,13 @@ def _parser() -> _Parser:
         "forward, as offload(storage_dtype=...) and diffusers' layerwise casting store them "
         "(docs/quantized.md; from headers, which tensors is guessed from names)",
     )
+    plan.add_argument(
+        "--components",
+        type=_components,
+        metavar="A,B",
+        help="the components to offload, as offload(components=...): dit, text_encoder, vae, comma-separated "
+        "(default: a session's default selection, the DiTs; model_level swaps them against the encoders)",
+    )
     plan.add_argument("--show-schedule", action="store_true", help="print the recommended steady DiT step")
     plan.add_argument(
         "--format", choices=["text", "json"], default="text", help="output format (default text)"
@@ -348,13 +369,25 @@ def _plan(args: argparse.Namespace) -> int:
     topo, known = _plan_input.load_model(args.model, attrs_)
     device, read_note = _with_reads(args, _device_figures(args))
     options = _plan_report.Options(
-        budget_bytes=args.device_memory, h2d_bytes_per_s=args.h2d, collective_bytes_per_s=args.allgather,
-        device=device, read_note=read_note, forwards_per_step=args.forwards_per_step,
+        budget_bytes=args.device_memory,
+        h2d_bytes_per_s=args.h2d,
+        collective_bytes_per_s=args.allgather,
+        device=device,
+        read_note=read_note,
+        forwards_per_step=args.forwards_per_step,
         text_tokens=args.text_tokens,
-        host_op_s=(args.host_op_us or 0.0) / 1e6, world_size=args.world_size, depth=args.depth,
-        strategy=args.strategy, resolution=args.resolution, tflops=args.tflops, block_ms=args.block_ms,
-        host_bytes=args.host_memory, read_bytes_per_s=args.read_bandwidth,
-        storage_dtype=args.storage_dtype, **_checkpoint_options(args.model),
+        host_op_s=(args.host_op_us or 0.0) / 1e6,
+        world_size=args.world_size,
+        depth=args.depth,
+        strategy=args.strategy,
+        resolution=args.resolution,
+        tflops=args.tflops,
+        block_ms=args.block_ms,
+        host_bytes=args.host_memory,
+        read_bytes_per_s=args.read_bandwidth,
+        storage_dtype=args.storage_dtype,
+        components=args.components,
+        **_checkpoint_options(args.model),
     )
     if known is None and (args.resolution is not None or args.tflops is not None):
         raise UsageError(

@@ -78,6 +78,9 @@ class Options:
     read_note: str = ""
     #: Store the DiTs' castable weights in this dtype (``--storage-dtype``; `OffloadConfig.storage_dtype`).
     storage_dtype: str | None = None
+    #: The selection (``--components``; `OffloadConfig.components`): ``None`` is a session's default,
+    #: so the plans are those `offload` resolves when given no ``components=``.
+    components: frozenset[SelectableComponent] | None = None
     #: The checkpoint a session would open the model from (a folder or file given as MODEL), and the
     #: facts read of its pipeline: planned with both, the host figures are the session's.
     checkpoint: str | None = None
@@ -231,12 +234,7 @@ class _Planner:
             source, named = options.opened_as
             self.planned = attrs.evolve(self.planned, source=source, pipeline_class=named)
         self.warnings: list[str] = []
-        selection: list[SelectableComponent] = []
-        if topo.of_kind("dit"):
-            selection.append("dit")
-        if topo.of_kind("encoder"):
-            selection.append("text_encoder")
-        self.selection = frozenset(selection)
+        self.selection = options.components
         dits = topo.of_kind("dit")
         self.dit = dits[0].path if dits else None
         self.forwards = options.forwards_per_step or (known.forwards_per_step if known is not None else 1)
@@ -295,8 +293,9 @@ class _Planner:
         dtype = self.options.storage_dtype  # `resolve` stores the DiTs' weights in it, as a session does
         if strategy == "none":
             return OffloadConfig(
-                strategy="none", host_memory_bytes=host, checkpoint=files, storage_dtype=dtype
-            )
+                strategy="none", components=self.selection, host_memory_bytes=host, checkpoint=files,
+                storage_dtype=dtype,
+            )  # fmt: skip
         if strategy == "model_level":
             return OffloadConfig(
                 strategy="model_level", components=self.selection, host_memory_bytes=host, checkpoint=files,

@@ -42,7 +42,8 @@ class HostBudgetTooSmall(PlanError):
     ``file_tier`` whether that least is with packs in the file tier (else every pack in host memory);
     ``store``, ``slots`` x ``largest``, ``bounce``, ``kept`` (kept, widened and scratch buffers) and
     ``transient`` (the open's copy of one pack) make it up. ``holder``/``biggest``/``biggest_bytes``
-    name a component kept whole whose pack is the largest (streaming its blocks would help);
+    name a component kept whole whose pack is the largest (streaming its blocks would help), and
+    ``select`` the selection that streams it when the request's does not (``("dit", "text_encoder")``);
     ``unfiled`` says which packs cannot be in the file tier and why: those of components that keep their
     own weights (``own``) and those held in ``storage_dtype=`` (``cast``). ``source`` says where the
     budget came from.
@@ -62,6 +63,7 @@ class HostBudgetTooSmall(PlanError):
         transient: int = 0,
         digest: str = "",
         holder: str | None = None,
+        select: tuple[str, ...] = (),
         biggest: str = "",
         biggest_bytes: int = 0,
         unfiled: str = "",
@@ -80,6 +82,7 @@ class HostBudgetTooSmall(PlanError):
         self.transient = transient
         self.digest = digest
         self.holder = holder
+        self.select = select
         self.biggest = biggest
         self.biggest_bytes = biggest_bytes
         self.unfiled = unfiled
@@ -118,6 +121,15 @@ class HostBudgetTooSmall(PlanError):
             said += ", and the file tier would need more (staging slots as large as the largest pack read)"
         return said
 
+    def _streamed(self, words: Words) -> str:
+        """The request that streams the holder's blocks: the strategy, and its selection when needed."""
+        if words == "api":
+            chosen = "strategy='layerwise'"
+            picked = ", ".join(repr(s) for s in self.select)
+            return f"{chosen}, components={{{picked}}}" if self.select else chosen
+        chosen = "--strategy layerwise"
+        return f"{chosen} --components {','.join(self.select)}" if self.select else chosen
+
     def _unfiled(self) -> str:
         return f", and {self.unfiled}" if self.unfiled else ""
 
@@ -144,7 +156,7 @@ class HostBudgetTooSmall(PlanError):
             )
             if self.holder is not None:
                 said += (
-                    f", or stream the blocks of {self.holder!r} (strategy='layerwise' with it selected) so "
+                    f", or stream the blocks of {self.holder!r} ({self._streamed(words)}) so "
                     f"the largest pack read is a block, not {self.biggest} ({_b(self.biggest_bytes)})"
                 )
             return said
@@ -155,12 +167,12 @@ class HostBudgetTooSmall(PlanError):
         if self.holder is not None:
             if not self.file_tier or self.largest == self.biggest_bytes:
                 said += (
-                    f", or stream the blocks of {self.holder!r} (--strategy layerwise) so the largest pack "
-                    f"read is a block, not {self.biggest} ({_b(self.biggest_bytes)})"
+                    f", or stream the blocks of {self.holder!r} ({self._streamed(words)}) so the largest "
+                    f"pack read is a block, not {self.biggest} ({_b(self.biggest_bytes)})"
                 )
             else:  # too large to read through the staging slots, so held in host memory
                 said += (
-                    f", or stream the blocks of {self.holder!r} (--strategy layerwise), so that "
+                    f", or stream the blocks of {self.holder!r} ({self._streamed(words)}), so that "
                     f"{self.biggest} ({_b(self.biggest_bytes)}), kept whole in host memory here, can be "
                     "read from the checkpoint a block at a time"
                 )

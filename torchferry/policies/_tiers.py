@@ -30,6 +30,7 @@ from typing import Literal
 
 import attrs
 
+from torchferry import topology
 from torchferry.policies._ir import Slot
 from torchferry.policies._layout import has_blocks, layout, pack_bytes, pack_table, swaps, unit_packs
 from torchferry.policies._refusal import HostBudgetTooSmall
@@ -325,6 +326,18 @@ def _notes(best: _Option, packs: int, budget: int) -> tuple[str, ...]:
     )
 
 
+def _selection(plan: Plan, holder: str) -> tuple[str, ...]:
+    """The selection under which ``holder`` streams, when the request's leaves it out (else none)."""
+    kind = plan.component(holder).kind
+    selector = "dit" if kind == "dit" else topology.encoder_type(holder, plan.topology.declaration)
+    if kind == "vae":
+        selector = None  # a VAE streams no blocks: nothing to select
+    if selector is None or plan.config.offloads(selector):  # type: ignore[arg-type]
+        return ()
+    current = [c for c in topology.COMPONENT_NAMES if plan.config.offloads(c)]
+    return tuple(c for c in topology.COMPONENT_NAMES if c in current or c == selector)
+
+
 def _too_small(plan: Plan, budget: int, least: _Least, barred: Mapping[str, str]) -> HostBudgetTooSmall:
     biggest = max((name for name, _ in pack_table(plan)), key=lambda n: pack_bytes(plan, n))
     holder: str | None = biggest.partition(":")[0]
@@ -352,6 +365,7 @@ def _too_small(plan: Plan, budget: int, least: _Least, barred: Mapping[str, str]
         transient=transient,
         digest=plan.digest,
         holder=holder,
+        select=() if holder is None else _selection(plan, holder),
         biggest=biggest,
         biggest_bytes=pack_bytes(plan, biggest),
         unfiled=why,

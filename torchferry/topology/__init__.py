@@ -75,7 +75,7 @@ from torchferry.topology._protocol import SupportsComponentDiscovery
 from torchferry.topology._quantized import flattened_names as flattened_names
 from torchferry.topology._quantized import header_metadata as header_metadata
 from torchferry.topology._quantized import quantized_names as quantized_names
-from torchferry.topology._resolve import resolve
+from torchferry.topology._resolve import encoder_type, resolve
 from torchferry.topology._safetensors import SAFETENSORS_DTYPES as SAFETENSORS_DTYPES
 from torchferry.topology._safetensors import HeaderEntry as HeaderEntry
 from torchferry.topology._safetensors import open_regular as open_regular
@@ -122,6 +122,7 @@ __all__ = [
     "canonical",
     "discover",
     "dtype_size",
+    "encoder_type",
     "from_checkpoint",
     "from_pipeline_folder",
     "hub_cache_dir",
