@@ -246,3 +246,43 @@ def test_a_host_budget_too_small_for_everything_prints_the_table_with_notes(
     assert notes and all(": --host-memory 10.0 MiB is too small for this plan: " in x for x in notes)
     assert all(re.search(r"; pass --host-memory [\d.]+[GM]iB or more", x) for x in notes)
     assert "host_memory=" not in out and "config." not in out
+
+
+def test_refusals_are_worded_from_their_parts_not_reworded(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    """A refusal that names a request field carries it as data (`torchferry._errors.Flag`): the API
+    renders the keyword and the plan's digest, the command line its flag and "this plan", from the same
+    error, with no rewording of the API's sentence."""
+    from torchferry import OffloadError
+    from torchferry._errors import HOST_MEMORY, Flag, said, strategy_named
+    from torchferry.cli._demo_runs import ensure_checkpoint
+
+    parts = (
+        "pass ",
+        HOST_MEMORY,
+        " or ",
+        strategy_named("layerwise"),
+        " for ",
+        Flag("plan 1a2b3c4d", "this plan"),
+    )
+    assert said(parts, "api") == "pass host_memory= or strategy='layerwise' for plan 1a2b3c4d"
+    assert said(parts, "cli") == "pass --host-memory or --strategy layerwise for this plan"
+    error = OffloadError.worded(*parts)
+    assert str(error) == error.message("api") == said(parts, "api") and error.message("cli") == said(
+        parts, "cli"
+    )
+    assert OffloadError("plain").message("cli") == "plain"
+
+    path, _ = ensure_checkpoint(tmp_path)
+    doc = _json(capsys, str(path), "--device-memory", "1KiB", "--block-ms", "1")
+    (auto,) = [r for r in doc["strategies"] if r["strategy"] == "auto"]
+    assert auto["error"].endswith("needs 10.2 MiB (10672640) on this plan; raise the budget to at least that")
+    from torchferry.cli._plan_input import load_model
+
+    topo, _known = load_model(str(path), None)  # as `torchferry plan` reads it
+    plan = topology.resolve(topo, topology.OffloadConfig(strategy="layerwise"))
+    with pytest.raises(OffloadError) as caught:
+        policies.choose(plan, 1024, policies.DEFAULT_COST)
+    assert f"on plan {plan.digest}; raise the budget" in str(caught.value)
+    assert caught.value.message("cli") == auto["error"]

@@ -1,19 +1,94 @@
-"""The error family every torchferry failure belongs to."""
+"""The error family every torchferry failure belongs to, and the words its messages name requests in.
+
+A message that names a request field is data, not text: its parts are strings and `Flag`s, each
+`Flag` naming the field as the Python API does (``host_memory=``) and as ``torchferry plan`` does
+(``--host-memory``). `OffloadError.worded` builds such an error; `OffloadError.message` renders it
+in either words, so the command line shows every refusal in its own flags without rewording text.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Literal, TypeAlias
+
+from typing_extensions import Self
+
 __all__ = [
+    "DEVICE_BUDGET",
+    "HOST_BUDGET",
+    "HOST_MEMORY",
     "ExecutionError",
+    "Flag",
     "OffloadError",
     "OffloadWarning",
     "PlanError",
     "ScheduleError",
     "TorchferryDeprecationWarning",
+    "Words",
+    "plan_named",
+    "said",
+    "strategy_named",
 ]
+
+#: Whose words a message is in: the Python API's or the command line's.
+Words: TypeAlias = Literal["api", "cli"]
+
+
+class Flag:
+    """A request field as the Python API names it (``api``) and as the command line does (``cli``)."""
+
+    __slots__ = ("api", "cli")
+
+    def __init__(self, api: str, cli: str) -> None:
+        self.api = api
+        self.cli = cli
+
+    def __repr__(self) -> str:
+        return f"Flag({self.api!r}, {self.cli!r})"
+
+
+#: One part of a message: plain words, or a field named in each caller's words.
+Part: TypeAlias = "str | Flag"
+
+#: The host budget, as a keyword and as a flag.
+HOST_MEMORY = Flag("host_memory=", "--host-memory")
+#: The host budget as the config field a plan holds.
+HOST_BUDGET = Flag("config.host_memory_bytes", "--host-memory")
+#: The device budget as the config field a plan holds.
+DEVICE_BUDGET = Flag("config.device_memory_bytes", "--device-memory")
+
+
+def strategy_named(name: str) -> Flag:
+    """The request for strategy ``name``: ``strategy='layerwise'`` / ``--strategy layerwise``."""
+    return Flag(f"strategy={name!r}", f"--strategy {name}")
+
+
+def plan_named(digest: str) -> Flag:
+    """A plan by its digest for the API (``plan 4b81edf0``); the command line plans one at a time."""
+    return Flag(f"plan {digest}", "this plan")
+
+
+def said(parts: Sequence[Part], words: Words = "api") -> str:
+    """``parts`` as one message in ``words``."""
+    return "".join(p if isinstance(p, str) else getattr(p, words) for p in parts)
 
 
 class OffloadError(Exception):
     """Root of every error torchferry raises on purpose."""
+
+    #: The message's parts when it names request fields (`worded`), else ``None``.
+    parts: tuple[Part, ...] | None = None
+
+    @classmethod
+    def worded(cls, *parts: Part) -> Self:
+        """An error whose message names request fields (`Flag`), renderable in either words."""
+        error = cls(said(parts, "api"))
+        error.parts = parts
+        return error
+
+    def message(self, words: Words = "api") -> str:
+        """The message in the API's words or the command line's."""
+        return str(self) if self.parts is None else said(self.parts, words)
 
 
 class PlanError(OffloadError, ValueError):

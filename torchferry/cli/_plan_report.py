@@ -23,7 +23,6 @@ import attrs
 from torchferry import policies, topology
 from torchferry._errors import OffloadError
 from torchferry.cli._plan_host import HostTier, host_tier
-from torchferry.cli._plan_words import for_the_command_line
 from torchferry.policies import CostModel, Policy, Schedule, Step
 from torchferry.topology import (
     KnownModel,
@@ -210,13 +209,14 @@ def _component_row(c: topology.Component) -> ComponentRow:
 
 
 def _one_line(error: Exception) -> str:
-    """``error`` on one line, in the command line's words (`for_the_command_line`)."""
+    """``error`` on one line, in the command line's words (`OffloadError.message`)."""
+    text = error.message("cli") if isinstance(error, OffloadError) else str(error)
     if isinstance(error, policies.HostBudgetTooSmall):
-        return error.message("cli")
-    lines = [line.strip().lstrip("- ").strip() for line in str(error).splitlines() if line.strip()]
+        return text
+    lines = [line.strip().lstrip("- ").strip() for line in text.splitlines() if line.strip()]
     if len(lines) > 1 and lines[0].endswith(":"):
         lines = lines[1:]
-    return for_the_command_line("; ".join(lines))
+    return "; ".join(lines)
 
 
 class _Planner:

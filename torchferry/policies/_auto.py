@@ -31,7 +31,7 @@ from typing import Literal
 
 import attrs
 
-from torchferry._errors import ScheduleError
+from torchferry._errors import ScheduleError, plan_named, strategy_named
 from torchferry.policies._builtin import builtin, compress_paths, distributed_layerwise, layerwise, ring_slots
 from torchferry.policies._ir import Declared, Policy, Schedule, Step, declare
 from torchferry.policies._layout import layout, swaps
@@ -159,9 +159,7 @@ def _steady_forwards(
     return tuple((r.makespan_s, r.resident_makespan_s) for r in reports)
 
 
-def _place(
-    pool: Sequence[str], count: int, how: PlacementName, first: Sequence[str] = ()
-) -> tuple[str, ...]:
+def _place(pool: Sequence[str], count: int, how: PlacementName, first: Sequence[str] = ()) -> tuple[str, ...]:
     """``count`` blocks of ``pool`` placed ``how``; ``file-first`` takes ``first`` (in its order),
     then the leading others."""
     n = len(pool)
@@ -208,10 +206,12 @@ def _choose(plan: Plan, budget_bytes: int, cost: CostModel, max_depth: int) -> C
         whole: Strategy = "none" if total <= budget_bytes else "model_level"
         need = total if whole == "none" else _model_level_bytes(plan)
         if need > budget_bytes:
-            raise ScheduleError(
-                f"auto(budget={format_bytes(budget_bytes)}): plan {plan.digest} streams no blocks and "
-                f"model-level swapping needs {format_bytes(need)}; raise the budget or resolve the plan "
-                f"with strategy='layerwise'"
+            raise ScheduleError.worded(
+                f"auto(budget={format_bytes(budget_bytes)}): ",
+                plan_named(plan.digest),
+                f" streams no blocks and model-level swapping needs {format_bytes(need)}; raise the budget "
+                "or resolve the plan with ",
+                strategy_named("layerwise"),
             )
         return Choice(
             strategy=whole,
@@ -302,9 +302,11 @@ def _choose(plan: Plan, budget_bytes: int, cost: CostModel, max_depth: int) -> C
     if swapping is not None:
         best = swapping
     if best is None:
-        raise ScheduleError(
+        raise ScheduleError.worded(
             f"auto(budget={format_bytes(budget_bytes)}): even depth 1 with no resident blocks needs "
-            f"{format_bytes(smallest)} on plan {plan.digest}; raise the budget to at least that"
+            f"{format_bytes(smallest)} on ",
+            plan_named(plan.digest),
+            "; raise the budget to at least that",
         )
     return attrs.evolve(best, candidates=len(scored) + (best.strategy == "model_level"))
 

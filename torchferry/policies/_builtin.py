@@ -28,7 +28,7 @@ from functools import lru_cache
 from types import MappingProxyType
 from typing import cast
 
-from torchferry._errors import PlanError, ScheduleError
+from torchferry._errors import PlanError, ScheduleError, plan_named
 from torchferry.policies._ir import (
     DEVICE,
     OP_STREAM,
@@ -83,9 +83,10 @@ def _top(plan: Plan, path: str) -> Component:
         if c.path == path:
             return c
     known = ", ".join(repr(c.path) for c in plan.components)
-    raise ScheduleError(
-        f"step names component {path!r}, which is not a top-level component of plan {plan.digest}; "
-        f"known: {known}; pass one of them as Step(component=...)"
+    raise ScheduleError.worded(
+        f"step names component {path!r}, which is not a top-level component of ",
+        plan_named(plan.digest),
+        f"; known: {known}; pass one of them as Step(component=...)",
     )
 
 
@@ -127,8 +128,15 @@ class _Builder:
         """Append one op, on the stream its kind runs on."""
         self.ops.append(
             Op(
-                when=when, anchor=anchor, stream=OP_STREAM[kind], kind=kind, unit=unit, slot=slot, src=src,
-                nbytes=nbytes, chunks=chunks,
+                when=when,
+                anchor=anchor,
+                stream=OP_STREAM[kind],
+                kind=kind,
+                unit=unit,
+                slot=slot,
+                src=src,
+                nbytes=nbytes,
+                chunks=chunks,
             )
         )
 

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import attrs
 
-from torchferry._errors import ScheduleError
+from torchferry._errors import DEVICE_BUDGET, Flag, Part, ScheduleError
 from torchferry.policies._check_file import FileTierCheck
 from torchferry.policies._ir import DEVICE, OP_STREAM, Op, Schedule, gather_nbytes, rest_unit
 from torchferry.policies._layout import PlanFacts, forward_blocks, has_blocks, layout, shard_nbytes
@@ -51,11 +51,17 @@ def _stub_blocks(plan: Plan) -> Mapping[str, str]:
     }
 
 
+def _this_plan(digest: str) -> Flag:
+    """The plan a schedule is checked against: by its digest for the API, in words for the command line."""
+    return Flag(f"this plan {digest}", "this plan")
+
+
 @attrs.define
 class _Violation:
     line: int
     number: int
-    text: str
+    #: The violation, in words or in parts naming request fields (`torchferry._errors.Flag`).
+    text: str | tuple[Part, ...]
 
 
 class _Checker:
@@ -91,7 +97,7 @@ class _Checker:
         # forward position -> line of the last op anchored there (where that point's compute reads)
         self.point_line: dict[int, int] = {}
 
-    def add(self, line: int, number: int, text: str) -> None:
+    def add(self, line: int, number: int, text: str | tuple[Part, ...]) -> None:
         self.found.append(_Violation(line=line, number=number, text=text))
 
     # ---------------------------------------------------------------- sizes
@@ -107,9 +113,12 @@ class _Checker:
             self.add(
                 line,
                 4,
-                f"device bytes reach {format_bytes(self.current)} here, over the budget of "
-                f"{format_bytes(budget)} (config.device_memory_bytes); stream more blocks, lower the "
-                f"prefetch depth or raise the budget",
+                (
+                    f"device bytes reach {format_bytes(self.current)} here, over the budget of "
+                    f"{format_bytes(budget)} (",
+                    DEVICE_BUDGET,
+                    "); stream more blocks, lower the prefetch depth or raise the budget",
+                ),
             )
 
     # ---------------------------------------------------------------- forward model
@@ -174,7 +183,7 @@ class _Checker:
             self.add(
                 _PLAN_LINE,
                 7,
-                f"schedule was made for plan {s.plan}, not this plan {self.plan.digest}; rebuild it",
+                (f"schedule was made for plan {s.plan}, not ", _this_plan(self.plan.digest), "; rebuild it"),
             )
         top, blocks = self.forward()
         self.tier.host(_FILE_LINE if s.file else _PLAN_LINE)
@@ -208,8 +217,12 @@ class _Checker:
             self.add(
                 self.entry_line,
                 4,
-                f"entry already holds {format_bytes(self.current)}, over the budget of "
-                f"{format_bytes(budget)} (config.device_memory_bytes)",
+                (
+                    f"entry already holds {format_bytes(self.current)}, over the budget of "
+                    f"{format_bytes(budget)} (",
+                    DEVICE_BUDGET,
+                    ")",
+                ),
             )
         order = {("before", self.s.step.component): 0, ("after", self.s.step.component): 2 * len(blocks) + 1}
         for k, b in enumerate(blocks):
@@ -494,9 +507,12 @@ class _Checker:
             f"schedule {s.policy} for step {s.step.component!r} #{s.step.index} breaks "
             f"{n} invariant{'s' if n != 1 else ''} of policies.check:"
         )
-        body = [f"  line {v.line}: [{v.number}] {v.text}" for v in self.found]
+        parts: list[Part] = [head]
+        for v in self.found:
+            parts.append(f"\n  line {v.line}: [{v.number}] ")
+            parts.extend((v.text,) if isinstance(v.text, str) else v.text)
         listing = format_marked(s, lines={v.line for v in self.found}, numbered=True)
-        raise ScheduleError("\n".join([head, *body, "listing:", listing]))
+        raise ScheduleError.worded(*parts, "\nlisting:\n", listing)
 
 
 #: One check per op kind (the engine and `simulate` dispatch the same way: a table keyed by kind).

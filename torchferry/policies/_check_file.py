@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from torchferry._errors import HOST_BUDGET, Part
 from torchferry.policies._ir import Op, Schedule
 from torchferry.policies._layout import layout, pack_bytes, pack_table
 from torchferry.policies._tiers import READ_BOUNCE_BYTES, file_packs, host_bytes, page_bytes, read_nbytes
@@ -13,8 +14,8 @@ from torchferry.topology import Plan
 
 __all__ = ["FileTierCheck"]
 
-#: How a violation is reported: ``add(line, invariant, text)``.
-Add = Callable[[int, int, str], None]
+#: How a violation is reported: ``add(line, invariant, text)``, the text in words or in parts.
+Add = Callable[[int, int, "str | tuple[Part, ...]"], None]
 
 
 class FileTierCheck:
@@ -55,9 +56,13 @@ class FileTierCheck:
         self.add(
             line,
             8,
-            f"host bytes reach {format_bytes(total)} ({parts}), over the budget of "
-            f"{format_bytes(budget)} (config.host_memory_bytes); put more packs in the file tier "
-            "(policies.tiers(plan) chooses them for this budget) or raise the budget",
+            (
+                f"host bytes reach {format_bytes(total)} ({parts}), over the budget of "
+                f"{format_bytes(budget)} (",
+                HOST_BUDGET,
+                "); put more packs in the file tier (policies.tiers(plan) chooses them for this budget) or "
+                "raise the budget",
+            ),
         )
 
     def locked(self, line: int, pinned: int) -> None:

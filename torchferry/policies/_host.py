@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import attrs
 
-from torchferry._errors import PlanError
+from torchferry._errors import HOST_MEMORY, PlanError
 from torchferry.policies._ir import DEVICE, Policy, Schedule
 from torchferry.policies._layout import pack_bytes, unit_packs
 from torchferry.policies._refusal import HostBudgetTooSmall
@@ -234,10 +234,12 @@ def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None, shared:
     if least is not None:
         budget = group_least(budget, least)
     if budget.bytes is not None and budget.bytes <= 0:
-        raise PlanError(
+        raise PlanError.worded(
             f"the host budget is {_size(budget.bytes)} ({budget.source}): no host memory is left for "
             "torchferry's buffers; free host memory (close other processes or sessions), raise the "
-            "memory cgroup's limit, or pass host_memory=<bytes> to name what torchferry may hold"
+            "memory cgroup's limit, or pass ",
+            HOST_MEMORY,
+            " to name what torchferry may hold",
         )
     device: tuple[int | None, str] = (None, "")
     if shared and given is not None:  # the caller's host budget stands; the device has what is left
@@ -273,10 +275,12 @@ def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None, shared:
         raise exc.with_source(budget.source) from None
     pinned = chosen.host_bytes - chosen.kept_bytes - chosen.transient_bytes
     if locked is not None and pinned > locked:
-        raise PlanError(
+        raise PlanError.worded(
             f"torchferry would pin {_size(pinned)} of host memory, over the locked-memory limit of "
             f"{_size(locked)} ({facts.locked_source}); raise it (ulimit -l, or the container's memlock "
-            "limit), pass pin_memory=False, or lower host_memory= so fewer bytes are pinned"
+            "limit), pass pin_memory=False, or lower ",
+            HOST_MEMORY,
+            " so fewer bytes are pinned",
         )
     cache = None
     if facts.bounds and budget.bytes is not None:

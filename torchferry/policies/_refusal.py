@@ -6,16 +6,11 @@ The command line reads the fields, never the API's sentence, so no wording can f
 
 from __future__ import annotations
 
-from typing import Literal
-
-from torchferry._errors import PlanError
+from torchferry._errors import PlanError, Words
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import parse_bytes
 
 __all__ = ["HostBudgetTooSmall", "Words", "size_at_least"]
-
-#: Whose words a refusal is put in: the Python API's or the command line's.
-Words = Literal["api", "cli"]
 
 
 def _b(nbytes: int) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from torchferry._errors import PlanError
+from torchferry._errors import PlanError, strategy_named
 from torchferry.topology._fields import (
     COMPONENT_NAMES,
     STRATEGIES,
@@ -65,9 +65,7 @@ def _components_converter(value: Iterable[str] | None) -> frozenset[str] | None:
     items = tuple(value)
     for item in items:
         if not isinstance(item, str):
-            raise TypeError(
-                f"OffloadConfig.components entries must be str, got {type_name(item)} {item!r}"
-            )
+            raise TypeError(f"OffloadConfig.components entries must be str, got {type_name(item)} {item!r}")
     return frozenset(items)
 
 
@@ -77,9 +75,10 @@ def _check_components(
     if value is None:
         return
     if not value:
-        raise PlanError(
-            "OffloadConfig.components is empty; name at least one of 'dit', 'text_encoder', 'vae', "
-            "or use strategy='none' to offload nothing"
+        raise PlanError.worded(
+            "OffloadConfig.components is empty; name at least one of 'dit', 'text_encoder', 'vae', or use ",
+            strategy_named("none"),
+            " to offload nothing",
         )
     unknown = sorted(value.difference(COMPONENT_NAMES))
     if unknown:
