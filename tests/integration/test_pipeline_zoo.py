@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import torchferry
-from torchferry import topology
+from torchferry import policies, topology
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -97,12 +97,18 @@ def test_pipeline_runs_bit_identical_from_its_folder(name: str, tmp_path: Path) 
     with torchferry.from_pretrained(cls, folder, strategy="layerwise", device="cpu") as session:
         _managed(session.pipeline)
         _same(zoo.call(name, session.pipeline), expected, "from_pretrained")
-    # The file tier's read buffers (16 MiB) and half the pipeline's packs: a tiny pipeline fits beside
-    # the buffers, so its packs stay in memory (test_host_folders runs a Wan folder large enough).
-    budget = (16 << 20) + topology.from_checkpoint(folder).nbytes // 2
-    with torchferry.from_pretrained(
-        cls, folder, strategy="layerwise", device="cpu", host_memory=budget
-    ) as session:
+    # The least host budget that opens (the refusal of one byte names it), every encoder streaming too:
+    # packs beyond it stay in the folder's files and are read on demand.
+    options: dict[str, Any] = {"strategy": "layerwise", "device": "cpu"}
+    options["components"] = {"dit", "text_encoder"}
+    with pytest.raises(policies.HostBudgetTooSmall) as refused:
+        torchferry.from_pretrained(cls, folder, host_memory=1, **options)
+    budget = refused.value.minimum
+    with torchferry.from_pretrained(cls, folder, host_memory=budget, **options) as session:
         got = zoo.call(name, session.pipeline)
-        assert session.report().peak_host_bytes <= budget
+        report = session.report()
+        assert report.peak_host_bytes <= budget
+        # Where the file tier pays (its slots and read buffers take less than the packs it leaves in
+        # the files), packs are read from the folder; otherwise every pack is in host memory.
+        assert bool(report.file_pack_names) == refused.value.file_tier == (report.file_read_bytes > 0)
     _same(got, expected, "from_pretrained with a host budget")

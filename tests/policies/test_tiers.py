@@ -10,7 +10,7 @@ from policy_plans import ParallelLayout, component, model_plan, plan, ring_plan,
 
 from torchferry import PlanError, policies
 from torchferry.policies import Slot, Step
-from torchferry.topology import Plan
+from torchferry.topology import Component, Plan
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -92,10 +92,19 @@ def test_a_budget_nothing_fits_is_refused_with_the_least_it_could_take() -> None
         policies.layerwise(1)(p, Step(component=T))
 
 
+def _whole(*found: Component, **config: object) -> Plan:
+    """The plan `resolve` makes of a topology that found ``found`` with their blocks."""
+    from torchferry.topology import OffloadConfig, Topology, resolve
+
+    return resolve(Topology(pipeline_class="TestPipeline", components=found), OffloadConfig(**config))  # type: ignore[arg-type]
+
+
 def test_a_whole_component_pack_names_the_remedy() -> None:
     """A plan that keeps a component whole says which pack makes the slots large and how to stream it;
     the least it names is the whole store in host memory (128 MiB), less than the file tier's 272 MiB."""
-    p = plan([component(T, "dit", 8 * BLOCK)], strategy="none", host_memory_bytes=64 * MIB)
+    p = _whole(
+        component(T, "dit", 0, [stack(T, "blocks", [BLOCK] * 8)]), strategy="none", host_memory_bytes=64 * MIB
+    )
     with pytest.raises(PlanError) as caught:
         policies.tiers(p)
     assert str(caught.value).endswith(
@@ -110,8 +119,8 @@ def test_a_text_encoder_left_out_of_the_selection_names_the_selection_that_strea
     """Under a session's default selection (the DiT alone) a text encoder is kept whole: when its pack
     is the largest, the remedy names the selection that streams it too, in each wording."""
     dit = component(T, "dit", BLOCK, [stack(T, "blocks", [BLOCK] * 4)])
-    encoder = component("text_encoder", "encoder", 8 * BLOCK, selected=False)
-    p = plan([dit, encoder], strategy="layerwise", host_memory_bytes=64 * MIB)
+    encoder = component("text_encoder", "encoder", 0, [stack("text_encoder", "layers", [BLOCK] * 8)])
+    p = _whole(dit, encoder, strategy="layerwise", host_memory_bytes=64 * MIB)
     with pytest.raises(policies.HostBudgetTooSmall) as caught:
         policies.tiers(p)
     assert caught.value.select == ("dit", "text_encoder")
@@ -210,3 +219,17 @@ def test_every_step_of_a_generation_checks(strategy: str, budget_gib: int) -> No
             assert policies.parse_schedule(policies.format_schedule(s)) == s
             assert set(s.file) == policies.tiers(p).file
             entry = s.exit
+
+
+def test_read_buffers_are_as_large_as_the_largest_pack_read_up_to_16_mib() -> None:
+    """One bounce buffer per reader thread, each the largest pack's span aligned out at both ends: a
+    small model's file tier takes no more than it reads; packs of 4 MiB and over take 16 MiB."""
+    threads, align = policies.READ_THREADS, policies.DIRECT_ALIGN
+    assert policies.read_buffer_bytes(0) == 0
+    assert policies.read_buffer_bytes(1) == threads * policies.page_bytes(3 * align)
+    assert policies.read_buffer_bytes(100 * 1024) == threads * policies.page_bytes(100 * 1024 + 2 * align)
+    assert policies.read_buffer_bytes(BLOCK) == policies.read_buffer_bytes(GIB) == BOUNCE == 16 * MIB
+    small = ring_plan(8, MIB, host_memory_bytes=7 * MIB)
+    t = policies.tiers(small)  # 8 MiB of blocks in a 7 MiB budget: 16 MiB of buffers could never fit
+    assert t.file and t.staging[0].nbytes == MIB
+    assert t.host_bytes == t.store_bytes + 2 * MIB + policies.read_buffer_bytes(MIB) <= 7 * MIB

@@ -64,20 +64,27 @@ def _read(reader: FileReader, pipe: toy.ToyPipeline, name: str, span: tuple[int,
     return read, out, want, pieces, layout
 
 
-@pytest.mark.parametrize("direct", [False, True])
-def test_pack_reads_equal_the_host_fill(toy_checkpoint: tuple[toy.ToyPipeline, Path], direct: bool) -> None:
+@pytest.mark.parametrize(("direct", "bounce"), [(False, None), (True, None), (True, 3 * 4096)])
+def test_pack_reads_equal_the_host_fill(
+    toy_checkpoint: tuple[toy.ToyPipeline, Path], direct: bool, bounce: int | None
+) -> None:
     """Every pack read by the file reader (buffered or O_DIRECT) holds the same tensor bytes as the
-    host store's own fill: the transposed weight and the non-persistent buffer included."""
+    host store's own fill: the transposed weight and the non-persistent buffer included; bounce
+    buffers smaller than a pack (a small model's file tier sizes them to its packs) read it in chunks."""
     pipe, path = toy_checkpoint
     with CheckpointReader(path) as checkpoint:
-        reader = FileReader(checkpoint, direct=checkpoint.files if direct else ())
+        sized = {} if bounce is None else {"bounce_bytes": bounce}
+        reader = FileReader(checkpoint, direct=checkpoint.files if direct else (), **sized)
         try:
             assert set(reader.modes.values()) == ({"direct"} if direct else {"buffered"})
             for name in _specs(pipe):
-                _, out, want, pieces, _ = _read(reader, pipe, name)
+                read, out, want, pieces, _ = _read(reader, pipe, name)
                 for piece in pieces:
                     assert torch.equal(piece.view(out), piece.view(want)), (name, piece)
-            assert reader.bounce_bytes == (READ_BOUNCE_BYTES if direct else 0)
+                if bounce is not None:
+                    assert all(c.length <= bounce - 2 * 4096 for c in read.chunks)
+            per_thread = READ_BOUNCE_BYTES // reader.threads if bounce is None else bounce
+            assert reader.bounce_bytes == (reader.threads * per_thread if direct else 0)
         finally:
             reader.close()
 

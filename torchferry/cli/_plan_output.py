@@ -166,7 +166,7 @@ def _host_lines(h: HostTier, rec: StrategyRow | None, forwards: int) -> list[str
     if h.staging:
         staging = sum(policies.page_bytes(n) for n in h.staging)
         rows.append(["staging slots", f"{len(h.staging)} x {_b(h.staging[0])}", _b(staging), "-", ""])
-        rows.append(["read buffers", "direct I/O", _b(policies.READ_BOUNCE_BYTES), "-", ""])
+        rows.append(["read buffers", "direct I/O", _b(policies.read_buffer_bytes(max(h.staging))), "-", ""])
     total_file = _b(sum(r.file_bytes for r in h.rows))
     rows.append(["total", f"of a {_b(h.budget)} budget", _b(h.host_bytes), total_file, ""])
     lines += _table(["component", "tier", "host", "in file", "read from the file"], rows, {2, 3})
@@ -322,7 +322,5 @@ def format_list() -> str:
         rows.append([name, entry["pipeline_class"], _b(entry["total_bytes"]), _b(dits), str(len(comps))])
     lines = _table(["id", "pipeline", "total", "DiT(s)", "components"], rows, {2, 3, 4})
     lines += ["", "hub ids (a snapshot in the local Hugging Face cache is planned from its files):"]
-    lines += _table(
-        ["hub id", "id"], [[repo, model] for repo, model in topology.HUB_IDS.items()], set()
-    )[1:]
+    lines += _table(["hub id", "id"], [[repo, model] for repo, model in topology.HUB_IDS.items()], set())[1:]
     return "\n".join(lines) + "\n"

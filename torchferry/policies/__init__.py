@@ -92,9 +92,12 @@ from torchferry.policies._steps import next_step as next_step
 from torchferry.policies._steps import step_failed as step_failed
 from torchferry.policies._steps import step_name as step_name
 from torchferry.policies._text import Mark, format_marked, parse_schedule
+from torchferry.policies._tiers import BOUNCE_MAX as BOUNCE_MAX
+from torchferry.policies._tiers import DIRECT_ALIGN as DIRECT_ALIGN
 from torchferry.policies._tiers import HEATS as HEATS
-from torchferry.policies._tiers import READ_BOUNCE_BYTES, STAGING_SLOTS, Tiers, tiers
+from torchferry.policies._tiers import READ_BOUNCE_BYTES, STAGING_SLOTS, Tiers, read_buffer_bytes, tiers
 from torchferry.policies._tiers import READ_THREADS as READ_THREADS
+from torchferry.policies._tiers import bounce_bytes as bounce_bytes
 from torchferry.policies._tiers import file_packs as file_packs
 from torchferry.policies._tiers import host_bytes as host_bytes
 from torchferry.policies._tiers import pack_heats as pack_heats
@@ -152,6 +155,7 @@ __all__ = [
     "model_level",
     "none",
     "parse_schedule",
+    "read_buffer_bytes",
     "rest_unit",
     "shard_nbytes",
     "simulate",

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from torchferry._errors import HOST_BUDGET, Part
 from torchferry.policies._ir import Op, Schedule
 from torchferry.policies._layout import layout, pack_bytes, pack_table
-from torchferry.policies._tiers import READ_BOUNCE_BYTES, file_packs, host_bytes, page_bytes, read_nbytes
+from torchferry.policies._tiers import file_packs, host_bytes, page_bytes, read_buffer_bytes, read_nbytes
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Plan
 
@@ -41,17 +41,15 @@ class FileTierCheck:
         budget = self.plan.config.host_memory_bytes
         staging = [self.slots[n] for n in sorted(self.staging)]
         total, store = host_bytes(self.plan, self.file, staging)
-        self.locked(
-            line,
-            store + sum(page_bytes(sl.nbytes) for sl in staging) + (READ_BOUNCE_BYTES if self.file else 0),
-        )
+        buffers = read_buffer_bytes(max((sl.nbytes for sl in staging), default=0)) if self.file else 0
+        self.locked(line, store + sum(page_bytes(sl.nbytes) for sl in staging) + buffers)
         if budget is None or total <= budget:
             return
         parts = f"{format_bytes(store)} of packs in host memory"
         if self.file:
             parts += (
                 f", {len(staging)} staging slots ({format_bytes(sum(sl.nbytes for sl in staging))})"
-                f" and {format_bytes(READ_BOUNCE_BYTES)} of read buffers"
+                f" and {format_bytes(buffers)} of read buffers"
             )
         self.add(
             line,

@@ -5,7 +5,7 @@ budget by a pure function of the plan.
 [Note: tiers]
 Host bytes are what torchferry's own host buffers hold at once: the pinned store (one buffer per
 pack in host memory, whole pages, an all-gathered block's shard only), the staging slots file
-reads go through, and the reader's bounce buffers for direct I/O (`READ_BOUNCE_BYTES`, only when
+reads go through, and the reader's bounce buffers for direct I/O (`read_buffer_bytes`, only when
 something is in the file tier). With no host budget (``config.host_memory_bytes is None``), or
 when every pack fits it, nothing is in the file tier and every schedule is what it always was.
 
@@ -38,16 +38,21 @@ from torchferry.policies._tokens import format_bytes
 from torchferry.topology import FrozenMap, Plan, TensorSpec
 
 __all__ = [
+    "BOUNCE_MAX",
+    "DIRECT_ALIGN",
     "HEATS",
     "PAGE",
     "READ_BOUNCE_BYTES",
+    "READ_THREADS",
     "STAGING_SLOTS",
     "Heat",
     "Tiers",
+    "bounce_bytes",
     "file_packs",
     "host_bytes",
     "pack_heats",
     "page_bytes",
+    "read_buffer_bytes",
     "read_nbytes",
     "tiers",
 ]
@@ -56,12 +61,16 @@ __all__ = [
 PAGE = mmap.PAGESIZE
 #: Staging slots of a plan with a file tier: one being read into while the other is copied out.
 STAGING_SLOTS = 2
-#: Host bytes the reader keeps for direct I/O (two aligned 8 MiB bounce buffers), counted in the
-#: host bytes whenever something is in the file tier.
-READ_BOUNCE_BYTES = 2 * (8 << 20)
-
-#: Reader threads of the file tier, each with its own scratch for a read whose strides differ.
+#: Reader threads of the file tier, each with its own bounce buffer for direct I/O and its own
+#: scratch for a read whose strides differ.
 READ_THREADS = 4
+#: The alignment ``O_DIRECT`` needs of offsets, lengths and buffers (the largest logical block size).
+DIRECT_ALIGN = 4096
+#: The most one reader thread's bounce buffer holds: its largest direct chunk and an aligned block at
+#: each end.
+BOUNCE_MAX = 4 << 20
+#: The most host bytes the reader's bounce buffers take (`READ_THREADS` of `BOUNCE_MAX`: 16 MiB).
+READ_BOUNCE_BYTES = READ_THREADS * BOUNCE_MAX
 
 #: How often the file tier reads a pack: once a session, once a pipeline call, every DiT forward.
 Heat = Literal["session", "call", "forward"]
@@ -73,6 +82,21 @@ def page_bytes(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 
 
+def bounce_bytes(largest: int) -> int:
+    """One reader thread's bounce buffer when the largest pack the file tier reads is ``largest``
+    bytes: that pack's span aligned out to `DIRECT_ALIGN` at both ends (one chunk reads it whole),
+    at most `BOUNCE_MAX` (a larger pack reads in chunks), in whole pages."""
+    aligned = -(-largest // DIRECT_ALIGN) * DIRECT_ALIGN + 2 * DIRECT_ALIGN
+    return page_bytes(min(BOUNCE_MAX, aligned))
+
+
+def read_buffer_bytes(largest: int) -> int:
+    """Host bytes of the reader's bounce buffers for a file tier whose largest pack read is
+    ``largest`` bytes (`READ_THREADS` x `bounce_bytes`; 16 MiB for packs of 4 MiB and over); none
+    without a file tier (``largest`` 0). A small model's file tier takes no more than it reads."""
+    return READ_THREADS * bounce_bytes(largest) if largest > 0 else 0
+
+
 @attrs.frozen(kw_only=True)
 class Tiers:
     """Which packs of a plan are in the file tier, the staging slots their reads use, and the host
@@ -81,7 +105,8 @@ class Tiers:
     - ``file``: the packs with no host copy, read from the checkpoint when needed (`Schedule.file`).
     - ``staging``: the staging slots (``t0``, ``t1``; kind ``staging``), empty without a file tier.
     - ``host_bytes``: the host bytes `check` proves against the budget ([8]), the whole host figure:
-      ``store_bytes`` plus the staging slots and `READ_BOUNCE_BYTES` (both only with a file tier), and
+      ``store_bytes`` plus the staging slots and the read buffers (`read_buffer_bytes`; both only with a
+      file tier), and
       what the plan's `StoreFacts` add (``kept_bytes``, ``transient_bytes``), whole pages.
     - ``store_bytes``: the pinned store, the packs in host memory.
     - ``budget``: ``config.host_memory_bytes`` (``None``: no host budget).
@@ -117,7 +142,8 @@ def host_bytes(plan: Plan, file: Collection[str], staging: Collection[Slot]) -> 
     """(host bytes, store bytes) of ``plan`` with ``file`` in the file tier and ``staging`` slots: the
     store, the slots, the read buffers, and what the plan's `StoreFacts` add (`extra_bytes`)."""
     store = sum(page_bytes(pack_bytes(plan, name)) for name, _ in pack_table(plan) if name not in file)
-    extra = sum(page_bytes(s.nbytes) for s in staging) + (READ_BOUNCE_BYTES if file else 0)
+    slot = max((s.nbytes for s in staging), default=0)
+    extra = sum(page_bytes(s.nbytes) for s in staging) + (read_buffer_bytes(slot) if file else 0)
     return store + extra + sum(extra_bytes(plan, file)), store
 
 
@@ -253,7 +279,7 @@ def tiers(plan: Plan) -> Tiers:
     best: _Option | None = None
     least = _Least(need=whole, store=whole_store, largest=0, extras=extra_bytes(plan, ()))
     for largest in sorted({sizes[n] for n in ranked}):
-        fixed = STAGING_SLOTS * page_bytes(largest) + READ_BOUNCE_BYTES
+        fixed = STAGING_SLOTS * page_bytes(largest) + read_buffer_bytes(largest)
         store = whole_store
         kept = strided = 0
         chosen: list[str] = []
@@ -284,7 +310,9 @@ def tiers(plan: Plan) -> Tiers:
         option = _Option(
             file=tuple(chosen),
             slot=slot,
-            host=total - STAGING_SLOTS * (page_bytes(largest) - page_bytes(slot)),
+            host=total
+            - STAGING_SLOTS * (page_bytes(largest) - page_bytes(slot))
+            - (read_buffer_bytes(largest) - read_buffer_bytes(slot)),
             store=store,
             read=read,
             extras=extras,
@@ -321,7 +349,7 @@ def _notes(best: _Option, packs: int, budget: int) -> tuple[str, ...]:
     reads = ", ".join(f"{b(best.read[h])} {how[h]}" for h in reversed(HEATS) if best.read[h])
     return (
         f"host {b(best.host)} of {b(budget)}: {kept} packs pinned ({b(best.store)}), {STAGING_SLOTS} staging "
-        f"slots of {b(best.slot)}, {b(READ_BOUNCE_BYTES)} read buffers",
+        f"slots of {b(best.slot)}, {b(read_buffer_bytes(best.slot))} read buffers",
         f"file tier: {len(best.file)} packs read from the checkpoint, {reads}",
     )
 
@@ -343,6 +371,8 @@ def _too_small(plan: Plan, budget: int, least: _Least, barred: Mapping[str, str]
     holder: str | None = biggest.partition(":")[0]
     if plan.block_owner(biggest) is not None or has_blocks(plan.component(holder or "")):
         holder = None  # only a component kept whole is helped by streaming its blocks
+    elif not any(c.stacks for c in plan.topology.component(holder or "").walk()):
+        holder = None  # and only one that has blocks to stream (a VAE has none)
     kept, scratch, transient = least.extras
     filed = least.largest > 0
     own = tuple(c.path for c in plan.components if c.path in plan.facts.own and any(
@@ -360,7 +390,7 @@ def _too_small(plan: Plan, budget: int, least: _Least, barred: Mapping[str, str]
         store=least.store,
         slots=STAGING_SLOTS,
         largest=least.largest,
-        bounce=READ_BOUNCE_BYTES if filed else 0,
+        bounce=read_buffer_bytes(least.largest),
         kept=kept + scratch,
         transient=transient,
         digest=plan.digest,

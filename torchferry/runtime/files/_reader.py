@@ -49,6 +49,7 @@ from typing import Any
 import attrs
 import torch
 
+from torchferry import policies
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.runtime.files._checkpoint_reader import CheckpointReader
 from torchferry.runtime.files._identity import changed
@@ -71,15 +72,16 @@ __all__ = [
     "thread_setup",
 ]
 
-#: Reader threads: enough to keep a drive's queue busy while chunks are copied out of their bounce
-#: buffers (measured: 2 threads reached 79-80% of a raw direct read of the same file, 4 threads 86-95%).
-READ_THREADS = 4
+#: Reader threads (`policies.READ_THREADS`): enough to keep a drive's queue busy while chunks are
+#: copied out of their bounce buffers (measured: 2 threads reached 79-80% of a raw direct read of the
+#: same file, 4 threads 86-95%).
+READ_THREADS = policies.READ_THREADS
 #: The alignment ``O_DIRECT`` needs of offsets, lengths and buffers (the largest logical block size).
-DIRECT_ALIGN = 4096
-#: One aligned bounce buffer per reader thread for direct I/O: `READ_THREADS` of them are
-#: `policies.READ_BOUNCE_BYTES` (16 MiB), the figure the tiers count.
-BOUNCE_BYTES = 4 << 20
-#: The most bytes of a pack one direct chunk reads (its aligned span fits one bounce buffer).
+DIRECT_ALIGN = policies.DIRECT_ALIGN
+#: The largest aligned bounce buffer a reader thread holds for direct I/O (`policies.BOUNCE_MAX`); a
+#: file tier of smaller packs gets smaller ones (`policies.bounce_bytes`), the figure the tiers count.
+BOUNCE_BYTES = policies.BOUNCE_MAX
+#: The most bytes of a pack one direct chunk reads through the largest bounce buffer.
 CHUNK_BYTES = BOUNCE_BYTES - 2 * DIRECT_ALIGN
 #: The most bytes one buffered chunk reads (large: one ``preadv`` each, but a big pack still splits
 #: across the threads).
@@ -249,7 +251,12 @@ class FileReader:
         direct: Sequence[str] = (),
         threads: int = READ_THREADS,
         device: torch.device | None = None,
+        bounce_bytes: int = BOUNCE_BYTES,
     ) -> None:
+        if bounce_bytes % DIRECT_ALIGN or bounce_bytes <= 2 * DIRECT_ALIGN:
+            raise ValueError(
+                f"bounce_bytes={bounce_bytes} must be a multiple of {DIRECT_ALIGN} over two of them"
+            )
         self.checkpoint = checkpoint
         self.views = FileViews(checkpoint)
         self.threads = threads
@@ -268,9 +275,11 @@ class FileReader:
         self.bounce_bytes = 0
         if any(o.direct is not None for o in self._opened.values()):
             for _ in range(threads):
-                region = mmap.mmap(-1, BOUNCE_BYTES)  # page-aligned, so DIRECT_ALIGN-aligned
+                region = mmap.mmap(-1, bounce_bytes)  # page-aligned, so DIRECT_ALIGN-aligned
                 self._bounces.put(torch.frombuffer(region, dtype=torch.uint8))
-                self.bounce_bytes += BOUNCE_BYTES
+                self.bounce_bytes += bounce_bytes
+        #: The most bytes of a pack one direct chunk reads (its aligned span fits one bounce buffer).
+        self.chunk_bytes = bounce_bytes - 2 * DIRECT_ALIGN
         # Why: scratch for rearranging tensors stored with other strides, one per thread, sized once
         # (`reserve`) so a read allocates nothing.
         self._scratch: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
@@ -347,7 +356,7 @@ class FileReader:
                 fixups.append(Fixup(part.dst - lo, lo, hi, piece, part.name, file=full.file, src=full.src))
         chunks: list[Chunk] = []
         for file in dict.fromkeys(r.file for r in runs if r.file is not None):
-            limit = CHUNK_BYTES if file in direct else BUFFERED_CHUNK_BYTES
+            limit = self.chunk_bytes if file in direct else BUFFERED_CHUNK_BYTES
             mine = sorted((r for r in runs if r.file == file), key=lambda r: r.src)
             chunks.extend(_chunks(file, mine, limit))
         return PackRead(name=name, nbytes=end - start, chunks=tuple(chunks), fixups=tuple(fixups))

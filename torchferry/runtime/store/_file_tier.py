@@ -240,7 +240,11 @@ class FileTier:
         }
         file_bytes = sum(os.path.getsize(f) for f in files)
         direct = source.files if read_direct(file_bytes, request.cache_bytes) else ()
-        reader = FileReader(source, direct=[f for f in direct if f in files], device=request.device)
+        largest = max((n for _, n in request.staging), default=0)
+        reader = FileReader(
+            source, direct=[f for f in direct if f in files], device=request.device,
+            bounce_bytes=policies.bounce_bytes(largest),
+        )  # fmt: skip
         try:
             reads: dict[str, PackRead] = {}
             views: dict[str, dict[int, torch.Tensor]] = {}

@@ -24,7 +24,6 @@ import torch
 from torchferry import policies
 from torchferry._errors import PlanError
 from torchferry.policies import (
-    READ_BOUNCE_BYTES,
     HostBudget,
     HostBudgetTooSmall,
     Tiers,
@@ -339,7 +338,7 @@ def host_figures(store: HostStore, host: HostPlan | None, plan: Plan | None = No
         if tier is not None and chosen.file:
             modes = {m.split(" ", 1)[0] for m in tier.reader.modes.values()}
             figures.update(
-                read_buffer_bytes=READ_BOUNCE_BYTES,
+                read_buffer_bytes=policies.read_buffer_bytes(max(sl.nbytes for sl in chosen.staging)),
                 read_mode=" and ".join(sorted(modes)) or "buffered",
             )
     return figures
