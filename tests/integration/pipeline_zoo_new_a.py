@@ -1,8 +1,9 @@
 """Tiny whole pipelines of the pipeline zoo whose text encoders are Hub-only multimodal models: FLUX.2 [dev]
 (Mistral 3), LTX-2 (Gemma 3, with its pipeline-local connectors and vocoder and its audio VAE) and
 HunyuanImage 2.1 (Qwen2.5-VL and ByT5). The sizes follow each pipeline's tests in the diffusers test suite
-(``get_dummy_components``), with the transformer rings raised to four blocks where they had fewer and
-the vocabularies cut to the fixed token ids of `pipeline_zoo`. LTX-2 runs to decoded frames and audio, so
+(``get_dummy_components``), with the transformer rings raised to four blocks where they had fewer, the
+vocabularies cut to the fixed token ids of `pipeline_zoo`, and HunyuanImage's VAE at 32 channels (its
+group norms take 32 groups). LTX-2 runs to decoded frames and audio, so
 its video VAE, audio VAE and vocoder run too; FLUX.2 and HunyuanImage decode their images."""
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ def hunyuan_image() -> Any:
         in_channels=3,
         out_channels=3,
         latent_channels=4,
-        block_out_channels=(32, 64, 64, 64),
+        block_out_channels=(32, 32, 32, 32),
         layers_per_block=1,
         scaling_factor=0.476986,
         spatial_compression_ratio=8,
