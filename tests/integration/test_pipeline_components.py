@@ -113,6 +113,27 @@ def test_a_resident_component_on_the_host_runs_on_the_session_device(options: di
     assert torch.equal(pipe.controlnet.weight, before)
 
 
+def test_a_folders_pipeline_local_components_fill_from_their_files(tmp_path: Path) -> None:
+    """LTX-2's pipeline-local ``connectors`` and ``vocoder`` (resident components), built on meta by
+    from_pretrained, fill from the folder's files and run bit-exact as the saved pipeline's."""
+    pipe = zoo.built("LTX2Pipeline")
+    pipe.save_pretrained(str(tmp_path))
+    seeded = torch.Generator().manual_seed(2)
+    embeds, mel = torch.randn(1, 8, 48, generator=seeded), torch.randn(1, 2, 4, 8, generator=seeded)
+
+    def run(p: Any) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            return (*p.connectors(embeds, zoo.MASK), p.vocoder(mel))
+
+    expected = run(pipe)
+    cls = type(pipe)
+    with torchferry.from_pretrained(cls, tmp_path, strategy="layerwise", device="cpu") as session:
+        kinds = {c.path: c.kind for c in session.plan.components}
+        assert (kinds["connectors"], kinds["vocoder"]) == ("resident", "resident")
+        got = run(session.pipeline)
+    assert [torch.equal(a, b) for a, b in zip(got, expected, strict=True)] == [True] * 4
+
+
 def test_a_pipeline_local_library_resolves_to_its_diffusers_pipelines_module(tmp_path: Path) -> None:
     """LTX-2's ``["ltx2", "LTX2Vocoder"]`` is diffusers.pipelines.ltx2's class; a library that is
     neither loadable nor imported is refused with the fix, never imported."""
