@@ -51,16 +51,20 @@ def _dit(name: str, **changes: Any) -> nn.Module:
 
 
 def _kl(latent: int = 4) -> nn.Module:
-    return _diffusers().AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
-        latent_channels=latent,
-        norm_num_groups=4,
-        layers_per_block=1,
-    ).eval()
+    return (
+        _diffusers()
+        .AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(8, 16),
+            latent_channels=latent,
+            norm_num_groups=4,
+            layers_per_block=1,
+        )
+        .eval()
+    )
 
 
 def _t5(d_model: int = 32) -> nn.Module:
@@ -408,6 +412,7 @@ def _run_sana(pipe: Any) -> tuple[torch.Tensor, ...]:
 
 
 import pipeline_zoo_more as more  # noqa: E402  (its builders use the helpers above)
+import pipeline_zoo_new_a as new_a  # noqa: E402
 
 #: pipeline class name -> its case.
 CASES: dict[str, Case] = {
@@ -427,6 +432,9 @@ CASES: dict[str, Case] = {
     "PixArtSigmaPipeline": Case(build=more.pixart, call=more.run_pixart, full=True),
     "WanVACEPipeline": Case(build=more.vace, call=more.run_vace, full=True),
     "ChronoEditPipeline": Case(build=more.chronoedit, call=_run_wan_i2v, full=True),
+    "Flux2Pipeline": Case(build=new_a.flux2, call=new_a.run_flux2),
+    "LTX2Pipeline": Case(build=new_a.ltx2, call=new_a.run_ltx2, full=True),
+    "HunyuanImagePipeline": Case(build=new_a.hunyuan_image, call=new_a.run_hunyuan_image, full=True),
 }
 
 
@@ -452,4 +460,3 @@ def weights(pipe: Any) -> dict[str, torch.Tensor]:
             for key, tensor in value.state_dict(keep_vars=True).items():
                 out[f"{name}.{key}"] = tensor.detach().clone()
     return out
-

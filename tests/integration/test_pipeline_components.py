@@ -70,8 +70,8 @@ def test_wan_image_to_video_manages_its_image_encoder() -> None:
 
 
 def test_a_module_left_off_the_session_device_is_refused_naming_it() -> None:
-    """A listed module the declared lists leave out, and a resident one, on the host while the session's
-    device is another (meta stands for a GPU here), are refused by name before anything moves."""
+    """A listed module the declared lists leave out, on the host while the session's device is another
+    (meta stands for a GPU here), is refused by name before anything moves."""
     pipe = Declared()
     topo = topology.discover(pipe)
     assert topo.unmanaged == (
@@ -80,11 +80,10 @@ def test_a_module_left_off_the_session_device_is_refused_naming_it() -> None:
     )
     before = pipe.image_encoder.weight.detach().clone()
     message = (
-        "test_pipeline_components.Declared: 2 component(s) torchferry does not stream would stay off the "
+        "test_pipeline_components.Declared: 1 component(s) torchferry does not manage would stay off the "
         "session's device meta and receive its tensors: 'image_encoder' (a torch.nn.modules.linear.Linear "
-        "its declared component lists leave out) holds tensors on cpu; 'controlnet' (a resident "
-        "component, which the session leaves where it is) holds tensors on cpu; list each in the "
-        "pipeline's _dit_modules/_encoder_modules/_vae_modules, or move it to meta yourself before "
+        "its declared component lists leave out) holds tensors on cpu; list each in the pipeline's "
+        "_dit_modules/_encoder_modules/_vae_modules/_resident_modules, or move it to meta yourself before "
         "offload()"
     )
     with pytest.raises(PlanError, match=f"^{re.escape(message)}$"):
@@ -92,6 +91,47 @@ def test_a_module_left_off_the_session_device_is_refused_naming_it() -> None:
     assert torch.equal(pipe.image_encoder.weight, before)
     with torchferry.offload(pipe, strategy="layerwise", device="cpu"):  # on its own device it may stay
         pass
+
+
+@pytest.mark.parametrize(
+    "options", [{"strategy": "layerwise"}, {"device_memory": "1MiB"}], ids=["layerwise", "auto"]
+)
+def test_a_resident_component_on_the_host_runs_on_the_session_device(options: dict[str, Any]) -> None:
+    """A resident component (declared, or a pipeline-local module such as LTX-2's connectors) on the
+    host is staged whole to the session's device (meta stands for a GPU here) when its forward runs,
+    and is back on the host, bit-identical, after close."""
+    pipe = Declared()
+    pipe.image_encoder = pipe.controlnet  # listed twice: managed as the resident controlnet
+    before = pipe.controlnet.weight.detach().clone()
+    seen: list[torch.device] = []
+    hook = pipe.controlnet.register_forward_pre_hook(lambda m, _: seen.append(m.weight.device))
+    with torchferry.offload(pipe, device="meta", **options):
+        out = pipe.controlnet(torch.zeros(1, 4, device="meta"))
+    hook.remove()
+    assert seen == [torch.device("meta")] and out.device == torch.device("meta")
+    assert pipe.controlnet.weight.device == torch.device("cpu")
+    assert torch.equal(pipe.controlnet.weight, before)
+
+
+def test_a_folders_pipeline_local_components_fill_from_their_files(tmp_path: Path) -> None:
+    """LTX-2's pipeline-local ``connectors`` and ``vocoder`` (resident components), built on meta by
+    from_pretrained, fill from the folder's files and run bit-exact as the saved pipeline's."""
+    pipe = zoo.built("LTX2Pipeline")
+    pipe.save_pretrained(str(tmp_path))
+    seeded = torch.Generator().manual_seed(2)
+    embeds, mel = torch.randn(1, 8, 48, generator=seeded), torch.randn(1, 2, 4, 8, generator=seeded)
+
+    def run(p: Any) -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():
+            return (*p.connectors(embeds, zoo.MASK), p.vocoder(mel))
+
+    expected = run(pipe)
+    cls = type(pipe)
+    with torchferry.from_pretrained(cls, tmp_path, strategy="layerwise", device="cpu") as session:
+        kinds = {c.path: c.kind for c in session.plan.components}
+        assert (kinds["connectors"], kinds["vocoder"]) == ("resident", "resident")
+        got = run(session.pipeline)
+    assert [torch.equal(a, b) for a, b in zip(got, expected, strict=True)] == [True] * 4
 
 
 def test_a_pipeline_local_library_resolves_to_its_diffusers_pipelines_module(tmp_path: Path) -> None:

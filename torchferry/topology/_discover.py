@@ -92,8 +92,7 @@ def _declared_list(pipeline: object, list_name: str) -> list[tuple[str, nn.Modul
     for entry in entries:
         if not isinstance(entry, str):
             warnings.warn(
-                f"{pipeline_class}.{list_name} entry {entry!r} is not a dotted attribute path; "
-                "it is ignored",
+                f"{pipeline_class}.{list_name} entry {entry!r} is not a dotted attribute path; it is ignored",
                 OffloadWarning,
                 stacklevel=3,
             )
@@ -238,21 +237,21 @@ def _unmanaged(pipeline: object, managed: Mapping[int, str]) -> list[tuple[str, 
         elif isinstance(value, nn.Module) and getattr(pipeline, name, None) is value:
             found.append((name, f"a {qualname(type(value))} its declared component lists leave out"))
         elif isinstance(value, nn.Module):
-            found.append(
-                (name, f"a {qualname(type(value))} not stored at the pipeline's attribute {name!r}")
-            )
+            found.append((name, f"a {qualname(type(value))} not stored at the pipeline's attribute {name!r}"))
         else:
             found.append((name, f"a {type(value).__name__}, which holds no module weights"))
     return found
 
 
 def check_stranded(pipeline: object, topo: Topology, device: torch.device) -> None:
-    """Refuse a component that would stay off the session's ``device``: one ``topo`` leaves unmanaged,
-    or a resident one (which the session leaves where it is), whose tensors are elsewhere.
+    """Refuse a component ``topo`` leaves unmanaged whose tensors are off the session's ``device``.
 
     Such a component would receive the session's tensors while its weights stay put (an image
-    encoder or a ControlNet on the host while the pipeline runs on a GPU); a `PlanError` names each
-    one before anything moves. Tensors on ``meta`` count as elsewhere unless ``device`` is meta.
+    encoder on the host while the pipeline runs on a GPU); a `PlanError` names each one before
+    anything moves. Tensors on ``meta`` count as elsewhere unless ``device`` is meta. A resident
+    component is managed: every policy stages it whole on its first forward and keeps it on the
+    device, from the host or from a checkpoint (LTX-2's pipeline-local ``connectors`` and
+    ``vocoder``, built on meta by `from_pretrained`), so wherever its tensors are it is no such case.
     """
     mapping = None if isinstance(pipeline, nn.Module) else getattr(pipeline, "components", None)
     found: list[tuple[str, str, object]] = []
@@ -260,12 +259,6 @@ def check_stranded(pipeline: object, topo: Topology, device: torch.device) -> No
         for name, reason in topo.unmanaged:
             if not reason.endswith("managed there"):
                 found.append((name, reason, mapping.get(name)))
-    for comp in topo.of_kind("resident"):
-        try:
-            module: object = get_path(pipeline, comp.path) if comp.path else pipeline
-        except Missing:
-            continue
-        found.append((comp.path, "a resident component, which the session leaves where it is", module))
     problems: list[str] = []
     for name, reason, value in found:
         if not isinstance(value, nn.Module):
@@ -275,9 +268,9 @@ def check_stranded(pipeline: object, topo: Topology, device: torch.device) -> No
             problems.append(f"{name!r} ({reason}) holds tensors on {', '.join(devices)}")
     if problems:
         raise PlanError(
-            f"{qualname(type(pipeline))}: {len(problems)} component(s) torchferry does not stream would stay "
+            f"{qualname(type(pipeline))}: {len(problems)} component(s) torchferry does not manage would stay "
             f"off the session's device {device} and receive its tensors: {'; '.join(problems)}; list each "
-            "in the pipeline's _dit_modules/_encoder_modules/_vae_modules, or move it to "
+            "in the pipeline's _dit_modules/_encoder_modules/_vae_modules/_resident_modules, or move it to "
             f"{device} yourself before offload()"
         )
 
