@@ -1,0 +1,128 @@
+"""What a GGUF model costs beyond its bytes, in `torchferry plan` and in the session alike: each
+GGUFLinear dequantizes its weight at every call (compute time, on a CPU, and a temporary that must
+fit beside the weights on the device; policies/_dequantize.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchferry
+from torchferry import policies, topology
+from torchferry.topology import read_gguf
+
+diffusers = pytest.importorskip("diffusers")
+gguf = pytest.importorskip("gguf")
+
+import gguf_files  # noqa: E402 (needs the gguf package)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the 3-block Wan file under its original names and the model's config.json."""
+    where = tmp_path_factory.mktemp("gguf-plan")
+    gguf_files.write(where / "wan.gguf", gguf_files.wan(), original=True)
+    shutil.copy(gguf_files.config_folder(where / "config") / "config.json", where / "config.json")
+    return where
+
+
+def _expected_reserve(path: Path, compute: str = "float32") -> int:
+    """The largest temporary, from the header alone: a BF16 weight dequantizes to float32 (its cast to
+    float32 is itself), every other quantized weight to float16 and then its cast."""
+    size = torch.tensor([], dtype=getattr(torch, compute)).element_size()
+    worst = 0
+    for e in read_gguf(path):
+        if not e.quantized:
+            continue
+        numel = 1
+        for d in e.logical_shape:
+            numel *= d
+        made = 4 if e.quant_type == "BF16" else 2
+        worst = max(worst, numel * (made + (size if size != made or e.quant_type != "BF16" else 0)))
+    return worst
+
+
+def test_discover_reads_what_each_gguf_linear_dequantizes(folder: Path) -> None:
+    """Every GGUFParameter weight of diffusers' own GGUF load is marked with its quant type, logical
+    values and compute dtype; every other tensor is not."""
+    model = diffusers.WanTransformer3DModel.from_single_file(
+        str(folder / "wan.gguf"),
+        config=str(folder),
+        quantization_config=diffusers.GGUFQuantizationConfig(compute_dtype=torch.bfloat16),
+    )
+    topo = topology.discover(model)
+    marked = {t.name: t.dequantized for c in topo.components for t in c.all_tensors() if t.dequantized}
+    params = dict(model.named_parameters())
+    quantized = {n for n, p in params.items() if hasattr(p, "quant_type")}
+    assert set(marked) == quantized and len(quantized) == 33
+    for name, d in marked.items():
+        assert d is not None and d.quant_type == params[name].quant_type.name and d.dtype == "bfloat16"
+        assert d.numel == model.get_submodule(name.removesuffix(".weight")).in_features * (
+            model.get_submodule(name.removesuffix(".weight")).out_features
+        )
+    assert policies.dequantize_reserve(topo) == _expected_reserve(folder / "wan.gguf", "bfloat16")
+
+
+def test_plan_counts_the_dequantize_time_and_temporary(
+    folder: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`torchferry plan` of the .gguf on a CPU adds each block's dequantize to its compute (the
+    measured CPU rates) and counts the largest dequantized weight in every row's peak."""
+    from torchferry.cli import main
+
+    reserve = _expected_reserve(folder / "wan.gguf")
+    argv = ["plan", str(folder), "--device-memory", "4MiB", "--device-class", "cpu"]
+    assert main([*argv, "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (
+        doc["assumptions"]["dequantize_bytes"] == reserve == 1536 * 256 * 4
+    )  # time_projection.1, BF16 to float32
+    assert "dequantize" in doc["assumptions"]["compute"]
+    gpu = ["plan", str(folder), "--device-memory", "4MiB", "--device-class", "h100", "--format", "json"]
+    assert main(gpu) == 0
+    assert "dequantize" not in json.loads(capsys.readouterr().out)["assumptions"]["compute"]
+    # each row's peak is the simulated schedules' peak plus the reserve
+    from torchferry.cli._plan_input import load_model
+
+    topo, _ = load_model(str(folder))
+    plan = topology.resolve(topo, topology.OffloadConfig(strategy="layerwise"))
+    cost = policies.estimate_cost(topo, device=policies.DEVICE_CLASSES["cpu"])
+    dit = plan.components[0].path
+    steady = policies.layerwise(depth=1)(plan, policies.Step(component=dit, index=0))
+    row = next(r for r in doc["strategies"] if r["strategy"] == "layerwise")
+    assert row["peak_device_bytes"] == policies.simulate(steady, cost).peak_device_bytes + reserve
+    # the compute estimate holds each block's dequantize at the measured rates
+    block = plan.components[0].blocks[0]
+    rates = policies.DEQUANTIZE_VALUES_PER_S
+    added = sum(t.dequantized.numel / rates[t.dequantized.quant_type] for t in block.tensors if t.dequantized)
+    assert cost.compute_seconds(block.path, block=True) == pytest.approx(policies.CostModel().block_s + added)
+    assert main([*argv]) == 0
+    assert "the largest dequantized GGUF weight, 1.5 MiB" in capsys.readouterr().out
+
+
+def test_the_session_plans_with_the_same_reserve(folder: Path) -> None:
+    """A session on the .gguf with a device budget gives its schedules that budget less the largest
+    dequantized weight, the figure `torchferry plan` counts, and runs exactly."""
+    budget = 6 << 20
+    path = folder / "wan.gguf"
+    reference = gguf_files.call(
+        diffusers.WanTransformer3DModel.from_single_file(
+            str(path), config=str(folder), quantization_config=diffusers.GGUFQuantizationConfig()
+        )
+    )
+    with torchferry.from_single_file(
+        diffusers.WanTransformer3DModel, path, config=folder, device="cpu", device_memory=budget
+    ) as session:
+        assert torch.equal(gguf_files.call(session.pipeline), reference)
+        report = session.report()
+        reserve = policies.dequantize_reserve(session.plan)
+        assert reserve == _expected_reserve(path)
+        assert report.budget == session.plan.config.device_memory_bytes == budget - reserve
+        assert "less 1.5 MiB (1572864) for the largest dequantized weight" in report.budget_source
+        assert session.schedules and session.peak_device_bytes <= budget - reserve
+        for schedule in session.schedules.values():
+            policies.check(schedule, session.plan)  # invariant 4 against the budget less the reserve
