@@ -126,3 +126,30 @@ def test_the_session_plans_with_the_same_reserve(folder: Path) -> None:
         assert session.schedules and session.peak_device_bytes <= budget - reserve
         for schedule in session.schedules.values():
             policies.check(schedule, session.plan)  # invariant 4 against the budget less the reserve
+
+
+def test_plan_finds_the_gguf_of_a_hub_id_in_the_cache(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`torchferry plan org/name` reads the .gguf (and config.json) of that repository's snapshot in
+    the hub cache (files linked to blobs, as huggingface_hub writes them), offline, as the folder."""
+    from torchferry.cli import main
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--wan-gguf"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    for name in ("wan.gguf", "config.json"):
+        shutil.copy(folder / name, repo / "blobs" / name)
+        (snapshot / name).symlink_to(repo / "blobs" / name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    argv = ["--device-memory", "4MiB", "--format", "json"]
+    assert main(["plan", str(folder), *argv]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert main(["plan", "org/wan-gguf", *argv]) == 0
+    hub = json.loads(capsys.readouterr().out)
+    assert hub["source"] == f"gguf:{snapshot / 'wan.gguf'}"
+    assert hub["components"] == local["components"] and hub["strategies"] == local["strategies"]

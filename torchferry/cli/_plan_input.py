@@ -36,10 +36,14 @@ def parse_resolution(text: str) -> Resolution:
 
 
 def _looks_like_path(model: str) -> bool:
-    return os.path.exists(model) or model.endswith((".safetensors", ".json")) or (
-        ("/" in model or os.sep in model)
-        and topology.hub_snapshot(model) is None
-        and topology.hub_model_id(model) is None
+    return (
+        os.path.exists(model)
+        or model.endswith((".safetensors", ".json"))
+        or (
+            ("/" in model or os.sep in model)
+            and topology.hub_snapshot(model) is None
+            and topology.hub_model_id(model) is None
+        )
     )
 
 
@@ -151,14 +155,16 @@ def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[To
       attributes are ``block_attrs`` or, when not given, guessed with `topology` ``guess_block_attrs`` (a
       checkpoint of a whole pipeline, its tensors named ``<component>.…``, becomes one component
       per name prefix);
-    - a GGUF file (or a folder holding one) with the model's ``config.json`` beside it: the model
-      built on meta as diffusers loads it, so every quantized byte is counted (`_gguf`);
+    - a GGUF file (or a folder holding one, or a hub id whose snapshot in the cache holds one) with
+      the model's ``config.json`` beside it: the model built on meta as diffusers loads it, so every
+      quantized byte is counted (`_gguf`);
     - else a known id. Unknown ids and broken checkpoints raise `PlanError`.
     """
-    found = _gguf(model) if os.path.exists(model) else None
+    snapshot = None if os.path.exists(model) else topology.hub_snapshot(model)
+    local = model if snapshot is None else str(snapshot)  # a hub id: its snapshot in the cache
+    found = _gguf(local) if os.path.exists(local) else None
     if found is not None:
         return found, None
-    snapshot = None if os.path.exists(model) else topology.hub_snapshot(model)
     folder = model if os.path.isdir(model) else (str(snapshot) if snapshot is not None else None)
     if folder is not None and topology.is_pipeline_folder(folder):
         if block_attrs is not None:
