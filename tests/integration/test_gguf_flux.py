@@ -159,3 +159,29 @@ def test_flux_with_packs_left_in_the_gguf(
         read = {n for r in tier.reads.values() for c in r.chunks for n in c.names}
         assert any(n.endswith("attn.to_k.weight") for n in read)  # a third of a fused qkv, from the file
     assert torch.equal(got, reference) and torch.equal(again, reference)
+
+
+def test_a_conversion_that_fails_is_refused_naming_class_tensor_and_conversion(
+    small: tuple[Path, Path, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unscaled, diffusers' FLUX conversion cannot split the tiny file's linear1 (it assumes width
+    3072): from_single_file refuses before anything is read, naming the class, the file's tensor and
+    the conversion's own error."""
+    import re
+
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    entry = SINGLE_FILE_LOADABLE_CLASSES["FluxTransformer2DModel"]
+    monkeypatch.setitem(entry, "checkpoint_mapping_fn", convert_flux_transformer_checkpoint_to_diffusers)
+    path, config, _ = small
+    expected = (
+        f"{path}: diffusers' conversion for FluxTransformer2DModel failed at "
+        "'single_blocks.0.linear1.weight' (RuntimeError: split_with_sizes expects split_sizes to sum "
+        "exactly to 1792 (input tensor's size at "
+        "dimension 0), but got split_sizes=[3072, 3072, 3072, 12288]); the file is not a checkpoint of "
+        "this FluxTransformer2DModel configuration, or the conversion assumes another one (torchferry runs "
+        "diffusers' conversion unchanged, as from_single_file does)"
+    )
+    with pytest.raises(torchferry.PlanError, match=f"^{re.escape(expected)}$"):
+        torchferry.from_single_file(diffusers.FluxTransformer2DModel, path, config=config, device="cpu")

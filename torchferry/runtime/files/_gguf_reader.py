@@ -102,10 +102,14 @@ def model_entries(
     try:
         with joins:
             converted = convert(**kwargs)
-    except Exception as exc:  # a conversion's own failure: it did not recognise these names
+    except Exception as exc:  # a conversion's own failure: it did not recognise these names or shapes
+        roots = [t if t._base is None else t._base for t in joins.failed]
+        names = list(dict.fromkeys(owner[id(t)].name for t in roots if id(t) in owner))
+        at = f" at {', '.join(repr(n) for n in names)}" if names else " on this file's names"
         raise PlanError(
-            f"{file}: {what} failed on this file's names ({type(exc).__name__}: {exc}); is it a "
-            "checkpoint of this model?"
+            f"{file}: {what} failed{at} ({type(exc).__name__}: {exc}); the file is not a checkpoint of "
+            f"this {class_name} configuration, or the conversion assumes another one (torchferry runs "
+            "diffusers' conversion unchanged, as from_single_file does)"
         ) from None
     out: dict[str, GGUFEntry] = {}
     computed: list[str] = []
@@ -148,12 +152,18 @@ class _Joins(TorchFunctionMode):
         super().__init__()
         #: id of a cat's result -> (the result, kept alive so the id stays its own; what it joined).
         self.joined: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        #: The tensors given to the operation that raised, if one did (the file's, for the message).
+        self.failed: list[torch.Tensor] = []
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        result = func(*args, **kwargs)
+        try:
+            result = func(*args, **kwargs)
+        except Exception:
+            self.failed = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            raise
         if func in (torch.cat, torch.concat, torch.concatenate) and isinstance(result, torch.Tensor):
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
             if dim in (0, -result.dim()) and isinstance(args[0], (list, tuple)):
