@@ -153,3 +153,28 @@ def test_plan_finds_the_gguf_of_a_hub_id_in_the_cache(
     hub = json.loads(capsys.readouterr().out)
     assert hub["source"] == f"gguf:{snapshot / 'wan.gguf'}"
     assert hub["components"] == local["components"] and hub["strategies"] == local["strategies"]
+
+
+def test_plan_with_the_compute_dtype_of_the_session(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`torchferry plan --compute-dtype bfloat16` builds the layers as from_single_file(compute_dtype=
+    torch.bfloat16) does, so it counts the temporary that session sets aside; on a model that is not
+    GGUF the option is refused."""
+    from torchferry.cli import main
+
+    argv = ["plan", str(folder), "--device-memory", "4MiB", "--format", "json", "--compute-dtype", "bfloat16"]
+    assert main(argv) == 0
+    planned = json.loads(capsys.readouterr().out)["assumptions"]["dequantize_bytes"]
+    with torchferry.from_single_file(
+        diffusers.WanTransformer3DModel, folder / "wan.gguf", config=folder, device="cpu",
+        compute_dtype=torch.bfloat16, device_memory=6 << 20,
+    ) as session:  # fmt: skip
+        reserve = policies.dequantize_reserve(session.plan)
+        assert session.plan.config.device_memory_bytes == policies.weight_budget(session.plan, 6 << 20)
+    assert (
+        planned
+        == reserve
+        == _expected_reserve(folder / "wan.gguf", "bfloat16")
+        != _expected_reserve(folder / "wan.gguf")
+    )
+    assert main(["plan", "wan2.1-t2v-1.3b", "--device-memory", "4GiB", "--compute-dtype", "bfloat16"]) == 2
+    assert "--compute-dtype is the compute dtype of a GGUF model's layers" in capsys.readouterr().err

@@ -262,6 +262,13 @@ def _parser() -> _Parser:
         "forward, as offload(storage_dtype=...) and diffusers' layerwise casting store them "
         "(docs/quantized.md; from headers, which tensors is guessed from names)",
     )
+    plan.add_argument(
+        "--compute-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="for a GGUF model: the dtype its GGUFLinear layers compute in, as "
+        "from_single_file(compute_dtype=...) builds it (default float32, diffusers' default); it sizes "
+        "the dequantized weight counted beside the weights",
+    )
     plan.add_argument("--show-schedule", action="store_true", help="print the recommended steady DiT step")
     plan.add_argument(
         "--format", choices=["text", "json"], default="text", help="output format (default text)"
@@ -345,16 +352,27 @@ def _plan(args: argparse.Namespace) -> int:
     if args.device_class is not None and args.profile is not None:
         raise UsageError("--device-class and --profile are two sources of device figures; pass one of them")
     start = time.perf_counter()
-    topo, known = _plan_input.load_model(args.model, attrs_)
+    topo, known = _plan_input.load_model(args.model, attrs_, compute_dtype=args.compute_dtype)
     device, read_note = _with_reads(args, _device_figures(args))
     options = _plan_report.Options(
-        budget_bytes=args.device_memory, h2d_bytes_per_s=args.h2d, collective_bytes_per_s=args.allgather,
-        device=device, read_note=read_note, forwards_per_step=args.forwards_per_step,
+        budget_bytes=args.device_memory,
+        h2d_bytes_per_s=args.h2d,
+        collective_bytes_per_s=args.allgather,
+        device=device,
+        read_note=read_note,
+        forwards_per_step=args.forwards_per_step,
         text_tokens=args.text_tokens,
-        host_op_s=(args.host_op_us or 0.0) / 1e6, world_size=args.world_size, depth=args.depth,
-        strategy=args.strategy, resolution=args.resolution, tflops=args.tflops, block_ms=args.block_ms,
-        host_bytes=args.host_memory, read_bytes_per_s=args.read_bandwidth,
-        storage_dtype=args.storage_dtype, **_checkpoint_options(args.model),
+        host_op_s=(args.host_op_us or 0.0) / 1e6,
+        world_size=args.world_size,
+        depth=args.depth,
+        strategy=args.strategy,
+        resolution=args.resolution,
+        tflops=args.tflops,
+        block_ms=args.block_ms,
+        host_bytes=args.host_memory,
+        read_bytes_per_s=args.read_bandwidth,
+        storage_dtype=args.storage_dtype,
+        **_checkpoint_options(args.model),
     )
     if known is None and (args.resolution is not None or args.tflops is not None):
         raise UsageError(
