@@ -35,13 +35,14 @@ def _topology() -> Topology:
 
 
 def test_the_temporary_is_the_dequantized_tensor_and_its_cast() -> None:
-    """A Q8_0 weight dequantizes to float16 and is cast to float32 (both held: 6 bytes a value); BF16
-    dequantizes to float32 itself (4 bytes); with compute in float16 a Q8_0 weight holds 2 bytes."""
+    """A Q8_0 weight dequantizes to float16 and is cast to float32 (both held: 6 bytes a value); BF16's
+    dequantize peaks at 8 bytes a value inside (its int32 shift), more than its float32 result; with
+    compute in float16 a Q8_0 weight holds 2 bytes; a K-quant's own peak bounds a bfloat16 cast."""
     assert policies.dequantize_bytes(Dequantized(quant_type="Q8_0", numel=1000, dtype="float32")) == 6000
-    assert policies.dequantize_bytes(Dequantized(quant_type="BF16", numel=1000, dtype="float32")) == 4000
-    assert policies.dequantize_bytes(Dequantized(quant_type="Q4_K", numel=1000, dtype="bfloat16")) == 4000
+    assert policies.dequantize_bytes(Dequantized(quant_type="BF16", numel=1000, dtype="float32")) == 8000
+    assert policies.dequantize_bytes(Dequantized(quant_type="Q4_K", numel=1000, dtype="bfloat16")) == 5190
     assert policies.dequantize_bytes(Dequantized(quant_type="Q8_0", numel=1000, dtype="float16")) == 2000
-    assert policies.dequantize_bytes(Dequantized(quant_type="Q6_K", numel=1000, dtype=None)) == 2000
+    assert policies.dequantize_bytes(Dequantized(quant_type="Q6_K", numel=1000, dtype=None)) == 5120
 
 
 def test_the_largest_layer_is_set_aside_from_the_budget() -> None:

@@ -40,6 +40,7 @@ from torchferry.policies._cost import (
     estimate_cost,
     match_device_class,
 )
+from torchferry.policies._dequantize import DEQUANTIZE_PEAK_BYTES as DEQUANTIZE_PEAK_BYTES
 from torchferry.policies._dequantize import (
     DEQUANTIZE_VALUES_PER_S,
     dequantize_bytes,

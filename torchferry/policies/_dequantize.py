@@ -2,12 +2,13 @@
 
 diffusers' ``GGUFLinear`` (without the fused CUDA kernels of the ``kernels`` package) runs
 ``dequantize_gguf_tensor(weight).to(compute_dtype)`` in every forward, then its matmul. So each
-call pays a dequantize proportional to the weight's logical values, by ggml type, and holds two
-temporaries while the cast runs: the dequantized tensor (float16 for the Q-types and K-quants,
-float32 for BF16 and the IQ4 types, as diffusers 0.42's dequantize functions return them) and its
-cast to the compute dtype (none when the two dtypes are equal: ``.to`` then returns its input).
-Both are freed when the layer returns, so what must fit beside the weights is the largest layer's.
-The intermediates inside the dequantize functions are smaller than the result and not counted.
+call pays a dequantize proportional to the weight's logical values, by ggml type, and holds
+temporaries: inside the dequantize, its intermediates (`DEQUANTIZE_PEAK_BYTES`: up to 12 bytes a
+value for the IQ4 types, 8 for BF16, measured), and while the cast runs, the dequantized tensor
+(float16 for the Q-types and K-quants, float32 for BF16 and the IQ4 types, as diffusers 0.42's
+dequantize functions return it) and its cast to the compute dtype (none when the two dtypes are
+equal: ``.to`` then returns its input). All are freed when the layer returns, so what must fit
+beside the weights is the largest layer's larger of the two.
 
 `dequantize_bytes` and `dequantize_reserve` price the temporary; `weight_budget` is the device
 budget the weights' schedule gets once the largest temporary is set aside: ``torchferry plan`` and
@@ -18,6 +19,7 @@ each block's compute on a CPU device only, since no GPU figure was measured.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
@@ -28,6 +30,7 @@ from torchferry.topology import Dequantized, Plan, TensorSpec, Topology, dtype_s
 
 __all__ = [
     "DEQUANTIZED_DTYPE",
+    "DEQUANTIZE_PEAK_BYTES",
     "DEQUANTIZE_VALUES_PER_S",
     "dequantize_bytes",
     "dequantize_paths",
@@ -48,6 +51,28 @@ DEQUANTIZED_DTYPE: Mapping[str, str] = MappingProxyType(
         **dict.fromkeys(
             ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"), "float16"
         ),
+    }
+)
+
+#: Peak bytes per logical value alive inside diffusers' dequantize of each ggml type (its
+#: intermediates and result; the packed weight itself not counted): measured by
+#: ``benchmarks/gguf_dequantize.py``, which counts every tensor the dequantize makes (a dispatch
+#: mode) until it is freed, on a 64 x 1024 weight (diffusers 0.42.1).
+DEQUANTIZE_PEAK_BYTES: Mapping[str, float] = MappingProxyType(
+    {
+        "BF16": 8.0,
+        "Q8_0": 2.0,
+        "Q4_0": 3.0,
+        "Q4_1": 5.0,
+        "Q5_0": 10.0,
+        "Q5_1": 10.0,
+        "Q2_K": 5.25,
+        "Q3_K": 5.31,
+        "Q4_K": 5.19,
+        "Q5_K": 7.19,
+        "Q6_K": 5.12,
+        "IQ4_NL": 12.0,
+        "IQ4_XS": 12.22,
     }
 )
 
@@ -76,13 +101,15 @@ DEQUANTIZE_VALUES_PER_S: Mapping[str, float] = MappingProxyType(
 
 
 def dequantize_bytes(weight: Dequantized) -> int:
-    """Bytes ``weight``'s layer holds while it dequantizes it (see the module notes): the dequantized
-    tensor, plus its cast to the compute dtype when that is another dtype."""
+    """Bytes ``weight``'s layer holds at most while it dequantizes it (see the module notes): the
+    larger of the dequantize's own peak (`DEQUANTIZE_PEAK_BYTES`) and the dequantized tensor plus its
+    cast to the compute dtype when that is another dtype."""
     made = DEQUANTIZED_DTYPE.get(weight.quant_type, "float32")
-    held = weight.numel * dtype_size(made)
+    cast = dtype_size(made)
     if weight.dtype is not None and weight.dtype != made:
-        held += weight.numel * dtype_size(weight.dtype)
-    return held
+        cast += dtype_size(weight.dtype)
+    inside = DEQUANTIZE_PEAK_BYTES.get(weight.quant_type, max(DEQUANTIZE_PEAK_BYTES.values()))
+    return math.ceil(weight.numel * max(inside, float(cast)))
 
 
 def dequantize_seconds(weights: Iterable[Dequantized], *, rates: Mapping[str, float] | None = None) -> float:
