@@ -302,3 +302,14 @@ def test_host_tier_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     assert result["throughput"]["direct"]["reader_modes"] == ["direct"]
     overlap = result["overlap"]
     assert overlap["read_bytes"] > 0 and overlap["predicted_s"] > 0 and overlap["file_tier"]["min_s"] > 0
+
+
+def test_gguf_dequantize_quick_measures_every_table_type() -> None:
+    """gguf_dequantize.py --quick times each type diffusers loads and prints the table's figure beside it."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("diffusers")
+    from torchferry import policies
+
+    out = _run("gguf_dequantize.py", "--quick", timeout=300)
+    for name in policies.DEQUANTIZE_VALUES_PER_S:
+        assert any(line.split()[:1] == [name] and "Mval/s" in line for line in out.splitlines()), name

@@ -212,6 +212,12 @@ def offload(
     if host.device_bytes is not None:
         source = host.device_source
         plan = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=host.device_bytes))
+    given = plan.config.device_memory_bytes
+    if given is not None and (reserve := policies.dequantize_reserve(plan)):
+        # The largest dequantized weight must fit beside the weights, as `torchferry plan` counts it.
+        source = f"{source}, less {policies.format_bytes(reserve)} for the largest dequantized weight"
+        weights = policies.weight_budget(plan, given)
+        plan = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=weights))
     chooser = None
     if auto:
         assert plan.config.device_memory_bytes is not None

@@ -192,3 +192,22 @@ def test_diffusers_flux_conversion_maps_a_flux_header_to_byte_ranges() -> None:
         (start + half, start + 2 * half),
         (start, start + half),
     )
+
+
+def test_the_gguf_reader_has_every_field_a_safetensors_reader_has(tmp_path: Path) -> None:
+    """One constructor opens both readers (only how headers are read differs), so the GGUF reader holds
+    every field of the safetensors reader, the one file its handle and stat were taken from."""
+    from safetensors.torch import save_file
+
+    from torchferry.runtime import CheckpointReader
+
+    path = _file(tmp_path / "fused.gguf")
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
+    with (
+        CheckpointReader(tmp_path / "w.safetensors") as plain,
+        GGUFCheckpointReader(path, module=_model(_real(path)), convert=_convert) as reader,
+    ):
+        assert set(vars(plain)) <= set(vars(reader))
+        assert reader.files == (str(path),) and set(reader.stats) == set(reader._handles) == {str(path)}
+        assert reader.problems == reader.unreadable == reader.components == ()
+    assert reader.closed

@@ -283,6 +283,13 @@ def _parser() -> _Parser:
         help="the components to offload, as offload(components=...): dit, text_encoder, vae, comma-separated "
         "(default: a session's default selection, the DiTs; model_level swaps them against the encoders)",
     )
+    plan.add_argument(
+        "--compute-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="for a GGUF model: the dtype its GGUFLinear layers compute in, as "
+        "from_single_file(compute_dtype=...) builds it (default float32, diffusers' default); it sizes "
+        "the dequantized weight counted beside the weights",
+    )
     plan.add_argument("--show-schedule", action="store_true", help="print the recommended steady DiT step")
     plan.add_argument(
         "--format", choices=["text", "json"], default="text", help="output format (default text)"
@@ -366,7 +373,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.device_class is not None and args.profile is not None:
         raise UsageError("--device-class and --profile are two sources of device figures; pass one of them")
     start = time.perf_counter()
-    topo, known = _plan_input.load_model(args.model, attrs_)
+    topo, known = _plan_input.load_model(args.model, attrs_, compute_dtype=args.compute_dtype)
     device, read_note = _with_reads(args, _device_figures(args))
     options = _plan_report.Options(
         budget_bytes=args.device_memory,

@@ -36,10 +36,14 @@ def parse_resolution(text: str) -> Resolution:
 
 
 def _looks_like_path(model: str) -> bool:
-    return os.path.exists(model) or model.endswith((".safetensors", ".json")) or (
-        ("/" in model or os.sep in model)
-        and topology.hub_snapshot(model) is None
-        and topology.hub_model_id(model) is None
+    return (
+        os.path.exists(model)
+        or model.endswith((".safetensors", ".json"))
+        or (
+            ("/" in model or os.sep in model)
+            and topology.hub_snapshot(model) is None
+            and topology.hub_model_id(model) is None
+        )
     )
 
 
@@ -123,10 +127,13 @@ def _pipeline_folder(path: str, hub_id: str | None) -> tuple[Topology, KnownMode
     return topo, None if match is None else topology.known_model(match)
 
 
-def _gguf(model: str) -> Topology | None:
+def _gguf(model: str, compute_dtype: str | None = None) -> Topology | None:
     """The topology of the GGUF file ``model`` names (or the one ``.gguf`` of a folder), built on meta as
     diffusers' GGUF single-file load builds it (`torchferry.from_single_file`), from the header and
-    the ``config.json`` beside it; ``None`` when ``model`` is neither."""
+    the ``config.json`` beside it, its layers computing in ``compute_dtype`` (default float32);
+    ``None`` when ``model`` is neither."""
+    import torch
+
     from torchferry._single_file import gguf_source, model_on_meta
 
     source = gguf_source(model)
@@ -135,11 +142,14 @@ def _gguf(model: str) -> Topology | None:
     file, model_class, config = source
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the model's own warnings while building; not the plan's
-        built = model_on_meta(model_class, file, config=config)
+        dtype = getattr(torch, compute_dtype or "float32")
+        built = model_on_meta(model_class, file, config=config, compute_dtype=dtype)
     return attrs.evolve(topology.discover(built), source=f"gguf:{file}", pipeline_class=model_class.__name__)
 
 
-def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[Topology, KnownModel | None]:
+def load_model(
+    model: str, block_attrs: Sequence[str] | None = None, *, compute_dtype: str | None = None
+) -> tuple[Topology, KnownModel | None]:
     """The topology ``model`` names (a known id, a hub id, a pipeline folder or a checkpoint).
 
     - a diffusers pipeline folder (``model_index.json`` and a subfolder per component): its
@@ -151,14 +161,22 @@ def load_model(model: str, block_attrs: Sequence[str] | None = None) -> tuple[To
       attributes are ``block_attrs`` or, when not given, guessed with `topology` ``guess_block_attrs`` (a
       checkpoint of a whole pipeline, its tensors named ``<component>.…``, becomes one component
       per name prefix);
-    - a GGUF file (or a folder holding one) with the model's ``config.json`` beside it: the model
-      built on meta as diffusers loads it, so every quantized byte is counted (`_gguf`);
+    - a GGUF file (or a folder holding one, or a hub id whose snapshot in the cache holds one) with
+      the model's ``config.json`` beside it: the model built on meta as diffusers loads it, so every
+      quantized byte is counted (`_gguf`), its layers computing in ``compute_dtype`` (a GGUF
+      model's only; default float32);
     - else a known id. Unknown ids and broken checkpoints raise `PlanError`.
     """
-    found = _gguf(model) if os.path.exists(model) else None
+    snapshot = None if os.path.exists(model) else topology.hub_snapshot(model)
+    local = model if snapshot is None else str(snapshot)  # a hub id: its snapshot in the cache
+    found = _gguf(local, compute_dtype) if os.path.exists(local) else None
     if found is not None:
         return found, None
-    snapshot = None if os.path.exists(model) else topology.hub_snapshot(model)
+    if compute_dtype is not None:
+        raise PlanError(
+            f"{model}: --compute-dtype is the compute dtype of a GGUF model's layers, and this is no GGUF "
+            "file nor a folder holding one; drop --compute-dtype"
+        )
     folder = model if os.path.isdir(model) else (str(snapshot) if snapshot is not None else None)
     if folder is not None and topology.is_pipeline_folder(folder):
         if block_attrs is not None:

@@ -119,7 +119,15 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
         )
     heads = ["strategy", "fits", "peak device", *(["host"] if host else []), "step", "overhead", "notes"]
     lines += _table(heads, table, {2, 3, 4, 5} if host else {2, 3, 4})
-    lines.append("(fits and peak device count weights only: leave room for activations and the VAE decode)")
+    if report.dequantize_bytes:
+        lines.append(
+            f"(fits and peak device count the weights and the largest dequantized GGUF weight, "
+            f"{_b(report.dequantize_bytes)}: leave room for activations and the VAE decode)"
+        )
+    else:
+        lines.append(
+            "(fits and peak device count weights only: leave room for activations and the VAE decode)"
+        )
     lines.extend(f"note {i}: {text}" for i, text in enumerate(notes, 1))
     lines.append("")
     rec = report.recommended
@@ -276,7 +284,10 @@ def report_document(report: PlanReport, *, show_schedule: bool = False) -> dict[
             "block_s": report.block_s,
             "forwards_per_step": report.forwards_per_step,
             "storage_dtype": o.storage_dtype,
-            "fits_counts": "weights only (no activations, no VAE decode)",
+            "fits_counts": "weights only (no activations, no VAE decode)"
+            if not report.dequantize_bytes
+            else "weights and the largest dequantized weight (no activations, no VAE decode)",
+            "dequantize_bytes": report.dequantize_bytes,
         },
         "strategies": [_row_document(r) for r in report.rows],
         "recommended": None if report.recommended is None else _row_document(report.recommended),

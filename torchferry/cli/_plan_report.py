@@ -192,6 +192,9 @@ class PlanReport:
     known_id: str = ""
     #: The recommended plan's host and file tiers (with a host budget only).
     host: HostTier | None = None
+    #: Device bytes the largest weight dequantized per call takes beside the weights
+    #: (`policies.dequantize_reserve`; 0: no layer dequantizes); every peak counts it.
+    dequantize_bytes: int = 0
 
 
 def _component_row(c: topology.Component) -> ComponentRow:
@@ -241,6 +244,8 @@ class _Planner:
         # Distributed rows need ranks: 2 unless the user said how many; only then may auto pick them.
         self.world = options.world_size or 2
         self.cost, self.compute, self.block_s = self._cost()
+        #: The largest dequantize temporary: it must fit beside the weights (`policies.weight_budget`).
+        self.reserve = policies.dequantize_reserve(topo)
         #: strategy row -> the plan and policy behind it, and its steady DiT step
         self.made: dict[str, tuple[Plan, Schedule | None, Policy]] = {}
 
@@ -261,11 +266,20 @@ class _Planner:
         if o.block_ms is not None:
             return cost, f"{o.block_ms:g} ms per block (given)", cost.block_s
         known = self.known
+        dequantize = ""
+        if cost.compute_s and (paths := policies.dequantize_paths(self.topo)):
+            blocks = [s for s, block in paths.values() if block]
+            mean = sum(blocks) / max(1, len(blocks))
+            dequantize = (
+                f" + dequantize {mean * 1e3:.3g} ms per block (GGUF weights, at CPU rates measured "
+                "by benchmarks/gguf_dequantize.py)"
+            )
         if known is None:
             s = cost.block_s
             return (
                 cost,
-                f"{s * 1e3:g} ms per block (assumed: a checkpoint's FLOPs are unknown; pass --block-ms)",
+                f"{s * 1e3:g} ms per block (assumed: a checkpoint's FLOPs are unknown; pass --block-ms)"
+                + dequantize,
                 s,
             )
         res = o.resolution or known.resolution
@@ -284,7 +298,7 @@ class _Planner:
             f"{mean / 1e12:.2f} TFLOP per block{batch} at {res} "
             f"({known.tokens(res)} latent + {text} text tokens) "
             f"on {tflops:g} TFLOP/s ({assumed})"
-        )
+        ) + dequantize
         return cost, description, cost.block_s
 
     def config(self, strategy: str) -> OffloadConfig:
@@ -385,6 +399,7 @@ class _Planner:
         """One strategy's row, and its steady schedule (``None``: no DiT step)."""
         schedules, steady = self.generation(policy, plan)
         peak = max((policies.simulate(s, self.cost).peak_device_bytes for s in schedules), default=0)
+        peak += self.reserve  # the largest layer's dequantized weight, beside the weights
         step_s = resident_s = 0.0
         if steady is not None:
             # A whole-component schedule anchors no block, so `simulate` implies no block computes:
@@ -430,7 +445,8 @@ class _Planner:
         for strategy in candidates:
             try:
                 plan = self.resolve(strategy)
-                choice = policies.choose(plan, self.options.budget_bytes, self.cost)
+                budget = policies.weight_budget(plan, self.options.budget_bytes)  # as the session plans
+                choice = policies.choose(plan, budget, self.cost)
             except OffloadError as exc:
                 problems.append(_one_line(exc))
                 continue
@@ -493,4 +509,5 @@ def build_report(model: str, topo: Topology, known: KnownModel | None, options: 
         schedule=schedules.get(shown),
         warnings=tuple(planner.warnings),
         host=_host(planner, shown),
+        dequantize_bytes=planner.reserve,
     )

@@ -40,6 +40,18 @@ from torchferry.policies._cost import (
     estimate_cost,
     match_device_class,
 )
+from torchferry.policies._dequantize import DEQUANTIZE_PEAK_BYTES as DEQUANTIZE_PEAK_BYTES
+from torchferry.policies._dequantize import (
+    DEQUANTIZE_VALUES_PER_S,
+    dequantize_bytes,
+    dequantize_reserve,
+    dequantize_seconds,
+    weight_budget,
+)
+from torchferry.policies._dequantize import DEQUANTIZED_DTYPE as DEQUANTIZED_DTYPE
+from torchferry.policies._dequantize import dequantize_paths as dequantize_paths
+from torchferry.policies._dequantize import dequantized_tensors as dequantized_tensors
+from torchferry.policies._dequantize import with_dequantize as with_dequantize
 from torchferry.policies._host import NO_LIMIT as NO_LIMIT
 from torchferry.policies._host import RESERVE_FRACTION as RESERVE_FRACTION
 from torchferry.policies._host import RESERVE_MIN as RESERVE_MIN
@@ -110,6 +122,7 @@ __all__ = [
     "DEFAULT_COST",
     "DEFAULT_DEVICE",
     "DEFAULT_READ_BYTES_PER_S",
+    "DEQUANTIZE_VALUES_PER_S",
     "DEVICE",
     "DEVICE_CLASSES",
     "INVARIANTS",
@@ -143,6 +156,9 @@ __all__ = [
     "check",
     "choose",
     "declare",
+    "dequantize_bytes",
+    "dequantize_reserve",
+    "dequantize_seconds",
     "distributed_layerwise",
     "estimate_cost",
     "format_bytes",
@@ -162,4 +178,5 @@ __all__ = [
     "steady_schedule",
     "swap_per_forward_s",
     "tiers",
+    "weight_budget",
 ]

@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 
 from torchferry._errors import PlanError
+from torchferry.policies._dequantize import with_dequantize
 from torchferry.policies._sim import CostModel
 from torchferry.topology import KnownModel, Resolution, Topology
 
@@ -213,7 +214,38 @@ def estimate_cost(
     ``read_bytes_per_s`` when given, else at the device's measured rate
     (`DeviceProfile.file_read_bytes_per_s`), else at `DEFAULT_READ_BYTES_PER_S`; a schedule without
     reads takes no time from it.
+
+    On a CPU device (``device.name`` or ``device.device`` is ``"cpu"``) each block and component
+    whose layers dequantize their weights at every call (`TensorSpec.dequantized`, GGUF) computes
+    for `dequantize_seconds` more, at the CPU rates measured (`DEQUANTIZE_VALUES_PER_S`); ``source``
+    then says how much. No GPU rate was measured, so on a GPU nothing is added; nor to a given
+    ``block_s``, which is the whole block's time.
     """
+    cost = _compute_cost(
+        topo, known, device=device, resolution=resolution, text_tokens=text_tokens,
+        forwards_per_step=forwards_per_step, steps=steps, block_s=block_s, rest_s=rest_s,
+        host_op_s=host_op_s, host_block_s=host_block_s, read_bytes_per_s=read_bytes_per_s,
+    )  # fmt: skip
+    if block_s is not None or "cpu" not in (device.name, device.device):
+        return cost  # a given block time is the whole block's; no GPU rate was measured
+    return with_dequantize(cost, topo)
+
+
+def _compute_cost(
+    topo: Topology,
+    known: KnownModel | None,
+    *,
+    device: DeviceProfile,
+    resolution: Resolution | None,
+    text_tokens: int | None,
+    forwards_per_step: int | None,
+    steps: int,
+    block_s: float | None,
+    rest_s: float,
+    host_op_s: float,
+    host_block_s: float,
+    read_bytes_per_s: float | None,
+) -> CostModel:
     forwards = forwards_per_step or (known.forwards_per_step if known is not None else 1)
     read = read_bytes_per_s or device.file_read_bytes_per_s() or DEFAULT_READ_BYTES_PER_S
     base = CostModel(

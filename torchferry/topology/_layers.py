@@ -7,6 +7,10 @@ none of its skip patterns: diffusers' defaults (`SKIP_PATTERNS`), the class's ow
 LoRA, LoHa and LoKr layers; a skipped module's children are skipped with it. Discovery marks those
 layers' floating tensors ``TensorSpec.castable``, so a ``storage_dtype=`` request
 (`torchferry.topology._storage`) stores exactly the tensors diffusers would.
+
+`dequantized_weights` finds the weights a layer dequantizes at every call: diffusers'
+``GGUFLinear`` (a ``nn.Linear`` with a ``compute_dtype``) whose weight is a ``GGUFParameter`` (it
+has a ``quant_type``) dequantizes it in its forward and casts the result to ``compute_dtype``.
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ import sys
 
 from torch import nn
 
+from torchferry.topology._gguf import GGUF_TYPES
+from torchferry.topology._model import Dequantized
 from torchferry.topology._storage import SKIP_PATTERNS
 from torchferry.topology._wrapped import is_wrapper
 
-__all__ = ["castable_ids"]
+__all__ = ["castable_ids", "dequantized_weights"]
+
+_GGUF_BLOCKS = {name: (block, size) for name, block, size in GGUF_TYPES.values()}
 
 #: The layer classes diffusers' layerwise casting hooks.
 _LAYERS = (
@@ -72,4 +80,26 @@ def castable_ids(model: nn.Module) -> set[int]:
             visit(child, f"{prefix}.{name}" if prefix else name)
 
     visit(model, "")
+    return found
+
+
+def dequantized_weights(model: nn.Module) -> dict[int, Dequantized]:
+    """Ids of the weights of ``model`` that their layer dequantizes at every call (see the module
+    notes), each with what that dequantize makes: its type, logical values and compute dtype."""
+    found: dict[int, Dequantized] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight") if isinstance(module, nn.Linear) else None
+        kind = getattr(weight, "quant_type", None)
+        if weight is None or kind is None or not hasattr(module, "compute_dtype"):
+            continue
+        name = str(getattr(kind, "name", kind))
+        if name not in _GGUF_BLOCKS or name in ("F32", "F16"):
+            continue
+        block, size = _GGUF_BLOCKS[name]
+        dtype = module.compute_dtype
+        found[id(weight)] = Dequantized(
+            quant_type=name,
+            numel=weight.numel() // size * block,
+            dtype=None if dtype is None else str(dtype).removeprefix("torch."),
+        )
     return found

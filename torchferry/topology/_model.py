@@ -21,6 +21,7 @@ __all__ = [
     "Component",
     "ComponentKind",
     "Declaration",
+    "Dequantized",
     "Stack",
     "TensorSpec",
     "Topology",
@@ -106,6 +107,18 @@ def _str_tuple(value: str | Iterable[object]) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
 
 
+@attrs.frozen(kw_only=True)
+class Dequantized:
+    """A weight its layer dequantizes at every call (diffusers' ``GGUFLinear``): its ggml type
+    (``"Q4_K"``), its logical values, and the dtype the layer computes in (``None``: the layer casts
+    nothing, and computes in what the dequantize gives). `policies.dequantize_bytes` and
+    `policies.dequantize_seconds` price it."""
+
+    quant_type: str
+    numel: int
+    dtype: str | None
+
+
 @attrs.frozen(kw_only=True, cache_hash=True)
 class TensorSpec:
     """One parameter or buffer: its qualified name, shape, dtype and byte count.
@@ -117,6 +130,8 @@ class TensorSpec:
     ``compute_dtype`` is set when the tensor is stored (held, moved) in ``dtype`` and its layer
     computes in ``compute_dtype`` (a ``storage_dtype=`` request); ``castable`` says whether diffusers'
     layerwise casting would cast it (``None``: no module said, as from checkpoint headers).
+    ``dequantized`` is set for a weight its layer dequantizes at every call (`Dequantized`; read
+    from the layer by `discover`), so plans count the time and the temporary that costs.
     """
 
     name: str
@@ -127,6 +142,7 @@ class TensorSpec:
     aliases: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
     compute_dtype: str | None = None
     castable: bool | None = attrs.field(default=None, eq=False)
+    dequantized: Dequantized | None = attrs.field(default=None, eq=False)
 
     # Derived once at construction: plans read these for every tensor of every block, many times.
     numel: int = attrs.field(init=False, eq=False, repr=False)

@@ -16,8 +16,16 @@ from torch import nn
 
 from torchferry._errors import PlanError
 from torchferry.topology._blocks import Skeleton
-from torchferry.topology._layers import castable_ids
-from torchferry.topology._model import DTYPE_SIZES, Block, Component, Stack, TensorSpec, join_path
+from torchferry.topology._layers import castable_ids, dequantized_weights
+from torchferry.topology._model import (
+    DTYPE_SIZES,
+    Block,
+    Component,
+    Dequantized,
+    Stack,
+    TensorSpec,
+    join_path,
+)
 from torchferry.topology._wrapped import inner_tensors
 
 __all__ = ["build_components"]
@@ -128,7 +136,9 @@ def _assign_owners(occurrences: list[_Occurrence]) -> dict[int, list[tuple[_Occu
     return owned
 
 
-def _spec(occ: _Occurrence, aliases: tuple[str, ...], castable: set[int]) -> TensorSpec:
+def _spec(
+    occ: _Occurrence, aliases: tuple[str, ...], castable: set[int], dequantized: dict[int, Dequantized]
+) -> TensorSpec:
     dtype = _dtype_name(occ.tensor.dtype)
     if dtype not in DTYPE_SIZES:
         known = ", ".join(sorted(DTYPE_SIZES))
@@ -144,6 +154,7 @@ def _spec(occ: _Occurrence, aliases: tuple[str, ...], castable: set[int]) -> Ten
         persistent=occ.persistent,
         aliases=aliases,
         castable=id(occ.tensor) in castable,
+        dequantized=dequantized.get(id(occ.tensor)),
     )
 
 
@@ -163,8 +174,13 @@ def _occurrences(skeletons: list[Skeleton], component_ids: frozenset[int]) -> li
             for name, tensor in inner_tensors(found, whole):  # a wrapper's inner tensors (see _wrapped)
                 occurrences.append(
                     _Occurrence(
-                        rank=(index, category, seq), owner=owner, component=index, name=name, tensor=tensor,
-                        buffer=buffer, persistent=persistent,
+                        rank=(index, category, seq),
+                        owner=owner,
+                        component=index,
+                        name=name,
+                        tensor=tensor,
+                        buffer=buffer,
+                        persistent=persistent,
                     )
                 )
                 seq += 1
@@ -190,8 +206,9 @@ def _occurrences(skeletons: list[Skeleton], component_ids: frozenset[int]) -> li
 def _build(sk: Skeleton, owned: list[tuple[_Occurrence, tuple[str, ...]]]) -> Component:
     by_owner: dict[str, list[TensorSpec]] = {}
     castable = castable_ids(sk.module)
+    dequantized = dequantized_weights(sk.module)
     for occ, aliases in owned:
-        by_owner.setdefault(occ.owner, []).append(_spec(occ, aliases, castable))
+        by_owner.setdefault(occ.owner, []).append(_spec(occ, aliases, castable, dequantized))
 
     def component(part: Skeleton, remainder_key: str, children: tuple[Component, ...]) -> Component:
         return Component(

@@ -60,6 +60,7 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "WINDOW_BYTES",
     "CheckpointReader",
+    "Headers",
 ]
 
 #: safetensors dtype codes torchferry reads, with the torch dtype name each one holds (topology's table).
@@ -111,6 +112,20 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+@attrs.frozen(kw_only=True)
+class Headers:
+    """What a reader's `CheckpointReader._headers` found: its files, each pipeline component's name
+    prefix, the checked entries, the problems and unreadable files `validate` reports, and the keys
+    a problem removed (each with its problem)."""
+
+    files: tuple[str, ...]
+    components: tuple[str, ...] = ()
+    entries: FrozenMap[str, HeaderEntry]
+    problems: tuple[str, ...] = ()
+    unreadable: tuple[str, ...] = ()
+    broken: FrozenMap[str, str] = attrs.field(factory=FrozenMap)
+
+
 class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
     """Reads a safetensors checkpoint (one file, a folder of shards, or an ``*.index.json``).
 
@@ -143,7 +158,6 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         widen: Collection[str] = (),
     ) -> None:
         self.path = os.fspath(path)
-        path = os.path.join(os.getcwd(), self.path)  # Why: file names fixed at open (a chdir later)
         self.prefix_map: KeyMap = KeyMap.of(prefix_map)  # with a library's renames (`topology.KeyMap`)
         #: Model tensor names held in float32 that may be read from a 16-bit float (see above).
         self.widen: frozenset[str] = frozenset(widen)
@@ -151,6 +165,26 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         #: ``os.fstat`` of each file when its header was read, for `changed` (a rewrite since then).
         self.stats: dict[str, os.stat_result] = {}
         self._closed = False
+        try:
+            # Why: file names fixed at open (a chdir later)
+            found = self._headers(os.path.join(os.getcwd(), self.path), variant)
+        except BaseException:
+            self.close()
+            raise
+        self.files: tuple[str, ...] = found.files
+        #: For a pipeline folder, each component's name prefix (``"transformer."``); else empty.
+        self.components: tuple[str, ...] = found.components
+        self.entries: FrozenMap[str, HeaderEntry] = FrozenMap(found.entries)
+        #: Problems found in the headers (and index), in file order; `validate` reports them.
+        self.problems: tuple[str, ...] = found.problems
+        #: Files whose header could not be read (their tensors are unknown).
+        self.unreadable: tuple[str, ...] = found.unreadable
+        self._broken = dict(found.broken)
+
+    def _headers(self, path: str, variant: str | None) -> Headers:
+        """Open the checkpoint's files (each into ``_handles`` and ``stats``) and read their headers:
+        the one place a reader of another format differs (`runtime.GGUFCheckpointReader`). A handle
+        opened here is closed by the constructor when this raises."""
         # A diffusers pipeline folder: names under "<component>.".
         folder = pipeline_sources(path, variant)
         if folder is None and variant is not None:
@@ -169,73 +203,68 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         problems: list[str] = []
         broken: dict[str, str] = {}
         unreadable: list[str] = []
-        try:
-            for file in files:
-                listed = [k for k, f in (index or {}).items() if f == file]
-                try:
-                    handle = open_regular(file)
-                except FileNotFoundError:
+        for file in files:
+            listed = [k for k, f in (index or {}).items() if f == file]
+            try:
+                handle = open_regular(file)
+            except FileNotFoundError:
+                problem = (
+                    f"{self.path}: lists {_plural(len(listed), 'tensor')} in {file}, which does not "
+                    f"exist; restore the file or fix the index"
+                )
+                problems.append(problem)
+                broken.update(dict.fromkeys(listed, problem))
+                continue
+            except PlanError as exc:
+                problem = f"{exc}; {_RESAVE}"
+                problems.append(problem)
+                unreadable.append(file)
+                broken.update(dict.fromkeys(listed, problem))
+                continue
+            self._handles[file] = handle
+            self.stats[file] = os.fstat(handle.fileno())
+            try:
+                # The header comes from the descriptor the data is later mapped from (no reopen).
+                found = parse_header(file, handle)
+                # torchao's names for a wrapper's parts are discovery's (topology/_quantized.py).
+                found, index = quantized_names(file, handle, found, index, prefixes.get(file, ""))
+                if prefixes:
+                    found = tuple(attrs.evolve(e, name=prefixes[file] + e.name) for e in found)
+            except PlanError as exc:
+                problem = f"{exc}; {_RESAVE}"  # a header problem, with the fix for a damaged file
+                problems.append(problem)
+                unreadable.append(file)
+                broken.update(dict.fromkeys(listed, problem))
+                continue
+            for entry in found:
+                if entry.name in entries:
                     problem = (
-                        f"{self.path}: lists {_plural(len(listed), 'tensor')} in {file}, which does not "
-                        f"exist; restore the file or fix the index"
+                        f"{self.path}: tensor {show(entry.name)} appears in both "
+                        f"{entries[entry.name].file} and {file}; keep one copy"
                     )
                     problems.append(problem)
-                    broken.update(dict.fromkeys(listed, problem))
-                    continue
-                except PlanError as exc:
-                    problem = f"{exc}; {_RESAVE}"
-                    problems.append(problem)
-                    unreadable.append(file)
-                    broken.update(dict.fromkeys(listed, problem))
-                    continue
-                self._handles[file] = handle
-                self.stats[file] = os.fstat(handle.fileno())
-                try:
-                    # The header comes from the descriptor the data is later mapped from (no reopen).
-                    found = parse_header(file, handle)
-                    # torchao's names for a wrapper's parts are discovery's (topology/_quantized.py).
-                    found, index = quantized_names(file, handle, found, index, prefixes.get(file, ""))
-                    if prefixes:
-                        found = tuple(attrs.evolve(e, name=prefixes[file] + e.name) for e in found)
-                except PlanError as exc:
-                    problem = f"{exc}; {_RESAVE}"  # a header problem, with the fix for a damaged file
-                    problems.append(problem)
-                    unreadable.append(file)
-                    broken.update(dict.fromkeys(listed, problem))
-                    continue
-                for entry in found:
-                    if entry.name in entries:
-                        problem = (
-                            f"{self.path}: tensor {show(entry.name)} appears in both "
-                            f"{entries[entry.name].file} and {file}; keep one copy"
-                        )
-                        problems.append(problem)
-                        broken[entry.name] = problem
-                    else:
-                        entries[entry.name] = entry
-            for key, file in (index or {}).items():
-                if key in broken or file not in self._handles:
-                    continue
-                actual = entries.get(key)
-                if actual is None or actual.file != file:
-                    where = "that file's header lacks it" if actual is None else f"it is in {actual.file}"
-                    problem = f"{self.path}: says tensor {show(key)} is in {file}, but {where}; fix the index"
-                    problems.append(problem)
-                    broken[key] = problem
-        except BaseException:
-            self.close()
-            raise
+                    broken[entry.name] = problem
+                else:
+                    entries[entry.name] = entry
+        for key, file in (index or {}).items():
+            if key in broken or file not in self._handles:
+                continue
+            actual = entries.get(key)
+            if actual is None or actual.file != file:
+                where = "that file's header lacks it" if actual is None else f"it is in {actual.file}"
+                problem = f"{self.path}: says tensor {show(key)} is in {file}, but {where}; fix the index"
+                problems.append(problem)
+                broken[key] = problem
         for key in broken:
             entries.pop(key, None)
-        self.files: tuple[str, ...] = tuple(files)
-        #: For a pipeline folder, each component's name prefix (``"transformer."``); else empty.
-        self.components: tuple[str, ...] = tuple(dict.fromkeys(prefixes.values()))
-        self.entries: FrozenMap[str, HeaderEntry] = FrozenMap(entries)
-        #: Problems found in the headers (and index), in file order; `validate` reports them.
-        self.problems: tuple[str, ...] = tuple(problems)
-        #: Files whose header could not be read (their tensors are unknown).
-        self.unreadable: tuple[str, ...] = tuple(unreadable)
-        self._broken = broken
+        return Headers(
+            files=tuple(files),
+            components=tuple(dict.fromkeys(prefixes.values())),
+            entries=FrozenMap(entries),
+            problems=tuple(problems),
+            unreadable=tuple(unreadable),
+            broken=FrozenMap(broken),
+        )
 
     # -- names ---------------------------------------------------------------------------------------
 

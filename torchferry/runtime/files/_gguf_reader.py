@@ -30,14 +30,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from torchferry._errors import PlanError
-from torchferry.runtime.files._checkpoint_reader import CheckpointReader
+from torchferry.runtime.files._checkpoint_reader import CheckpointReader, Headers
 from torchferry.runtime.files._spans import FileSpan
 from torchferry.topology import (
     GGUF_TYPES,
     FrozenMap,
     GGUFEntry,
     HeaderEntry,
-    KeyMap,
     TensorSpec,
     is_gguf,
     open_regular,
@@ -103,10 +102,14 @@ def model_entries(
     try:
         with joins:
             converted = convert(**kwargs)
-    except Exception as exc:  # a conversion's own failure: it did not recognise these names
+    except Exception as exc:  # a conversion's own failure: it did not recognise these names or shapes
+        roots = [t if t._base is None else t._base for t in joins.failed]
+        names = list(dict.fromkeys(owner[id(t)].name for t in roots if id(t) in owner))
+        at = f" at {', '.join(repr(n) for n in names)}" if names else " on this file's names"
         raise PlanError(
-            f"{file}: {what} failed on this file's names ({type(exc).__name__}: {exc}); is it a "
-            "checkpoint of this model?"
+            f"{file}: {what} failed{at} ({type(exc).__name__}: {exc}); the file is not a checkpoint of "
+            f"this {class_name} configuration, or the conversion assumes another one (torchferry runs "
+            "diffusers' conversion unchanged, as from_single_file does)"
         ) from None
     out: dict[str, GGUFEntry] = {}
     computed: list[str] = []
@@ -149,12 +152,18 @@ class _Joins(TorchFunctionMode):
         super().__init__()
         #: id of a cat's result -> (the result, kept alive so the id stays its own; what it joined).
         self.joined: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        #: The tensors given to the operation that raised, if one did (the file's, for the message).
+        self.failed: list[torch.Tensor] = []
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        result = func(*args, **kwargs)
+        try:
+            result = func(*args, **kwargs)
+        except Exception:
+            self.failed = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            raise
         if func in (torch.cat, torch.concat, torch.concatenate) and isinstance(result, torch.Tensor):
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
             if dim in (0, -result.dim()) and isinstance(args[0], (list, tuple)):
@@ -216,55 +225,47 @@ class GGUFCheckpointReader(CheckpointReader):
         module_prefix: str = "",
         convert: Any = None,
     ) -> None:
-        self.path = os.path.join(os.getcwd(), os.fspath(path))  # Why: fixed at open (a chdir later)
-        self.prefix_map = KeyMap.of(prefix_map)
-        self.widen = frozenset(widen)
-        self._handles = {}
-        self.stats = {}
-        self._closed = False
-        self._broken = {}
-        self.files = (self.path,)
-        self.components = ()
-        self.problems = ()
-        self.unreadable = ()
-        state = module.state_dict(keep_vars=True) if module is not None else {}
-        handle = open_regular(self.path)
+        #: The model the file fills, and the conversion naming its tensors (read by `_headers`).
+        self._module, self._convert, self._module_prefix = module, convert, module_prefix
+        #: Model names (before ``prefix_map``) of F32/F16 tensors loaded in another float dtype.
+        self.casts: dict[str, torch.dtype] = {}
+        super().__init__(path, prefix_map=prefix_map, widen=widen)
+        self._cast_by_key = {self.key(n): d for n, d in self.casts.items()}
+        #: Tensors joined from several ranges of the file (`GGUFEntry.pieces`), read once at open.
+        self._joined: dict[str, torch.Tensor] = {}
         try:
-            found = parse_gguf(self.path, handle)
-        except BaseException:
-            handle.close()
-            raise
-        self._handles[self.path] = handle  # the header's descriptor is the one the data is read from
-        self.stats[self.path] = os.fstat(handle.fileno())
-        config = getattr(module, "config", None)
-        try:
-            entries = model_entries(
-                self.path, found, None if module is None else type(module), list(state),
-                config if isinstance(config, Mapping) else None, convert=convert,
-            )  # fmt: skip
+            for key, entry in self.entries.items():
+                if isinstance(entry, GGUFEntry) and entry.pieces:
+                    joined = torch.empty(entry.nbytes, dtype=torch.uint8)
+                    at = 0
+                    for begin, end in entry.pieces:
+                        self._copy(self.files[0], begin, joined[at : at + end - begin])
+                        at += end - begin
+                    self._joined[key] = joined
         except BaseException:
             self.close()
             raise
-        #: Model names (before ``prefix_map``) of F32/F16 tensors loaded in another float dtype.
-        self.casts: dict[str, torch.dtype] = {}
+
+    def _headers(self, path: str, variant: str | None) -> Headers:
+        """The one GGUF file's entries under the model's names (see the Note at the top)."""
+        module = self._module
+        state = module.state_dict(keep_vars=True) if module is not None else {}
+        handle = open_regular(path)
+        self._handles[path] = handle  # the header's descriptor is the one the data is read from
+        self.stats[path] = os.fstat(handle.fileno())
+        found = parse_gguf(path, handle)
+        config = getattr(module, "config", None)
+        entries = model_entries(
+            path, found, None if module is None else type(module), list(state),
+            config if isinstance(config, Mapping) else None, convert=self._convert,
+        )  # fmt: skip
         for name, entry in entries.items():
             tensor = state.get(name)
             if entry.quantized or not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
                 continue
             if str(tensor.dtype).removeprefix("torch.") != entry.dtype:
-                self.casts[module_prefix + name] = tensor.dtype
-        self.entries = FrozenMap[str, HeaderEntry](dict(entries))
-        self._cast_by_key = {self.key(n): d for n, d in self.casts.items()}
-        #: Tensors joined from several ranges of the file (`GGUFEntry.pieces`), read once at open.
-        self._joined: dict[str, torch.Tensor] = {}
-        for key, entry in entries.items():
-            if entry.pieces:
-                joined = torch.empty(entry.nbytes, dtype=torch.uint8)
-                at = 0
-                for begin, end in entry.pieces:
-                    self._copy(self.path, begin, joined[at : at + end - begin])
-                    at += end - begin
-                self._joined[key] = joined
+                self.casts[self._module_prefix + name] = tensor.dtype
+        return Headers(files=(path,), entries=FrozenMap[str, HeaderEntry](dict(entries)))
 
     def spans(
         self,

@@ -52,6 +52,7 @@ import torch
 from torchferry import policies
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.runtime.files._checkpoint_reader import CheckpointReader
+from torchferry.runtime.files._chunks import Chunk, Fixup, PackRead, chunked
 from torchferry.runtime.files._identity import changed
 from torchferry.runtime.files._spans import FileSpan
 from torchferry.runtime.memory import PAGE, Piece, page_bytes
@@ -86,7 +87,6 @@ CHUNK_BYTES = BOUNCE_BYTES - 2 * DIRECT_ALIGN
 #: The most bytes one buffered chunk reads (large: one ``preadv`` each, but a big pack still splits
 #: across the threads).
 BUFFERED_CHUNK_BYTES = 64 << 20
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 def error_reason(exc: BaseException) -> str:
@@ -97,55 +97,6 @@ def error_reason(exc: BaseException) -> str:
 def _buffer(t: torch.Tensor, start: int, length: int) -> Any:
     """A writable buffer over bytes ``[start, start + length)`` of contiguous CPU tensor ``t``."""
     return (ctypes.c_char * length).from_address(t.data_ptr() + start)
-
-
-@attrs.frozen
-class Chunk:
-    """Bytes contiguous in one file, read by one ``preadv``: from file offset ``offset``, each part
-    ``(dst, length)`` in turn lands at ``dst`` of the destination; ``names`` are its tensors'."""
-
-    file: str
-    offset: int
-    parts: tuple[tuple[int, int], ...]
-    names: tuple[str, ...]
-
-    @property
-    def length(self) -> int:
-        return sum(n for _, n in self.parts)
-
-
-@attrs.frozen(eq=False)
-class Fixup:
-    """Bytes ``[lo, hi)`` of a piece placed at ``dst`` that a chunk did not leave right: a
-    non-persistent buffer's bytes from ``source`` (kept at open); a tensor the module stores with
-    other strides, read row-major into its place and rearranged there (``in_place``), or, for a
-    shard's part of one, read whole from ``(file, src)`` aside and arranged."""
-
-    dst: int
-    lo: int
-    hi: int
-    piece: Piece
-    name: str
-    source: torch.Tensor | None = None
-    file: str | None = None
-    src: int = 0
-    #: The piece's row-major bytes were read into its place: rearrange them there.
-    in_place: bool = False
-
-
-@attrs.frozen(eq=False)
-class PackRead:
-    """How pack ``name`` is read: ``nbytes`` destination bytes (the pack, or this rank's shard), its
-    chunks, and the fixups that follow them."""
-
-    name: str
-    nbytes: int
-    chunks: tuple[Chunk, ...]
-    fixups: tuple[Fixup, ...] = ()
-
-    @property
-    def file_bytes(self) -> int:
-        return sum(c.length for c in self.chunks)
 
 
 class FileViews:
@@ -358,7 +309,7 @@ class FileReader:
         for file in dict.fromkeys(r.file for r in runs if r.file is not None):
             limit = self.chunk_bytes if file in direct else BUFFERED_CHUNK_BYTES
             mine = sorted((r for r in runs if r.file == file), key=lambda r: r.src)
-            chunks.extend(_chunks(file, mine, limit))
+            chunks.extend(chunked(file, mine, limit))
         return PackRead(name=name, nbytes=end - start, chunks=tuple(chunks), fixups=tuple(fixups))
 
     def reserve(self, reads: Sequence[PackRead]) -> None:
@@ -570,38 +521,3 @@ class _Changed(Exception):
     def __init__(self, what: str, fix: str = _REOPEN) -> None:
         super().__init__(what)
         self.fix = fix
-
-
-def _chunks(file: str, spans: Sequence[FileSpan], limit: int) -> list[Chunk]:
-    """``spans`` of one file, in file order, as chunks: contiguous in the file, at most ``limit``
-    bytes and `_IOV_MAX` parts each (a tensor larger than ``limit`` spans several chunks)."""
-    chunks: list[Chunk] = []
-    parts: list[tuple[int, int]] = []
-    names: list[str] = []
-    offset = cursor = 0
-    size = 0
-
-    def flush() -> None:
-        nonlocal parts, names, size
-        if parts:
-            named = tuple(dict.fromkeys(names))
-            chunks.append(Chunk(file=file, offset=offset, parts=tuple(parts), names=named))
-        parts, names, size = [], [], 0
-
-    for span in spans:
-        src, dst, left = span.src, span.dst, span.length
-        if parts and src != cursor:
-            flush()
-        while left:
-            if not parts:
-                offset = src
-            take = min(left, limit - size)
-            parts.append((dst, take))
-            names.append(span.name)
-            size += take
-            src, dst, left = src + take, dst + take, left - take
-            cursor = src
-            if size >= limit or len(parts) >= _IOV_MAX:
-                flush()
-    flush()
-    return chunks
