@@ -51,16 +51,20 @@ def _dit(name: str, **changes: Any) -> nn.Module:
 
 
 def _kl(latent: int = 4) -> nn.Module:
-    return _diffusers().AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
-        latent_channels=latent,
-        norm_num_groups=4,
-        layers_per_block=1,
-    ).eval()
+    return (
+        _diffusers()
+        .AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(8, 16),
+            latent_channels=latent,
+            norm_num_groups=4,
+            layers_per_block=1,
+        )
+        .eval()
+    )
 
 
 def _t5(d_model: int = 32) -> nn.Module:
@@ -408,6 +412,7 @@ def _run_sana(pipe: Any) -> tuple[torch.Tensor, ...]:
 
 
 import pipeline_zoo_more as more  # noqa: E402  (its builders use the helpers above)
+import pipeline_zoo_new_b as new_b  # noqa: E402  (likewise)
 
 #: pipeline class name -> its case.
 CASES: dict[str, Case] = {
@@ -427,6 +432,10 @@ CASES: dict[str, Case] = {
     "PixArtSigmaPipeline": Case(build=more.pixart, call=more.run_pixart, full=True),
     "WanVACEPipeline": Case(build=more.vace, call=more.run_vace, full=True),
     "ChronoEditPipeline": Case(build=more.chronoedit, call=_run_wan_i2v, full=True),
+    "Kandinsky5T2VPipeline": Case(build=new_b.kandinsky5_t2v, call=new_b.run_kandinsky5_t2v, full=True),
+    "Kandinsky5T2IPipeline": Case(build=new_b.kandinsky5_t2i, call=new_b.run_kandinsky5_t2i, full=True),
+    "HunyuanVideo15Pipeline": Case(build=new_b.hunyuan_video15, call=new_b.run_hunyuan_video15, full=True),
+    "SanaVideoPipeline": Case(build=new_b.sana_video, call=new_b.run_sana_video, full=True),
 }
 
 
@@ -452,4 +461,3 @@ def weights(pipe: Any) -> dict[str, torch.Tensor]:
             for key, tensor in value.state_dict(keep_vars=True).items():
                 out[f"{name}.{key}"] = tensor.detach().clone()
     return out
-
