@@ -436,6 +436,7 @@ CASES: dict[str, Case] = {
     "Kandinsky5T2IPipeline": Case(build=new_b.kandinsky5_t2i, call=new_b.run_kandinsky5_t2i, full=True),
     "HunyuanVideo15Pipeline": Case(build=new_b.hunyuan_video15, call=new_b.run_hunyuan_video15, full=True),
     "SanaVideoPipeline": Case(build=new_b.sana_video, call=new_b.run_sana_video, full=True),
+    "WanAnimatePipeline": Case(build=new_b.wan_animate, call=new_b.run_wan_animate, full=True),
 }
 
 

@@ -229,3 +229,49 @@ def run_sana_video(pipe: Any) -> tuple[torch.Tensor, ...]:
         use_resolution_binning=False,
     ).frames
     return embeds, frames
+
+
+def wan_animate() -> Any:
+    d = base._diffusers()
+    i2v = base._wan_i2v()
+    torch.manual_seed(1)
+    # The latents, the reference latents and their 4-channel mask go in together: 16 + 16 + 4.
+    transformer = base._dit(
+        "WanAnimateTransformer3DModel", in_channels=36, latent_channels=16, out_channels=16, text_dim=32
+    )
+    return d.WanAnimatePipeline(
+        tokenizer=None,
+        text_encoder=i2v.text_encoder,
+        vae=i2v.vae,
+        scheduler=i2v.scheduler,
+        image_processor=i2v.image_processor,
+        image_encoder=i2v.image_encoder,
+        transformer=transformer,
+    )
+
+
+def run_wan_animate(pipe: Any) -> tuple[torch.Tensor, ...]:
+    """One segment of five frames animated from a character image, a pose video and a face video (all
+    random pixels); the image goes through the pipeline's own image encoder, and the VAE encodes the
+    image and poses and decodes the frames."""
+    from PIL import Image
+
+    seeded = torch.Generator().manual_seed(1)
+    pixels = torch.randint(0, 256, (11, 16, 16, 3), generator=seeded, dtype=torch.uint8)
+    image, *frames = [Image.fromarray(frame.numpy()) for frame in pixels]
+    embeds = pipe.text_encoder(base.IDS).last_hidden_state
+    video = pipe(
+        image=image,
+        pose_video=frames[:5],
+        face_video=frames[5:],
+        prompt_embeds=embeds,
+        negative_prompt_embeds=embeds.flip(1),
+        guidance_scale=2.0,
+        height=16,
+        width=16,
+        segment_frame_length=5,
+        num_inference_steps=2,
+        generator=base._generator(),
+        output_type="pt",
+    ).frames
+    return embeds, video
