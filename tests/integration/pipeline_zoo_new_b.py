@@ -4,6 +4,8 @@ modules may import each other).
 
 The sizes follow each pipeline's own fast test in the diffusers test suite, with the transformers
 given at least four blocks per ring, and the text encoders built from small transformers configs.
+Unlike the first cases, these calls decode their latents (``output_type="pt"``), so every step also
+runs the VAE where the session put it.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def run_kandinsky5_t2v(pipe: Any) -> tuple[torch.Tensor, ...]:
         num_frames=5,
         num_inference_steps=2,
         generator=base._generator(),
-        output_type="latent",
+        output_type="pt",
     ).frames
     return embeds["prompt_embeds_qwen"], embeds["prompt_embeds_clip"], frames
 
@@ -113,7 +115,7 @@ def run_kandinsky5_t2i(pipe: Any) -> tuple[torch.Tensor, ...]:
         width=64,
         num_inference_steps=2,
         generator=base._generator(),
-        output_type="latent",
+        output_type="pt",
     ).image
     return embeds["prompt_embeds_qwen"], embeds["prompt_embeds_clip"], image
 
@@ -179,7 +181,7 @@ def run_hunyuan_video15(pipe: Any) -> tuple[torch.Tensor, ...]:
         num_frames=9,
         num_inference_steps=2,
         generator=base._generator(),
-        output_type="latent",
+        output_type="pt",
     ).frames
     return embeds, glyphs, frames
 
@@ -225,7 +227,7 @@ def run_sana_video(pipe: Any) -> tuple[torch.Tensor, ...]:
         frames=9,
         num_inference_steps=2,
         generator=base._generator(),
-        output_type="latent",
+        output_type="pt",
         use_resolution_binning=False,
     ).frames
     return embeds, frames
