@@ -437,6 +437,12 @@ CASES: dict[str, Case] = {
     "HunyuanVideo15Pipeline": Case(build=new_b.hunyuan_video15, call=new_b.run_hunyuan_video15, full=True),
     "SanaVideoPipeline": Case(build=new_b.sana_video, call=new_b.run_sana_video, full=True),
     "WanAnimatePipeline": Case(build=new_b.wan_animate, call=new_b.run_wan_animate, full=True),
+    "Kandinsky5I2VPipeline": Case(build=new_b.kandinsky5_i2v, call=new_b.run_kandinsky5_i2v, full=True),
+    "Kandinsky5I2IPipeline": Case(build=new_b.kandinsky5_i2i, call=new_b.run_kandinsky5_i2i, full=True),
+    "HunyuanVideo15ImageToVideoPipeline": Case(
+        build=new_b.hunyuan_video15_i2v, call=new_b.run_hunyuan_video15_i2v, full=True
+    ),
+    "SanaImageToVideoPipeline": Case(build=new_b.sana_video_i2v, call=new_b.run_sana_video_i2v, full=True),
 }
 
 

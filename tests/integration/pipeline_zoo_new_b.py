@@ -16,7 +16,7 @@ import pipeline_zoo as base
 import torch
 
 
-def _kandinsky5_transformer(latent: int, text: int, pooled: int) -> Any:
+def _kandinsky5_transformer(latent: int, text: int, pooled: int, visual_cond: bool = False) -> Any:
     return (
         base._diffusers()
         .Kandinsky5Transformer3DModel(
@@ -31,7 +31,24 @@ def _kandinsky5_transformer(latent: int, text: int, pooled: int) -> Any:
             num_text_blocks=1,
             num_visual_blocks=4,
             axes_dims=(4, 6, 6),
-            visual_cond=False,
+            visual_cond=visual_cond,
+        )
+        .eval()
+    )
+
+
+def _hunyuan_video_vae() -> Any:
+    return (
+        base._diffusers()
+        .AutoencoderKLHunyuanVideo(
+            in_channels=3,
+            out_channels=3,
+            spatial_compression_ratio=8,
+            temporal_compression_ratio=4,
+            latent_channels=4,
+            block_out_channels=(8, 8, 8, 8),
+            layers_per_block=1,
+            norm_num_groups=4,
         )
         .eval()
     )
@@ -39,19 +56,9 @@ def _kandinsky5_transformer(latent: int, text: int, pooled: int) -> Any:
 
 def kandinsky5_t2v() -> Any:
     d = base._diffusers()
-    vae = d.AutoencoderKLHunyuanVideo(
-        in_channels=3,
-        out_channels=3,
-        spatial_compression_ratio=8,
-        temporal_compression_ratio=4,
-        latent_channels=4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        norm_num_groups=4,
-    ).eval()
     return d.Kandinsky5T2VPipeline(
         transformer=_kandinsky5_transformer(4, 16, 16),
-        vae=vae,
+        vae=_hunyuan_video_vae(),
         text_encoder=base._qwen_encoder(),
         tokenizer=None,
         text_encoder_2=base._clip(16),
@@ -159,7 +166,7 @@ def hunyuan_video15() -> Any:
     )
 
 
-def run_hunyuan_video15(pipe: Any) -> tuple[torch.Tensor, ...]:
+def run_hunyuan_video15(pipe: Any, **image: Any) -> tuple[torch.Tensor, ...]:
     """Qwen2.5-VL's third-last hidden states (the pipeline skips two layers) and ByT5's (here T5's)
     last ones, each with its mask; the negative prompt is the flipped one."""
     mask = base.MASK
@@ -176,8 +183,8 @@ def run_hunyuan_video15(pipe: Any) -> tuple[torch.Tensor, ...]:
         prompt_embeds_mask_2=glyph_mask,
         negative_prompt_embeds_2=glyphs.flip(1),
         negative_prompt_embeds_mask_2=glyph_mask,
-        height=16,
-        width=16,
+        # Image-to-video takes its size from the image.
+        **(image or {"height": 16, "width": 16}),
         num_frames=9,
         num_inference_steps=2,
         generator=base._generator(),
@@ -214,9 +221,10 @@ def sana_video() -> Any:
     )
 
 
-def run_sana_video(pipe: Any) -> tuple[torch.Tensor, ...]:
+def run_sana_video(pipe: Any, **image: Any) -> tuple[torch.Tensor, ...]:
     embeds = pipe.text_encoder(base.IDS, attention_mask=base.MASK).last_hidden_state
     frames = pipe(
+        **image,
         prompt_embeds=embeds,
         prompt_attention_mask=base.MASK,
         negative_prompt=None,
@@ -277,3 +285,132 @@ def run_wan_animate(pipe: Any) -> tuple[torch.Tensor, ...]:
         output_type="pt",
     ).frames
     return embeds, video
+
+
+def _image(size: int) -> Any:
+    """A ``size`` x ``size`` image of random pixels from a fixed seed."""
+    from PIL import Image
+
+    seeded = torch.Generator().manual_seed(2)
+    pixels = torch.randint(0, 256, (size, size, 3), generator=seeded, dtype=torch.uint8)
+    return Image.fromarray(pixels.numpy())
+
+
+def kandinsky5_i2v() -> Any:
+    d = base._diffusers()
+    return d.Kandinsky5I2VPipeline(
+        transformer=_kandinsky5_transformer(4, 16, 16, visual_cond=True),
+        vae=_hunyuan_video_vae(),
+        text_encoder=base._qwen_encoder(),
+        tokenizer=None,
+        text_encoder_2=base._clip(16),
+        tokenizer_2=None,
+        scheduler=d.FlowMatchEulerDiscreteScheduler(shift=7.0),
+    )
+
+
+def run_kandinsky5_i2v(pipe: Any) -> tuple[torch.Tensor, ...]:
+    """The first frame comes from the image, through the VAE's encoder."""
+    embeds = _kandinsky5_embeds(pipe)
+    frames = pipe(
+        image=_image(32),
+        **embeds,
+        guidance_scale=5.0,
+        height=32,
+        width=32,
+        num_frames=17,
+        num_inference_steps=2,
+        generator=base._generator(),
+        output_type="pt",
+    ).frames
+    return embeds["prompt_embeds_qwen"], embeds["prompt_embeds_clip"], frames
+
+
+def kandinsky5_i2i() -> Any:
+    d = base._diffusers()
+    # The pipeline takes its VAE to scale by 8: four blocks.
+    vae = d.AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=16,
+        norm_num_groups=4,
+        layers_per_block=1,
+    ).eval()
+    return d.Kandinsky5I2IPipeline(
+        transformer=_kandinsky5_transformer(16, 16, 16, visual_cond=True),
+        vae=vae,
+        text_encoder=base._qwen_encoder(),
+        tokenizer=None,
+        text_encoder_2=base._clip(16),
+        tokenizer_2=None,
+        scheduler=d.FlowMatchEulerDiscreteScheduler(shift=7.0),
+    )
+
+
+def run_kandinsky5_i2i(pipe: Any) -> tuple[torch.Tensor, ...]:
+    pipe.resolutions = [(64, 64)]
+    embeds = _kandinsky5_embeds(pipe)
+    image = pipe(
+        image=_image(64),
+        **embeds,
+        guidance_scale=4.0,
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        generator=base._generator(),
+        output_type="pt",
+    ).image
+    return embeds["prompt_embeds_qwen"], embeds["prompt_embeds_clip"], image
+
+
+def hunyuan_video15_i2v() -> Any:
+    d, t = base._diffusers(), base._transformers()
+    t2v = hunyuan_video15()
+    torch.manual_seed(1)
+    image_encoder = t.SiglipVisionModel(
+        t.SiglipVisionConfig(
+            hidden_size=12,
+            intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=4,
+        )
+    ).eval()
+    return d.HunyuanVideo15ImageToVideoPipeline(
+        transformer=base._dit("HunyuanVideo15Transformer3DModel", in_channels=9, task_type="i2v"),
+        vae=t2v.vae,
+        scheduler=t2v.scheduler,
+        text_encoder=t2v.text_encoder,
+        tokenizer=None,
+        text_encoder_2=t2v.text_encoder_2,
+        tokenizer_2=None,
+        guider=t2v.guider,
+        image_encoder=image_encoder,
+        feature_extractor=t.SiglipImageProcessorPil(size={"height": 16, "width": 16}),
+    )
+
+
+def run_hunyuan_video15_i2v(pipe: Any) -> tuple[torch.Tensor, ...]:
+    """The image goes through the pipeline's own SigLIP image encoder and the VAE's encoder."""
+    return run_hunyuan_video15(pipe, image=_image(16))
+
+
+def sana_video_i2v() -> Any:
+    d = base._diffusers()
+    t2v = sana_video()
+    return d.SanaImageToVideoPipeline(
+        tokenizer=None,
+        text_encoder=t2v.text_encoder,
+        vae=t2v.vae,
+        transformer=t2v.transformer,
+        scheduler=d.FlowMatchEulerDiscreteScheduler(shift=8.0),
+    )
+
+
+def run_sana_video_i2v(pipe: Any) -> tuple[torch.Tensor, ...]:
+    """The first frame comes from the image, through the VAE's encoder."""
+    return run_sana_video(pipe, image=_image(32))
