@@ -432,7 +432,7 @@ CASES: dict[str, Case] = {
     "PixArtSigmaPipeline": Case(build=more.pixart, call=more.run_pixart, full=True),
     "WanVACEPipeline": Case(build=more.vace, call=more.run_vace, full=True),
     "ChronoEditPipeline": Case(build=more.chronoedit, call=_run_wan_i2v, full=True),
-    "Kandinsky5T2VPipeline": Case(build=new_b.kandinsky5_t2v, call=new_b.run_kandinsky5_t2v, full=True),
+    "Kandinsky5T2VPipeline": Case(build=new_b.kandinsky5_t2v, call=new_b.run_kandinsky5_t2v),
     "Kandinsky5T2IPipeline": Case(build=new_b.kandinsky5_t2i, call=new_b.run_kandinsky5_t2i, full=True),
     "HunyuanVideo15Pipeline": Case(build=new_b.hunyuan_video15, call=new_b.run_hunyuan_video15, full=True),
     "SanaVideoPipeline": Case(build=new_b.sana_video, call=new_b.run_sana_video, full=True),
