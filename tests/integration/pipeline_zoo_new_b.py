@@ -261,19 +261,24 @@ def wan_animate() -> Any:
 
 
 def run_wan_animate(pipe: Any) -> tuple[torch.Tensor, ...]:
-    """One segment of five frames animated from a character image, a pose video and a face video (all
-    random pixels); the image goes through the pipeline's own image encoder, and the VAE encodes the
-    image and poses and decodes the frames."""
+    """Two segments of five frames (the second conditioned on the last frame of the first), in
+    replace mode: a character image through the pipeline's own image encoder, pose, face, background
+    and mask videos (all random pixels) through the VAE and the motion encoder, and each segment
+    decoded by the VAE inside the loop."""
     from PIL import Image
 
     seeded = torch.Generator().manual_seed(1)
-    pixels = torch.randint(0, 256, (11, 16, 16, 3), generator=seeded, dtype=torch.uint8)
+    pixels = torch.randint(0, 256, (37, 16, 16, 3), generator=seeded, dtype=torch.uint8)
     image, *frames = [Image.fromarray(frame.numpy()) for frame in pixels]
+    masks = [Image.fromarray(frame[..., 0].gt(127).to(torch.uint8).mul(255).numpy()) for frame in pixels[28:]]
     embeds = pipe.text_encoder(base.IDS).last_hidden_state
     video = pipe(
         image=image,
-        pose_video=frames[:5],
-        face_video=frames[5:],
+        pose_video=frames[:9],
+        face_video=frames[9:18],
+        background_video=frames[18:27],
+        mask_video=masks,
+        mode="replace",
         prompt_embeds=embeds,
         negative_prompt_embeds=embeds.flip(1),
         guidance_scale=2.0,
