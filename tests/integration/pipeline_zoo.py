@@ -413,6 +413,7 @@ def _run_sana(pipe: Any) -> tuple[torch.Tensor, ...]:
 
 import pipeline_zoo_more as more  # noqa: E402  (its builders use the helpers above)
 import pipeline_zoo_new_a as new_a  # noqa: E402
+import pipeline_zoo_new_b as new_b  # noqa: E402  (likewise)
 
 #: pipeline class name -> its case.
 CASES: dict[str, Case] = {
@@ -435,6 +436,17 @@ CASES: dict[str, Case] = {
     "Flux2Pipeline": Case(build=new_a.flux2, call=new_a.run_flux2),
     "LTX2Pipeline": Case(build=new_a.ltx2, call=new_a.run_ltx2, full=True),
     "HunyuanImagePipeline": Case(build=new_a.hunyuan_image, call=new_a.run_hunyuan_image, full=True),
+    "Kandinsky5T2VPipeline": Case(build=new_b.kandinsky5_t2v, call=new_b.run_kandinsky5_t2v),
+    "Kandinsky5T2IPipeline": Case(build=new_b.kandinsky5_t2i, call=new_b.run_kandinsky5_t2i, full=True),
+    "HunyuanVideo15Pipeline": Case(build=new_b.hunyuan_video15, call=new_b.run_hunyuan_video15, full=True),
+    "SanaVideoPipeline": Case(build=new_b.sana_video, call=new_b.run_sana_video, full=True),
+    "WanAnimatePipeline": Case(build=new_b.wan_animate, call=new_b.run_wan_animate, full=True),
+    "Kandinsky5I2VPipeline": Case(build=new_b.kandinsky5_i2v, call=new_b.run_kandinsky5_i2v, full=True),
+    "Kandinsky5I2IPipeline": Case(build=new_b.kandinsky5_i2i, call=new_b.run_kandinsky5_i2i, full=True),
+    "HunyuanVideo15ImageToVideoPipeline": Case(
+        build=new_b.hunyuan_video15_i2v, call=new_b.run_hunyuan_video15_i2v, full=True
+    ),
+    "SanaImageToVideoPipeline": Case(build=new_b.sana_video_i2v, call=new_b.run_sana_video_i2v, full=True),
 }
 
 

@@ -29,6 +29,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
     pytest.mark.filterwarnings("ignore:.*requires torchvision:UserWarning"),
     pytest.mark.filterwarnings("ignore:.*deprecated:UserWarning"),
+    pytest.mark.filterwarnings("ignore:__array__ implementation doesn.t accept a copy:DeprecationWarning"),
 ]
 
 
