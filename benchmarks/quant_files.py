@@ -51,7 +51,7 @@ def _budget(folder: Path, blocks: int) -> int:
         for e in topology.read_header(folder / "transformer" / "diffusion_pytorch_model.safetensors")
         if e.name.startswith("blocks.0.")
     )
-    return total - (blocks - 3) * block + policies.READ_BOUNCE_BYTES + policies.STAGING_SLOTS * block
+    return total - (blocks - 3) * block + policies.read_buffer_bytes(block) + policies.STAGING_SLOTS * block
 
 
 def _own_memory(model: torch.nn.Module) -> None:

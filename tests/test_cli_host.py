@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 import pytest
+import torch
 
 from torchferry import policies, topology
 from torchferry.cli import main
@@ -286,3 +287,32 @@ def test_refusals_are_worded_from_their_parts_not_reworded(
         policies.choose(plan, 1024, policies.DEFAULT_COST)
     assert f"on plan {plan.digest}; raise the budget" in str(caught.value)
     assert caught.value.message("cli") == auto["error"]
+
+
+def test_the_command_line_says_flags_for_storage_dtype_and_warnings_and_small_buffers(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    """A pack held in --storage-dtype that cannot be in the file tier, and resolve's warnings, are said
+    in flags; the JSON's read buffers are those the text shows (as large as the largest pack read)."""
+    from torchferry.cli._demo_runs import ensure_checkpoint
+
+    path, _ = ensure_checkpoint(tmp_path)
+    argv = (str(path), "--device-memory", "20MiB", "--block-ms", "1", "--components", "dit,text_encoder")
+    cast = _plan(capsys, *argv, "--host-memory", "6MiB", "--storage-dtype", "float8_e4m3fn")
+    assert "packs held in --storage-dtype float8_e4m3fn would be read back" in cast
+    assert "storage_dtype=" not in cast and "or drop --storage-dtype" in cast
+    doc = _json(capsys, *argv, "--host-memory", "20MiB", "--strategy", "layerwise")
+    host = doc["host"]
+    (slot,) = set(host["staging_slot_bytes"])
+    assert host["read_bounce_bytes"] == policies.read_buffer_bytes(slot) < policies.READ_BOUNCE_BYTES
+    assert host["host_bytes"] == (
+        host["store_bytes"] + sum(policies.page_bytes(n) for n in host["staging_slot_bytes"])
+        + host["read_bounce_bytes"] + host["kept_bytes"] + host["transient_bytes"]
+    )  # fmt: skip
+    assert doc["assumptions"]["components"] == ["dit", "text_encoder"]
+    dit = tmp_path / "dit.safetensors"  # one DiT, no encoder: model_level warns, in flags
+    from safetensors.torch import save_file
+
+    save_file({f"blocks.{i}.weight": torch.zeros(64, 64) for i in range(4)}, str(dit))
+    text = _plan(capsys, str(dit), "--device-memory", "1GiB", "--block-ms", "1", "--strategy", "model_level")
+    assert "use --strategy layerwise to stream its blocks instead" in text and "strategy='" not in text

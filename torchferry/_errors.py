@@ -17,6 +17,7 @@ __all__ = [
     "DEVICE_BUDGET",
     "HOST_BUDGET",
     "HOST_MEMORY",
+    "STORAGE_DTYPE",
     "ExecutionError",
     "Flag",
     "OffloadError",
@@ -46,10 +47,18 @@ class Flag:
     def __repr__(self) -> str:
         return f"Flag({self.api!r}, {self.cli!r})"
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Flag) and (self.api, self.cli) == (other.api, other.cli)
+
+    def __hash__(self) -> int:
+        return hash((self.api, self.cli))
+
 
 #: One part of a message: plain words, or a field named in each caller's words.
 Part: TypeAlias = "str | Flag"
 
+#: The storage dtype, as a keyword and as a flag.
+STORAGE_DTYPE = Flag("storage_dtype=", "--storage-dtype")
 #: The host budget, as a keyword and as a flag.
 HOST_MEMORY = Flag("host_memory=", "--host-memory")
 #: The host budget as the config field a plan holds.
@@ -73,15 +82,15 @@ def said(parts: Sequence[Part], words: Words = "api") -> str:
     return "".join(p if isinstance(p, str) else getattr(p, words) for p in parts)
 
 
-class OffloadError(Exception):
-    """Root of every error torchferry raises on purpose."""
+class _Worded(Exception):
+    """An exception or warning whose message may name request fields, in either words."""
 
     #: The message's parts when it names request fields (`worded`), else ``None``.
     parts: tuple[Part, ...] | None = None
 
     @classmethod
     def worded(cls, *parts: Part) -> Self:
-        """An error whose message names request fields (`Flag`), renderable in either words."""
+        """One whose message names request fields (`Flag`), renderable in either words."""
         error = cls(said(parts, "api"))
         error.parts = parts
         return error
@@ -89,6 +98,10 @@ class OffloadError(Exception):
     def message(self, words: Words = "api") -> str:
         """The message in the API's words or the command line's."""
         return str(self) if self.parts is None else said(self.parts, words)
+
+
+class OffloadError(_Worded):
+    """Root of every error torchferry raises on purpose."""
 
 
 class PlanError(OffloadError, ValueError):
@@ -103,7 +116,7 @@ class ExecutionError(OffloadError, RuntimeError):
     """The runtime could not carry out a schedule as written."""
 
 
-class OffloadWarning(UserWarning):
+class OffloadWarning(UserWarning, _Worded):
     """Something was skipped or kept resident because the request could not be served as asked."""
 
 

@@ -128,6 +128,11 @@ def test_a_text_encoder_left_out_of_the_selection_names_the_selection_that_strea
         caught.value
     )
     assert "(--strategy layerwise --components dit,text_encoder)" in caught.value.message("cli")
+    # A VAE the request selects without a lifecycle to stage it is left out of the suggestion.
+    with_vae = attrs.evolve(p, config=attrs.evolve(p.config, components=frozenset({"dit", "vae"})))
+    with pytest.raises(policies.HostBudgetTooSmall) as vae:
+        policies.tiers(with_vae)
+    assert vae.value.select == ("dit", "text_encoder")
     chosen = attrs.evolve(p, config=attrs.evolve(p.config, components=frozenset({"dit", "text_encoder"})))
     with pytest.raises(policies.HostBudgetTooSmall) as again:
         policies.tiers(chosen)  # selected, yet still kept whole (its blocks undeclared): no selection to name
@@ -150,6 +155,13 @@ def test_shards_count_and_read_as_shards() -> None:
         policies.check(s, p)
     reads = [op for op in steady.ops if op.kind == "read"]
     assert {(op.src, op.nbytes) for op in reads} == {("shard", shard)}
+    # Shards under 4 MiB take read buffers as large as a shard, not 16 MiB.
+    budget = 2 * MIB - 4096  # under the 2 MiB of shards: 7 of them go to the file tier
+    small = ring_plan(8, MIB, strategy="distributed_layerwise", parallel=layout, host_memory_bytes=budget)
+    t = policies.tiers(small)
+    assert t.staging == _staging(MIB // 4) and t.file
+    assert t.host_bytes == t.store_bytes + 2 * (MIB // 4) + policies.read_buffer_bytes(MIB // 4)
+    assert policies.read_buffer_bytes(MIB // 4) == 4 * (MIB // 4 + 2 * policies.DIRECT_ALIGN)
     loads = [op for op in steady.ops if op.kind == "load" and op.src not in (None, "shard")]
     assert {(op.slot, op.src, op.nbytes) for op in loads} <= {
         ("h0", "t0", shard),

@@ -281,7 +281,8 @@ def _parser() -> _Parser:
         type=_components,
         metavar="A,B",
         help="the components to offload, as offload(components=...): dit, text_encoder, vae, comma-separated "
-        "(default: a session's default selection, the DiTs; model_level swaps them against the encoders)",
+        "(default: what offload selects without components=: the DiTs, the text encoders whose blocks "
+        "a known model declares, and under model_level every encoder)",
     )
     plan.add_argument(
         "--compute-dtype",
@@ -575,6 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's final flush quiet
         return 0
     except (OffloadError, ValueError, OSError) as exc:
-        message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        text = exc.message("cli") if isinstance(exc, OffloadError) else str(exc)
+        message = "; ".join(line.strip() for line in text.splitlines() if line.strip())
         print(f"{prog}: error: {message}", file=sys.stderr)
         return EXIT_USAGE

@@ -212,7 +212,7 @@ def _host_document(h: HostTier) -> dict[str, Any]:
         "host_bytes": h.host_bytes,
         "store_bytes": h.store_bytes,
         "staging_slot_bytes": list(h.staging),
-        "read_bounce_bytes": policies.READ_BOUNCE_BYTES if h.staging else 0,
+        "read_bounce_bytes": policies.read_buffer_bytes(max(h.staging)) if h.staging else 0,
         "kept_bytes": h.kept_bytes,
         "transient_bytes": h.transient_bytes,
         "plan_digest": h.digest,
@@ -284,6 +284,7 @@ def report_document(report: PlanReport, *, show_schedule: bool = False) -> dict[
             "block_s": report.block_s,
             "forwards_per_step": report.forwards_per_step,
             "storage_dtype": o.storage_dtype,
+            "components": sorted(o.components) if o.components else None,
             "fits_counts": "weights only (no activations, no VAE decode)"
             if not report.dequantize_bytes
             else "weights and the largest dequantized weight (no activations, no VAE decode)",

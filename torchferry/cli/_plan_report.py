@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import attrs
 
 from torchferry import policies, topology
-from torchferry._errors import OffloadError
+from torchferry._errors import OffloadError, OffloadWarning
 from torchferry.cli._plan_host import HostTier, host_tier
 from torchferry.policies import CostModel, Policy, Schedule, Step
 from torchferry.topology import (
@@ -336,7 +336,8 @@ class _Planner:
             warnings.simplefilter("always")
             plan = topology.resolve(self.planned, self.config(strategy))
         for w in caught:
-            text = f"{strategy}: {w.message}"
+            said = w.message.message("cli") if isinstance(w.message, OffloadWarning) else str(w.message)
+            text = f"{strategy}: {said}"
             if text not in self.warnings:
                 self.warnings.append(text)
         plan = attrs.evolve(plan, facts=self.options.facts)

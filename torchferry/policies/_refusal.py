@@ -6,7 +6,8 @@ The command line reads the fields, never the API's sentence, so no wording can f
 
 from __future__ import annotations
 
-from torchferry._errors import PlanError, Words
+from torchferry._errors import Part, PlanError, Words
+from torchferry._errors import said as rendered
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import parse_bytes
 
@@ -61,7 +62,7 @@ class HostBudgetTooSmall(PlanError):
         select: tuple[str, ...] = (),
         biggest: str = "",
         biggest_bytes: int = 0,
-        unfiled: str = "",
+        unfiled: tuple[Part, ...] = (),
         own: tuple[str, ...] = (),
         cast: bool = False,
         source: str = "config.host_memory_bytes",
@@ -116,6 +117,10 @@ class HostBudgetTooSmall(PlanError):
             said += ", and the file tier would need more (staging slots as large as the largest pack read)"
         return said
 
+    def _holder(self) -> str:
+        """The component kept whole, by name (a single model's root has none)."""
+        return repr(self.holder) if self.holder else "the model"
+
     def _streamed(self, words: Words) -> str:
         """The request that streams the holder's blocks: the strategy, and its selection when needed."""
         if words == "api":
@@ -125,8 +130,8 @@ class HostBudgetTooSmall(PlanError):
         chosen = "--strategy layerwise"
         return f"{chosen} --components {','.join(self.select)}" if self.select else chosen
 
-    def _unfiled(self) -> str:
-        return f", and {self.unfiled}" if self.unfiled else ""
+    def _unfiled(self, words: Words) -> str:
+        return f", and {rendered(self.unfiled, words)}" if self.unfiled else ""
 
     def _other_remedies(self, words: Words) -> str:
         said = ""
@@ -147,27 +152,29 @@ class HostBudgetTooSmall(PlanError):
         if words == "api":
             said = (
                 f"host budget {_b(self.budget)} ({self.source}) is too small for plan {self.digest}: "
-                f"{self.body()}{self._unfiled()}; raise host_memory= to {least}{self._other_remedies(words)}"
+                f"{self.body()}{self._unfiled(words)}; raise host_memory= to {least}"
+                f"{self._other_remedies(words)}"
             )
             if self.holder is not None:
                 said += (
-                    f", or stream the blocks of {self.holder!r} ({self._streamed(words)}) so "
+                    f", or stream the blocks of {self._holder()} ({self._streamed(words)}) so "
                     f"the largest pack read is a block, not {self.biggest} ({_b(self.biggest_bytes)})"
                 )
             return said
         said = (
-            f"--host-memory {_b(self.budget)} is too small for this plan: {self.body()}{self._unfiled()}; "
+            f"--host-memory {_b(self.budget)} is too small for this plan: {self.body()}"
+            f"{self._unfiled(words)}; "
             f"pass --host-memory {least.replace(' ', '')} or more{self._other_remedies(words)}"
         )
         if self.holder is not None:
             if not self.file_tier or self.largest == self.biggest_bytes:
                 said += (
-                    f", or stream the blocks of {self.holder!r} ({self._streamed(words)}) so the largest "
+                    f", or stream the blocks of {self._holder()} ({self._streamed(words)}) so the largest "
                     f"pack read is a block, not {self.biggest} ({_b(self.biggest_bytes)})"
                 )
             else:  # too large to read through the staging slots, so held in host memory
                 said += (
-                    f", or stream the blocks of {self.holder!r} ({self._streamed(words)}), so that "
+                    f", or stream the blocks of {self._holder()} ({self._streamed(words)}), so that "
                     f"{self.biggest} ({_b(self.biggest_bytes)}), kept whole in host memory here, can be "
                     "read from the checkpoint a block at a time"
                 )

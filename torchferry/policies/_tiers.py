@@ -31,6 +31,7 @@ from typing import Literal
 import attrs
 
 from torchferry import topology
+from torchferry._errors import Flag, Part, said
 from torchferry.policies._ir import Slot
 from torchferry.policies._layout import has_blocks, layout, pack_bytes, pack_table, swaps, unit_packs
 from torchferry.policies._refusal import HostBudgetTooSmall
@@ -187,22 +188,22 @@ def _strided(plan: Plan, name: str) -> int:
     return max((s.nbytes for s in _specs(plan)[name] if s.name in strided), default=0)
 
 
-def unfiled(plan: Plan) -> dict[str, str]:
-    """Pack -> why it cannot be in the file tier: held in ``storage_dtype=`` (the file tier reads
-    bytes as stored), or of a component that keeps its own weights (`StoreFacts.own`)."""
-    out: dict[str, str] = {}
+def unfiled(plan: Plan) -> dict[str, tuple[Part, ...]]:
+    """Pack -> why it cannot be in the file tier, in parts naming the request's fields: held in
+    ``storage_dtype=`` (the file tier reads bytes as stored), or of a component that keeps its own
+    weights (`StoreFacts.own`)."""
+    out: dict[str, tuple[Part, ...]] = {}
     specs = _specs(plan)
     for top in plan.components:
         for name in unit_packs(plan, top.path):
             if top.path in plan.facts.own:
                 out[name] = (
                     f"{top.path!r} keeps its own weights (passed by keyword, or left out of "
-                    "checkpoint_components=), which are not the checkpoint's"
+                    "checkpoint_components=), which are not the checkpoint's",
                 )
             elif cast := [t.dtype for t in specs[name] if t.compute_dtype is not None]:
-                out[name] = (
-                    f"packs held in storage_dtype={cast[0]!r} would be read back in the model's own dtypes"
-                )
+                held = Flag(f"storage_dtype={cast[0]!r}", f"--storage-dtype {cast[0]}")
+                out[name] = ("packs held in ", held, " would be read back in the model's own dtypes")
     return out
 
 
@@ -362,11 +363,18 @@ def _selection(plan: Plan, holder: str) -> tuple[str, ...]:
         selector = None  # a VAE streams no blocks: nothing to select
     if selector is None or plan.config.offloads(selector):  # type: ignore[arg-type]
         return ()
-    current = [c for c in topology.COMPONENT_NAMES if plan.config.offloads(c)]
+    # A selected VAE stays only where it can be staged (its lifecycle declared); else it is dropped.
+    declared = plan.topology.declaration
+    lifecycles = () if declared is None else declared.on_demand_component_paths
+    vaes = plan.of_kind("vae")
+    staged = bool(vaes) and all(v.path in lifecycles for v in vaes)
+    current = [c for c in topology.COMPONENT_NAMES if plan.config.offloads(c) and (c != "vae" or staged)]
     return tuple(c for c in topology.COMPONENT_NAMES if c in current or c == selector)
 
 
-def _too_small(plan: Plan, budget: int, least: _Least, barred: Mapping[str, str]) -> HostBudgetTooSmall:
+def _too_small(
+    plan: Plan, budget: int, least: _Least, barred: Mapping[str, tuple[Part, ...]]
+) -> HostBudgetTooSmall:
     biggest = max((name for name, _ in pack_table(plan)), key=lambda n: pack_bytes(plan, n))
     holder: str | None = biggest.partition(":")[0]
     if plan.block_owner(biggest) is not None or has_blocks(plan.component(holder or "")):
@@ -378,11 +386,19 @@ def _too_small(plan: Plan, budget: int, least: _Least, barred: Mapping[str, str]
     own = tuple(c.path for c in plan.components if c.path in plan.facts.own and any(
         n in barred for n in unit_packs(plan, c.path)
     ))  # fmt: skip
-    cast = any("storage_dtype=" in why for why in barred.values())
-    why = ""
+    cast = any(
+        isinstance(p, Flag) and p.api.startswith("storage_dtype=") for why in barred.values() for p in why
+    )
+    why: tuple[Part, ...] = ()
     if barred:
-        reasons = "; ".join(sorted(set(barred.values())))
-        why = f"{len(barred)} pack(s) cannot be in the file tier, so they stay in host memory ({reasons})"
+        reasons: list[Part] = []
+        for reason in sorted(set(barred.values()), key=said):
+            reasons += [*(("; ",) if reasons else ()), *reason]
+        why = (
+            f"{len(barred)} pack(s) cannot be in the file tier, so they stay in host memory (",
+            *reasons,
+            ")",
+        )
     return HostBudgetTooSmall(
         budget=budget,
         minimum=least.need,

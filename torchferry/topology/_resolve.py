@@ -53,7 +53,7 @@ from collections.abc import Collection
 
 import attrs
 
-from torchferry._errors import OffloadWarning, PlanError
+from torchferry._errors import OffloadWarning, PlanError, strategy_named
 from torchferry.topology._config import OffloadConfig
 from torchferry.topology._model import Component, Declaration, Stack, Topology
 from torchferry.topology._plan import Plan
@@ -134,7 +134,7 @@ class _Resolver:
     topology: Topology
     config: OffloadConfig
     errors: list[str] = attrs.field(factory=list)
-    warnings: list[str] = attrs.field(factory=list)
+    warnings: list[str | OffloadWarning] = attrs.field(factory=list)
 
     @property
     def declaration(self) -> Declaration:
@@ -433,14 +433,18 @@ class _Resolver:
             paths = ", ".join(repr(d.path) for d in dits)
             streams = [d for d in dits if d.blocks]
             fix = (
-                "use strategy='layerwise' to stream its blocks instead"
+                " to stream its blocks instead"
                 if streams
-                else "use strategy='layerwise' with a declared ring" + suggest_declaration(dits[0])
+                else " with a declared ring" + suggest_declaration(dits[0])
             )
             self.warnings.append(
-                f"model_level offload swaps DiTs against encoders, but {where} has no encoder component: "
-                f"each DiT ({paths}) is staged whole onto the device for its forward and nothing else is "
-                f"offloaded; {fix}"
+                OffloadWarning.worded(
+                    f"model_level offload swaps DiTs against encoders, but {where} has no encoder component: "
+                    f"each DiT ({paths}) is staged whole onto the device for its forward and nothing else is "
+                    "offloaded; use ",
+                    strategy_named("layerwise"),
+                    fix,
+                )
             )
 
     def ownership(self, components: tuple[Component, ...]) -> None:
@@ -535,5 +539,8 @@ def resolve(
         listing = "\n".join(f"  - {e}" for e in r.errors)
         raise PlanError(f"{len(r.errors)} problems with this offload request:\n{listing}")
     for message in r.warnings:
-        warnings.warn(message, OffloadWarning, stacklevel=2)
+        if isinstance(message, OffloadWarning):
+            warnings.warn(message, stacklevel=2)
+        else:
+            warnings.warn(message, OffloadWarning, stacklevel=2)
     return Plan(topology=topology, config=config, components=resolved, skip_reason=skip_reason)

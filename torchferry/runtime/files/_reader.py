@@ -7,12 +7,13 @@ file back to back, so a run of tensors contiguous in the file is read with one `
 buffers are the tensors' places in the staging buffer: the kernel scatters the file's bytes straight
 where they belong, and the gaps between places are never written. `FileReader.plan` turns a pack (or
 this rank's shard of it) into such runs once, when the session opens, cut into chunks of at most
-`CHUNK_BYTES` (direct I/O) or `BUFFERED_CHUNK_BYTES` (buffered) so that the pool's `READ_THREADS`
+``FileReader.chunk_bytes`` (direct I/O: its bounce buffer less an aligned block at each end) or
+`BUFFERED_CHUNK_BYTES` (buffered) so that the pool's `READ_THREADS`
 threads read one pack together; each chunk is one system call unless the kernel returns less.
 
 Files the page cache cannot keep (larger than what the host leaves it) are read with ``O_DIRECT``:
-the device copies into an aligned bounce buffer (`BOUNCE_BYTES`, one per thread, counted in the host
-budget) and the chunk's tensors are copied out of it, so reading a checkpoint larger than memory
+the device copies into an aligned bounce buffer (one per thread, as large as the plan's largest pack
+read needs and at most `BOUNCE_BYTES`: `policies.bounce_bytes`, counted in the host budget) and the chunk's tensors are copied out of it, so reading a checkpoint larger than memory
 neither evicts the rest of the page cache nor, in a memory cgroup, makes the kernel reclaim it on
 every read. Files read buffered go through the page cache (a second pass over a file that fits is a
 memcpy). A file system that refuses ``O_DIRECT`` (tmpfs) is read buffered.
