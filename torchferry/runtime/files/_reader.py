@@ -13,10 +13,11 @@ threads read one pack together; each chunk is one system call unless the kernel 
 
 Files the page cache cannot keep (larger than what the host leaves it) are read with ``O_DIRECT``:
 the device copies into an aligned bounce buffer (one per thread, as large as the plan's largest pack
-read needs and at most `BOUNCE_BYTES`: `policies.bounce_bytes`, counted in the host budget) and the chunk's tensors are copied out of it, so reading a checkpoint larger than memory
-neither evicts the rest of the page cache nor, in a memory cgroup, makes the kernel reclaim it on
-every read. Files read buffered go through the page cache (a second pass over a file that fits is a
-memcpy). A file system that refuses ``O_DIRECT`` (tmpfs) is read buffered.
+read needs and at most `BOUNCE_BYTES`: `policies.bounce_bytes`, counted in the host budget) and the
+chunk's tensors are copied out of it, so reading a checkpoint larger than memory neither evicts the
+rest of the page cache nor, in a memory cgroup, makes the kernel reclaim it on every read. Files
+read buffered go through the page cache (a second pass over a file that fits is a memcpy). A file
+system that refuses ``O_DIRECT`` (tmpfs) is read buffered.
 
 A tensor the module stores with other strides than the file's row-major order (a transposed weight)
 is copied from the file's mapping into its strides; a non-persistent buffer (absent from
