@@ -242,13 +242,14 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
-def named_report(name: str, plan: Plan, **memory: Any) -> SessionReport:
-    """The report of a session whose caller named the policy ``name``: nothing chosen or measured."""
+def named_report(name: str, plan: Plan, source: str = "given", **memory: Any) -> SessionReport:
+    """The report of a session whose caller named the policy ``name``: nothing chosen or measured;
+    ``source`` says where the device budget came from (given, less a GGUF model's dequantize)."""
     budget = plan.config.device_memory_bytes
     return SessionReport(
         **memory,
         budget=budget,
-        budget_source="given" if budget is not None else "none given",
+        budget_source=source if budget is not None else "none given",
         h2d_bytes_per_s=None,
         h2d_source="",
         policy=name,

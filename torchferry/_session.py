@@ -235,6 +235,7 @@ def offload(
         variant=checkpoint_variant, host=host, checkpoint_components=checkpoint_components,
     )  # fmt: skip
     session.gather_on_close = gather_on_close
+    session.budget_source = source
     return session
 
 
@@ -340,6 +341,8 @@ class Session:
         self._inputs = inputs
         #: Whether leaving a ``with`` block gathers full weights back (see `offload`'s gather_on_close).
         self.gather_on_close = False
+        #: Where the device budget came from, as a named policy's report says it.
+        self.budget_source = "given"
         _served.register(pipeline, self)
         # Why: the tensors this session serves, refused to a second session until close.
         self._claimed: Claim | None = CLAIMS.claim(pipeline, plan.topology)
@@ -485,7 +488,7 @@ class Session:
         }
         if self._chooser is not None:
             return attrs.evolve(self._chooser.report(), **memory)
-        return named_report(self.running_policy, self.plan, **memory)
+        return named_report(self.running_policy, self.plan, source=self.budget_source, **memory)
 
     def _planned_reads(self) -> dict[str, Any]:
         """The plan's digest, file-tier packs and planned reads by how often, as `torchferry plan` says."""

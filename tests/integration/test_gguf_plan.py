@@ -128,6 +128,17 @@ def test_the_session_plans_with_the_same_reserve(folder: Path) -> None:
         assert session.schedules and session.peak_device_bytes <= budget - reserve
         for schedule in session.schedules.values():
             policies.check(schedule, session.plan)  # invariant 4 against the budget less the reserve
+    with torchferry.from_single_file(
+        diffusers.WanTransformer3DModel,
+        path,
+        config=folder,
+        device="cpu",
+        device_memory=budget,
+        strategy="layerwise",
+    ) as named:  # a strategy the caller named says the same of its budget
+        assert torch.equal(gguf_files.call(named.pipeline), reference)
+        said = named.report().budget_source
+        assert said == "given, less 3.0 MiB (3145728) for the largest dequantized weight"
 
 
 def test_plan_finds_the_gguf_of_a_hub_id_in_the_cache(
