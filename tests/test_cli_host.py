@@ -197,7 +197,7 @@ def test_host_refusals_speak_flags_and_sit_under_the_table(
     from torchferry.cli._demo_runs import ensure_checkpoint
 
     path, _ = ensure_checkpoint(tmp_path)
-    argv = (str(path), "--device-memory", "20MiB", "--host-memory", "6MiB", "--block-ms", "1")
+    argv = (str(path), "--device-memory", "20MiB", "--host-memory", "4MiB", "--block-ms", "1")
     argv += ("--components", "dit,text_encoder")
     out = _plan(capsys, *argv)
     lines = out.splitlines()
@@ -209,12 +209,12 @@ def test_host_refusals_speak_flags_and_sit_under_the_table(
     # Kept whole (none, model_level), the least that opens is every pack in host memory (35.3 MiB),
     # less than the file tier's slots as large as the whole transformer would need.
     assert notes[0].startswith(
-        "note 1: --host-memory 6.0 MiB is too small for this plan: with every pack in host memory its host "
+        "note 1: --host-memory 4.0 MiB is too small for this plan: with every pack in host memory its host "
         "buffers need 35.3 MiB (35.3 MiB of packs in host memory), and the file tier would need more"
     )
     remedy = "; pass --host-memory 35.4MiB or more, or stream the blocks of 'transformer' (--strategy"
     assert remedy in notes[0]
-    assert notes[1].startswith("note 2: --host-memory 6.0 MiB is too small for this plan: even with packs")
+    assert notes[1].startswith("note 2: --host-memory 4.0 MiB is too small for this plan: even with packs")
     assert "(2 staging slots of 2.5 MiB, the largest pack read; " in notes[1]
     for said in (out, json.dumps(_json(capsys, *argv))):
         assert "config.host_memory_bytes" not in said and "host_memory=" not in said

@@ -161,7 +161,7 @@ def test_shards_count_and_read_as_shards() -> None:
     t = policies.tiers(small)
     assert t.staging == _staging(MIB // 4) and t.file
     assert t.host_bytes == t.store_bytes + 2 * (MIB // 4) + policies.read_buffer_bytes(MIB // 4)
-    assert policies.read_buffer_bytes(MIB // 4) == 4 * (MIB // 4 + 2 * policies.DIRECT_ALIGN)
+    assert policies.read_buffer_bytes(MIB // 4) == 2 * (MIB // 4 + 2 * policies.DIRECT_ALIGN)
     loads = [op for op in steady.ops if op.kind == "load" and op.src not in (None, "shard")]
     assert {(op.slot, op.src, op.nbytes) for op in loads} <= {
         ("h0", "t0", shard),
@@ -234,12 +234,15 @@ def test_every_step_of_a_generation_checks(strategy: str, budget_gib: int) -> No
 
 
 def test_read_buffers_are_as_large_as_the_largest_pack_read_up_to_16_mib() -> None:
-    """One bounce buffer per reader thread, each the largest pack's span aligned out at both ends: a
+    """Bounce buffers each the largest pack's span aligned out at both ends, one per chunk in flight: a
     small model's file tier takes no more than it reads; packs of 4 MiB and over take 16 MiB."""
     threads, align = policies.READ_THREADS, policies.DIRECT_ALIGN
     assert policies.read_buffer_bytes(0) == 0
-    assert policies.read_buffer_bytes(1) == threads * policies.page_bytes(3 * align)
-    assert policies.read_buffer_bytes(100 * 1024) == threads * policies.page_bytes(100 * 1024 + 2 * align)
+    # A pack read in one chunk: one buffer for each of the two staging slots' reads in flight.
+    assert policies.read_buffer_bytes(1) == 2 * policies.page_bytes(3 * align)
+    assert policies.read_buffer_bytes(100 * 1024) == 2 * policies.page_bytes(100 * 1024 + 2 * align)
+    # Packs read in two chunks or more: one buffer per reader thread, each the largest.
+    assert policies.bounce_count(4 * MIB) == threads == 4
     assert policies.read_buffer_bytes(BLOCK) == policies.read_buffer_bytes(GIB) == BOUNCE == 16 * MIB
     small = ring_plan(8, MIB, host_memory_bytes=7 * MIB)
     t = policies.tiers(small)  # 8 MiB of blocks in a 7 MiB budget: 16 MiB of buffers could never fit

@@ -110,6 +110,7 @@ from torchferry.policies._tiers import HEATS as HEATS
 from torchferry.policies._tiers import READ_BOUNCE_BYTES, STAGING_SLOTS, Tiers, read_buffer_bytes, tiers
 from torchferry.policies._tiers import READ_THREADS as READ_THREADS
 from torchferry.policies._tiers import bounce_bytes as bounce_bytes
+from torchferry.policies._tiers import bounce_count as bounce_count
 from torchferry.policies._tiers import file_packs as file_packs
 from torchferry.policies._tiers import host_bytes as host_bytes
 from torchferry.policies._tiers import pack_heats as pack_heats

@@ -49,6 +49,7 @@ __all__ = [
     "Heat",
     "Tiers",
     "bounce_bytes",
+    "bounce_count",
     "file_packs",
     "host_bytes",
     "pack_heats",
@@ -91,11 +92,22 @@ def bounce_bytes(largest: int) -> int:
     return page_bytes(min(BOUNCE_MAX, aligned))
 
 
+def bounce_count(largest: int) -> int:
+    """How many bounce buffers the reader keeps when the largest pack the file tier reads is
+    ``largest`` bytes: one per chunk that can be in flight (the `STAGING_SLOTS` reads at once, each in
+    as many chunks as a bounce buffer cuts it into), at most one per reader thread. A thread waits for
+    a free buffer, so fewer buffers than threads only serialize reads that one chunk each does not
+    spread over threads anyway."""
+    chunk = bounce_bytes(largest) - 2 * DIRECT_ALIGN
+    return min(READ_THREADS, STAGING_SLOTS * -(-largest // chunk))
+
+
 def read_buffer_bytes(largest: int) -> int:
     """Host bytes of the reader's bounce buffers for a file tier whose largest pack read is
-    ``largest`` bytes (`READ_THREADS` x `bounce_bytes`; 16 MiB for packs of 4 MiB and over); none
-    without a file tier (``largest`` 0). A small model's file tier takes no more than it reads."""
-    return READ_THREADS * bounce_bytes(largest) if largest > 0 else 0
+    ``largest`` bytes (`bounce_count` x `bounce_bytes`: two of a small pack's span, 16 MiB for packs
+    of 4 MiB and over); none without a file tier (``largest`` 0). A small model's file tier takes
+    no more than it reads."""
+    return bounce_count(largest) * bounce_bytes(largest) if largest > 0 else 0
 
 
 @attrs.frozen(kw_only=True)

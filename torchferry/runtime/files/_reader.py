@@ -205,10 +205,16 @@ class FileReader:
         threads: int = READ_THREADS,
         device: torch.device | None = None,
         bounce_bytes: int = BOUNCE_BYTES,
+        bounces: int | None = None,
     ) -> None:
-        if bounce_bytes % DIRECT_ALIGN or bounce_bytes <= 2 * DIRECT_ALIGN:
+        if (
+            bounce_bytes % DIRECT_ALIGN
+            or bounce_bytes <= 2 * DIRECT_ALIGN
+            or (bounces is not None and bounces < 1)
+        ):
             raise ValueError(
-                f"bounce_bytes={bounce_bytes} must be a multiple of {DIRECT_ALIGN} over two of them"
+                f"bounce_bytes={bounce_bytes}, bounces={bounces}: a multiple of {DIRECT_ALIGN} over two of "
+                "them, and at least one"
             )
         self.checkpoint = checkpoint
         self.views = FileViews(checkpoint)
@@ -227,7 +233,7 @@ class FileReader:
         self._bounces: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self.bounce_bytes = 0
         if any(o.direct is not None for o in self._opened.values()):
-            for _ in range(threads):
+            for _ in range(threads if bounces is None else bounces):
                 region = mmap.mmap(-1, bounce_bytes)  # page-aligned, so DIRECT_ALIGN-aligned
                 self._bounces.put(torch.frombuffer(region, dtype=torch.uint8))
                 self.bounce_bytes += bounce_bytes

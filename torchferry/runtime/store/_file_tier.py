@@ -243,7 +243,7 @@ class FileTier:
         largest = max((n for _, n in request.staging), default=0)
         reader = FileReader(
             source, direct=[f for f in direct if f in files], device=request.device,
-            bounce_bytes=policies.bounce_bytes(largest),
+            bounce_bytes=policies.bounce_bytes(largest), bounces=policies.bounce_count(largest),
         )  # fmt: skip
         try:
             reads: dict[str, PackRead] = {}
