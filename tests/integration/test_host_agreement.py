@@ -32,17 +32,24 @@ pytestmark = [
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module", params=["sharded", "bf16"])
-def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A saved Wan pipeline: float32 in 4 MB shards, or bf16 (its float32-kept modules widened on read)."""
-    path = tmp_path_factory.mktemp(request.param) / "wan"
-    pipe = toy.wan_pipeline(layers=4, heads=4, head_dim=64, ffn_dim=1024)
-    if request.param == "bf16":
-        pipe.to(torch.bfloat16)
-        pipe.save_pretrained(str(path))
-    else:
-        pipe.save_pretrained(str(path), max_shard_size="4MB")
-    return path
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Saved Wan pipelines: ``sharded`` (float32 in 4 MB shards) and ``bf16`` (its float32-kept
+    modules widened on read), each built the first time a case asks for it."""
+
+    class Lazy(dict[str, Path]):
+        def __missing__(self, kind: str) -> Path:
+            path = tmp_path_factory.mktemp(kind) / "wan"
+            pipe = toy.wan_pipeline(layers=4, heads=4, head_dim=64, ffn_dim=1024)
+            if kind == "bf16":
+                pipe.to(torch.bfloat16)
+                pipe.save_pretrained(str(path))
+            else:
+                pipe.save_pretrained(str(path), max_shard_size="4MB")
+            self[kind] = path
+            return path
+
+    return Lazy()
 
 
 Selection = frozenset[str] | None
@@ -95,32 +102,37 @@ def _whole(folder: Path) -> int:
 
 
 BOTH = frozenset({"dit", "text_encoder"})
+#: (folder, strategy, storage dtype, selection): each strategy and each selection on both folders,
+#: ``storage_dtype=`` and ``model_level`` with both selections on one.
 GRID = [
-    ("layerwise", None, None),
-    ("layerwise", None, BOTH),
-    ("none", None, None),
-    ("model_level", None, None),
-    ("model_level", None, BOTH),
-    ("layerwise", "bfloat16", None),
-    ("layerwise", "bfloat16", BOTH),
+    ("sharded", "layerwise", None, None),
+    ("sharded", "layerwise", None, BOTH),
+    ("sharded", "none", None, None),
+    ("sharded", "model_level", None, BOTH),
+    ("bf16", "layerwise", None, None),
+    ("bf16", "none", None, None),
+    ("bf16", "model_level", None, None),
+    ("bf16", "model_level", None, BOTH),
+    ("bf16", "layerwise", "bfloat16", None),
+    ("bf16", "layerwise", "bfloat16", BOTH),
 ]
 
 
-@pytest.mark.parametrize(("strategy", "dtype", "select"), GRID)
+@pytest.mark.parametrize(("kind", "strategy", "dtype", "select"), GRID)
 def test_plan_and_session_agree_on_the_host_figure(
-    folder: Path, strategy: str, dtype: str | None, select: Selection
+    folders: dict[str, Path], kind: str, strategy: str, dtype: str | None, select: Selection
 ) -> None:
     """At budgets from under the file tier's least to over the whole store, plan and session agree on
     tiers, host bytes, reads by how often and digest, or refuse alike, naming a least that opens."""
-    _agree(folder, strategy, dtype, select)
+    _agree(folders[kind], strategy, dtype, select)
 
 
-@pytest.mark.parametrize("select", [None, BOTH])
+@pytest.mark.parametrize(("kind", "select"), [("sharded", None), ("bf16", BOTH)])
 def test_distributed_plan_and_session_agree_on_the_host_figure(
-    folder: Path, select: Selection, world_of_one: Any
+    folders: dict[str, Path], kind: str, select: Selection, world_of_one: Any
 ) -> None:
     """The same for ``distributed_layerwise`` over a gloo group of one rank (``--world-size 1``)."""
-    _agree(folder, "distributed_layerwise", None, select)
+    _agree(folders[kind], "distributed_layerwise", None, select)
 
 
 def _agree(folder: Path, strategy: str, dtype: str | None, select: Selection) -> None:
