@@ -71,11 +71,12 @@ def pytest_make_collect_report(
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if os.environ.get("TORCHFERRY_ZOO_FULL") != "1":  # the whole pipeline zoo runs on demand only
-        left = [item for item in items if "zoo_full" in item.keywords]
-        if left:
-            config.hook.pytest_deselected(items=left)
-            items[:] = [item for item in items if "zoo_full" not in item.keywords]
+    for marker, variable in (("zoo_full", "TORCHFERRY_ZOO_FULL"), ("bench_full", "TORCHFERRY_BENCH_FULL")):
+        if os.environ.get(variable) != "1":  # the whole pipeline zoo and some benchmarks run on demand only
+            left = [item for item in items if marker in item.keywords]
+            if left:
+                config.hook.pytest_deselected(items=left)
+                items[:] = [item for item in items if marker not in item.keywords]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

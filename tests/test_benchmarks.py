@@ -109,6 +109,7 @@ def test_gpu_check_needs_only_torch_and_torchferry(tmp_path: Path) -> None:
     assert [n for n, r in rows.items() if r["status"] == "FAILED"] == []
 
 
+@pytest.mark.bench_full
 def test_overhead_quick_compares_every_variant(tmp_path: Path) -> None:
     """overhead --quick times every offloader on one Wan model, and each output equals the resident one."""
     target = tmp_path / "overhead.json"
@@ -131,6 +132,7 @@ def test_overhead_quick_compares_every_variant(tmp_path: Path) -> None:
     assert pieces["schedules_built_while_profiling"] == 0
 
 
+@pytest.mark.bench_full
 def test_quant_quick_runs_every_form_on_one_schedule(tmp_path: Path) -> None:
     """quant --quick runs the full-width model and each 8-bit form under one layerwise schedule: every
     output equals its form run without torchferry, and each 8-bit form moves and holds well under half
@@ -202,6 +204,7 @@ def test_overlap_fraction_counts_only_covered_copy_time() -> None:
     assert gpu_check.overlap_fraction(copies, []) == 0.0
 
 
+@pytest.mark.bench_full
 def test_auto_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     """auto.py --quick compares auto with every hand-picked configuration at each budget, in one run."""
     out = _run("auto.py", "--quick", "--out", str(tmp_path))
@@ -286,6 +289,7 @@ def test_gpu_check_keeps_one_deadline_for_the_whole_run(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "gpu_check.json").read_text())["rows"]["after"]["status"] == "skipped"
 
 
+@pytest.mark.bench_full
 def test_host_tier_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     """host_tier.py --quick measures the file tier's memory, read throughput and overlap side by side
     in one run, from a checkpoint at least 2x the host budget, every output bit-identical."""
