@@ -11,6 +11,7 @@ them) or under diffusers' names.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,24 +115,22 @@ def _quantize(
     return blocks.reshape(*values.shape[:-1], values.shape[-1] // block * size)
 
 
-def write(
-    path: Path, model: nn.Module, *, original: bool, types: dict[str, Any] | None = None
+def write_tensors(
+    path: Path, arch: str, tensors: dict[str, torch.Tensor], types: Callable[[str, torch.Tensor, int], Any]
 ) -> dict[str, Any]:
-    """Write ``model``'s state dict to the GGUF file ``path`` (Wan's original names if ``original``);
-    returns the type of each diffusers name. ``types`` overrides `quant_type` per diffusers name."""
-    writer = gguf.GGUFWriter(str(path), arch="wan")
+    """Write ``tensors`` to the GGUF file ``path``, each in the type ``types(name, tensor, index)``
+    names (F32 and F16 as plain arrays, the rest quantized); returns each name's type."""
+    writer = gguf.GGUFWriter(str(path), arch=arch)
     chosen: dict[str, Any] = {}
-    for index, (name, tensor) in enumerate(model.state_dict().items()):
-        kind = (types or {}).get(name) or quant_type(name, tensor, index)
-        chosen[name] = kind
+    for index, (name, tensor) in enumerate(tensors.items()):
+        kind = chosen[name] = types(name, tensor, index)
         values = tensor.detach().float().numpy()
-        stored = original_name(name) if original else name
         if kind == Q.F32:
-            writer.add_tensor(stored, values.astype(np.float32))
+            writer.add_tensor(name, values.astype(np.float32))
         elif kind == Q.F16:
-            writer.add_tensor(stored, values.astype(np.float16))
+            writer.add_tensor(name, values.astype(np.float16))
         else:
-            writer.add_tensor(stored, _quantize(values, kind, index), raw_dtype=kind)
+            writer.add_tensor(name, _quantize(values, kind, index), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -139,10 +138,28 @@ def write(
     return chosen
 
 
-def config_folder(path: Path, config: dict[str, Any] | None = None) -> Path:
+def write(
+    path: Path, model: nn.Module, *, original: bool, types: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Write ``model``'s state dict to the GGUF file ``path`` (Wan's original names if ``original``);
+    returns the type of each diffusers name. ``types`` overrides `quant_type` per diffusers name."""
+    state = model.state_dict()
+    stored = {original_name(n) if original else n: n for n in state}
+    tensors = {name: state[diffusers_name] for name, diffusers_name in stored.items()}
+
+    def chosen(name: str, tensor: torch.Tensor, index: int) -> Any:
+        return (types or {}).get(stored[name]) or quant_type(stored[name], tensor, index)
+
+    kinds = write_tensors(path, "wan", tensors, chosen)
+    return {stored[name]: kind for name, kind in kinds.items()}
+
+
+def config_folder(
+    path: Path, config: dict[str, Any] | None = None, class_name: str = "WanTransformer3DModel"
+) -> Path:
     """A folder holding the model's ``config.json`` (what ``from_single_file(config=...)`` reads)."""
     path.mkdir(parents=True, exist_ok=True)
-    values = {"_class_name": "WanTransformer3DModel", **(config or WAN_GGUF)}
+    values = {"_class_name": class_name, **(config or WAN_GGUF)}
     (path / "config.json").write_text(
         json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})
     )

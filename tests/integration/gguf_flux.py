@@ -11,15 +11,13 @@ only change), for diffusers' load and torchferry's alike.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
+import gguf_files
 import torch
-from gguf_files import _quantize
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -121,31 +119,12 @@ def quant_type(name: str, tensor: torch.Tensor, index: int) -> Any:
 
 def write(path: Path, model: nn.Module) -> dict[str, Any]:
     """``model`` as a GGUF file under BFL's names; returns each stored name's type."""
-    writer = gguf.GGUFWriter(str(path), arch="flux")
-    chosen: dict[str, Any] = {}
-    for index, (name, tensor) in enumerate(original(model.state_dict()).items()):
-        kind = quant_type(name, tensor, index)
-        chosen[name] = kind
-        values = tensor.detach().float().numpy()
-        if kind == Q.F32:
-            writer.add_tensor(name, values.astype(np.float32))
-        else:
-            writer.add_tensor(name, _quantize(values, kind, index), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return chosen
+    return gguf_files.write_tensors(path, "flux", original(model.state_dict()), quant_type)
 
 
 def config_folder(path: Path, config: dict[str, Any] | None = None) -> Path:
     """A folder holding the model's ``config.json``."""
-    path.mkdir(parents=True, exist_ok=True)
-    values = {"_class_name": "FluxTransformer2DModel", **(config or FLUX_GGUF)}
-    (path / "config.json").write_text(
-        json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in values.items()})
-    )
-    return path
+    return gguf_files.config_folder(path, config or FLUX_GGUF, class_name="FluxTransformer2DModel")
 
 
 class _Scaled(TorchFunctionMode):
