@@ -300,16 +300,22 @@ def _run_lumina2(pipe: Any) -> tuple[torch.Tensor, ...]:
     return embeds, images
 
 
+#: The text model of every tiny decoder-only encoder (Qwen2.5-VL, Gemma 3): 2 layers of width 16.
+TINY_TEXT: dict[str, Any] = {
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
+
 def _qwen_encoder() -> nn.Module:
     t = _transformers()
     config = t.Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": 32,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
+            **TINY_TEXT,
             "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2], "rope_type": "default"},
         },
         vision_config={

@@ -85,15 +85,7 @@ def run_flux2(pipe: Any) -> tuple[torch.Tensor, ...]:
 def _gemma3() -> Any:
     t = base._transformers()
     config = t.Gemma3Config(
-        text_config={
-            "vocab_size": 32,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 8,
-        },
+        text_config={**base.TINY_TEXT, "head_dim": 8},
         vision_config={
             "hidden_size": 16,
             "intermediate_size": 32,

@@ -14,6 +14,7 @@ from typing import Any
 
 import pipeline_zoo as base
 import torch
+from torch import nn
 
 
 def _kandinsky5_transformer(latent: int, text: int, pooled: int, visual_cond: bool = False) -> Any:
@@ -54,30 +55,27 @@ def _hunyuan_video_vae() -> Any:
     )
 
 
-def kandinsky5_t2v() -> Any:
+def _kandinsky5(pipeline: str, transformer: nn.Module, vae: nn.Module) -> Any:
+    """A Kandinsky 5 pipeline of class ``pipeline``: its two encoders (Qwen2.5-VL and CLIP, built after
+    ``transformer`` and ``vae``) and its scheduler, as every Kandinsky 5 pipeline takes them."""
     d = base._diffusers()
-    return d.Kandinsky5T2VPipeline(
-        transformer=_kandinsky5_transformer(4, 16, 16),
-        vae=_hunyuan_video_vae(),
+    return getattr(d, pipeline)(
+        transformer=transformer,
+        vae=vae,
         text_encoder=base._qwen_encoder(),
         tokenizer=None,
         text_encoder_2=base._clip(16),
         tokenizer_2=None,
         scheduler=d.FlowMatchEulerDiscreteScheduler(shift=7.0),
     )
+
+
+def kandinsky5_t2v() -> Any:
+    return _kandinsky5("Kandinsky5T2VPipeline", _kandinsky5_transformer(4, 16, 16), _hunyuan_video_vae())
 
 
 def kandinsky5_t2i() -> Any:
-    d = base._diffusers()
-    return d.Kandinsky5T2IPipeline(
-        transformer=_kandinsky5_transformer(16, 16, 16),
-        vae=base._kl(16),
-        text_encoder=base._qwen_encoder(),
-        tokenizer=None,
-        text_encoder_2=base._clip(16),
-        tokenizer_2=None,
-        scheduler=d.FlowMatchEulerDiscreteScheduler(shift=7.0),
-    )
+    return _kandinsky5("Kandinsky5T2IPipeline", _kandinsky5_transformer(16, 16, 16), base._kl(16))
 
 
 def _kandinsky5_embeds(pipe: Any) -> dict[str, torch.Tensor]:
@@ -302,16 +300,8 @@ def _image(size: int) -> Any:
 
 
 def kandinsky5_i2v() -> Any:
-    d = base._diffusers()
-    return d.Kandinsky5I2VPipeline(
-        transformer=_kandinsky5_transformer(4, 16, 16, visual_cond=True),
-        vae=_hunyuan_video_vae(),
-        text_encoder=base._qwen_encoder(),
-        tokenizer=None,
-        text_encoder_2=base._clip(16),
-        tokenizer_2=None,
-        scheduler=d.FlowMatchEulerDiscreteScheduler(shift=7.0),
-    )
+    transformer = _kandinsky5_transformer(4, 16, 16, visual_cond=True)
+    return _kandinsky5("Kandinsky5I2VPipeline", transformer, _hunyuan_video_vae())
 
 
 def run_kandinsky5_i2v(pipe: Any) -> tuple[torch.Tensor, ...]:
@@ -344,15 +334,7 @@ def kandinsky5_i2i() -> Any:
         norm_num_groups=4,
         layers_per_block=1,
     ).eval()
-    return d.Kandinsky5I2IPipeline(
-        transformer=_kandinsky5_transformer(16, 16, 16, visual_cond=True),
-        vae=vae,
-        text_encoder=base._qwen_encoder(),
-        tokenizer=None,
-        text_encoder_2=base._clip(16),
-        tokenizer_2=None,
-        scheduler=d.FlowMatchEulerDiscreteScheduler(shift=7.0),
-    )
+    return _kandinsky5("Kandinsky5I2IPipeline", _kandinsky5_transformer(16, 16, 16, visual_cond=True), vae)
 
 
 def run_kandinsky5_i2i(pipe: Any) -> tuple[torch.Tensor, ...]:

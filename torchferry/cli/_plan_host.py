@@ -51,6 +51,8 @@ class HostTier:
     rows: tuple[TierRow, ...]
     staging: tuple[int, ...]
     host_bytes: int
+    #: Of ``host_bytes``: the reader's bounce buffers (`policies.Tiers.read_buffer_bytes`).
+    read_buffer_bytes: int
     store_bytes: int
     read_bytes: tuple[tuple[str, int], ...]
     #: Of ``host_bytes``: kept, widened and scratch buffers of file-tier packs; the open's copy of a pack.
@@ -104,6 +106,7 @@ def host_tier(
         rows=tuple(rows),
         staging=tuple(s.nbytes for s in t.staging),
         host_bytes=t.host_bytes,
+        read_buffer_bytes=t.read_buffer_bytes,
         store_bytes=t.store_bytes,
         read_bytes=tuple((h, sum(r[h] for r in reads.values())) for h in policies.HEATS),
         kept_bytes=t.kept_bytes,
@@ -135,5 +138,3 @@ def hidden_down_to(steady: Schedule, cost: CostModel) -> tuple[float | None, flo
         mid = math.sqrt(lo * hi)
         lo, hi = (lo, mid) if hidden(mid) else (mid, hi)
     return hi, free
-
-

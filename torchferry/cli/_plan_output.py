@@ -174,7 +174,7 @@ def _host_lines(h: HostTier, rec: StrategyRow | None, forwards: int) -> list[str
     if h.staging:
         staging = sum(policies.page_bytes(n) for n in h.staging)
         rows.append(["staging slots", f"{len(h.staging)} x {_b(h.staging[0])}", _b(staging), "-", ""])
-        rows.append(["read buffers", "direct I/O", _b(policies.read_buffer_bytes(max(h.staging))), "-", ""])
+        rows.append(["read buffers", "direct I/O", _b(h.read_buffer_bytes), "-", ""])
     total_file = _b(sum(r.file_bytes for r in h.rows))
     rows.append(["total", f"of a {_b(h.budget)} budget", _b(h.host_bytes), total_file, ""])
     lines += _table(["component", "tier", "host", "in file", "read from the file"], rows, {2, 3})
@@ -212,7 +212,7 @@ def _host_document(h: HostTier) -> dict[str, Any]:
         "host_bytes": h.host_bytes,
         "store_bytes": h.store_bytes,
         "staging_slot_bytes": list(h.staging),
-        "read_bounce_bytes": policies.read_buffer_bytes(max(h.staging)) if h.staging else 0,
+        "read_bounce_bytes": h.read_buffer_bytes,
         "kept_bytes": h.kept_bytes,
         "transient_bytes": h.transient_bytes,
         "plan_digest": h.digest,

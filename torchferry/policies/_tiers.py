@@ -139,6 +139,12 @@ class Tiers:
     #: Of ``host_bytes``: the open's copy of one pack while the store copies the pipeline's weights in.
     transient_bytes: int = 0
 
+    @property
+    def read_buffer_bytes(self) -> int:
+        """Of ``host_bytes``: the reader's bounce buffers (`read_buffer_bytes` of the staging slot; 0
+        without a file tier)."""
+        return read_buffer_bytes(max((s.nbytes for s in self.staging), default=0)) if self.file else 0
+
 
 def file_packs(plan: Plan, file: Collection[str], unit: str) -> tuple[str, ...]:
     """The packs of ``unit`` that are in the file tier ``file``."""

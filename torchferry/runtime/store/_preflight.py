@@ -338,7 +338,7 @@ def host_figures(store: HostStore, host: HostPlan | None, plan: Plan | None = No
         if tier is not None and chosen.file:
             modes = {m.split(" ", 1)[0] for m in tier.reader.modes.values()}
             figures.update(
-                read_buffer_bytes=policies.read_buffer_bytes(max(sl.nbytes for sl in chosen.staging)),
+                read_buffer_bytes=chosen.read_buffer_bytes,
                 read_mode=" and ".join(sorted(modes)) or "buffered",
             )
     return figures
