@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+#: tests/engines/ drives vLLM-Omni's own code, whose pins conflict with CI's environment: it runs in the
+#: environment tools/vllm_omni_env.sh builds, which sets TORCHFERRY_ENGINE_TESTS=1 (docs/testing.md).
+collect_ignore = [] if os.environ.get("TORCHFERRY_ENGINE_TESTS") == "1" else ["engines"]
+
 #: Golden files: plain text, compared whole; ``--update-golden`` rewrites them (CI never passes it).
 GOLDEN = Path(__file__).resolve().parent / "golden"
 

@@ -52,7 +52,7 @@ from torchferry.topology import (
     read_pipeline_folder,
 )
 
-__all__ = ["from_pretrained", "pipeline_on_meta", "resolve_folder"]
+__all__ = ["build_on_meta", "from_pretrained", "pipeline_on_meta", "resolve_folder"]
 
 
 def resolve_folder(model: str | os.PathLike[str]) -> Path:
@@ -458,3 +458,16 @@ def _build_on_meta(
         ) from None
     built = [name for name, value in values.items() if name not in given and isinstance(value, nn.Module)]
     return pipeline, options, built
+
+
+def build_on_meta(
+    pipeline_class: Any,
+    folder: Path,
+    dtype: TorchDtype,
+    components: Mapping[str, Any],
+    variant: str | None = None,
+) -> tuple[Any, dict[str, Any], list[str]]:
+    """The first half of `from_pretrained`, for an engine that opens the session later on its own device:
+    the pipeline with every model parameter on meta, the keywords that named no component, and the
+    components built here (``offload(..., checkpoint=folder, checkpoint_components=built)`` fills them)."""
+    return _build_on_meta(pipeline_class, folder, dtype, components, variant)
