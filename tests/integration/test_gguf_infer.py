@@ -1,0 +1,160 @@
+"""A GGUF file without a config.json: its class and configuration inferred from its tensor names and
+shapes (`topology.infer_gguf_model`), offline, for `from_single_file` and `torchferry plan` alike,
+and refused, naming the layouts looked for, when nothing matches (docs/quantized.md, GGUF)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import torchferry
+from torchferry.topology import GGUF_LAYOUTS, infer_gguf_model, read_gguf
+
+diffusers = pytest.importorskip("diffusers")
+gguf = pytest.importorskip("gguf")
+
+import gguf_files  # noqa: E402 (needs the gguf package)
+import gguf_flux  # noqa: E402
+
+#: The tiny Wan of `gguf_files` with the rotary table every known Wan has (no tensor shows its length).
+WAN = {**gguf_files.WAN_GGUF, "rope_max_seq_len": 1024}
+
+
+def _registered(model_class: Any, config: dict[str, Any]) -> str:
+    """The whole configuration ``model_class`` registers when built from ``config``, as JSON."""
+    with torchferry.meta_parameters():
+        built = model_class.from_config(config)
+    values = {k: v for k, v in built.config.items() if not k.startswith("_")}  # not diffusers' bookkeeping
+    return json.dumps(values, sort_keys=True, default=list)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The Wan file under Wan's and diffusers' names and the FLUX file under BFL's, no config beside."""
+    where = tmp_path_factory.mktemp("gguf-infer")
+    made = {"wan": where / "wan" / "wan.gguf", "wan-diffusers": where / "wan-d" / "wan.gguf"}
+    made["flux"] = where / "flux" / "flux.gguf"
+    for path in made.values():
+        path.parent.mkdir()
+    gguf_files.write(made["wan"], gguf_files.wan(WAN), original=True)
+    gguf_files.write(made["wan-diffusers"], gguf_files.wan(WAN), original=False)
+    gguf_flux.write(made["flux"], gguf_flux.flux())
+    return made
+
+
+def test_the_inferred_configuration_is_the_one_the_file_was_made_from(files: dict[str, Path]) -> None:
+    """From the header alone, each file's class is found and its inferred configuration registers
+    exactly the configuration the file was written from (depths from block indices, widths from
+    shapes)."""
+    cases = {
+        "wan": ("WanTransformer3DModel (Wan's original names)", diffusers.WanTransformer3DModel, WAN),
+        "wan-diffusers": ("WanTransformer3DModel (diffusers' names)", diffusers.WanTransformer3DModel, WAN),
+        "flux": (
+            "FluxTransformer2DModel (BFL's names)",
+            diffusers.FluxTransformer2DModel,
+            gguf_flux.FLUX_GGUF,
+        ),
+    }
+    for key, (layout, model_class, config) in cases.items():
+        inferred = infer_gguf_model(str(files[key]), read_gguf(files[key]))
+        assert (inferred.layout, inferred.class_name) == (layout, model_class.__name__)
+        assert _registered(model_class, inferred.config) == _registered(model_class, config), key
+    deeper = {**gguf_flux.FLUX_GGUF, "num_layers": 3, "num_single_layers": 1, "guidance_embeds": True}
+    path = files["flux"].parent / "deeper.gguf"
+    gguf_flux.write(path, gguf_flux.flux(deeper))
+    inferred = infer_gguf_model(str(path), read_gguf(path))
+    assert _registered(diffusers.FluxTransformer2DModel, inferred.config) == _registered(
+        diffusers.FluxTransformer2DModel, deeper
+    )
+
+
+def test_from_single_file_without_config_equals_diffusers_with_it(files: dict[str, Path]) -> None:
+    """`from_single_file(WanTransformer3DModel, path)` with no config= (and with the class left to the
+    file) gives diffusers' output for the file loaded with its config, bit for bit."""
+    path = files["wan"]
+    config = gguf_files.config_folder(path.parent.parent / "wan-config", WAN)
+    expected = gguf_files.call(
+        diffusers.WanTransformer3DModel.from_single_file(
+            str(path), config=str(config), quantization_config=diffusers.GGUFQuantizationConfig()
+        )
+    )
+    with torchferry.from_single_file(diffusers.WanTransformer3DModel, path, device="cpu") as session:
+        assert torch.equal(gguf_files.call(session.pipeline), expected)
+    from torchferry._single_file import model_on_meta
+
+    assert type(model_on_meta(None, path)) is diffusers.WanTransformer3DModel  # the class from the file
+    with pytest.raises(
+        torchferry.PlanError,
+        match=re.escape(
+            f"{path}: its tensors are those of a WanTransformer3DModel (Wan's original names), not of "
+            "FluxTransformer2DModel; pass WanTransformer3DModel, or config= of the FluxTransformer2DModel "
+            "the file was made from"
+        ),
+    ):
+        torchferry.from_single_file(diffusers.FluxTransformer2DModel, path, device="cpu")
+
+
+def test_plan_without_config_plans_what_the_config_plans(
+    files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`torchferry plan` of a .gguf with no config.json beside it (Wan, and FLUX under BFL's names)
+    plans the inferred model: the same components, bytes and rows as with the file's config.json."""
+    from torchferry.cli import main
+
+    argv = ["--device-memory", "8MiB", "--format", "json"]
+    for key, config in (("wan", WAN), ("flux", gguf_flux.FLUX_GGUF)):
+        alone = tmp_path / key
+        alone.mkdir()
+        shutil.copy(files[key], alone / "model.gguf")
+        beside = tmp_path / f"{key}-config"
+        shutil.copy(files[key], gguf_files.config_folder(beside, config) / "model.gguf")
+        if key == "flux":
+            beside_json = json.loads((beside / "config.json").read_text())
+            beside_json["_class_name"] = "FluxTransformer2DModel"
+            (beside / "config.json").write_text(json.dumps(beside_json))
+        with gguf_flux.scaled_conversion():  # FLUX's conversion at the tiny width (gguf_flux's notes)
+            assert main(["plan", str(alone / "model.gguf"), *argv]) == 0
+            inferred = json.loads(capsys.readouterr().out)
+            assert main(["plan", str(beside), *argv]) == 0
+            given = json.loads(capsys.readouterr().out)
+        assert inferred["components"] == given["components"] and inferred["components"][0]["blocks"] > 1
+        assert inferred["strategies"] == given["strategies"]
+
+
+def test_a_file_that_matches_no_layout_is_refused_naming_the_layouts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A GGUF file whose tensors are of no layout torchferry knows is refused by from_single_file and
+    `torchferry plan` (status 2, one line, in flags), naming every layout and the tensors looked for."""
+    from torchferry.cli import main
+
+    path = tmp_path / "other.gguf"
+    values = np.zeros((4, 32), dtype=np.float32)
+    gguf_files.write_tensors(
+        path,
+        "other",
+        {"layers.0.w.weight": torch.from_numpy(values)},
+        lambda *_: gguf.GGMLQuantizationType.F32,
+    )
+    looked = "; ".join(f"{t.name}: {', '.join(t.markers)}" for t in GGUF_LAYOUTS)
+    assert "WanTransformer3DModel (Wan's original names): head.modulation, patch_embedding.weight" in looked
+    assert "FluxTransformer2DModel (BFL's names): double_blocks.0.img_attn.norm.key_norm.scale" in looked
+    said = (
+        f"{path}: a GGUF file does not say which model it fills, and its tensors (named like "
+        f"'layers.0.w.weight') match none of the layouts torchferry infers one from ({looked}); "
+    )
+    with pytest.raises(torchferry.PlanError, match=re.escape(said + "pass config= (the model's diffusers")):
+        torchferry.from_single_file(diffusers.WanTransformer3DModel, path, device="cpu")
+    assert main(["plan", str(path), "--device-memory", "8MiB"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "torchferry" in line]
+    assert lines == [
+        f"torchferry plan: error: {said}put the model's config.json (from its diffusers folder, e.g. "
+        "transformer/config.json) beside it"
+    ]
