@@ -29,6 +29,7 @@ from torchferry._errors import PlanError
 from torchferry._session import Session, offload
 from torchferry.runtime import meta_parameters, model_entries
 from torchferry.topology import (
+    GIVE_CONFIG,
     GGUFEntry,
     InferredModel,
     check_gguf_fits,
@@ -148,8 +149,17 @@ def model_on_meta(
         model_class, values, inferred = _inferred(file, found, model_class)
     else:
         values = _config(model_class, config)
-    with meta_parameters():
-        model: nn.Module = model_class.from_config(values)
+    try:
+        with meta_parameters():
+            model: nn.Module = model_class.from_config(values)
+    except Exception as exc:
+        if inferred is None:
+            raise
+        raise PlanError.worded(
+            f"{file}: the {inferred.class_name} configuration inferred from its tensors ({inferred.layout}) "
+            f"does not build ({type(exc).__name__}: {exc}); ",
+            GIVE_CONFIG,
+        ) from None
     state = model.state_dict(keep_vars=True)
     entries = model_entries(file, found, model_class, list(state), values)
     check_gguf_fits(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torchferry
-from torchferry.topology import GGUF_LAYOUTS, infer_gguf_model, read_gguf
+from torchferry.topology import GGUF_LAYOUTS, GGUFEntry, infer_gguf_model, read_gguf
 
 diffusers = pytest.importorskip("diffusers")
 gguf = pytest.importorskip("gguf")
@@ -158,3 +158,77 @@ def test_a_file_that_matches_no_layout_is_refused_naming_the_layouts(
         f"torchferry plan: error: {said}put the model's config.json (from its diffusers folder, e.g. "
         "transformer/config.json) beside it"
     ]
+
+
+def _header(shapes: dict[str, tuple[int, ...]]) -> list[GGUFEntry]:
+    """Header entries of F16 tensors of these logical shapes (no file: inference reads names and shapes)."""
+    return [
+        GGUFEntry(
+            name=n, dtype="float16", shape=s, begin=0, end=0, file="x.gguf", quant_type="F16", logical_shape=s
+        )
+        for n, s in shapes.items()
+    ]
+
+
+#: The published transformer configurations of two known models (`torchferry/topology/known`, from
+#: diffusers' scripts/convert_wan_to_diffusers.py and convert_flux_to_diffusers.py).
+PUBLISHED: dict[str, dict[str, Any]] = {
+    "wan2.1-t2v-14b": {
+        "patch_size": (1, 2, 2), "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16,
+        "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
+        "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-06, "image_dim": None,
+        "added_kv_proj_dim": None, "rope_max_seq_len": 1024, "pos_embed_seq_len": None,
+    },
+    "flux.1-dev": {
+        "patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 19, "num_single_layers": 38,
+        "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+        "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": (16, 56, 56),
+    },
+}  # fmt: skip
+
+
+def test_known_models_are_inferred_from_full_size_headers() -> None:
+    """The shipped tensor specs of Wan2.1-T2V-14B and FLUX.1-dev, under diffusers' names and under
+    the original ones (a city96 flux1-dev file's), infer exactly the published configurations."""
+    from torchferry import topology
+
+    for model_id, published in PUBLISHED.items():
+        dit = next(c for c in topology.known_topology(model_id).components if c.kind == "dit")
+        specs = {t.name.removeprefix("transformer."): t.shape for t in dit.all_tensors() if t.persistent}
+        if model_id.startswith("wan"):
+            original = {gguf_files.original_name(n): s for n, s in specs.items()}
+        else:
+            meta = {n: torch.empty(s, device="meta") for n, s in specs.items()}
+            original = {n: tuple(t.shape) for n, t in gguf_flux.original(meta).items()}
+        for shapes in (specs, original):
+            assert infer_gguf_model("x.gguf", _header(shapes)).config == published, model_id
+
+
+def test_hostile_shapes_and_indices_are_refused_naming_them() -> None:
+    """A block index far past the others (which would build a hundred million blocks), and a patch
+    embedding of the wrong rank, are refused by name; no model is built."""
+    base = {
+        "head.modulation": (1, 2, 256),
+        "patch_embedding.weight": (256, 4, 1, 2, 2),
+        "blocks.0.self_attn.q.weight": (256, 256),
+        "head.head.weight": (16, 256),
+        "text_embedding.0.weight": (256, 16),
+        "time_embedding.0.weight": (256, 16),
+        "blocks.0.ffn.0.weight": (256, 256),
+    }
+    assert infer_gguf_model("x.gguf", _header(base)).config["num_layers"] == 1
+    far = {**base, "blocks.99999999.ffn.0.weight": (256, 256)}
+    with pytest.raises(
+        torchferry.PlanError,
+        match=re.escape(
+            "x.gguf: its tensors are named as WanTransformer3DModel (Wan's original names) files are, but "
+            "its configuration cannot be read from them (its blocks run to index 99999999 but blocks.1 is "
+            "not there (2 blocks in all)); pass config="
+        ),
+    ):
+        infer_gguf_model("x.gguf", _header(far))
+    flat = {**base, "patch_embedding.weight": (256, 16)}
+    with pytest.raises(
+        torchferry.PlanError, match=r"patch_embedding\.weight has shape \[256, 16\], not a 3-d"
+    ):
+        infer_gguf_model("x.gguf", _header(flat))

@@ -18,6 +18,7 @@ have every tensor of the file at the file's shape.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -67,15 +68,25 @@ class GGUFLayout:
 
 
 def _count(shapes: Shapes, prefix: str) -> int:
-    """Blocks in the numbered list ``prefix``: its highest index plus one."""
+    """Blocks in the numbered list ``prefix``: its highest index plus one, every index below it
+    present (a gap, or a hostile index such as ``blocks.99999999``, would build blocks the file
+    does not hold)."""
     pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.")
-    found = [int(m.group(1)) for name in shapes if (m := pattern.match(name))]
-    return max(found) + 1 if found else 0
+    found = {int(m.group(1)) for name in shapes if (m := pattern.match(name))}
+    if not found:
+        raise ValueError(f"it has no tensor under {prefix}.0.")
+    if len(found) != max(found) + 1:
+        lacking = next(i for i in itertools.count() if i not in found)
+        raise ValueError(
+            f"its {prefix} run to index {max(found)} but {prefix}.{lacking} is not there "
+            f"({len(found)} blocks in all)"
+        )
+    return len(found)
 
 
 def _divide(total: int, part: int, what: str) -> int:
-    if part <= 0 or total % part:
-        raise ValueError(f"{what}: {total} is not a multiple of {part}")
+    if part <= 0 or total <= 0 or total % part:
+        raise ValueError(f"{what}: {total} is not a positive multiple of {part}")
     return total // part
 
 
@@ -89,7 +100,10 @@ def _wan(names: Mapping[str, str]) -> Callable[[Shapes], dict[str, Any]]:
     """The Wan configuration from shapes, the roles named as ``names`` gives them."""
 
     def infer(shapes: Shapes) -> dict[str, Any]:
-        inner, in_channels, *patch = shapes["patch_embedding.weight"]
+        patching = shapes["patch_embedding.weight"]
+        if len(patching) != 5:
+            raise ValueError(f"patch_embedding.weight has shape {list(patching)}, not a 3-d convolution's")
+        inner, in_channels, *patch = patching
         cells = 1
         for p in patch:
             cells *= p
