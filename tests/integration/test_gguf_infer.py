@@ -37,14 +37,12 @@ def _registered(model_class: Any, config: dict[str, Any]) -> str:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The Wan file under Wan's and diffusers' names and the FLUX file under BFL's, no config beside."""
+    """The Wan file under Wan's names and the FLUX file under BFL's, no config beside."""
     where = tmp_path_factory.mktemp("gguf-infer")
-    made = {"wan": where / "wan" / "wan.gguf", "wan-diffusers": where / "wan-d" / "wan.gguf"}
-    made["flux"] = where / "flux" / "flux.gguf"
+    made = {"wan": where / "wan" / "wan.gguf", "flux": where / "flux" / "flux.gguf"}
     for path in made.values():
         path.parent.mkdir()
     gguf_files.write(made["wan"], gguf_files.wan(WAN), original=True)
-    gguf_files.write(made["wan-diffusers"], gguf_files.wan(WAN), original=False)
     gguf_flux.write(made["flux"], gguf_flux.flux())
     return made
 
@@ -52,10 +50,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_the_inferred_configuration_is_the_one_the_file_was_made_from(files: dict[str, Path]) -> None:
     """From the header alone, each file's class is found and its inferred configuration registers
     exactly the configuration the file was written from (depths from block indices, widths from
-    shapes)."""
+    shapes); so do the header entries of the Wan model under diffusers' names and of a deeper FLUX
+    with guidance."""
     cases = {
         "wan": ("WanTransformer3DModel (Wan's original names)", diffusers.WanTransformer3DModel, WAN),
-        "wan-diffusers": ("WanTransformer3DModel (diffusers' names)", diffusers.WanTransformer3DModel, WAN),
         "flux": (
             "FluxTransformer2DModel (BFL's names)",
             diffusers.FluxTransformer2DModel,
@@ -66,10 +64,19 @@ def test_the_inferred_configuration_is_the_one_the_file_was_made_from(files: dic
         inferred = infer_gguf_model(str(files[key]), read_gguf(files[key]))
         assert (inferred.layout, inferred.class_name) == (layout, model_class.__name__)
         assert _registered(model_class, inferred.config) == _registered(model_class, config), key
+    with torchferry.meta_parameters():
+        named = {n: tuple(t.shape) for n, t in diffusers.WanTransformer3DModel(**WAN).state_dict().items()}
+    inferred = infer_gguf_model("x.gguf", _header(named))
+    assert inferred.layout == "WanTransformer3DModel (diffusers' names)"
+    assert _registered(diffusers.WanTransformer3DModel, inferred.config) == _registered(
+        diffusers.WanTransformer3DModel, WAN
+    )
     deeper = {**gguf_flux.FLUX_GGUF, "num_layers": 3, "num_single_layers": 1, "guidance_embeds": True}
-    path = files["flux"].parent / "deeper.gguf"
-    gguf_flux.write(path, gguf_flux.flux(deeper))
-    inferred = infer_gguf_model(str(path), read_gguf(path))
+    with torchferry.meta_parameters():
+        state = diffusers.FluxTransformer2DModel(**deeper).state_dict()
+    inferred = infer_gguf_model(
+        "x.gguf", _header({n: tuple(t.shape) for n, t in gguf_flux.original(state).items()})
+    )
     assert _registered(diffusers.FluxTransformer2DModel, inferred.config) == _registered(
         diffusers.FluxTransformer2DModel, deeper
     )
@@ -85,7 +92,9 @@ def test_from_single_file_without_config_equals_diffusers_with_it(files: dict[st
             str(path), config=str(config), quantization_config=diffusers.GGUFQuantizationConfig()
         )
     )
-    with torchferry.from_single_file(diffusers.WanTransformer3DModel, path, device="cpu") as session:
+    with torchferry.from_single_file(
+        diffusers.WanTransformer3DModel, path, device="cpu", strategy="layerwise"
+    ) as session:
         assert torch.equal(gguf_files.call(session.pipeline), expected)
     from torchferry._single_file import model_on_meta
 
