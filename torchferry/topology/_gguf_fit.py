@@ -46,7 +46,8 @@ def _fields(config: Mapping[str, Any], value: int) -> list[str]:
     found = [k for k, v in ints.items() if v == value]
     if found:
         return found
-    return [f"{a} x {b}" for (a, va), (b, vb) in itertools.combinations(ints.items(), 2) if va * vb == value]
+    heads = {k: v for k, v in ints.items() if "head" in k}  # the width is heads x head width
+    return [f"{a} x {b}" for (a, va), (b, vb) in itertools.combinations(heads.items(), 2) if va * vb == value]
 
 
 def _blame(config: Mapping[str, Any], expected: int, actual: int, *, count: bool = False) -> str:
@@ -97,7 +98,8 @@ def _whole_blocks(
         count = len(held.get(prefix, ()))
         are = "are" if len(lacking) > 1 else "is"
         if extra:
-            said = f"{span} of the file {are} more than {class_name} has ({count} of {prefix})"
+            have = "have" if len(lacking) > 1 else "has"
+            said = f"{span} of the file {have} no place in {class_name}, which has {count} of {prefix}"
             problems.append(said + _blame(config, count, len(indices), count=True))
         else:
             said = f"{span} {are} not in the file, which holds {count} of {prefix}"
