@@ -118,16 +118,13 @@ def test_plan_without_config_plans_what_the_config_plans(
     from torchferry.cli import main
 
     argv = ["--device-memory", "8MiB", "--format", "json"]
+    classes = {"wan": "WanTransformer3DModel", "flux": "FluxTransformer2DModel"}
     for key, config in (("wan", WAN), ("flux", gguf_flux.FLUX_GGUF)):
         alone = tmp_path / key
         alone.mkdir()
         shutil.copy(files[key], alone / "model.gguf")
         beside = tmp_path / f"{key}-config"
-        shutil.copy(files[key], gguf_files.config_folder(beside, config) / "model.gguf")
-        if key == "flux":
-            beside_json = json.loads((beside / "config.json").read_text())
-            beside_json["_class_name"] = "FluxTransformer2DModel"
-            (beside / "config.json").write_text(json.dumps(beside_json))
+        shutil.copy(files[key], gguf_files.config_folder(beside, config, classes[key]) / "model.gguf")
         with gguf_flux.scaled_conversion():  # FLUX's conversion at the tiny width (gguf_flux's notes)
             assert main(["plan", str(alone / "model.gguf"), *argv]) == 0
             inferred = json.loads(capsys.readouterr().out)
@@ -135,6 +132,10 @@ def test_plan_without_config_plans_what_the_config_plans(
             given = json.loads(capsys.readouterr().out)
         assert inferred["components"] == given["components"] and inferred["components"][0]["blocks"] > 1
         assert inferred["strategies"] == given["strategies"]
+        assert inferred["source"] == f"gguf-inferred:{alone / 'model.gguf'}"
+    assert main(["plan", str(tmp_path / "wan" / "model.gguf"), "--device-memory", "8MiB"]) == 0
+    said = ", with no config.json beside it: its class and configuration inferred from its tensor names"
+    assert f"{tmp_path / 'wan' / 'model.gguf'}{said} and shapes\n" in capsys.readouterr().out
 
 
 def test_a_file_that_matches_no_layout_is_refused_naming_the_layouts(

@@ -145,7 +145,10 @@ def _gguf(model: str, compute_dtype: str | None = None) -> Topology | None:
         warnings.simplefilter("ignore")  # the model's own warnings while building; not the plan's
         dtype = getattr(torch, compute_dtype or "float32")
         built = model_on_meta(model_class, file, config=config, compute_dtype=dtype)
-    return attrs.evolve(topology.discover(built), source=f"gguf:{file}", pipeline_class=model_class.__name__)
+    kind = "gguf" if config is not None else "gguf-inferred"  # no config.json: inferred from the file
+    return attrs.evolve(
+        topology.discover(built), source=f"{kind}:{file}", pipeline_class=model_class.__name__
+    )
 
 
 def load_model(

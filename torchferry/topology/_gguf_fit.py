@@ -98,8 +98,8 @@ def _whole_blocks(
         count = len(held.get(prefix, ()))
         are = "are" if len(lacking) > 1 else "is"
         if extra:
-            have = "have" if len(lacking) > 1 else "has"
-            said = f"{span} of the file {have} no place in {class_name}, which has {count} of {prefix}"
+            verb = "have" if len(lacking) > 1 else "has"
+            said = f"{span} of the file {verb} no place in {class_name}, which has {count} of {prefix}"
             problems.append(said + _blame(config, count, len(indices), count=True))
         else:
             said = f"{span} {are} not in the file, which holds {count} of {prefix}"
