@@ -439,6 +439,41 @@ def test_plan_checkpoint_block_attrs(capsys: pytest.CaptureFixture[str], tmp_pat
     assert only["components"][0]["blocks"] == 2
 
 
+def test_block_attrs_that_find_nothing_are_told_the_flag(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`plan CKPT --block-attrs nope` warns in flags (``--block-attrs blocks``), never the API's
+    ``declaration=Declaration(...)``, and an explicit layerwise request's refusal is in flags too."""
+    path = tmp_path / "dit.safetensors"
+    write_sparse(path, {f"blocks.{i}.w.weight": (64, 64) for i in range(3)} | {"head.weight": (8, 64)})
+    doc = plan_json(capsys, str(path), "--device-memory", "1GiB", "--block-attrs", "nope")
+    hint = (
+        "; for example pass --block-attrs blocks listing the block lists (or single blocks) in the order "
+        "its forward runs them"
+    )
+    assert (
+        "layerwise: DiT '' (its class) has no streamable blocks; it is not offloaded and stays "
+        + (f"resident{hint}")
+        in doc["warnings"]
+    )
+    assert not [w for w in doc["warnings"] if "declaration=" in w or "Declaration(" in w]
+    argv = (
+        "--device-memory",
+        "1GiB",
+        "--block-attrs",
+        "nope",
+        "--strategy",
+        "layerwise",
+        "--components",
+        "dit",
+    )
+    refused = plan_json(capsys, str(path), *argv)
+    assert row(refused, "layerwise")["error"] == (
+        "Selected DiT '' (its class) has no streamable blocks; declare them with its "
+        f"class._layerwise_offload_blocks_attrs or --block-attrs{hint}"
+    )
+
+
 def test_plan_predicts_the_peak_the_runtime_measures(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -28,7 +28,15 @@ from torch import nn
 from torchferry._errors import PlanError
 from torchferry._session import Session, offload
 from torchferry.runtime import meta_parameters, model_entries
-from torchferry.topology import is_gguf, read_gguf
+from torchferry.topology import (
+    GIVE_CONFIG,
+    GGUFEntry,
+    InferredModel,
+    check_gguf_fits,
+    infer_gguf_model,
+    is_gguf,
+    read_gguf,
+)
 
 __all__ = ["from_single_file", "gguf_source", "model_on_meta"]
 
@@ -46,10 +54,39 @@ def _config(model_class: Any, config: str | os.PathLike[str] | Mapping[str, Any]
     return loaded
 
 
-def gguf_source(path: str | os.PathLike[str]) -> tuple[str, Any, dict[str, Any]] | None:
+def _diffusers_class(name: str, where: str) -> Any:
+    """The diffusers model class named ``name`` (inferred from the file ``where``)."""
+    import diffusers
+
+    found = getattr(diffusers, name, None)
+    if not isinstance(found, type):
+        raise PlanError(
+            f"{where}: is a {name} file, and this diffusers ({diffusers.__version__}) has no {name}"
+        )
+    return found
+
+
+def _inferred(
+    file: str, found: tuple[GGUFEntry, ...], model_class: Any
+) -> tuple[Any, dict[str, Any], InferredModel]:
+    """The class and configuration the header ``found`` says (`topology.infer_gguf_model`); a class
+    other than ``model_class`` (when given) is a `PlanError`."""
+    inferred = infer_gguf_model(file, found)
+    if model_class is not None and model_class.__name__ != inferred.class_name:
+        raise PlanError(
+            f"{file}: its tensors are those of a {inferred.layout}, not of "
+            f"{model_class.__name__}; pass {inferred.class_name}, or config= of the {model_class.__name__} "
+            "the file was made from"
+        )
+    return model_class or _diffusers_class(inferred.class_name, file), inferred.config, inferred
+
+
+def gguf_source(path: str | os.PathLike[str]) -> tuple[str, Any, dict[str, Any] | None] | None:
     """The GGUF file ``path`` names (itself, or the one ``*.gguf`` in a folder), the diffusers class
     its ``config.json`` (beside it) names, and that configuration; ``None`` if ``path`` holds no GGUF
-    file. A GGUF file without a readable ``config.json`` naming a diffusers class is a `PlanError`."""
+    file. Without a ``config.json`` beside it the class is inferred from the file's tensors
+    (`topology.infer_gguf_model`) and the configuration is ``None`` (`model_on_meta` infers it); a
+    ``config.json`` that cannot be read or names no diffusers class is a `PlanError`."""
     where = Path(os.fspath(path))
     files = sorted(where.glob("*.gguf")) if where.is_dir() else [where]
     files = [f for f in files if f.is_file() and is_gguf(f)]
@@ -60,13 +97,18 @@ def gguf_source(path: str | os.PathLike[str]) -> tuple[str, Any, dict[str, Any]]
     file = files[0]
     config_file = file.parent / "config.json"
     fix = (
-        "put the model's config.json (from its diffusers folder, e.g. transformer/config.json) beside it; "
-        "a GGUF file does not say which diffusers class it fills"
+        "put the model's config.json (from its diffusers folder, e.g. transformer/config.json) beside it, "
+        "or remove it to infer the class and configuration from the file"
     )
+    if not config_file.exists() and not config_file.is_symlink():
+        model_class, _, _ = _inferred(str(file), read_gguf(file), None)
+        return str(file), model_class, None
     try:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
-        raise PlanError(f"{file}: no readable config.json beside it ({type(exc).__name__}); {fix}") from None
+        raise PlanError(
+            f"{file}: the config.json beside it cannot be read ({type(exc).__name__}); {fix}"
+        ) from None
     import diffusers
 
     named = config.get("_class_name") if isinstance(config, dict) else None
@@ -80,15 +122,20 @@ def model_on_meta(
     model_class: Any,
     path: str | os.PathLike[str],
     *,
-    config: str | os.PathLike[str] | Mapping[str, Any],
+    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """``model_class`` as diffusers' GGUF single-file load builds it, every parameter on meta.
 
     See the Note at the top of this module. ``config`` is the model's folder (its ``config.json``)
-    or its configuration as a dict; nothing is downloaded. A file that is not GGUF, whose names
-    diffusers' conversion cannot map, or that quantizes a weight diffusers would dequantize at load
-    (one of ``_keep_in_fp32_modules``) is a `PlanError`, raised before anything is read.
+    or its configuration as a dict; nothing is downloaded. Without one, the class and configuration
+    are inferred from the file's tensor names and shapes (`topology.infer_gguf_model`; a file of
+    another class than ``model_class``, or of none torchferry recognises, is refused), and
+    ``model_class`` may be ``None``. A file that is not GGUF, whose names
+    diffusers' conversion cannot map, that does not fill the model the configuration builds (a
+    tensor missing, of another shape, or one the model has no place for:
+    `topology.check_gguf_fits`), or that quantizes a weight diffusers would dequantize at load (one
+    of ``_keep_in_fp32_modules``) is a `PlanError`, raised before anything is read.
     """
     from diffusers.quantizers.gguf.utils import GGUFParameter, _replace_with_gguf_linear
     from gguf import GGMLQuantizationType
@@ -97,11 +144,32 @@ def model_on_meta(
     if not is_gguf(file):
         raise PlanError(f"{file}: not a GGUF file (no GGUF magic); from_single_file reads .gguf files")
     found = read_gguf(file)
-    values = _config(model_class, config)
-    with meta_parameters():
-        model: nn.Module = model_class.from_config(values)
+    inferred = None
+    if config is None:
+        model_class, values, inferred = _inferred(file, found, model_class)
+    else:
+        values = _config(model_class, config)
+    try:
+        with meta_parameters():
+            model: nn.Module = model_class.from_config(values)
+    except Exception as exc:
+        if inferred is None:
+            raise
+        raise PlanError.worded(
+            f"{file}: the {inferred.class_name} configuration inferred from its tensors ({inferred.layout}) "
+            f"does not build ({type(exc).__name__}: {exc}); ",
+            GIVE_CONFIG,
+        ) from None
     state = model.state_dict(keep_vars=True)
     entries = model_entries(file, found, model_class, list(state), values)
+    check_gguf_fits(
+        file,
+        model_class.__name__,
+        {n: e.logical_shape for n, e in entries.items()},
+        {n: tuple(t.shape) for n, t in state.items()},
+        values,
+        inferred=None if inferred is None else inferred.layout,
+    )
     kept = [m for m in (getattr(model_class, "_keep_in_fp32_modules", None) or []) if m is not None]
     dequantized = [n for n, e in entries.items() if e.quantized and any(m in n.split(".") for m in kept)]
     if dequantized:
@@ -123,7 +191,7 @@ def model_on_meta(
     replace(model, compute_dtype, quantized, modules_to_not_convert=kept)
     for name, entry in entries.items():
         if name not in state:
-            continue  # an extra tensor: offload's validation names it
+            continue  # (none: check_gguf_fits refuses a tensor the model has no place for)
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
         if name in quantized:
@@ -147,7 +215,7 @@ def from_single_file(
     model_class: Any,
     path: str | os.PathLike[str],
     *,
-    config: str | os.PathLike[str] | Mapping[str, Any],
+    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
     compute_dtype: torch.dtype = torch.float32,
     **kwargs: Any,
 ) -> Session:
@@ -157,7 +225,11 @@ def from_single_file(
     GGUFQuantizationConfig(compute_dtype=...))``, and gives that model, bit for bit: it is built on
     meta from the header (`model_on_meta`) and every other keyword goes to `torchferry.offload`
     (``host_memory=``, ``strategy=``, ``device=``...), which fills it from the file, never the whole
-    file at once. Returns the open `Session`; its ``pipeline`` is the model::
+    file at once. Without ``config=`` the class and configuration are inferred from the file's tensor
+    names and shapes, offline (`topology.infer_gguf_model`: Wan and FLUX, under their original names
+    or diffusers'), and ``model_class`` may be ``None``; a configuration the file does not fill, given
+    or inferred, is a `PlanError` naming each tensor that differs (`topology.check_gguf_fits`).
+    Returns the open `Session`; its ``pipeline`` is the model::
 
         with torchferry.from_single_file(WanTransformer3DModel, "wan2.2-q4_k.gguf", config=folder,
                                          compute_dtype=torch.bfloat16, device="cuda") as session:

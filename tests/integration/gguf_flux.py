@@ -68,6 +68,8 @@ def original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer"),
         ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
         ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"),
+        ("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer"),
+        ("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer"),
         ("context_embedder", "txt_in"),
         ("x_embedder", "img_in"),
         ("proj_out", "final_layer.linear"),

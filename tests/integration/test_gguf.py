@@ -208,7 +208,8 @@ def test_plan_reads_a_gguf_folder_from_its_header(
 ) -> None:
     """`torchferry plan` on a folder holding a .gguf and its config.json counts the quantized bytes the
     model holds (3 blocks found on the model's names, not text_embedding/time_embedding), and a
-    .gguf without its config.json is refused with the fix."""
+    .gguf beside a config.json that cannot be read is refused with the fix (without one, the
+    configuration is inferred: test_gguf_infer.py)."""
     import json
     import shutil
 
@@ -224,12 +225,12 @@ def test_plan_reads_a_gguf_folder_from_its_header(
     (component,) = doc["components"]
     held = topology.discover(_load(path, config)).nbytes  # what diffusers' model holds, as stored bytes
     assert component["blocks"] == 3 and component["nbytes"] == doc["total_bytes"] == held
-    (folder / "config.json").unlink()
+    (folder / "config.json").write_text("{not json")
     assert main(["plan", str(folder / "wan.gguf"), "--device-memory", "2MiB"]) == 2
     assert capsys.readouterr().err.endswith(
-        "no readable config.json beside it (FileNotFoundError); put the model's config.json (from its "
-        "diffusers folder, e.g. transformer/config.json) beside it; a GGUF file does not say which "
-        "diffusers class it fills\n"
+        "the config.json beside it cannot be read (JSONDecodeError); put the model's config.json (from "
+        "its diffusers folder, e.g. transformer/config.json) beside it, or remove it to infer the class and "
+        "configuration from the file\n"
     )
 
 
@@ -272,3 +273,29 @@ def test_a_model_not_built_for_the_file_is_refused_with_every_problem(
     )
     with pytest.raises(torchferry.PlanError, match=expected):
         torchferry.offload(model, checkpoint=str(path), device="cpu")
+
+
+def test_a_config_the_file_does_not_fill_is_refused_naming_tensor_shapes_and_field(
+    small: tuple[Path, Path, torch.Tensor],
+) -> None:
+    """from_single_file with a config whose ffn_dim (512) is not the file's (256) is refused at open,
+    naming each tensor, the two shapes and the field (no GGUFLinear built around the wrong rows), and
+    a config of more layers than the file's blocks names the missing blocks and num_layers."""
+    path, _, _ = small
+    wider = {**gguf_files.WAN_GGUF, "ffn_dim": 512}
+    first = (
+        f"{path} does not fill the WanTransformer3DModel its configuration builds (9 problems; nothing was "
+        "read):\n  - tensor 'blocks.0.ffn.net.0.proj.weight': the file's shape is [256, 256], the "
+        "configuration's [512, 256] (config field ffn_dim gives 512; the file has 256)\n"
+    )
+    with pytest.raises(torchferry.PlanError, match=re.escape(first)) as caught:
+        torchferry.from_single_file(diffusers.WanTransformer3DModel, path, config=wider, device="cpu")
+    assert str(caught.value).endswith(
+        "\npass config= the configuration the file was made from, or leave config= out to infer it from "
+        "the file"
+    )
+    deeper = {**gguf_files.WAN_GGUF, "num_layers": 5}
+    with pytest.raises(
+        torchferry.PlanError, match=re.escape("(1 problem; nothing was read):\n  - blocks.3 to ")
+    ):
+        torchferry.from_single_file(diffusers.WanTransformer3DModel, path, config=deeper, device="cpu")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -186,3 +187,47 @@ def test_plan_with_the_compute_dtype_of_the_session(folder: Path, capsys: pytest
     assert planned == reserve == _expected_reserve(folder / "wan.gguf", "bfloat16")
     assert main(["plan", "wan2.1-t2v-1.3b", "--device-memory", "4GiB", "--compute-dtype", "bfloat16"]) == 2
     assert "--compute-dtype is the compute dtype of a GGUF model's layers" in capsys.readouterr().err
+
+
+def test_plan_refuses_a_config_the_file_does_not_fill(
+    folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`torchferry plan` of a .gguf beside a config.json it does not fill (more layers than its
+    blocks, another ffn_dim, a Wan config beside a FLUX file) refuses as the session does, by the same
+    check, in one line naming the config.json, with status 2."""
+    import gguf_flux
+
+    from torchferry.cli import main
+
+    cases = {
+        "layers": (
+            gguf_files.WAN_GGUF | {"num_layers": 16},
+            "blocks.3 to blocks.15 (13 blocks) are not in the file, which holds 3 of blocks (config field "
+            "num_layers gives 16; the file has 3)",
+        ),
+        "ffn": (
+            gguf_files.WAN_GGUF | {"ffn_dim": 512},
+            "tensor 'blocks.0.ffn.net.0.proj.weight': the file's shape is [256, 256], the configuration's "
+            "[512, 256] (config field ffn_dim gives 512; the file has 256)",
+        ),
+        "flux": (gguf_files.WAN_GGUF, "it holds none of the"),
+    }
+    for name, (config, problem) in cases.items():
+        where = tmp_path / name
+        gguf_files.config_folder(where, config)
+        if name == "flux":
+            gguf_flux.write(where / "wan.gguf", gguf_flux.flux())
+        else:
+            shutil.copy(folder / "wan.gguf", where / "wan.gguf")
+        assert main(["plan", str(where), "--device-memory", "8MiB"]) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if "torchferry" in line]
+        assert len(lines) == 1 and problem in lines[0], lines
+        assert lines[0].startswith(f"torchferry plan: error: {where / 'wan.gguf'} does not fill the ")
+        assert lines[0].endswith(
+            "; put the config.json of the model the file was made from beside it, or remove it to infer "
+            "the configuration from the file"
+        )
+        with pytest.raises(torchferry.PlanError, match=re.escape(problem)):  # the session: same check
+            torchferry.from_single_file(
+                diffusers.WanTransformer3DModel, where / "wan.gguf", config=where, device="cpu"
+            )

@@ -770,6 +770,7 @@ def test_order_mismatch_names_both_orders_and_the_declaration() -> None:
 
 def test_block_less_dit_is_told_a_declaration_from_its_tensor_names() -> None:
     """`suggest_declaration` names the largest numbered list, else the large children, else nothing."""
+    from torchferry._errors import said
     from torchferry.topology._resolve import suggest_declaration
 
     class Numbered(nn.Module):
@@ -788,9 +789,12 @@ def test_block_less_dit_is_told_a_declaration_from_its_tensor_names() -> None:
             self.tiny = nn.LayerNorm(1)
 
     none = Declaration(block_attrs={"": ()})
-    assert suggest_declaration(discover(Numbered(), none).components[0]) == (
+    numbered = suggest_declaration(discover(Numbered(), none).components[0])
+    assert said(numbered) == (
         "; for example pass declaration=Declaration(block_attrs={'': ('body',)}) listing the block lists "
         "(or single blocks) in the order its forward runs them"
     )
-    assert "('first', 'second')" in suggest_declaration(discover(Named(), none).components[0])
-    assert suggest_declaration(discover(nn.Linear(2, 2), none).components[0]) == ""
+    assert said(numbered, "cli").startswith("; for example pass --block-attrs body listing")
+    named = suggest_declaration(discover(Named(), none).components[0])
+    assert "('first', 'second')" in said(named) and "--block-attrs first,second " in said(named, "cli")
+    assert suggest_declaration(discover(nn.Linear(2, 2), none).components[0]) == ()

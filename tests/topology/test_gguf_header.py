@@ -116,3 +116,32 @@ def test_an_unknown_type_and_a_bad_version_are_refused(tmp_path: Path) -> None:
         PlanError, match=r"tensor 'w' has ggml type 19, which diffusers does not load; known types: F32, "
     ):
         read_gguf(path)
+
+
+def _deep(path: Path, depth: int) -> Path:
+    """A GGUF file with no tensors and one metadata array nested ``depth`` deep (12 bytes a level)."""
+    key = b"deep"
+    raw = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<I", 9)
+    raw += struct.pack("<IQ", 9, 1) * (depth - 1) + struct.pack("<IQ", 4, 0)
+    path.write_bytes(raw)
+    return path
+
+
+def test_metadata_arrays_nested_past_the_bound_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Arrays nested 5,000 deep (a 60 KB header) are a PlanError naming the key and the bound, not a
+    RecursionError, and `torchferry plan` says so in one line with status 2; 16 levels still read."""
+    from torchferry.cli import main
+
+    assert read_gguf(_deep(tmp_path / "ok.gguf", 16)) == ()
+    path = _deep(tmp_path / "deep.gguf", 5000)
+    message = f"{path}: metadata 'deep' nests arrays more than 16 deep (at byte 232); GGUF files nest "
+    with pytest.raises(PlanError, match=re.escape(message)):
+        read_gguf(path)
+    (tmp_path / "config.json").write_text('{"_class_name": "WanTransformer3DModel"}')
+    assert main(["plan", str(path), "--device-memory", "1GiB"]) == 2
+    err = capsys.readouterr().err  # (diffusers may log its own lines while importing)
+    said = f"torchferry plan: error: {message}at most 2, so the header is damaged or hostile"
+    assert [line for line in err.splitlines() if "torchferry" in line] == [said]
+    assert "Traceback" not in err

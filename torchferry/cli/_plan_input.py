@@ -130,8 +130,9 @@ def _pipeline_folder(path: str, hub_id: str | None) -> tuple[Topology, KnownMode
 def _gguf(model: str, compute_dtype: str | None = None) -> Topology | None:
     """The topology of the GGUF file ``model`` names (or the one ``.gguf`` of a folder), built on meta as
     diffusers' GGUF single-file load builds it (`torchferry.from_single_file`), from the header and
-    the ``config.json`` beside it, its layers computing in ``compute_dtype`` (default float32);
-    ``None`` when ``model`` is neither."""
+    the ``config.json`` beside it (or, without one, the class and configuration the header says:
+    `topology.infer_gguf_model`), checked to fill it as the session checks (`topology.check_gguf_fits`),
+    its layers computing in ``compute_dtype`` (default float32); ``None`` when ``model`` is neither."""
     import torch
 
     from torchferry._single_file import gguf_source, model_on_meta
@@ -144,7 +145,10 @@ def _gguf(model: str, compute_dtype: str | None = None) -> Topology | None:
         warnings.simplefilter("ignore")  # the model's own warnings while building; not the plan's
         dtype = getattr(torch, compute_dtype or "float32")
         built = model_on_meta(model_class, file, config=config, compute_dtype=dtype)
-    return attrs.evolve(topology.discover(built), source=f"gguf:{file}", pipeline_class=model_class.__name__)
+    kind = "gguf" if config is not None else "gguf-inferred"  # no config.json: inferred from the file
+    return attrs.evolve(
+        topology.discover(built), source=f"{kind}:{file}", pipeline_class=model_class.__name__
+    )
 
 
 def load_model(
@@ -162,7 +166,8 @@ def load_model(
       checkpoint of a whole pipeline, its tensors named ``<component>.…``, becomes one component
       per name prefix);
     - a GGUF file (or a folder holding one, or a hub id whose snapshot in the cache holds one) with
-      the model's ``config.json`` beside it: the model built on meta as diffusers loads it, so every
+      the model's ``config.json`` beside it, or its class and configuration inferred from its tensors
+      without one: the model built on meta as diffusers loads it, so every
       quantized byte is counted (`_gguf`), its layers computing in ``compute_dtype`` (a GGUF
       model's only; default float32);
     - else a known id. Unknown ids and broken checkpoints raise `PlanError`.

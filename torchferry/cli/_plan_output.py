@@ -43,6 +43,11 @@ def format_report(report: PlanReport, *, show_schedule: bool = False) -> str:
         where = f"known model; tensor shapes from the published config of {report.hf_repo}"
     elif kind == "checkpoint":
         where = f"safetensors headers of {where}"
+    elif kind == "gguf-inferred":
+        where = (
+            f"{where}, with no config.json beside it: its class and configuration inferred from its tensor "
+            "names and shapes"
+        )
     elif kind in ("folder", "pipeline"):
         if kind == "pipeline":
             where = f"the pipeline folder {where}, built on meta as from_pretrained builds it (no data read)"

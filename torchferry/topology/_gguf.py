@@ -59,6 +59,9 @@ _DEFAULT_ALIGNMENT = 32
 #: Sizes of the fixed-size metadata value types (ids of ``gguf_type``); 8 is a string, 9 an array.
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _MAX_DIMS = 8
+#: How deep metadata arrays may nest (an array of arrays is 2). Real files nest at most 2 deep; a
+#: bound keeps a hostile header from exhausting the stack.
+MAX_ARRAY_NESTING = 16
 
 
 @attrs.frozen(kw_only=True)
@@ -134,17 +137,23 @@ class _Cursor:
         except UnicodeDecodeError:
             raise PlanError(f"{self.file}: {what} at byte {self.pos - len(raw)} is not UTF-8") from None
 
-    def value(self, kind: int, key: str) -> object:
-        """One metadata value of type ``kind``: an int for the scalars read (alignment), else skipped."""
+    def value(self, kind: int, key: str, depth: int = 0) -> object:
+        """One metadata value of type ``kind``: an int for the scalars read (alignment), else skipped.
+        ``depth`` is how many arrays hold it; more than `MAX_ARRAY_NESTING` is refused."""
         if kind == 8:
             return self.text(f"metadata value {show(key)}")
         if kind == 9:
+            if depth >= MAX_ARRAY_NESTING:
+                raise PlanError(
+                    f"{self.file}: metadata {show(key)} nests arrays more than {MAX_ARRAY_NESTING} deep (at "
+                    f"byte {self.pos}); GGUF files nest at most 2, so the header is damaged or hostile"
+                )
             item, count = self.u32(f"the item type of {show(key)}"), self.u64(f"the length of {show(key)}")
             if item in _SCALAR:
                 self.take(_SCALAR[item] * count, f"metadata array {show(key)}")
             else:
                 for _ in range(count):
-                    self.value(item, key)
+                    self.value(item, key, depth + 1)
             return None
         if kind not in _SCALAR:
             raise PlanError(

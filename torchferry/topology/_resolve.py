@@ -53,9 +53,9 @@ from collections.abc import Collection
 
 import attrs
 
-from torchferry._errors import OffloadWarning, PlanError, strategy_named
+from torchferry._errors import Flag, OffloadWarning, Part, PlanError, strategy_named
 from torchferry.topology._config import OffloadConfig
-from torchferry.topology._model import Component, Declaration, Stack, Topology
+from torchferry.topology._model import Component, Declaration, Stack, Topology, join_path
 from torchferry.topology._plan import Plan
 from torchferry.topology._storage import stored_as
 
@@ -118,34 +118,45 @@ def _block_candidates(component: Component) -> tuple[str, ...]:
     return picked if len(picked) > 1 else ()
 
 
-def suggest_declaration(component: Component) -> str:
-    """``; declare for example Declaration(...)`` naming a ring that would stream, or ``""``."""
+def declared_blocks(path: str) -> Flag:
+    """The request that names a component's block lists: ``Declaration.block_attrs[path]`` in the API,
+    ``--block-attrs`` on the command line."""
+    return Flag(f"Declaration.block_attrs[{path!r}]", "--block-attrs")
+
+
+def suggest_declaration(component: Component) -> tuple[Part, ...]:
+    """``; for example pass declaration=Declaration(...)`` (``--block-attrs ...`` on the command line)
+    naming a ring that would stream, as message parts; ``()`` when nothing would."""
     found = _block_candidates(component)
     if not found:
-        return ""
-    return (
-        f"; for example pass declaration=Declaration(block_attrs={{{component.path!r}: {found!r}}}) "
-        "listing the block lists (or single blocks) in the order its forward runs them"
+        return ()
+    listed = ",".join(join_path(component.path, a) for a in found)
+    request = Flag(
+        f"declaration=Declaration(block_attrs={{{component.path!r}: {found!r}}})", f"--block-attrs {listed}"
     )
+    tail = " listing the block lists (or single blocks) in the order its forward runs them"
+    return ("; for example pass ", request, tail)
 
 
 @attrs.define
 class _Resolver:
     topology: Topology
     config: OffloadConfig
-    errors: list[str] = attrs.field(factory=list)
+    #: Each problem: text, or parts naming request fields (`Flag`) in either caller's words.
+    errors: list[str | tuple[Part, ...]] = attrs.field(factory=list)
     warnings: list[str | OffloadWarning] = attrs.field(factory=list)
 
     @property
     def declaration(self) -> Declaration:
         return self.topology.declaration or Declaration()
 
-    def report(self, strict: bool, error: str, warning: str) -> None:
-        """One problem: ``error`` when the request is strict about it, else ``warning``."""
+    def report(self, strict: bool, error: str | tuple[Part, ...], warning: str | tuple[Part, ...]) -> None:
+        """One problem: ``error`` when the request is strict about it, else ``warning`` (each text, or
+        parts naming request fields)."""
         if strict:
             self.errors.append(error)
         else:
-            self.warnings.append(warning)
+            self.warnings.append(warning if isinstance(warning, str) else OffloadWarning.worded(*warning))
 
     # -----------------------------------------------------------------------------------------
 
@@ -258,21 +269,31 @@ class _Resolver:
         for problem in dit.problems:
             self.report(
                 explicit,
-                f"Selected DiT {dit.path!r}: {problem}; fix Declaration.block_attrs[{dit.path!r}] or "
-                f"{cls}._layerwise_offload_blocks_attrs",
+                (
+                    f"Selected DiT {dit.path!r}: {problem}; fix ",
+                    declared_blocks(dit.path),
+                    f" or {cls}._layerwise_offload_blocks_attrs",
+                ),
                 f"DiT {dit.path!r}: {problem}; that attribute is skipped",
             )
         if not dit.blocks:
             hint = suggest_declaration(dit)
             if explicit and not dit.problems:
                 self.errors.append(
-                    f"Selected DiT {dit.path!r} ({cls}) has no streamable blocks; declare them with "
-                    f"{cls}._layerwise_offload_blocks_attrs or Declaration.block_attrs[{dit.path!r}]{hint}"
+                    (
+                        f"Selected DiT {dit.path!r} ({cls}) has no streamable blocks; declare them with "
+                        f"{cls}._layerwise_offload_blocks_attrs or ",
+                        declared_blocks(dit.path),
+                        *hint,
+                    )
                 )
             elif not explicit:
                 self.warnings.append(
-                    f"DiT {dit.path!r} ({cls}) has no streamable blocks; it is not offloaded and stays "
-                    f"resident{hint}"
+                    OffloadWarning.worded(
+                        f"DiT {dit.path!r} ({cls}) has no streamable blocks; it is not offloaded and stays "
+                        "resident",
+                        *hint,
+                    )
                 )
             return _flat(dit, selected=selected)
 
@@ -433,9 +454,9 @@ class _Resolver:
             paths = ", ".join(repr(d.path) for d in dits)
             streams = [d for d in dits if d.blocks]
             fix = (
-                " to stream its blocks instead"
+                (" to stream its blocks instead",)
                 if streams
-                else " with a declared ring" + suggest_declaration(dits[0])
+                else (" with a declared ring", *suggest_declaration(dits[0]))
             )
             self.warnings.append(
                 OffloadWarning.worded(
@@ -443,7 +464,7 @@ class _Resolver:
                     f"each DiT ({paths}) is staged whole onto the device for its forward and nothing else is "
                     "offloaded; use ",
                     strategy_named("layerwise"),
-                    fix,
+                    *fix,
                 )
             )
 
@@ -534,10 +555,11 @@ def resolve(
     r.session(world, checkpoint_components)
 
     if r.errors:
-        if len(r.errors) == 1:
-            raise PlanError(r.errors[0])
-        listing = "\n".join(f"  - {e}" for e in r.errors)
-        raise PlanError(f"{len(r.errors)} problems with this offload request:\n{listing}")
+        problems = [(e,) if isinstance(e, str) else e for e in r.errors]
+        if len(problems) == 1:
+            raise PlanError.worded(*problems[0])
+        listing = [part for problem in problems for part in ("\n  - ", *problem)]
+        raise PlanError.worded(f"{len(problems)} problems with this offload request:", *listing)
     for message in r.warnings:
         if isinstance(message, OffloadWarning):
             warnings.warn(message, stacklevel=2)
