@@ -69,8 +69,8 @@ def enable(kind: str, pipe: Any) -> Any:
 
     if kind == "resident":
         return None
-    from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion import offloader
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.offloader import LayerWiseOffloadBackend, OffloadConfig
 
     cpu = torch.device("cpu")
@@ -78,8 +78,9 @@ def enable(kind: str, pipe: Any) -> Any:
         from vllm_omni.plugins import load_omni_general_plugins
 
         load_omni_general_plugins()
+        selected = {"offload_backend": "torchferry"}
         config = OmniDiffusionConfig.from_kwargs(
-            enable_layerwise_offload=True, pin_cpu_memory=False, additional_config={"offload_backend": "torchferry"}
+            enable_layerwise_offload=True, pin_cpu_memory=False, additional_config=selected
         )
         backend = offloader.get_offload_backend(config, device=cpu)  # torchferry's, once registered
     else:  # vLLM-Omni's get_offload_backend returns None on a CPU (no platform): build what it would build
@@ -165,7 +166,8 @@ def main() -> None:
     for backend in backends.values():
         if backend is not None:
             backend.disable()
-    headers = ["backend", "min", "median", "max", "per block", "bit-identical", "RssAnon enabled", "after forward"]
+    headers = ["backend", "min", "median", "max", "per block", "bit-identical", "RssAnon enabled"]
+    headers.append("after forward")
     print(f"{blocks} blocks of a WanTransformer3DModel, CPU, 1 thread; load {common.fmt_load(load)}")
     print(common.table(headers, rows))
     common.write_json(
