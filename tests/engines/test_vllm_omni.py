@@ -11,6 +11,7 @@ round differently by an ulp; docs/contract.md). Run by tools/vllm_omni_env.sh (d
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ import torchferry
 from torchferry.integrations import vllm_omni as tf_vllm
 
 CPU = torch.device("cpu")
+#: The worker's device: the CPU here; gpu_check runs these tests with TORCHFERRY_ENGINE_DEVICE=cuda.
+DEVICE = torch.device(os.environ.get("TORCHFERRY_ENGINE_DEVICE", "cpu"))
 SELECT = {"offload_backend": "torchferry"}
 WAN_CALL = {
     "num_inference_steps": 2, "height": 16, "width": 16, "num_frames": 5, "guidance_scale": 2.0,
@@ -45,18 +48,21 @@ def od_config(folder: Path, **kwargs: Any) -> Any:
 
 
 def load(config: Any) -> Any:
-    """The pipeline as vLLM-Omni's diffusers loader builds it (what the model runner calls)."""
+    """The pipeline as vLLM-Omni's diffusers loader builds it, on the load device its model runner picks
+    (the CPU when an offload option is set, else the worker's device)."""
     from vllm.config import LoadConfig
     from vllm_omni.diffusion.model_loader.diffusers_loader import DiffusersPipelineLoader
 
     loader = DiffusersPipelineLoader(LoadConfig(), od_config=config)
-    return loader.load_model(load_device="cpu", load_format="diffusers", device=CPU)
+    flags = ("enable_cpu_offload", "enable_layerwise_offload", "enable_distributed_layerwise_offload")
+    load_device = "cpu" if any(getattr(config, f, False) for f in flags) else str(DEVICE)  # the runner's rule
+    return loader.load_model(load_device=load_device, load_format="diffusers", device=DEVICE)
 
 
 def enable(config: Any, pipeline: Any) -> tuple[Any, Any]:
     from vllm_omni.diffusion.offloader import enable_offload_backend
 
-    return enable_offload_backend(config, pipeline, device=CPU)
+    return enable_offload_backend(config, pipeline, device=DEVICE)
 
 
 def fresh(module: nn.Module) -> None:
@@ -84,7 +90,7 @@ def requests(call: dict[str, Any]) -> list[Any]:
 
 
 def serve(pipeline: Any, call: dict[str, Any]) -> list[torch.Tensor]:
-    return [pipeline.forward(request).output for request in requests(call)]
+    return [pipeline.forward(request).output.cpu() for request in requests(call)]
 
 
 def weights(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -393,3 +399,26 @@ def test_the_runners_regional_compile_composes(wan22: Path) -> None:
     with torch.no_grad():
         assert torch.equal(pipeline(IDS, LATENTS), expected)
     backend.shutdown()
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a whole Omni engine needs vLLM-Omni's CUDA platform")
+def test_one_generation_through_the_engine(wan22: Path) -> None:
+    """One generation through a real Omni(...) engine (its worker processes, loader, runner) with
+    torchferry selected gives the latents of the same engine with no offload."""
+    from vllm_omni import Omni
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    outputs = []
+    for options in ({}, {"enable_layerwise_offload": True, "additional_config": SELECT}):
+        omni = Omni(model=str(wan22), diffusion_load_format="diffusers", dtype=torch.float32, **options)
+        try:
+            params = OmniDiffusionSamplingParams(seed=0, **WAN_CALL)
+            made = omni.generate("a red fox running through snow", params)
+            outputs.append(made[0].latents if made[0].latents is not None else made[0].images)
+        finally:
+            omni.close()
+    assert outputs[0] is not None
+    if isinstance(outputs[0], torch.Tensor):
+        assert torch.equal(outputs[0].cpu(), outputs[1].cpu())
+    else:
+        assert [list(i.getdata()) for i in outputs[0]] == [list(i.getdata()) for i in outputs[1]]
