@@ -1262,6 +1262,29 @@ def gguf_row(check: Check) -> dict[str, Any]:
     return {"size": size, "forms": forms}
 
 
+def vllm_omni_row(check: Check) -> dict[str, Any]:
+    """torchferry inside vLLM-Omni on this GPU (issue 37): tests/engines/ with the worker's device CUDA,
+    the same tests tools/vllm_omni_env.sh runs on a CPU (the diffusers backend on Wan 2.2 and FLUX,
+    a native pipeline, refusals, regional compile) plus one generation through a whole ``Omni(...)``
+    engine with torchferry selected, each bit-identical to the engine with no offload."""
+    check.needs_cuda()
+    if importlib.util.find_spec("vllm_omni") is None:
+        raise Skip(
+            "vLLM-Omni is not installed: install vllm-omni 0.30.0 and its vllm, then pip install "
+            "'torchferry[vllm-omni]' (docs/engines.md); on a CPU, tools/vllm_omni_env.sh runs the same tests"
+        )
+    env = {**os.environ, "TORCHFERRY_ENGINE_TESTS": "1", "TORCHFERRY_ENGINE_DEVICE": str(check.device)}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::FutureWarning",
+         "-W", "ignore::DeprecationWarning", "-W", "ignore::UserWarning", "tests/engines"],
+        check=False, cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=check.budget(240),
+    )  # fmt: skip
+    last = (done.stdout.strip().splitlines() or [""])[-1]
+    if done.returncode != 0:
+        raise AssertionError(f"tests/engines on {check.device}: {last}\n{done.stdout[-4000:]}")
+    return {"tests": last}
+
+
 def _offsets(engine: Any, src: torch.Tensor) -> list[int]:
     """The byte offsets of the tensors of the pack whose host buffer is ``src`` (none if no pack's is)."""
     for pack in engine.store.packs.values():
@@ -1400,6 +1423,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check.row("file tier", functools.partial(importlib.import_module("host_tier").gpu_row, check))
     check.row("quantized", functools.partial(quantized_row, check))
     check.row("gguf", functools.partial(gguf_row, check))
+    check.row("vllm-omni", functools.partial(vllm_omni_row, check))
     for flag in (False, True):
         check.row(f"diffusers record_stream {flag}", functools.partial(check.diffusers_offload, flag))
     say("")

@@ -72,6 +72,7 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
         "diffusers record_stream True",
         "quantized",
         "gguf",
+        "vllm-omni",
     }
     assert {name for name, row in rows.items() if row["status"] == "skipped"} == cuda_only
     assert all(rows[name]["why"] == "needs CUDA" for name in cuda_only)
