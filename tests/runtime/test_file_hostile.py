@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,8 @@ def test_a_checkpoint_rewritten_with_its_time_set_back_fails_the_step(
             pipe("a cat", steps=2)
         assert (
             "the file was rewritten in place with its modification time set back (its inode change time "
-            "moved, while its size, modification time, permissions, owner and links did not)"
+            "moved and these bytes differ from what was read here before, while its size and modification "
+            "time did not)"
         ) in str(caught.value)
     finally:
         s.close()
@@ -165,6 +167,58 @@ def test_permissions_and_links_changed_are_not_a_rewrite(
             os.chown(path, 1234, 1234)
         assert os.stat(path).st_ctime_ns != before.st_ctime_ns
         assert torch.equal(pipe("a cat", steps=2), want)
+
+
+def _set_xattr(path: Path) -> None:
+    """An extended attribute set on ``path``, as a backup tool or an indexer does (skipped where the file
+    system refuses them)."""
+    try:
+        os.setxattr(path, "user.torchferry.test", b"seen")
+    except (AttributeError, OSError) as exc:
+        pytest.skip(f"no extended attributes here: {exc}")
+
+
+def _rename_and_link(path: Path) -> None:
+    """``path`` moved aside and a symlink put at its old name: the same inode, the same bytes."""
+    aside = path.with_name("moved.safetensors")
+    os.rename(path, aside)
+    path.symlink_to(aside)
+
+
+def _chmod_and_undo(path: Path) -> None:
+    """``path`` made unreadable and readable again before the session looks at it."""
+    mode = os.stat(path).st_mode & 0o7777
+    path.chmod(0)
+    path.chmod(mode)
+
+
+@pytest.mark.parametrize(
+    "touch", [_set_xattr, _rename_and_link, _chmod_and_undo], ids=lambda f: f.__name__[1:]
+)
+def test_a_moved_inode_change_time_alone_is_not_a_rewrite(
+    model: tuple[Path, torch.Tensor, int], tmp_path: Path, touch: Callable[[Path], None]
+) -> None:
+    """An extended attribute set, a rename with a symlink at the old name, a chmod undone: each moves
+    the inode change time and nothing else, and every later call runs on bit-identical (the span
+    digests tell the same bytes), while a rewrite with its time set back afterwards is still refused."""
+    _, want, budget = model
+    path = tmp_path / "toy.safetensors"
+    toy.save_checkpoint(toy.build(0, hidden=HIDDEN, blocks=BLOCKS), path)
+    other = tmp_path / "other.safetensors"
+    toy.save_checkpoint(toy.build(1, hidden=HIDDEN, blocks=BLOCKS), other)
+    pipe, s = _open(path, budget)
+    with s:
+        assert torch.equal(pipe("a cat", steps=2), want)
+        before = os.stat(path).st_ctime_ns
+        time.sleep(0.05)  # past the file system's timestamp granularity
+        touch(path)
+        assert os.stat(path).st_ctime_ns != before
+        for _ in range(2):
+            assert torch.equal(pipe("a cat", steps=2), want)
+        time.sleep(0.05)
+        _rewrite_keeping_time(path, other)
+        with pytest.raises(ExecutionError, match="rewritten in place with its modification time set back"):
+            pipe("a cat", steps=2)
 
 
 def test_a_symlink_pointed_elsewhere_fails_the_step(
