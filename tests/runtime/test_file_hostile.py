@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import torchferry
 from torchferry import ExecutionError, policies, topology
@@ -44,7 +46,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor,
     return path, want, _budget(ref)
 
 
-def _open(path: str | Path, budget: int, **options: object) -> tuple[toy.ToyPipeline, torchferry.Session]:
+def _open(
+    path: str | Path, budget: int | None, **options: object
+) -> tuple[toy.ToyPipeline, torchferry.Session]:
     pipe = toy.build_empty(hidden=HIDDEN, blocks=BLOCKS)
     session = torchferry.offload(
         pipe, device="cpu", strategy="layerwise", checkpoint=str(path), host_memory=budget, **options
@@ -201,11 +205,13 @@ def test_a_moved_inode_change_time_alone_is_not_a_rewrite(
     """An extended attribute set, a rename with a symlink at the old name, a chmod undone: each moves
     the inode change time and nothing else, and every later call runs on bit-identical (the span
     digests tell the same bytes), while a rewrite with its time set back afterwards is still refused."""
-    _, want, budget = model
+    source, want, budget = model
     path = tmp_path / "toy.safetensors"
-    toy.save_checkpoint(toy.build(0, hidden=HIDDEN, blocks=BLOCKS), path)
+    shutil.copyfile(source, path)
     other = tmp_path / "other.safetensors"
-    toy.save_checkpoint(toy.build(1, hidden=HIDDEN, blocks=BLOCKS), other)
+    data = bytearray(source.read_bytes())
+    data[-5] ^= 1  # one bit of the last tensor's bytes
+    other.write_bytes(data)
     pipe, s = _open(path, budget)
     with s:
         assert torch.equal(pipe("a cat", steps=2), want)
@@ -286,6 +292,32 @@ def test_close_frees_the_readers_buffers(
     assert s.report().host_bytes == 0 and s.host_bytes == 0
     assert reader.bounce_bytes == 0 and reader.scratch_bytes == 0
     assert reader._bounces.empty() and reader._scratch.empty()
+    assert torch.equal(pipe("a cat", steps=2), want)
+
+
+def _host_buffers(s: torchferry.Session) -> list[tuple[int, StorageWeakRef]]:
+    """Weak references to the storages of every host buffer ``s`` holds: each pack's, each staging
+    slot's (no strong reference kept here)."""
+    store = s.engine.store
+    buffers = [p.host for p in store.packs.values() if p.host.numel()]
+    if store.tier is not None:
+        buffers += [st.buffer.data for st in store.tier.staging.values()]
+    return [(b.untyped_storage().data_ptr(), StorageWeakRef(b.untyped_storage())) for b in buffers]
+
+
+@pytest.mark.parametrize("tier", ["host", "file"])
+def test_close_drops_every_host_buffer(model: tuple[Path, torch.Tensor, int], tier: str) -> None:
+    """Once close() returns, with the session object still referenced and nothing collected, every
+    host buffer it held (packs, staging slots) is freed, save those the weights given back live in."""
+    path, want, budget = model
+    pipe, s = _open(path, budget if tier == "file" else None)
+    with s:
+        assert torch.equal(pipe("a cat", steps=2), want)
+        held = _host_buffers(s)
+        assert len(held) >= (9 if tier == "file" else BLOCKS)
+    given_back = {t.untyped_storage().data_ptr() for t in pipe.state_dict().values()}
+    kept = [at for at, ref in held if not ref.expired() and at not in given_back]
+    assert not kept, f"{len(kept)} of {len(held)} host buffers outlive close()"
     assert torch.equal(pipe("a cat", steps=2), want)
 
 
