@@ -46,3 +46,17 @@ WAN_TRANSFORMER: dict[str, Any] = {
     "num_layers": 6,
     "rope_max_seq_len": 32,
 }
+
+
+def fresh_storage(model: Any) -> Any:
+    """``model`` (a module, or a pipeline's every module component) with each parameter and buffer in
+    memory of its own, values unchanged, as ``.to(device)`` leaves them: the reference torchferry's
+    output equals bit for bit. diffusers' and transformers' ``from_pretrained`` leave CPU tensors as
+    views into the memory-mapped safetensors file, some at unaligned offsets, where CPU kernels may
+    round differently (docs/contract.md, "What bit-identical compares")."""
+    parts = model.components.values() if hasattr(model, "components") else [model]
+    for part in parts:
+        if isinstance(part, nn.Module):
+            for tensor in [*part.parameters(), *part.buffers()]:
+                tensor.data = tensor.data.clone()
+    return model
