@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchferry import topology
+
 
 class Block(nn.Module):
     """A residual linear block."""
@@ -58,5 +60,9 @@ def fresh_storage(model: Any) -> Any:
     for part in parts:
         if isinstance(part, nn.Module):
             for tensor in [*part.parameters(), *part.buffers()]:
-                tensor.data = tensor.data.clone()
+                if topology.is_wrapper(tensor):  # a quantized weight: its inner tensors
+                    for name in tensor.__tensor_flatten__()[0]:  # type: ignore[attr-defined]
+                        setattr(tensor, name, getattr(tensor, name).clone())
+                else:
+                    tensor.data = tensor.data.clone()
     return model
