@@ -297,9 +297,10 @@ def test_close_frees_the_readers_buffers(
 
 def _host_buffers(s: torchferry.Session) -> list[tuple[int, StorageWeakRef]]:
     """Weak references to the storages of every host buffer ``s`` holds: each pack's, each staging
-    slot's (no strong reference kept here)."""
+    slot's, each device slot's (host memory on a CPU device); no strong reference kept here."""
     store = s.engine.store
     buffers = [p.host for p in store.packs.values() if p.host.numel()]
+    buffers += [buffer.data for _, buffer in s.engine.slots.slots.values()]
     if store.tier is not None:
         buffers += [st.buffer.data for st in store.tier.staging.values()]
     return [(b.untyped_storage().data_ptr(), StorageWeakRef(b.untyped_storage())) for b in buffers]
@@ -308,7 +309,8 @@ def _host_buffers(s: torchferry.Session) -> list[tuple[int, StorageWeakRef]]:
 @pytest.mark.parametrize("tier", ["host", "file"])
 def test_close_drops_every_host_buffer(model: tuple[Path, torch.Tensor, int], tier: str) -> None:
     """Once close() returns, with the session object still referenced and nothing collected, every
-    host buffer it held (packs, staging slots) is freed, save those the weights given back live in."""
+    host buffer it held (packs, staging and device slots) is freed, save those the weights given back
+    live in."""
     path, want, budget = model
     pipe, s = _open(path, budget if tier == "file" else None)
     with s:

@@ -324,6 +324,7 @@ class Comm:
             if chunks > 1 and self.staged:
                 staging = torch.empty(self.world * -(-size // chunks), dtype=torch.uint8, device=self.device)
             self.all_gather(out, src, chunks, what, staging)
+        self.forget()  # the views of the dropped outputs would keep them
 
     # -------------------------------------------------------------------------------- gathers
     def all_gather(
@@ -366,6 +367,11 @@ class Comm:
                 shard.narrow(0, lo, n),
             )
             grid[:, lo : lo + n].copy_(out.view(self.world, n))
+
+    def forget(self) -> None:
+        """Drop the cached views of slots (each holds its slot's memory): after a drain, whose outputs
+        are dropped, and when the slots are freed."""
+        self._views.clear()
 
     def _chunk_views(self, slot: torch.Tensor, size: int, piece: int) -> list[list[torch.Tensor]]:
         """Per chunk, the ``world`` views of ``slot`` its pieces land in (cached while ``slot`` lives)."""
