@@ -7,13 +7,14 @@ A rewrite in place moves the size or the modification time, unless the writer se
 (``os.utime``, ``touch -r``, ``rsync -t``); the inode change time finds that one, since only the
 kernel sets it. But the kernel also moves it when nothing about the bytes changed: an extended
 attribute set (backup tools, indexers, an SELinux relabel), a rename (the file moved and a symlink
-put at its old name), a permission, owner or link change, even one undone before anyone looks. So a
-moved change time alone is a question, not an answer: `SpanDigests` keeps a CRC-32 of each span's
-bytes from its first read (taken while the change time was still the one of the open), and a read
-made after the change time moved is compared with it once; the same bytes are read on and the new
-change time adopted for that span, other bytes are a rewrite. The steady read pays one ``fstat``
-and a dictionary look-up; a span's first read, and its first read after each move, pay a CRC-32 of
-its bytes (zlib's, several GiB/s, the GIL released). A span first read after the change time moved
+put at its old name), a permission, owner or link change, even one undone before anyone looks; and
+``touch`` (a cleaner of old files kept off) moves the modification time alone. So a moved time is a
+question, not an answer: `SpanDigests` keeps a CRC-32 of each span's bytes from its first read (taken
+while the file's times were still those of the open), and a read made after either time moved is
+compared with it once; the same bytes are read on and the new times adopted for that span, other
+bytes are a rewrite. A change of size is a rewrite, asked nothing. The steady read pays one
+``fstat`` and a dictionary look-up; a span's first read, and its first read after each move, pay a
+CRC-32 of its bytes (zlib's, several GiB/s, the GIL released). A span first read after a time moved
 has nothing to be compared with, and is refused as a rewrite could be.
 """
 
@@ -27,12 +28,13 @@ from collections.abc import Callable, Iterable
 __all__ = ["SpanDigests", "changed", "crc32"]
 
 
-def changed(opened: os.stat_result, now: os.stat_result) -> str | None:
-    """How an open file whose ``os.fstat`` was ``opened`` visibly differs in ``now``: its size or its
-    modification time (``None``: neither; the inode change time is `SpanDigests`' question)."""
+def changed(opened: os.stat_result, now: os.stat_result, *, mtime: bool = True) -> str | None:
+    """How an open file whose ``os.fstat`` was ``opened`` visibly differs in ``now``: its size, or its
+    modification time unless ``mtime`` is false (``None``: neither; a reader that keeps
+    `SpanDigests` asks them about the times)."""
     if now.st_size < opened.st_size:
         return f"was truncated from {opened.st_size} to {now.st_size} bytes"
-    if now.st_size != opened.st_size or now.st_mtime_ns != opened.st_mtime_ns:
+    if now.st_size != opened.st_size or (mtime and now.st_mtime_ns != opened.st_mtime_ns):
         return "was rewritten in place"
     return None
 
@@ -46,47 +48,59 @@ def crc32(parts: Iterable[memoryview]) -> int:
 
 
 class SpanDigests:
-    """The CRC-32 of each span of a set of files from its first read, and the inode change time it was
-    last found equal at (see [Note: the inode change time and the span digests]); thread-safe."""
+    """The CRC-32 of each span of a set of files from its first read, and the file times it was last
+    found equal at (see [Note: the inode change time and the span digests]); thread-safe."""
 
-    def __init__(self, opened: dict[str, int]) -> None:
-        #: Each file's inode change time when it was opened.
-        self.opened = dict(opened)
-        # Why: (file, offset, length) -> (the change time the span's bytes were last confirmed at,
-        # their CRC-32); read by every reader thread, so behind a lock.
-        self._known: dict[tuple[str, int, int], tuple[int, int]] = {}
+    def __init__(self, opened: dict[str, os.stat_result]) -> None:
+        #: Each file's (modification, inode change) times when it was opened.
+        self.opened = {f: (st.st_mtime_ns, st.st_ctime_ns) for f, st in opened.items()}
+        # Why: (file, offset, length) -> (the times the span's bytes were last confirmed at, their
+        # CRC-32); read by every reader thread, so behind a lock.
+        self._known: dict[tuple[str, int, int], tuple[tuple[int, int], int]] = {}
         self._lock = threading.Lock()
         #: CRC-32s computed (first reads and comparisons), for tests and reports.
         self.computed = 0
 
     def confirm(
-        self, file: str, offset: int, length: int, ctime_ns: int, digest: Callable[[], int]
+        self, file: str, offset: int, length: int, now: os.stat_result, digest: Callable[[], int]
     ) -> str | None:
         """Whether bytes ``[offset, offset + length)`` of ``file``, just read, may be used when the
-        file's inode change time after the read is ``ctime_ns``; ``digest`` computes their CRC-32.
-        ``None``: yes; else how the file changed."""
+        file's ``os.fstat`` after the read is ``now``; ``digest`` computes their CRC-32. ``None``:
+        yes; else how the file changed."""
         key = (file, offset, length)
+        stamp = (now.st_mtime_ns, now.st_ctime_ns)
         with self._lock:
             known = self._known.get(key)
-        if known is not None and known[0] == ctime_ns:
+        if known is not None and known[0] == stamp:
             return None  # the steady read: nothing moved since these bytes were last confirmed
         value = digest()
+        moved = stamp[0] != self.opened[file][0]  # the modification time too, not only the change time
         with self._lock:
             self.computed += 1
             if known is None:
-                if ctime_ns != self.opened[file]:
+                if stamp == self.opened[file]:
+                    self._known[key] = (stamp, value)
+                    return None
+                if moved:
                     return (
-                        "changed its inode change time before these bytes were first read, while its size "
-                        "and modification time stayed, so they cannot be told from a rewrite with its "
-                        "modification time set back"
+                        "was rewritten in place (its modification time moved before these bytes were first "
+                        "read, so they cannot be compared with what was opened)"
                     )
-                self._known[key] = (ctime_ns, value)
-                return None
+                return (
+                    "changed its inode change time before these bytes were first read, while its size "
+                    "and modification time stayed, so they cannot be told from a rewrite with its "
+                    "modification time set back"
+                )
             if known[1] != value:
+                if moved:
+                    return (
+                        "was rewritten in place (its modification time moved and these bytes differ from "
+                        "what was read here before)"
+                    )
                 return (
                     "was rewritten in place with its modification time set back (its inode change time "
                     "moved and these bytes differ from what was read here before, while its size and "
                     "modification time did not)"
                 )
-            self._known[key] = (ctime_ns, value)
+            self._known[key] = (stamp, value)
         return None

@@ -27,10 +27,10 @@ finishes a pack's last chunk, so nothing of a read runs on the compute thread.
 Every read goes through the descriptors the checkpoint opened (its file names made absolute then,
 so a later ``os.chdir`` changes nothing). Before each chunk the file is checked against what it was
 when opened: its name must still name the same inode (not replaced, deleted or moved), and the open
-file must keep its size and modification time (`changed`: not truncated or rewritten in place),
-and once more after the chunk is read; a moved inode change time (a rewrite with its time set back,
-or only an extended attribute, a rename or a chmod) is settled by comparing the chunk's bytes with
-the digest of its first read (see [Note: the inode change time and the span digests] in
+file must keep its size (`changed`: not truncated or rewritten in place), and once more after the
+chunk is read; a moved modification or inode change time (a rewrite, even with its time set back, or
+only ``touch``, an extended attribute, a rename or a chmod) is settled by comparing the chunk's
+bytes with the digest of its first read (see [Note: the inode change time and the span digests] in
 `torchferry.runtime.files._identity`). A folder on the way made unsearchable hides the
 name, not the file: the read goes on through the descriptor. A failed system call, a short read or
 a changed file is an `ExecutionError` naming the file, the byte range, the tensors and what to do;
@@ -234,7 +234,7 @@ class FileReader:
             if raw is None and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         #: The CRC-32 of each span read, for a file whose inode change time moves (see `SpanDigests`).
-        self.digests = SpanDigests({f: o.stat.st_ctime_ns for f, o in self._opened.items()})
+        self.digests = SpanDigests({f: o.stat for f, o in self._opened.items()})
         self._bounces: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self.bounce_bytes = 0
         if any(o.direct is not None for o in self._opened.values()):
@@ -439,7 +439,7 @@ class FileReader:
             raise OSError(exc.errno, f"looking the file up failed ({error_reason(exc)})") from None
         if now is not None and (now.st_dev, now.st_ino) != (opened.stat.st_dev, opened.stat.st_ino):
             raise _Changed("was replaced on disk (another file now has its name)")
-        if (change := changed(opened.stat, os.fstat(opened.fd))) is not None:
+        if (change := changed(opened.stat, os.fstat(opened.fd), mtime=False)) is not None:
             raise _Changed(change)
 
     def _confirm(self, chunk: Chunk, digest: Callable[[], int]) -> None:
@@ -447,9 +447,9 @@ class FileReader:
         after the read (a rewrite during it), and a moved inode change time is settled by the span's
         digest (see [Note: the inode change time and the span digests])."""
         held = os.fstat(self._opened[chunk.file].fd)
-        if (change := changed(self._opened[chunk.file].stat, held)) is not None:
+        if (change := changed(self._opened[chunk.file].stat, held, mtime=False)) is not None:
             raise _Changed(change)
-        if change := self.digests.confirm(chunk.file, chunk.offset, chunk.length, held.st_ctime_ns, digest):
+        if change := self.digests.confirm(chunk.file, chunk.offset, chunk.length, held, digest):
             raise _Changed(change)
 
     def _buffered(self, fd: int, chunk: Chunk, into: torch.Tensor) -> None:
