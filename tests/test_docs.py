@@ -59,3 +59,18 @@ def test_constraints_pin_every_package_the_extras_name() -> None:
     named = [*project["dependencies"], *(d for deps in extras for d in deps)]
     wanted = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0].lower().replace("_", "-") for d in named}
     assert wanted - pins == set()
+
+
+def test_the_exactness_promise_says_what_it_compares() -> None:
+    """README's bit-identical claim names its reference (the same weights in memory of their own) and
+    links to the contract's section on it, which says why a CPU from_pretrained model may differ."""
+    readme = " ".join((DOCS.parent / "README.md").read_text().split())
+    assert "equals the plain run's bit for bit" not in readme
+    assert (
+        "Every strategy's output equals, bit for bit, the plain run of the same weights in memory of their "
+        "own (as `.to(device)` leaves them)"
+    ) in readme
+    assert "(docs/contract.md#what-bit-identical-compares)" in readme
+    contract = " ".join((DOCS / "contract.md").read_text().split())
+    assert "## What bit-identical compares" in (DOCS / "contract.md").read_text()
+    assert "views into the memory-mapped safetensors file" in contract

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tiny import fresh_storage
 
 import torchferry
 from torchferry import PlanError, topology
@@ -186,7 +187,7 @@ def _opens_bit_exact(name: str, folder: Path, host_memory: int | None) -> None:
     pipeline built on meta gives diffusers' encoder outputs, and its weights after close, bit for bit."""
     encoders, on_disk = PIPELINES[name]
     first = next(iter(encoders))
-    plain = getattr(diffusers, name).from_pretrained(str(folder), **_left_out(name))
+    plain = fresh_storage(getattr(diffusers, name).from_pretrained(str(folder), **_left_out(name)))
     assert on_disk in _stored_keys(folder, first) and on_disk not in getattr(plain, first).state_dict()
     expected = {a: _encode(plain, a) for a in encoders}
     weights = _weights(plain, list(encoders))
@@ -294,7 +295,7 @@ def test_a_conversion_is_carried_out_as_transformers_loads_it(
     tier, and the model runs as transformers' own load of the same folder, bit for bit."""
     width = 32 if host_memory is None else 512
     _mixtral_folder(tmp_path / "mixtral", width)
-    loaded = transformers.MixtralModel.from_pretrained(str(tmp_path / "mixtral")).eval()
+    loaded = fresh_storage(transformers.MixtralModel.from_pretrained(str(tmp_path / "mixtral")).eval())
     ids = torch.arange(2, 10).reshape(1, 8)
     with torch.no_grad():
         expected = loaded(input_ids=ids).last_hidden_state

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import fresh_storage
 
 import torchferry
 from torchferry import PlanError, topology
@@ -29,14 +30,6 @@ diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-
-
-def _own_memory(pipe: Any) -> None:
-    """Give every tensor of every model component of ``pipe`` memory of its own (same values)."""
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            for tensor in [*component.parameters(), *component.buffers()]:
-                tensor.data = tensor.data.clone()
 
 
 def _flux_pipeline() -> Any:
@@ -254,7 +247,7 @@ def test_from_pretrained_equals_diffusers_from_pretrained(tmp_path: Path, sharde
     # diffusers leaves a single-file folder's tensors as memory-mapped views at the file's own
     # (unaligned) offsets, and CPU kernels may round unaligned operands differently (1.8e-7 seen):
     # the reference is diffusers' values in memory of their own, as torchferry's host copies are.
-    _own_memory(plain)
+    fresh_storage(plain)
     expected = toy.run_wan(plain)
     with torchferry.from_pretrained(
         diffusers.WanPipeline, folder, strategy="layerwise", device="cpu", prefetch_depth=2
@@ -273,6 +266,7 @@ def test_from_pretrained_flux_in_bfloat16(tmp_path: Path) -> None:
     plain = diffusers.FluxPipeline.from_pretrained(
         str(folder), tokenizer=None, tokenizer_2=None, torch_dtype=torch.bfloat16
     )
+    fresh_storage(plain)  # the reference: diffusers' values in memory of their own
     expected = _run_flux(plain)
     with torchferry.from_pretrained(
         diffusers.FluxPipeline, folder, torch_dtype=torch.bfloat16, strategy="model_level", device="cpu"
@@ -400,7 +394,7 @@ def test_from_pretrained_takes_a_component_the_folder_lists_as_absent(tmp_path: 
     plain = diffusers.WanPipeline.from_pretrained(
         str(folder), tokenizer=None, transformer_2=copy.deepcopy(second), boundary_ratio=0.5
     )
-    _own_memory(plain)
+    fresh_storage(plain)
     expected = toy.run_wan(plain)
     with torchferry.from_pretrained(
         diffusers.WanPipeline,
@@ -522,7 +516,7 @@ def test_from_pretrained_keeps_fp32_modules_as_diffusers_does(tmp_path: Path, dt
     plain = diffusers.WanPipeline.from_pretrained(
         str(folder), tokenizer=None, transformer_2=None, dtype=dtype
     )
-    _own_memory(plain)
+    fresh_storage(plain)
     expected = toy.run_wan(plain)
     with torchferry.from_pretrained(
         diffusers.WanPipeline, folder, dtype=dtype, strategy="layerwise", device="cpu"

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import WAN_TRANSFORMER
+from tiny import WAN_TRANSFORMER, fresh_storage
 from torch import nn
 
 import torchferry
@@ -189,8 +189,7 @@ def test_from_pretrained_with_storage_dtype_gives_what_diffusers_casting_gives(t
     folder = tmp_path / "wan"
     toy.wan_pipeline().save_pretrained(str(folder))
     plain = diffusers.WanPipeline.from_pretrained(str(folder), tokenizer=None, transformer_2=None)
-    for t in (*plain.transformer.parameters(), *plain.text_encoder.parameters(), *plain.vae.parameters()):
-        t.data = t.data.clone()  # memory of its own, as torchferry's host copies are (test_folders.py)
+    fresh_storage(plain)  # memory of its own, as torchferry's host copies are
     plain.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
     cast = topology.discover(plain.transformer).component("")
     expected = toy.run_wan(plain)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny import fresh_storage
 
 import torchferry
 from torchferry import PlanError, topology
@@ -85,18 +86,6 @@ def _forward(model: torch.nn.Module) -> torch.Tensor:
     return out
 
 
-def _own_memory(model: torch.nn.Module) -> None:
-    """Give every tensor of ``model`` memory of its own, as torchferry's host copies have: diffusers
-    leaves float32 weights as views of the file's mapping, and the CPU's float32 matmul may round
-    differently on a weight at another alignment."""
-    for t in (*model.parameters(), *model.buffers()):
-        if topology.is_wrapper(t):
-            for name in t.__tensor_flatten__()[0]:  # type: ignore[attr-defined]
-                setattr(t, name, getattr(t, name).clone())
-        else:
-            t.data = t.data.clone()
-
-
 @pytest.fixture(scope="module")
 def quantized(request: pytest.FixtureRequest, unquantized: Path) -> tuple[str, Path, torch.Tensor]:
     """(format, its folder as diffusers saved it, the output of diffusers' load of that folder)."""
@@ -108,7 +97,7 @@ def quantized(request: pytest.FixtureRequest, unquantized: Path) -> tuple[str, P
     ).save_pretrained(str(folder))
     loaded = diffusers.WanPipeline.from_pretrained(str(folder), tokenizer=None, dtype=DTYPE).transformer
     assert type(loaded.blocks[0].attn1.to_q.weight).__name__ == FORMATS[form][1]
-    _own_memory(loaded)
+    fresh_storage(loaded)  # diffusers leaves float32 weights as views of the file's mapping
     return form, folder, _forward(loaded)
 
 

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchferry import topology
+
 
 class Block(nn.Module):
     """A residual linear block."""
@@ -46,3 +48,21 @@ WAN_TRANSFORMER: dict[str, Any] = {
     "num_layers": 6,
     "rope_max_seq_len": 32,
 }
+
+
+def fresh_storage(model: Any) -> Any:
+    """``model`` (a module, or a pipeline's every module component) with each parameter and buffer in
+    memory of its own, values unchanged, as ``.to(device)`` leaves them: the reference torchferry's
+    output equals bit for bit. diffusers' and transformers' ``from_pretrained`` leave CPU tensors as
+    views into the memory-mapped safetensors file, some at unaligned offsets, where CPU kernels may
+    round differently (docs/contract.md, "What bit-identical compares")."""
+    parts = model.components.values() if hasattr(model, "components") else [model]
+    for part in parts:
+        if isinstance(part, nn.Module):
+            for tensor in [*part.parameters(), *part.buffers()]:
+                if topology.is_wrapper(tensor):  # a quantized weight: its inner tensors
+                    for name in tensor.__tensor_flatten__()[0]:  # type: ignore[attr-defined]
+                        setattr(tensor, name, getattr(tensor, name).clone())
+                else:
+                    tensor.data = tensor.data.clone()
+    return model

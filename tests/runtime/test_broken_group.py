@@ -6,6 +6,7 @@ block forever and freed slot memory could still be written; gloo shows the same 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any
@@ -89,3 +90,38 @@ def test_a_healthy_group_synchronizes_once_and_frees_its_slots_at_close() -> Non
 def test_agreements_use_a_cpu_backend_when_the_group_has_one(backend: str, cpu: bool) -> None:
     """A group with a gloo CPU backend agrees on the CPU; a NCCL-only group agrees on the device."""
     assert cpu_backend(backend) is cpu
+
+
+def _chunked(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 fails a step after its agreement, so it drains the step's chunked gathers (landing in
+    views of outputs it drops); then both close."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    p = toy.build(0)
+    session = torchferry.offload(p, strategy="distributed_layerwise", device="cpu", chunk_bytes=4096)
+    armed = [rank == 1]
+
+    def fail_once(module: torch.nn.Module, args: Any) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise ValueError("a rank's own error in block 3")
+
+    p.transformer.blocks[3].register_forward_pre_hook(fail_once)
+    with contextlib.suppress(ValueError, ExecutionError):  # rank 1 raises its own, rank 0 may too
+        p("a cat", steps=1)
+    engine = session.engine
+    assert engine.comm is not None
+    views = len(engine.comm._views)
+    slots = [StorageWeakRef(buffer.data.untyped_storage()) for _, buffer in engine.slots.slots.values()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadWarning)
+        session.close()
+    return {"views": views, "slots": len(slots), "slots alive": sum(not r.expired() for r in slots)}
+
+
+@pytest.mark.dist
+def test_no_memory_is_kept_by_the_groups_views() -> None:
+    """A rank that drains a failed step's chunked gathers keeps no views of the outputs it dropped,
+    and a healthy close leaves no slot's memory alive with the session still referenced."""
+    for seen in run_ranks(_chunked, 2, timeout=60):
+        assert seen["slots"] > 0 and seen["views"] == 0 and seen["slots alive"] == 0, seen

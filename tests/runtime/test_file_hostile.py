@@ -7,15 +7,18 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import torchferry
 from torchferry import ExecutionError, policies, topology
@@ -43,7 +46,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor,
     return path, want, _budget(ref)
 
 
-def _open(path: str | Path, budget: int, **options: object) -> tuple[toy.ToyPipeline, torchferry.Session]:
+def _open(
+    path: str | Path, budget: int | None, **options: object
+) -> tuple[toy.ToyPipeline, torchferry.Session]:
     pipe = toy.build_empty(hidden=HIDDEN, blocks=BLOCKS)
     session = torchferry.offload(
         pipe, device="cpu", strategy="layerwise", checkpoint=str(path), host_memory=budget, **options
@@ -80,7 +85,8 @@ def test_a_checkpoint_rewritten_with_its_time_set_back_fails_the_step(
             pipe("a cat", steps=2)
         assert (
             "the file was rewritten in place with its modification time set back (its inode change time "
-            "moved, while its size, modification time, permissions, owner and links did not)"
+            "moved and these bytes differ from what was read here before, while its size and modification "
+            "time did not)"
         ) in str(caught.value)
     finally:
         s.close()
@@ -167,6 +173,67 @@ def test_permissions_and_links_changed_are_not_a_rewrite(
         assert torch.equal(pipe("a cat", steps=2), want)
 
 
+def _set_xattr(path: Path) -> None:
+    """An extended attribute set on ``path``, as a backup tool or an indexer does (skipped where the file
+    system refuses them)."""
+    try:
+        os.setxattr(path, "user.torchferry.test", b"seen")
+    except (AttributeError, OSError) as exc:
+        pytest.skip(f"no extended attributes here: {exc}")
+
+
+def _rename_and_link(path: Path) -> None:
+    """``path`` moved aside and a symlink put at its old name: the same inode, the same bytes."""
+    aside = path.with_name("moved.safetensors")
+    os.rename(path, aside)
+    path.symlink_to(aside)
+
+
+def _chmod_and_undo(path: Path) -> None:
+    """``path`` made unreadable and readable again before the session looks at it."""
+    mode = os.stat(path).st_mode & 0o7777
+    path.chmod(0)
+    path.chmod(mode)
+
+
+def _touch(path: Path) -> None:
+    """``path``'s times set to now, as ``touch`` (or a cleaner of old files kept off) does."""
+    os.utime(path)
+
+
+@pytest.mark.parametrize(
+    "touch", [_set_xattr, _rename_and_link, _chmod_and_undo, _touch], ids=lambda f: f.__name__[1:]
+)
+def test_a_moved_inode_change_time_alone_is_not_a_rewrite(
+    model: tuple[Path, torch.Tensor, int], tmp_path: Path, touch: Callable[[Path], None]
+) -> None:
+    """An extended attribute set, a rename with a symlink at the old name, a chmod undone, a touch: each
+    moves the inode change time (the touch the modification time too) and not a byte, and every later
+    call runs on bit-identical (the span digests tell the same bytes), while a rewrite with its time
+    set back afterwards is still refused."""
+    source, want, budget = model
+    path = tmp_path / "toy.safetensors"
+    shutil.copyfile(source, path)
+    other = tmp_path / "other.safetensors"
+    data = bytearray(source.read_bytes())
+    data[-5] ^= 1  # one bit of the last tensor's bytes
+    other.write_bytes(data)
+    pipe, s = _open(path, budget)
+    with s:
+        assert torch.equal(pipe("a cat", steps=2), want)
+        before = os.stat(path).st_ctime_ns
+        time.sleep(0.05)  # past the file system's timestamp granularity
+        touch(path)
+        assert os.stat(path).st_ctime_ns != before
+        for _ in range(2):
+            assert torch.equal(pipe("a cat", steps=2), want)
+        time.sleep(0.05)
+        _rewrite_keeping_time(path, other)
+        with pytest.raises(ExecutionError, match="the file was rewritten in place") as caught:
+            pipe("a cat", steps=2)
+        assert "these bytes differ from what was read here before" in str(caught.value)
+
+
 def test_a_symlink_pointed_elsewhere_fails_the_step(
     model: tuple[Path, torch.Tensor, int], tmp_path: Path
 ) -> None:
@@ -232,6 +299,34 @@ def test_close_frees_the_readers_buffers(
     assert s.report().host_bytes == 0 and s.host_bytes == 0
     assert reader.bounce_bytes == 0 and reader.scratch_bytes == 0
     assert reader._bounces.empty() and reader._scratch.empty()
+    assert torch.equal(pipe("a cat", steps=2), want)
+
+
+def _host_buffers(s: torchferry.Session) -> list[tuple[int, StorageWeakRef]]:
+    """Weak references to the storages of every host buffer ``s`` holds: each pack's, each staging
+    slot's, each device slot's (host memory on a CPU device); no strong reference kept here."""
+    store = s.engine.store
+    buffers = [p.host for p in store.packs.values() if p.host.numel()]
+    buffers += [buffer.data for _, buffer in s.engine.slots.slots.values()]
+    if store.tier is not None:
+        buffers += [st.buffer.data for st in store.tier.staging.values()]
+    return [(b.untyped_storage().data_ptr(), StorageWeakRef(b.untyped_storage())) for b in buffers]
+
+
+@pytest.mark.parametrize("tier", ["host", "file"])
+def test_close_drops_every_host_buffer(model: tuple[Path, torch.Tensor, int], tier: str) -> None:
+    """Once close() returns, with the session object still referenced and nothing collected, every
+    host buffer it held (packs, staging and device slots) is freed, save those the weights given back
+    live in."""
+    path, want, budget = model
+    pipe, s = _open(path, budget if tier == "file" else None)
+    with s:
+        assert torch.equal(pipe("a cat", steps=2), want)
+        held = _host_buffers(s)
+        assert len(held) >= (9 if tier == "file" else BLOCKS)
+    given_back = {t.untyped_storage().data_ptr() for t in pipe.state_dict().values()}
+    kept = [at for at, ref in held if not ref.expired() and at not in given_back]
+    assert not kept, f"{len(kept)} of {len(held)} host buffers outlive close()"
     assert torch.equal(pipe("a cat", steps=2), want)
 
 

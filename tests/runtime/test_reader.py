@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -232,6 +233,45 @@ def test_replaced_and_rewritten_files(toy_checkpoint: tuple[toy.ToyPipeline, Pat
                 f.write(b"\0\0\0\0")
             os.utime(path, ns=(1, 1))
             with pytest.raises(ExecutionError, match=re.escape("the file was rewritten in place")):
+                reader.submit(read, out).wait()
+        finally:
+            reader.close()
+
+
+@pytest.mark.parametrize(("direct", "span"), [(False, None), (True, None), (False, (32000, 43584))])
+def test_a_moved_change_time_is_settled_by_the_span_digests(
+    toy_checkpoint: tuple[toy.ToyPipeline, Path], direct: bool, span: tuple[int, int] | None
+) -> None:
+    """A digest is taken at each span's first read and not again while the inode change time stays; a
+    chmod undone moves it, and the next read compares each span once and reads on; one byte rewritten
+    with the modification time set back is then refused (buffered, O_DIRECT and a shard's part of a
+    transposed weight, read whole aside)."""
+    pipe, path = toy_checkpoint
+    name = "transformer.blocks.1"
+    with CheckpointReader(path) as checkpoint:
+        reader = FileReader(checkpoint, direct=checkpoint.files if direct else ())
+        try:
+            read, out, *_ = _read(reader, pipe, name, span)
+            spans = len(read.chunks) + sum(f.file is not None for f in read.fixups)
+            assert span is None or any(f.file is not None for f in read.fixups)
+            assert spans and reader.digests.computed == spans
+            reader.submit(read, out).wait()
+            assert reader.digests.computed == spans  # the steady read computes none
+            first = out.clone()
+            time.sleep(0.05)  # past the file system's timestamp granularity
+            path.chmod(0)
+            path.chmod(0o644)
+            reader.submit(read, out).wait()
+            assert torch.equal(out, first) and reader.digests.computed == 2 * spans
+            reader.submit(read, out).wait()
+            assert reader.digests.computed == 2 * spans  # the new change time adopted
+            chunk = read.chunks[0]
+            before = os.stat(path)
+            with open(path, "r+b") as f:
+                f.seek(chunk.offset)
+                f.write(bytes([f.read(1)[0] ^ 1]))
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+            with pytest.raises(ExecutionError, match=re.escape("modification time set back")):
                 reader.submit(read, out).wait()
         finally:
             reader.close()

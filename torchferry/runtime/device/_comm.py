@@ -31,6 +31,17 @@ keep every rank's collectives paired, so that falling out of step is an `Executi
    timed out) owes nothing: then the peers time out too.
 Steps agree once each (one 33-byte all-gather and, on NCCL, one host round trip per step).
 
+[Note: agreeing on the request]
+A session's first collective is `Comm.agree_request`, before anything is read, pinned or changed:
+one fixed-size all-gather of a digest of what the rank asked for (the offload options, less the
+host budget, which ranks may differ on) and of its host budget (the plan uses the least). A rank
+that asks for something else (another prefetch depth) fails every rank alike, naming each rank's
+request. A rank that asked for no weight-sharded session (``strategy="layerwise"``,
+``dit_transfer="rank-local"``) never joins, and one killed before it opens never will: gloo then
+times out or loses the connection on the ranks that did, and each says which ranks never joined.
+To name what each asked for, every rank leaves its request in the default group's store before the
+all-gather (a key per rank and session); the store only serves the messages.
+
 [Note: failures]
 On gloo every collective is a host call: a peer that died, stalled past the group's timeout or
 issued another collective makes it raise, and `Comm` turns that into `ExecutionError` on every
@@ -46,6 +57,7 @@ block it forever) and keeps its device slots allocated (such a gather may still 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 from collections.abc import Callable
@@ -88,6 +100,66 @@ def _timeout(group: Any, device: torch.device) -> str:
     if isinstance(timeout, datetime.timedelta):
         return f" (the group's timeout is {timeout.total_seconds():g} s)"
     return ""
+
+
+#: The options every request summary names; the others only where the ranks differ on them.
+_NAMED = ("strategy", "dit_transfer", "encoder_transfer")
+#: Sessions opened per group in this process, so a rank's n-th request meets its peers' n-th.
+_OPENED: dict[str, int] = {}
+
+
+def _store() -> Any:
+    """The default group's key-value store (``None`` where there is none): the ranks' requests are
+    left there for the messages of a failed agreement, never for the agreement itself."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a private API: without it the messages say less
+        return None
+
+
+def _request_key(group: Any) -> Callable[[int], str]:
+    """The store key of rank ``r``'s request for this process's next session on ``group``."""
+    try:
+        members = "-".join(map(str, dist.get_process_group_ranks(group)))
+    except Exception:
+        members = "world"
+    seq = _OPENED.get(members, 0)
+    _OPENED[members] = seq + 1
+    return lambda r: f"torchferry/request/{members}/{seq}/{r}"
+
+
+def _asked(store: Any, key: Callable[[int], str], world: int) -> dict[int, str]:
+    """The requests the ranks left in ``store``, by rank (those that left one)."""
+    found: dict[int, str] = {}
+    if store is None:
+        return found
+    for r in range(world):
+        with contextlib.suppress(Exception):
+            if store.check([key(r)]):
+                found[r] = bytes(store.get(key(r))).decode()
+    return found
+
+
+def _fields(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def _differing(asked: dict[int, str]) -> frozenset[str]:
+    """The options whose values differ between the requests ``asked``."""
+    found = [_fields(t) for t in asked.values()]
+    names = {k for f in found for k in f}
+    return frozenset(k for k in names if len({f.get(k) for f in found}) > 1)
+
+
+def _summary(text: str, differing: frozenset[str] = frozenset()) -> str:
+    """A request as keywords: its strategy and transfers, and the options in ``differing``."""
+    fields = _fields(text)
+    names = [k for k in _NAMED if k in fields] + sorted(k for k in differing - set(_NAMED) if k in fields)
+    return ", ".join(f"{k}={fields[k]}" for k in names) or "(unknown: it left no request)"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 class Comm:
@@ -134,6 +206,72 @@ class Comm:
             ) from exc
 
     # ------------------------------------------------------------------------------ agreement
+    def agree_request(self, request: dict[str, str], budget: int) -> list[int]:
+        """The first collective of a session (see [Note: agreeing on the request]): every rank's host
+        ``budget``, in rank order, once every rank is found to ask for the same ``request`` (option
+        name to its ``repr``). Raises `ExecutionError` naming the ranks that asked for something else,
+        never joined or vanished, and what each asked for where known; nothing is changed here."""
+        text = "\n".join(f"{k}={v}" for k, v in sorted(request.items()))
+        key = _request_key(self.group)
+        store = _store()
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set(key(self.rank), text)  # for the peers' messages, should this agreement fail
+        row = [*hashlib.sha256(text.encode()).digest(), *int(budget).to_bytes(8, "little", signed=True)]
+        mine = torch.tensor(row, dtype=torch.uint8, device=self.agree_device)
+        out = torch.empty(self.world * len(row), dtype=torch.uint8, device=self.agree_device)
+        try:
+            _all_gather_single(out, mine, self.group)
+        except Exception as exc:
+            self.broken = True
+            raise self._lost(exc, _asked(store, key, self.world), text) from exc
+        rows = out.cpu().view(self.world, len(row))
+        digests = [bytes(rows[r, :_DIGEST].tolist()) for r in range(self.world)]
+        if len(set(digests)) > 1:
+            asked = _asked(store, key, self.world)
+            groups: dict[bytes, list[int]] = {}
+            for r, d in enumerate(digests):
+                groups.setdefault(d, []).append(r)
+            differing = _differing(asked)
+            listed = "; ".join(
+                f"{_ranks(rs)} asked for {_summary(asked.get(rs[0], ''), differing)}"
+                for rs in groups.values()
+            )
+            raise ExecutionError(
+                f"the ranks of the {self.world}-rank weight-shard group disagree on what they ask for: "
+                f"{listed}; this is rank {self.rank}, and nothing was changed on it. Every rank must open "
+                "torchferry.offload(...) on the same pipeline with the same options, so that all issue the "
+                "same collectives"
+            )
+        return [
+            int.from_bytes(bytes(rows[r, _DIGEST:].tolist()), "little", signed=True)
+            for r in range(self.world)
+        ]
+
+    def _lost(self, exc: Exception, asked: dict[int, str], text: str) -> ExecutionError:
+        """The error of a request agreement whose all-gather failed: which ranks never joined, which
+        joined and vanished (and what they asked for)."""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        absent = [r for r in range(self.world) if r != self.rank and r not in asked]
+        vanished = [r for r in asked if r != self.rank]
+        parts = [f"rank {r} asked for {_summary(asked[r])} and then vanished" for r in vanished]
+        if absent:
+            parts.insert(
+                0,
+                f"{_ranks(absent)} never joined: no weight-sharded session was opened there (another "
+                "strategy=, dit_transfer='rank-local', no offload call at all), or the rank died or stalled "
+                "before it",
+            )
+        if not parts:
+            parts.append("a peer rank died or stalled")
+        return ExecutionError(
+            f"the ranks of the {self.world}-rank weight-shard group could not agree on the plan: "
+            f"{'; '.join(parts)} ({self.backend}: {first}{_timeout(self.group, self.device)}); this is rank "
+            f"{self.rank}, which asked for {_summary(text)}, and nothing was changed on it. Open the same "
+            "torchferry.offload(...) on every rank of the group, and restart the ranks (the process group "
+            "is likely unusable now)"
+        )
+
     def agree(self, what: str, text: str, *, ok: bool = True) -> list[tuple[str, bool]]:
         """All-gather a digest of ``text`` and an ok flag from every rank; returns them in rank order.
 
@@ -186,6 +324,7 @@ class Comm:
             if chunks > 1 and self.staged:
                 staging = torch.empty(self.world * -(-size // chunks), dtype=torch.uint8, device=self.device)
             self.all_gather(out, src, chunks, what, staging)
+        self.forget()  # the views of the dropped outputs would keep them
 
     # -------------------------------------------------------------------------------- gathers
     def all_gather(
@@ -228,6 +367,11 @@ class Comm:
                 shard.narrow(0, lo, n),
             )
             grid[:, lo : lo + n].copy_(out.view(self.world, n))
+
+    def forget(self) -> None:
+        """Drop the cached views of slots (each holds its slot's memory): after a drain, whose outputs
+        are dropped, and when the slots are freed."""
+        self._views.clear()
 
     def _chunk_views(self, slot: torch.Tensor, size: int, piece: int) -> list[list[torch.Tensor]]:
         """Per chunk, the ``world`` views of ``slot`` its pieces land in (cached while ``slot`` lives)."""

@@ -447,6 +447,8 @@ class Engine(Mover):
         try:
             if not self.broken and self.device_error is None:
                 self._free()
+                if self.comm is not None:
+                    self.comm.forget()  # its cached slot views would keep the slots' memory
                 if gather:
                     self.gather_host()
         finally:  # the reader threads, the checkpoint's descriptors and the staging slots always go

@@ -544,7 +544,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         handle = self._handles[file]
         fd = handle.fileno()
         length = dst.numel()
-        if (change := changed(self.stats[file], os.fstat(fd), inode_time=False)) is not None:
+        if (change := changed(self.stats[file], os.fstat(fd))) is not None:
             raise ExecutionError(
                 f"{file} {change} since it was opened, so bytes [{src}, {src + length}) are not what its "
                 "header said; do not rewrite a checkpoint while it is being read, and open it again"

@@ -27,8 +27,11 @@ finishes a pack's last chunk, so nothing of a read runs on the compute thread.
 Every read goes through the descriptors the checkpoint opened (its file names made absolute then,
 so a later ``os.chdir`` changes nothing). Before each chunk the file is checked against what it was
 when opened: its name must still name the same inode (not replaced, deleted or moved), and the open
-file must keep its size, modification time and inode change time (`changed`: not truncated or
-rewritten in place, even with its time set back). A folder on the way made unsearchable hides the
+file must keep its size (`changed`: not truncated or rewritten in place), and once more after the
+chunk is read; a moved modification or inode change time (a rewrite, even with its time set back, or
+only ``touch``, an extended attribute, a rename or a chmod) is settled by comparing the chunk's
+bytes with the digest of its first read (see [Note: the inode change time and the span digests] in
+`torchferry.runtime.files._identity`). A folder on the way made unsearchable hides the
 name, not the file: the read goes on through the descriptor. A failed system call, a short read or
 a changed file is an `ExecutionError` naming the file, the byte range, the tensors and what to do;
 nothing of the host store is written by a read, so no weight is lost and the session stays
@@ -55,7 +58,7 @@ from torchferry import policies
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.runtime.files._checkpoint_reader import CheckpointReader
 from torchferry.runtime.files._chunks import Chunk, Fixup, PackRead, chunked
-from torchferry.runtime.files._identity import changed
+from torchferry.runtime.files._identity import SpanDigests, changed, crc32
 from torchferry.runtime.files._spans import FileSpan
 from torchferry.runtime.memory import PAGE, Piece, page_bytes
 from torchferry.topology import TensorSpec
@@ -230,6 +233,8 @@ class FileReader:
             self._opened[file] = _Opened(fd, raw, info)
             if raw is None and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        #: The CRC-32 of each span read, for a file whose inode change time moves (see `SpanDigests`).
+        self.digests = SpanDigests({f: o.stat for f, o in self._opened.items()})
         self._bounces: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self.bounce_bytes = 0
         if any(o.direct is not None for o in self._opened.values()):
@@ -366,6 +371,8 @@ class FileReader:
                 self._direct(opened.direct, chunk, ticket.into)
             else:
                 self._buffered(opened.fd, chunk, ticket.into)
+                into = ticket.into
+                self._confirm(chunk, lambda: crc32(_buffer(into, d, n) for d, n in chunk.parts))
         except BaseException as exc:
             ticket.errors.append(self._failure(ticket.read, chunk, exc))
         if ticket.chunk_done():
@@ -407,6 +414,7 @@ class FileReader:
             self._check_file(fixup.file)
             chunk = Chunk(file=fixup.file, offset=fixup.src, parts=((0, n),), names=(fixup.name,))
             self._buffered(self._opened[fixup.file].fd, chunk, rows)
+            self._confirm(chunk, lambda: crc32([_buffer(rows, 0, n)]))
             arranged = scratch[n : 2 * n]
             piece.view(arranged, 0).copy_(rows.view(piece.dtype).view(piece.shape))
             into[fixup.dst + fixup.lo : fixup.dst + fixup.hi].copy_(arranged[fixup.lo : fixup.hi])
@@ -414,8 +422,9 @@ class FileReader:
             self._scratch.put(scratch)
 
     def _check_file(self, file: str) -> None:
-        """`_Changed` unless ``file``'s name still names the file opened, unchanged (see the Note); a
-        folder made unsearchable hides the name, not the file, which is read on through its descriptor."""
+        """`_Changed` unless ``file``'s name still names the file opened, of the same size and
+        modification time (see the Note); a folder made unsearchable hides the name, not the file,
+        which is read on through its descriptor."""
         opened = self._opened[file]
         try:
             now: os.stat_result | None = os.stat(file)
@@ -430,11 +439,18 @@ class FileReader:
             raise OSError(exc.errno, f"looking the file up failed ({error_reason(exc)})") from None
         if now is not None and (now.st_dev, now.st_ino) != (opened.stat.st_dev, opened.stat.st_ino):
             raise _Changed("was replaced on disk (another file now has its name)")
-        held = os.fstat(opened.fd)
-        if (change := changed(opened.stat, held, inode_time=now is not None)) is not None:
+        if (change := changed(opened.stat, os.fstat(opened.fd), mtime=False)) is not None:
             raise _Changed(change)
-        if now is not None and held.st_ctime_ns != opened.stat.st_ctime_ns:  # explained (chmod): the new one
-            self._opened[file] = attrs.evolve(opened, stat=held)
+
+    def _confirm(self, chunk: Chunk, digest: Callable[[], int]) -> None:
+        """`_Changed` unless the bytes of ``chunk`` just read may be used: the file is looked at again
+        after the read (a rewrite during it), and a moved inode change time is settled by the span's
+        digest (see [Note: the inode change time and the span digests])."""
+        held = os.fstat(self._opened[chunk.file].fd)
+        if (change := changed(self._opened[chunk.file].stat, held, mtime=False)) is not None:
+            raise _Changed(change)
+        if change := self.digests.confirm(chunk.file, chunk.offset, chunk.length, held, digest):
+            raise _Changed(change)
 
     def _buffered(self, fd: int, chunk: Chunk, into: torch.Tensor) -> None:
         parts = list(chunk.parts)
@@ -466,6 +482,7 @@ class FileReader:
                     raise _Short(first + got + max(n, 0))
                 got += n
             cursor = chunk.offset - first
+            self._confirm(chunk, lambda: crc32([_buffer(bounce, cursor, chunk.length)]))
             for dst, n in chunk.parts:
                 into[dst : dst + n].copy_(bounce[cursor : cursor + n])
                 cursor += n

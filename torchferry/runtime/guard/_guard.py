@@ -534,3 +534,6 @@ class SessionGuard:
         finally:
             self._followed.clear()
             self._overrides.remove()
+            # The caches hold each pack's host buffer: a closed session keeps none of them alive.
+            self._at_host.clear()
+            self._resident.clear()

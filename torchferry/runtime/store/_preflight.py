@@ -83,19 +83,26 @@ def module_bytes(pipeline: Any, topology: Topology) -> int:
     return total
 
 
-def _group_least(budget: HostBudget, group: Any, device: torch.device) -> int:
-    """The least budget of the ranks of ``group`` (a collective, on the device `Comm` agrees on: the
-    group's CPU backend when it has one, else the session's ``device``), so every rank plans the same
-    tiers; ``None`` (no machine limit) counts as the largest."""
-    import torch.distributed as dist
+def _text(value: Any) -> str:
+    """``repr`` of an option's value, the same in every process (a set's members sorted)."""
+    if isinstance(value, (set, frozenset)):
+        return repr(sorted(value))
+    return repr(value)
 
+
+def _group_least(budget: HostBudget, group: Any, device: torch.device, plan: Plan) -> int:
+    """The least budget of the ranks of ``group``, once they are found to ask for the same plan
+    (`Comm.agree_request`, the session's first collective), so every rank plans the same tiers;
+    ``None`` (no machine limit) counts as the largest."""
     from torchferry.runtime.device import Comm
 
-    where = Comm(group, device).agree_device
     mine = policies.NO_LIMIT if budget.bytes is None else min(budget.bytes, policies.NO_LIMIT)
-    figure = torch.tensor([mine], dtype=torch.int64, device=where)
-    dist.all_reduce(figure, op=dist.ReduceOp.MIN, group=group)
-    return int(figure.item())
+    # What the plan is (its digest's options), and the two runtime options that shape the collectives;
+    # the others (budgets, the checkpoint's path, pinning) may differ between ranks.
+    asked = plan.config.request
+    request = {f.name: _text(getattr(asked, f.name)) for f in attrs.fields(type(asked))}
+    request.update((k, _text(getattr(plan.config, k))) for k in ("prefetch_depth", "chunk_bytes"))
+    return min(Comm(group, device).agree_request(request, mine))
 
 
 @attrs.frozen(kw_only=True)
@@ -164,7 +171,7 @@ def host_plan(
             if given is not None
             else policies.machine_budget(facts, facts.module_bytes)
         )
-        least = _group_least(mine, group, target)
+        least = _group_least(mine, group, target, plan)
     figure = policies.host_plan(plan, facts, least=least, shared=shared)
     host = HostPlan(
         budget=figure.budget,
