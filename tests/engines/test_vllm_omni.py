@@ -422,3 +422,63 @@ def test_one_generation_through_the_engine(wan22: Path) -> None:
         assert torch.equal(outputs[0].cpu(), outputs[1].cpu())
     else:
         assert [list(i.getdata()) for i in outputs[0]] == [list(i.getdata()) for i in outputs[1]]
+
+
+def _distributed_rank(rank: int, port: int, folder: str, out: str) -> None:
+    """One rank of vLLM-Omni's DP group of 2 (gloo), serving the native pipeline distributed."""
+    import json
+
+    import torch.distributed as dist
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+    from vllm_omni.plugins import load_omni_general_plugins
+
+    load_omni_general_plugins()
+    # vLLM-Omni sets a device per rank after making the world group, and has no CPU platform: the world
+    # group is made here first, then vLLM-Omni builds its own groups over it as its workers do.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
+    init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo")
+    initialize_model_parallel(data_parallel_size=2, backend="gloo")
+    pipeline = _native(Path(folder))
+    plain = copy.deepcopy(pipeline)
+    with torch.no_grad():
+        expected = plain(IDS, LATENTS)
+    config = OmniDiffusionConfig.from_kwargs(
+        model=folder, dtype=torch.float32, enable_distributed_layerwise_offload=True,
+        parallel_config={"data_parallel_size": 2}, additional_config=SELECT,
+    )  # fmt: skip
+    groups = len(dist.distributed_c10d._world.pg_map)
+    pipeline, backend = enable(config, pipeline)
+    made = len(dist.distributed_c10d._world.pg_map) - groups
+    with torch.no_grad():
+        same = [torch.equal(pipeline(IDS, LATENTS), expected) for _ in range(2)]
+    policy = backend.session.running_policy
+    backend.session.close(gather=True)  # a collective: every rank gets full weights back
+    backend.disable()
+    pairs = zip(pipeline.state_dict().values(), plain.state_dict().values(), strict=True)
+    weights_back = all(torch.equal(a, b) for a, b in pairs)
+    Path(out, f"{rank}.json").write_text(json.dumps({"same": same, "policy": policy, "groups_made": made,
+                                                      "weights_back": weights_back}))  # fmt: skip
+    dist.destroy_process_group()
+
+
+def test_distributed_layerwise_shards_over_the_engines_dp_group(wan22: Path, tmp_path: Path) -> None:
+    """enable_distributed_layerwise_offload under vLLM-Omni's DP group of 2 (gloo): each rank's forward
+    equals the plain run twice, the session makes no process group of its own, and a gathering close
+    gives every rank its full weights back."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_distributed_rank, args=(port, str(wan22), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert got == {"same": [True, True], "policy": "distributed_layerwise(depth=1)", "groups_made": 0,
+                       "weights_back": True}  # fmt: skip
