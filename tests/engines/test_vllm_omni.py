@@ -482,3 +482,37 @@ def test_distributed_layerwise_shards_over_the_engines_dp_group(wan22: Path, tmp
         got = json.loads((tmp_path / f"{rank}.json").read_text())
         assert got == {"same": [True, True], "policy": "distributed_layerwise(depth=1)", "groups_made": 0,
                        "weights_back": True}  # fmt: skip
+
+
+def test_a_pipeline_that_owns_its_model_level_lifecycle_is_delegated_to(wan22: Path) -> None:
+    """Under enable_cpu_offload, a pipeline with enable_omni_model_cpu_offload owns its lifecycle, as
+    vLLM-Omni's model-level backend treats it: enabled with the engine's device, pinning, HSDP and
+    selection, disabled by disable(), and no torchferry session opened."""
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.offloader import SupportsModelCpuOffload
+
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    class Owning(nn.Module):
+        _dit_modules = ("transformer",)
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer = nn.Linear(4, 4)
+
+        def enable_omni_model_cpu_offload(self, **options: Any) -> None:
+            calls.append(("enable", options))
+
+        def disable_omni_model_cpu_offload(self) -> None:
+            calls.append(("disable", {}))
+
+    pipeline = Owning()
+    assert isinstance(pipeline, SupportsModelCpuOffload)
+    config = OmniDiffusionConfig.from_kwargs(
+        model=str(wan22), dtype=torch.float32, enable_cpu_offload=True, pin_cpu_memory=False,
+        additional_config=SELECT,
+    )  # fmt: skip
+    pipeline, backend = enable(config, pipeline)
+    assert backend.is_enabled() and backend.session is None and torchferry.session_of(pipeline) is None
+    backend.disable()
+    assert calls == [("enable", {"device": DEVICE, "pin_memory": False, "use_hsdp": False}), ("disable", {})]
