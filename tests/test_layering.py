@@ -151,10 +151,15 @@ def test_no_two_modules_share_a_name() -> None:
 
 @pytest.mark.parametrize(
     ("leaf", "allowed"),
-    [("cli", {"cli", "__main__.py"}), ("testing", {"testing", "cli"})],
+    [
+        ("cli", {"cli", "__main__.py"}),
+        ("testing", {"testing", "cli"}),
+        ("integrations", {"integrations"}),
+    ],
 )
 def test_cli_and_testing_are_leaves(leaf: str, allowed: set[str]) -> None:
-    """Nothing in the layers or the session imports ``torchferry.cli`` or ``torchferry.testing``."""
+    """Nothing in the layers or the session imports ``torchferry.cli``, ``torchferry.testing`` or
+    ``torchferry.integrations``."""
     offenders = sorted(
         str(path.relative_to(PACKAGE))
         for path in ALL_MODULES
