@@ -174,3 +174,35 @@ def test_the_read_mode_is_a_pure_decision() -> None:
     assert policies.read_direct(MIB, 2 * MIB, "direct") and not policies.read_direct(2 * MIB, MIB, "buffered")
     with pytest.raises(PlanError, match=r"^TORCHFERRY_READ='fast': say direct, buffered or auto$"):
         policies.read_direct(MIB, MIB, "fast")
+
+
+def test_a_file_tier_with_nothing_to_read_it_from_is_refused_in_either_words() -> None:
+    """A budget that leaves packs in the file tier of a pipeline built in memory (no checkpoint) is a
+    PlanError from the host planner itself, worded with keywords or flags, naming spill, the checkpoint
+    and a host budget that opens; with a spill or a checkpoint the same budget plans a file tier."""
+    p = _rope_plan(8, host_memory_bytes=26 * MIB)
+    with pytest.raises(PlanError) as caught:
+        policies.host_plan(p, policies.HostFacts())
+    whole = policies.tiers(_budget(p, 1 << 40)).host_bytes
+    tail = (
+        "in the file tier, read on demand from a checkpoint, and this pipeline is built in memory with "
+        "no checkpoint; pass {spill} (those packs are written there once as safetensors and read back), "
+        "{ckpt}, or raise {host} to " + policies.format_bytes(whole) + " so every pack stays in host memory"
+    )
+    api = tail.format(
+        spill="spill=<a folder>", ckpt="open it from its checkpoint (checkpoint=, or from_pretrained)",
+        host="host_memory=",
+    )  # fmt: skip
+    cli = tail.format(
+        spill="--spill", ckpt="plan its checkpoint (a pipeline folder or file as MODEL)", host="--host-memory"
+    )
+    head = "the host budget of 26.0 MiB (given as host_memory=) leaves "
+    assert caught.value.message("api").startswith(head)
+    assert caught.value.message("api").endswith(api)
+    assert caught.value.message("cli").startswith("the host budget of 26.0 MiB (given as --host-memory) ")
+    assert caught.value.message("cli").endswith(cli)
+    assert "(transformer.blocks.0, transformer.blocks.1, transformer.blocks.2, ...)" in str(caught.value)
+    assert not policies.host_plan(_budget(p, whole), policies.HostFacts()).tiers.file  # the figure opens
+    assert policies.host_plan(p, policies.HostFacts(), spill=True).tiers.file
+    with_files = attrs.evolve(p, config=attrs.evolve(p.config, checkpoint="ckpt"))
+    assert policies.host_plan(with_files, policies.HostFacts()).tiers.file

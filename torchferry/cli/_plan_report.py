@@ -71,6 +71,8 @@ class Options:
     text_tokens: int | None = None
     host_op_s: float = 0.0
     host_bytes: int | None = None
+    #: Plan as a session given ``spill=<a folder>`` (``--spill``): a file tier needs no checkpoint then.
+    spill: bool = False
     read_bytes_per_s: float | None = None
     #: Where the device figures' read rates came from (``the saved profile PATH``), or, when they hold
     #: none, what to do to measure one; empty: say nothing beyond the device's ``source``.
@@ -344,7 +346,7 @@ class _Planner:
         if self.options.host_bytes is None:
             return plan
         # The session's host planner, on the given budget: the same tiers, host bytes and refusals.
-        return policies.host_plan(plan, policies.HostFacts()).plan
+        return policies.host_plan(plan, policies.HostFacts(), spill=self.options.spill).plan
 
     def generation(self, policy: Policy, plan: Plan) -> tuple[list[Schedule], Schedule | None]:
         """The schedules of one generation in order, and the steady step of the first DiT."""

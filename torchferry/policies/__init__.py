@@ -65,6 +65,7 @@ from torchferry.policies._host import given_budget as given_budget
 from torchferry.policies._host import group_least as group_least
 from torchferry.policies._host import host_plan as host_plan
 from torchferry.policies._host import machine_budget as machine_budget
+from torchferry.policies._host import needs_source as needs_source
 from torchferry.policies._host import policy_reads as policy_reads
 from torchferry.policies._host import read_direct as read_direct
 from torchferry.policies._host import shared_device_budget as shared_device_budget

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import attrs
 
-from torchferry._errors import HOST_MEMORY, PlanError
+from torchferry._errors import CHECKPOINT, HOST_MEMORY, SPILL, Flag, PlanError
 from torchferry.policies._ir import DEVICE, Policy, Schedule
-from torchferry.policies._layout import pack_bytes, unit_packs
+from torchferry.policies._layout import pack_bytes, pack_table, unit_packs
 from torchferry.policies._refusal import HostBudgetTooSmall
 from torchferry.policies._sim import steady_schedule
-from torchferry.policies._tiers import HEATS, Heat, Tiers, pack_heats, tiers
+from torchferry.policies._tiers import HEATS, Heat, Tiers, host_bytes, pack_heats, tiers
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Plan
 
@@ -49,6 +49,7 @@ __all__ = [
     "group_least",
     "host_plan",
     "machine_budget",
+    "needs_source",
     "policy_reads",
     "read_direct",
     "shared_device_budget",
@@ -218,13 +219,16 @@ def _with_budget(plan: Plan, nbytes: int | None) -> Plan:
     return attrs.evolve(plan, config=attrs.evolve(plan.config, host_memory_bytes=nbytes))
 
 
-def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None, shared: bool = False) -> HostFigure:
+def host_plan(
+    plan: Plan, facts: HostFacts, *, least: int | None = None, shared: bool = False, spill: bool = False
+) -> HostFigure:
     """The whole host figure of ``plan`` (see [Note: the host planner]); ``least``: the least budget
     of a process group's ranks (`group_least`). ``shared``: the device's memory is host memory and its
     budget is not given: the one budget is split in halves, one the device budget (`shared_device_budget`),
     one the host's, so both are proven against the memory there is. A budget too small for every tiering is a
     `HostBudgetTooSmall` naming its source and the smallest budget that opens; 0 bytes, or pinned
-    bytes over ``RLIMIT_MEMLOCK`` where that binds, a `PlanError` naming the remedies."""
+    bytes over ``RLIMIT_MEMLOCK`` where that binds, a `PlanError` naming the remedies, as is a file tier
+    of a pipeline built in memory when ``spill`` (a ``spill=`` folder given) is false (`needs_source`)."""
     given = plan.config.host_memory_bytes
     copied = plan.config.checkpoint is None
     if given is not None:
@@ -273,6 +277,7 @@ def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None, shared:
         chosen = tiers(plan)
     except HostBudgetTooSmall as exc:
         raise exc.with_source(budget.source) from None
+    needs_source(plan, chosen, budget, spill=spill)
     pinned = chosen.host_bytes - chosen.kept_bytes - chosen.transient_bytes
     if locked is not None and pinned > locked:
         raise PlanError.worded(
@@ -294,6 +299,30 @@ def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None, shared:
         pinned_bytes=pinned,
         device_bytes=device[0],
         device_source=device[1],
+    )
+
+
+def needs_source(plan: Plan, chosen: Tiers, budget: HostBudget, *, spill: bool) -> None:
+    """`PlanError` when ``chosen`` has a file tier and nothing to read it from: the pipeline was built
+    in memory (no checkpoint) and no ``spill=`` folder was given to write those packs to once. It
+    names the host budget that keeps every pack in host memory (no file tier, so it opens)."""
+    if not chosen.file or plan.config.checkpoint is not None or spill:
+        return
+    shown = [name for name, _ in pack_table(plan) if name in chosen.file]
+    listed = ", ".join(shown[:3]) + (", ..." if len(shown) > 3 else "")
+    whole = host_bytes(plan, (), ())[0]
+    source: tuple[str | Flag, ...] = ("given as ", HOST_MEMORY) if budget.given else (budget.source,)
+    raise PlanError.worded(
+        f"the host budget of {_size(budget.bytes or 0)} (",
+        *source,
+        f") leaves {len(shown)} pack(s) ({listed}) in the file tier, read on demand from a checkpoint, "
+        "and this pipeline is built in memory with no checkpoint; pass ",
+        SPILL,
+        " (those packs are written there once as safetensors and read back), ",
+        CHECKPOINT,
+        ", or raise ",
+        HOST_MEMORY,
+        f" to {format_bytes(whole)} so every pack stays in host memory",
     )
 
 

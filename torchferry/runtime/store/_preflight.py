@@ -165,7 +165,7 @@ def host_plan(
             else policies.machine_budget(facts, facts.module_bytes)
         )
         least = _group_least(mine, group, target)
-    figure = policies.host_plan(plan, facts, least=least, shared=shared)
+    figure = policies.host_plan(plan, facts, least=least, shared=shared, spill=spill is not None)
     host = HostPlan(
         budget=figure.budget,
         cache_bytes=figure.cache_bytes,
@@ -276,22 +276,16 @@ def open_tier(
 ) -> TierLayout:
     """`preflight` (held to ``RLIMIT_MEMLOCK`` when ``pinner`` is subject to it), then the file tier's
     layout for the engine: for a pipeline built in memory, its file-tier packs spilled once into
-    ``host.spill`` (without one: `PlanError` naming the remedy). With ``comm``, every rank learns
-    whether every other could do each part before any goes on, so a rank that fails here fails all
-    (each its own error) instead of leaving them waiting in a later collective."""
+    ``host.spill`` (the host planner refused one without it: `policies.needs_source`). With
+    ``comm``, every rank learns whether every other could do each part before any goes on, so a rank
+    that fails here fails all (each its own error) instead of leaving them waiting in a later
+    collective."""
 
     def check() -> Tiers:
         chosen = preflight(plan, host, pin=pin, memlock=pinner.memlock, pipeline=pipeline)
         if chosen.file and plan.config.checkpoint is None:
-            if host.spill is None:
-                raise PlanError(
-                    f"the host budget of {_size(host.budget.bytes or 0)} ({host.budget.source}) leaves "
-                    f"{len(chosen.file)} pack(s) in the file tier, read on demand from a checkpoint, and "
-                    "this pipeline was built in memory with no checkpoint; pass spill=<a folder> (those "
-                    "packs are written there once as safetensors and read back), open it from its "
-                    "checkpoint (checkpoint=, or from_pretrained), or pass a larger host_memory= if the "
-                    "machine has it"
-                )
+            # `policies.host_plan` refused a file tier with nothing to read it from (`needs_source`).
+            assert host.spill is not None, "a torchferry bug: a file tier with no checkpoint nor spill="
             specs = group_specs(plan)
             cast = sorted(n for n in chosen.file if any(t.compute_dtype is not None for t in specs[n]))
             if cast:  # refused before a byte is spilled: the file tier reads bytes as they are stored
