@@ -29,10 +29,10 @@ import attrs
 
 from torchferry._errors import CHECKPOINT, HOST_MEMORY, SPILL, Flag, PlanError
 from torchferry.policies._ir import DEVICE, Policy, Schedule
-from torchferry.policies._layout import pack_bytes, pack_table, unit_packs
+from torchferry.policies._layout import pack_table, unit_packs
 from torchferry.policies._refusal import HostBudgetTooSmall
 from torchferry.policies._sim import steady_schedule
-from torchferry.policies._tiers import HEATS, Heat, Tiers, host_bytes, pack_heats, tiers
+from torchferry.policies._tiers import HEATS, Heat, Tiers, host_bytes, pack_heats, tiers, use_read_bytes
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Plan
 
@@ -342,7 +342,8 @@ def file_reads(plan: Plan, chosen: Tiers, steady: Schedule | None) -> dict[str, 
     """Component -> bytes its file-tier packs are read, by how often (`HEATS`), as the policy behind
     ``steady`` (its steady DiT step; ``None``: none) runs: a pack it keeps on the device once staged
     (its exit holds it, as ``none()`` and resident blocks do) is read once a session, whatever the
-    plan's streaming would read. `torchferry plan` and the session's report both say this."""
+    plan's streaming would read; a use reads the pack less what it keeps in host memory
+    (`use_read_bytes`). `torchferry plan` and the session's report both say this."""
     heats = pack_heats(plan)
     kept = {p.unit for p in (steady.exit if steady is not None else ()) if p.where == DEVICE}
     for unit in kept:
@@ -352,7 +353,7 @@ def file_reads(plan: Plan, chosen: Tiers, steady: Schedule | None) -> dict[str, 
     out: dict[str, dict[Heat, int]] = {}
     for top in plan.components:
         infile = [p for p in unit_packs(plan, top.path) if p in chosen.file]
-        out[top.path] = {h: sum(pack_bytes(plan, p) for p in infile if heats[p] == h) for h in HEATS}
+        out[top.path] = {h: sum(use_read_bytes(plan, p) for p in infile if heats[p] == h) for h in HEATS}
     return out
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "read_buffer_bytes",
     "read_nbytes",
     "tiers",
+    "use_read_bytes",
 ]
 
 #: The host page size: host buffers start on a page and are counted (and pinned) in whole pages.
@@ -175,6 +176,14 @@ def kept_bytes(plan: Plan, name: str) -> int:
         for s in _specs(plan)[name]
         if (s.buffer and not s.persistent) or s.name in widened
     )
+
+
+def use_read_bytes(plan: Plan, name: str) -> int:
+    """Bytes a use of file-tier pack ``name`` reads from the files: the pack less the tensors it keeps
+    in host memory for the session (`kept_bytes`: non-persistent buffers, widened tensors)."""
+    widened = plan.facts.widened
+    kept = sum(s.nbytes for s in _specs(plan)[name] if (s.buffer and not s.persistent) or s.name in widened)
+    return pack_bytes(plan, name) - kept
 
 
 def scratch_bytes(largest: int) -> int:

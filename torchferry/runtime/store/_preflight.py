@@ -195,12 +195,14 @@ def widened_names(
     prefix_map: Mapping[str, str] | None = None,
     variant: str | None = None,
 ) -> frozenset[str]:
-    """The float32 model tensors (the model keeps them in float32) that ``checkpoint`` stores in 16
-    bits, and the tensors its library makes from other stored tensors on load (`topology.KeyMap`):
-    a file-tier pack keeps each in host memory for the session (a spill writes them as float32, so
-    none there). ``pipeline`` may be built on the meta device (`torchferry plan`)."""
+    """The float32 model tensors that ``checkpoint`` stores in 16 bits (those a model keeps in
+    float32, and any other the file holds narrower, as a GGUF file its biases), and the tensors its
+    library makes from other stored tensors on load (`topology.KeyMap`): a file-tier pack keeps each
+    in host memory for the session and reads none of them per use (a spill writes them as float32,
+    so none there). ``pipeline`` may be built on the meta device (`torchferry plan`)."""
     made = frozenset(t for c in KeyMap.of(prefix_map).conversions for t in c.targets)
-    kept = kept_in_float32(pipeline, topo)
+    wide = (s.name for c in topo.components for s in c.all_tensors() if s.dtype == "float32" and s.persistent)
+    kept = kept_in_float32(pipeline, topo) | frozenset(wide)
     if not kept:
         return made
     try:
