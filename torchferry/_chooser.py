@@ -55,10 +55,10 @@ def default_budget(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         margin = max(ACTIVATION_MARGIN_MIN, int(free * ACTIVATION_MARGIN))
-        budget = max(free - margin, 0)
+        budget = policies.settled(max(free - margin, 0))  # measured: two opens plan alike
         return budget, (
             f"free device memory at open {policies.format_bytes(free, exact=False)} minus "
-            f"{policies.format_bytes(margin, exact=False)} for activations"
+            f"{policies.format_bytes(margin, exact=False)} for activations, rounded down"
         )
     return CPU_BUDGET, f"the CPU default of {policies.format_bytes(CPU_BUDGET, exact=False)}"
 

@@ -130,21 +130,56 @@ def test_a_component_given_by_keyword_leaves_the_others_to_the_file_tier() -> No
     assert t.host_bytes <= 28 * MIB
 
 
-def test_a_cpu_device_takes_its_budget_from_the_host() -> None:
-    """Case 8: on a device sharing host memory the machine's budget is split, device and host halves
-    proven together; with host_memory= given, the device has what the machine leaves beyond it."""
+def test_a_cpu_device_and_the_host_share_one_budget() -> None:
+    """Issue 38 item 9: on a device sharing host memory, one budget (the machine's, or host_memory=)
+    holds both: the device its least (depth 1), the host the rest, or the host every pack and the
+    device the rest; a budget too small names one figure, the least of both, which opens while one
+    byte less is refused, so the remedy leads to no second refusal."""
     bound = policies.Bound(what="cgroup v1 memory /x", available=768 * MIB, source="limit")
     facts = policies.HostFacts(bounds=(bound,))
     p = ring_plan(8, 64 * MIB, checkpoint="ckpt")  # 512 MiB of weights in the checkpoint
+    least = policies.least_device_bytes(p)
+    assert least == 128 * MIB  # two ring slots of a block at depth 1
+    policies.choose(p, least, policies.DEFAULT_COST)
+    with pytest.raises(ScheduleError):
+        policies.choose(p, least - 1, policies.DEFAULT_COST)
     figure = policies.host_plan(p, facts, shared=True)
     machine = 768 * MIB - policies.RESERVE_MIN
-    assert figure.device_bytes == machine // 2
-    assert figure.budget.bytes == machine - machine // 2
-    assert figure.tiers.file and figure.tiers.host_bytes <= figure.budget.bytes
-    assert figure.device_source.startswith("half the host budget of 512.0 MiB (the device's memory is host")
-    given = policies.host_plan(_budget(p, 300 * MIB), facts, shared=True)
-    assert given.device_bytes == machine - 300 * MIB and given.budget.bytes == 300 * MIB
+    assert figure.device_bytes == least and figure.budget.bytes == machine - least
+    assert figure.tiers.file and figure.tiers.host_bytes <= machine - least
+    said = "the least the device's schedules need, 128.0 MiB, of the host budget"
+    assert figure.device_source.startswith(said)
+    whole = policies.tiers(p).host_bytes  # no budget: every pack in host memory
+    roomy = policies.host_plan(_budget(p, whole + 200 * MIB), facts, shared=True)
+    assert not roomy.tiers.file and roomy.device_bytes == 200 * MIB
+    with pytest.raises(policies.HostBudgetTooSmall) as caught:
+        policies.host_plan(_budget(p, 200 * MIB), facts, shared=True)
+    refused = caught.value
+    assert refused.budget == 200 * MIB and refused.device == least
+    assert "128.0 MiB for the device, whose memory is host memory, at its least" in str(refused)
+    opened = policies.host_plan(_budget(p, refused.minimum), facts, shared=True)
+    assert opened.device_bytes == least and opened.tiers.host_bytes <= refused.minimum - least
+    with pytest.raises(policies.HostBudgetTooSmall):
+        policies.host_plan(_budget(p, refused.minimum - 1), facts, shared=True)
     assert policies.host_plan(p, facts).device_bytes is None
+
+
+def test_a_measured_budget_plans_once() -> None:
+    """Issue 39 item 5: two opens whose free memory differs by a few bytes plan one plan: a measured
+    host budget that binds is carried as the least budget choosing the same tiers, a measured device
+    share is rounded down to its grain, and what was measured stays in the figure's budget."""
+    p = ring_plan(8, 64 * MIB, checkpoint="ckpt")
+    figures = []
+    for available in (700 * MIB, 700 * MIB + 4099):
+        bound = policies.Bound(what="MemAvailable", available=available, source="x")
+        facts = policies.HostFacts(bounds=(bound,))
+        figures.append((policies.host_plan(p, facts), policies.host_plan(p, facts, shared=True)))
+    (host, shared), (host2, shared2) = figures
+    assert host.budget.bytes != host2.budget.bytes and host.plan == host2.plan and host.tiers.file
+    assert host.plan.config.host_memory_bytes == host.tiers.least_budget <= host.budget.bytes
+    assert policies.tiers(host.plan).file == policies.tiers(_budget(p, host.budget.bytes or 0)).file
+    assert shared.plan == shared2.plan and shared.device_bytes == shared2.device_bytes
+    assert policies.settled(20_937_965_568 + 5_000_000) == policies.settled(20_937_965_568) == 20_937_965_568
 
 
 def test_zero_budget_and_locked_memory_are_refused_with_their_sources() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 # Imports written ``name as name`` are for the layers above, which enter only through this file
 # (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.policies._auto import Choice, auto, choose, swap_per_forward_s
+from torchferry.policies._auto import least_device_bytes as least_device_bytes
 from torchferry.policies._builtin import (
     BUILTINS,
     STRATEGIES,
@@ -68,7 +69,8 @@ from torchferry.policies._host import machine_budget as machine_budget
 from torchferry.policies._host import needs_source as needs_source
 from torchferry.policies._host import policy_reads as policy_reads
 from torchferry.policies._host import read_direct as read_direct
-from torchferry.policies._host import shared_device_budget as shared_device_budget
+from torchferry.policies._host import settled as settled
+from torchferry.policies._host import share_budget as share_budget
 from torchferry.policies._ir import (
     DEVICE,
     OP_KINDS,

@@ -52,7 +52,8 @@ __all__ = [
     "needs_source",
     "policy_reads",
     "read_direct",
-    "shared_device_budget",
+    "settled",
+    "share_budget",
 ]
 
 #: The share of the tightest bound kept back for what is not torchferry's.
@@ -61,6 +62,8 @@ RESERVE_FRACTION = 0.05
 RESERVE_MIN = 256 << 20
 #: Device types whose memory is host memory: their device budget comes from the host budget.
 SHARED_DEVICES = frozenset({"cpu", "mps"})
+#: The least grain a measured budget is rounded down to (`settled`): 1 MiB.
+MEASURED_GRAIN_MIN = 1 << 20
 
 
 def _size(n: int) -> str:
@@ -245,38 +248,34 @@ def host_plan(
             HOST_MEMORY,
             " to name what torchferry may hold",
         )
-    device: tuple[int | None, str] = (None, "")
-    if shared and given is not None:  # the caller's host budget stands; the device has what is left
-        machine = machine_budget(facts, facts.module_bytes if copied else 0)
-        if machine.bytes is not None:
-            left = max(machine.bytes - given, 0)
-            device = (left, f"the host memory left beyond host_memory= (the device's memory is host memory): "
-                      f"{_size(machine.bytes)}, {machine.source}")  # fmt: skip
-    elif shared and budget.bytes is not None:
-        device = shared_device_budget(budget)
-        assert device[0] is not None
-        budget = attrs.evolve(
-            budget,
-            bytes=budget.bytes - device[0],
-            source=f"{budget.source}, less {_size(device[0])} for the device (its memory is host memory)",
-        )
     locked = facts.locked_bytes if facts.pins_locked else None
     plan = attrs.evolve(
         plan, facts=attrs.evolve(plan.facts, copied=copied and given is None, locked_bytes=locked)
     )
+    device: tuple[int | None, str] = (None, "")
+    one = budget
+    if shared and budget.bytes is not None:  # one memory: the device's share first, the host's the rest
+        device, budget = share_budget(plan, budget)
     bound = _with_budget(plan, budget.bytes)
-    if given is not None or budget.bytes is None:
+    if (given is not None and not shared) or budget.bytes is None:
         plan = bound
     else:
+        # A budget worked out from the machine (or from a share of one) is a measurement: the plan
+        # carries the least budget that chooses the same tiers (`Tiers.least_budget`), or none when
+        # every pack fits, so free memory that moves a little plans the same plan.
         try:
-            binds = bool(tiers(bound).file)
+            found = tiers(bound)
         except HostBudgetTooSmall:
-            binds = True
-        plan = bound if binds else _with_budget(plan, None)
+            found = None
+        floor = None if found is None or not found.file else found.least_budget
+        plan = bound if found is None else _with_budget(plan, floor)
     try:
         chosen = tiers(plan)
     except HostBudgetTooSmall as exc:
-        raise exc.with_source(budget.source) from None
+        if device[0] is None or one.bytes is None:
+            raise exc.with_source(budget.source) from None
+        # One memory: the refusal names the one budget and the least that opens both halves.
+        raise exc.with_device(one.bytes, device[0], one.source) from None
     needs_source(plan, chosen, budget, spill=spill)
     pinned = chosen.host_bytes - chosen.kept_bytes - chosen.transient_bytes
     if locked is not None and pinned > locked:
@@ -326,16 +325,46 @@ def needs_source(plan: Plan, chosen: Tiers, budget: HostBudget, *, spill: bool) 
     )
 
 
-def shared_device_budget(host: HostBudget) -> tuple[int, str]:
-    """The device budget of a device whose memory is host memory (`SHARED_DEVICES`: the CPU, Apple's
-    MPS), and where it came from: half the one budget ``host`` (given or the machine's), the other
-    half left to the host store, so the device and host figures together stay within it."""
-    assert host.bytes is not None
-    half = host.bytes // 2
-    return (
-        half,
-        f"half the host budget of {_size(host.bytes)} (the device's memory is host memory): {host.source}",
+def settled(nbytes: int) -> int:
+    """A budget measured on the machine rounded down to its grain (a 64th to a 128th of it, at least
+    1 MiB), so two opens a few bytes of free memory apart plan the same plan."""
+    if nbytes < MEASURED_GRAIN_MIN:
+        return nbytes
+    grain = max(1 << (nbytes.bit_length() - 7), MEASURED_GRAIN_MIN)
+    return nbytes // grain * grain
+
+
+def share_budget(plan: Plan, one: HostBudget) -> tuple[tuple[int, str], HostBudget]:
+    """A device whose memory is host memory (`SHARED_DEVICES`: the CPU, Apple's MPS) and the host
+    store share ``one`` budget (given as ``host_memory=``, or the machine's): the device's share (its
+    budget, with where it came from) and the host's budget.
+
+    The device takes the least its schedules open with (`least_device_bytes`, with the largest
+    dequantized weight beside it) and the host the rest, unless the host can hold every pack: then
+    the host takes that and the device the rest (more of the model resident, nothing read from the
+    files). A measured share is `settled`. A host share too small for every tiering is refused by
+    `tiers` with the least of both (`HostBudgetTooSmall.with_device`)."""
+    assert one.bytes is not None
+    from torchferry.policies._auto import least_device_bytes
+    from torchferry.policies._dequantize import dequantize_reserve
+
+    need = least_device_bytes(plan) + dequantize_reserve(plan)
+    whole = host_bytes(plan, (), ())[0]
+    figure = _size(one.bytes)
+    if one.bytes - need >= whole:
+        left = one.bytes - whole
+        device = left if one.given else settled(left)
+        said = f"the host budget of {figure} less {_size(whole)} for every pack in host memory"
+    else:
+        device = need
+        said = f"the least the device's schedules need, {_size(need)}, of the host budget of {figure}"
+    source = f"{said} (the device's memory is host memory): {one.source}"
+    host = attrs.evolve(
+        one,
+        bytes=max(one.bytes - device, 1),
+        source=f"{one.source}, less {_size(device)} for the device (its memory is host memory)",
     )
+    return (device, source), host
 
 
 def file_reads(plan: Plan, chosen: Tiers, steady: Schedule | None) -> dict[str, dict[Heat, int]]:

@@ -139,6 +139,9 @@ class Tiers:
     kept_bytes: int = 0
     #: Of ``host_bytes``: the open's copy of one pack while the store copies the pipeline's weights in.
     transient_bytes: int = 0
+    #: The least budget that chooses these very tiers (``budget`` may be larger): the plan of a budget
+    #: measured on the machine carries this, so free memory that moves a little plans the same.
+    least_budget: int = 0
 
     @property
     def read_buffer_bytes(self) -> int:
@@ -295,7 +298,7 @@ def tiers(plan: Plan) -> Tiers:
         transient = extra_bytes(plan, ())[2]
         return Tiers(
             file=frozenset(), staging=(), host_bytes=whole, store_bytes=whole_store, budget=budget,
-            transient_bytes=transient,
+            transient_bytes=transient, least_budget=whole,
         )  # fmt: skip
     heats = _heats(plan)
     barred = unfiled(plan)
@@ -305,6 +308,9 @@ def tiers(plan: Plan) -> Tiers:
     kept_of = {n: kept_bytes(plan, n) for n in ranked}
     strided_of = {n: _strided(plan, n) for n in ranked}
     best: _Option | None = None
+    # The largest total any fitting pass stopped at: every budget from it up stops each pass where
+    # this one did, so it chooses the same tiers.
+    floor = 0
     least = _Least(need=whole, store=whole_store, largest=0, extras=extra_bytes(plan, ()))
     for largest in sorted({sizes[n] for n in ranked}):
         fixed = STAGING_SLOTS * page_bytes(largest) + read_buffer_bytes(largest)
@@ -330,6 +336,7 @@ def tiers(plan: Plan) -> Tiers:
                 least = _Least(need=total, store=store, largest=largest, extras=extras)
             if total <= budget:
                 fits = True
+                floor = max(floor, total)
                 break
         if not fits:
             continue
@@ -361,6 +368,7 @@ def tiers(plan: Plan) -> Tiers:
         notes=_notes(best, len(sizes), budget),
         kept_bytes=kept + scratch,
         transient_bytes=transient,
+        least_budget=floor,
     )
 
 

@@ -145,7 +145,7 @@ def host_plan(
     """Read the facts (the machine's, the module's and the checkpoint's) and plan the host with
     `policies.host_plan` (see [Note: the host planner]): the plan the session runs, carrying the
     budget when it binds, and its host side. ``shared``: the device's memory is host memory, and its
-    budget comes from the host's (`policies.shared_device_budget`)."""
+    budget is a share of the host's (`policies.share_budget`)."""
     target = torch.device("cpu") if device is None else device
     copied = plan.config.checkpoint is None
     facts = host_facts(
