@@ -218,6 +218,7 @@ def offload(
         source = f"{source}, less {policies.format_bytes(reserve)} for the largest dequantized weight"
         weights = policies.weight_budget(plan, given)
         plan = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=weights))
+    plan = topology.interned(plan)  # one request on one machine: one plan object however often opened
     chooser = None
     if auto:
         assert plan.config.device_memory_bytes is not None

@@ -380,3 +380,14 @@ def test_a_saved_profile_of_another_device_still_gives_this_machines_read_rates(
     )
     save_profile(attrs.evolve(gpu, host="another-machine"))
     assert base_profile(torch.device("cpu")) == cpu_class
+
+
+def test_two_opens_of_one_request_share_one_plan() -> None:
+    """Issue 39 item 5: opening and closing one pipeline again with the same request plans one plan
+    (one value, one object: the caches keyed by plans keep one copy, not one per open)."""
+    p = toy.build(0)
+    with torchferry.offload(p, device="cpu", host_memory="1GiB") as first:
+        plan = first.plan
+    for _ in range(2):
+        with torchferry.offload(p, device="cpu", host_memory="1GiB") as again:
+            assert again.plan is plan

@@ -32,7 +32,16 @@ from torchferry.policies._ir import DEVICE, Policy, Schedule
 from torchferry.policies._layout import pack_table, unit_packs
 from torchferry.policies._refusal import HostBudgetTooSmall
 from torchferry.policies._sim import steady_schedule
-from torchferry.policies._tiers import HEATS, Heat, Tiers, host_bytes, pack_heats, tiers, use_read_bytes
+from torchferry.policies._tiers import (
+    HEATS,
+    Heat,
+    Tiers,
+    host_bytes,
+    pack_heats,
+    tiers,
+    tiers_at,
+    use_read_bytes,
+)
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Plan
 
@@ -264,7 +273,7 @@ def host_plan(
         # carries the least budget that chooses the same tiers (`Tiers.least_budget`), or none when
         # every pack fits, so free memory that moves a little plans the same plan.
         try:
-            found = tiers(bound)
+            found = tiers_at(plan, budget.bytes)  # a probe at the measured figure: no plan carries it
         except HostBudgetTooSmall:
             found = None
         floor = None if found is None or not found.file else found.least_budget

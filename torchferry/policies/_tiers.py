@@ -57,6 +57,7 @@ __all__ = [
     "read_buffer_bytes",
     "read_nbytes",
     "tiers",
+    "tiers_at",
     "use_read_bytes",
 ]
 
@@ -291,7 +292,12 @@ def tiers(plan: Plan) -> Tiers:
     holds in the file tier is counted as that pack is chosen, so the figure is the whole host figure).
     A budget that no tiering fits is a `HostBudgetTooSmall` naming the smallest budget that opens.
     """
-    budget = plan.config.host_memory_bytes
+    return tiers_at(plan, plan.config.host_memory_bytes)
+
+
+def tiers_at(plan: Plan, budget: int | None) -> Tiers:
+    """`tiers` of ``plan`` within ``budget`` instead of its own, not cached: the host planner probes a
+    budget measured on the machine with it, so no cache keeps a plan per measurement."""
     sizes = {name: pack_bytes(plan, name) for name, _ in pack_table(plan)}
     whole, whole_store = host_bytes(plan, (), ())
     if budget is None or whole <= budget:
