@@ -179,6 +179,9 @@ def test_a_measured_budget_plans_once() -> None:
     assert host.plan.config.host_memory_bytes == host.tiers.least_budget <= host.budget.bytes
     assert policies.tiers(host.plan).file == policies.tiers(_budget(p, host.budget.bytes or 0)).file
     assert shared.plan == shared2.plan and shared.device_bytes == shared2.device_bytes
+    roomy = policies.HostFacts(bounds=(policies.Bound(what="MemAvailable", available=64 << 30, source="x"),))
+    most = policies.whole_device_bytes(p)
+    assert policies.host_plan(p, roomy, shared=True).device_bytes == most  # more would choose the same
     assert policies.settled(20_937_965_568 + 5_000_000) == policies.settled(20_937_965_568) == 20_937_965_568
 
 

@@ -49,7 +49,7 @@ def test_budget_broken_by_depth_is_refused_before_anything_moves(custom: bool) -
 
 def test_offload_with_no_options_fits_the_cpu_default_and_is_bit_identical() -> None:
     """offload(pipe) alone picks, within the stated CPU budget (the CPU's share of the one budget of
-    host memory: every pack in host memory, the device the rest), a plan whose outputs equal the
+    host memory: every pack in host memory, the device every weight), a plan whose outputs equal the
     plain run."""
     p, ref = toy.build(0), toy.build(0)
     with torchferry.offload(p, device="cpu") as session:
@@ -63,8 +63,8 @@ def test_offload_with_no_options_fits_the_cpu_default_and_is_bit_identical() -> 
         share = policies.format_bytes(budget, exact=False)
         assert f"less {share} for the device" in session.host.budget.source
     assert report.budget == budget
-    assert report.budget_source.startswith("the host budget of ")
-    assert "for every pack in host memory (the device's memory is host memory): " in report.budget_source
+    assert report.budget_source.startswith("every weight resident, ")  # a roomy machine: no more is used
+    assert "beside every pack (the device's memory is host memory): " in report.budget_source
     assert report.policy == "none()"
     assert report.reason.startswith("none(): every component fits whole")
     assert same_weights(p, ref) and hook_count(p) == 0

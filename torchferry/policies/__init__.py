@@ -6,6 +6,7 @@ from __future__ import annotations
 # (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.policies._auto import Choice, auto, choose, swap_per_forward_s
 from torchferry.policies._auto import least_device_bytes as least_device_bytes
+from torchferry.policies._auto import whole_device_bytes as whole_device_bytes
 from torchferry.policies._builtin import (
     BUILTINS,
     STRATEGIES,

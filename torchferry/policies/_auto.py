@@ -48,6 +48,7 @@ __all__ = [
     "least_device_bytes",
     "steady_step_s",
     "swap_per_forward_s",
+    "whole_device_bytes",
 ]
 
 _TIE = 1e-9
@@ -368,12 +369,19 @@ def _model_level_choice(
     )
 
 
+def whole_device_bytes(plan: Plan) -> int:
+    """Device bytes of every weight resident (and the largest acquired unit): the most any choice of
+    `choose` holds, so a budget beyond it chooses as it does."""
+    lay = layout(plan)
+    return sum(c.nbytes for c in plan.components if not c.on_demand) + max(lay.acquired.values(), default=0)
+
+
 def least_device_bytes(plan: Plan) -> int:
     """The least device budget `choose` opens ``plan`` with (its weights; one byte less is a
     `ScheduleError`): every weight, else depth 1 with no resident blocks, else model-level swapping
     where it applies, whichever is smallest."""
     lay = layout(plan)
-    total = sum(c.nbytes for c in plan.components if not c.on_demand) + max(lay.acquired.values(), default=0)
+    total = whole_device_bytes(plan)
     streaming = [c.path for c in plan.components if lay.streamed.get(c.path)]
     if not streaming:
         return min(total, _model_level_bytes(plan))

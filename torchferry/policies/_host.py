@@ -351,16 +351,23 @@ def share_budget(plan: Plan, one: HostBudget) -> tuple[tuple[int, str], HostBudg
     The device takes the least its schedules open with (`least_device_bytes`, with the largest
     dequantized weight beside it) and the host the rest, unless the host can hold every pack: then
     the host takes that and the device the rest (more of the model resident, nothing read from the
-    files). A measured share is `settled`. A host share too small for every tiering is refused by
-    `tiers` with the least of both (`HostBudgetTooSmall.with_device`)."""
+    files), at most every weight (`whole_device_bytes`: more would choose the same, so a roomy
+    machine plans one plan whatever its free memory). A measured share below that is `settled`. A
+    host share too small for every tiering is refused by `tiers` with the least of both
+    (`HostBudgetTooSmall.with_device`)."""
     assert one.bytes is not None
-    from torchferry.policies._auto import least_device_bytes
+    from torchferry.policies._auto import least_device_bytes, whole_device_bytes
     from torchferry.policies._dequantize import dequantize_reserve
 
-    need = least_device_bytes(plan) + dequantize_reserve(plan)
+    reserve = dequantize_reserve(plan)
+    need = least_device_bytes(plan) + reserve
+    most = whole_device_bytes(plan) + reserve
     whole = host_bytes(plan, (), ())[0]
     figure = _size(one.bytes)
-    if one.bytes - need >= whole:
+    if one.bytes - need >= whole and one.bytes - whole >= most:
+        device = most  # every weight resident: more would choose the same
+        said = f"every weight resident, {_size(most)}, within the host budget of {figure} beside every pack"
+    elif one.bytes - need >= whole:
         left = one.bytes - whole
         device = left if one.given else settled(left)
         said = f"the host budget of {figure} less {_size(whole)} for every pack in host memory"
