@@ -43,9 +43,9 @@ def test_wan_on_a_24gib_card_and_a_32gib_host(capsys: pytest.CaptureFixture[str]
     table = [f"{r.split('  ')[0]} | {' '.join(r[len(r.split('  ')[0]) :].split())}" for r in rows]
     assert table == [
         "transformer | 19 of 40 blocks + remainder in file 13.7 GiB 12.9 GiB 12.4 GiB every forward, "
-        "497.4 MiB once a session",
+        "496.4 MiB once a session",
         "transformer_2 | 18 of 40 blocks + remainder in file 14.4 GiB 12.3 GiB 11.8 GiB every forward, "
-        "497.4 MiB once a session",
+        "496.4 MiB once a session",
         "text_encoder | 24 of 24 blocks in file 2.0 GiB 8.6 GiB 8.6 GiB once a call",
         "vae | file 0 B 242.0 MiB 242.0 MiB once a session",
         "staging slots | 2 x 670.3 MiB 1.3 GiB -",

@@ -20,7 +20,7 @@ import attrs
 import torch
 
 from torchferry import _served, policies, runtime, topology
-from torchferry._chooser import Chooser, SessionReport, default_budget, named_report
+from torchferry._chooser import Chooser, SessionReport, named_report
 from torchferry._errors import ExecutionError, PlanError
 from torchferry._options import (
     check_pipeline,
@@ -188,12 +188,6 @@ def offload(
             f"'distributed_layerwise', and this request is strategy={request.strategy!r}, which keeps "
             "whole weights: close() gives them back as they were; drop gather_on_close"
         )
-    source = "given"
-    # A device whose memory is host memory takes its budget from the host's (one memory, both proven).
-    shared = auto and request.device_memory_bytes is None and target.type in policies.SHARED_DEVICES
-    if auto and request.device_memory_bytes is None:
-        budget, source = default_budget(target)
-        request = attrs.evolve(request, device_memory_bytes=budget)
     topo = topology.discover(pipeline, declaration)
     topology.check_stranded(pipeline, topo, target)
     refuse_foreign(pipeline, topo)
@@ -205,20 +199,14 @@ def offload(
         checkpoint_prefix_map = topology.checkpoint_key_map(
             pipeline, paths, request.checkpoint, checkpoint_variant, checkpoint_prefix_map
         )
-    plan, host = runtime.host_plan(
-        pipeline, plan, group=group, spill=spill, device=target, prefix_map=checkpoint_prefix_map,
-        variant=checkpoint_variant, own=_own(plan, checkpoint_components), shared=shared,
+    facts, least = runtime.read_facts(
+        pipeline, plan, group=group, device=target, prefix_map=checkpoint_prefix_map,
+        variant=checkpoint_variant, own=_own(plan, checkpoint_components),
     )  # fmt: skip
-    if host.device_bytes is not None:
-        source = host.device_source
-        plan = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=host.device_bytes))
-    given = plan.config.device_memory_bytes
-    if given is not None and (reserve := policies.dequantize_reserve(plan)):
-        # The largest dequantized weight must fit beside the weights, as `torchferry plan` counts it.
-        source = f"{source}, less {policies.format_bytes(reserve)} for the largest dequantized weight"
-        weights = policies.weight_budget(plan, given)
-        plan = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=weights))
-    plan = topology.interned(plan)  # one request on one machine: one plan object however often opened
+    opened = policies.open_plan(plan, facts, auto=auto, spill=spill is not None, least=least)
+    host = runtime.host_side(opened.host, spill)
+    source = opened.device_source
+    plan = topology.interned(opened.plan)  # one request on one machine: one plan object however often opened
     chooser = None
     if auto:
         assert plan.config.device_memory_bytes is not None

@@ -99,6 +99,15 @@ from torchferry.policies._layout import pack_bytes as pack_bytes
 from torchferry.policies._layout import shard_nbytes
 from torchferry.policies._layout import unit_packs as unit_packs
 from torchferry.policies._listing import format_schedule
+from torchferry.policies._open import ACTIVATION_MARGIN as ACTIVATION_MARGIN
+from torchferry.policies._open import ACTIVATION_MARGIN_MIN as ACTIVATION_MARGIN_MIN
+from torchferry.policies._open import CPU_BUDGET as CPU_BUDGET
+from torchferry.policies._open import DeviceFacts as DeviceFacts
+from torchferry.policies._open import Facts as Facts
+from torchferry.policies._open import OpenPlan as OpenPlan
+from torchferry.policies._open import auto_candidates as auto_candidates
+from torchferry.policies._open import default_device_budget as default_device_budget
+from torchferry.policies._open import open_plan as open_plan
 from torchferry.policies._refusal import HostBudgetTooSmall as HostBudgetTooSmall
 from torchferry.policies._refusal import size_at_least as size_at_least
 from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, Span, simulate, steady_schedule

@@ -45,10 +45,11 @@ if TYPE_CHECKING:
 __all__ = [
     "HostPlan",
     "host_figures",
-    "host_plan",
+    "host_side",
     "module_bytes",
     "open_tier",
     "preflight",
+    "read_facts",
     "store_facts",
     "strided_names",
     "widened",
@@ -130,43 +131,46 @@ def store_facts(
     )
 
 
-def host_plan(
+def read_facts(
     pipeline: Any,
     plan: Plan,
     *,
     group: Any = None,
-    spill: str | os.PathLike[str] | None = None,
     device: torch.device | None = None,
     prefix_map: Mapping[str, str] | None = None,
     variant: str | None = None,
     own: frozenset[str] = frozenset(),
-    shared: bool = False,
-) -> tuple[Plan, HostPlan]:
-    """Read the facts (the machine's, the module's and the checkpoint's) and plan the host with
-    `policies.host_plan` (see [Note: the host planner]): the plan the session runs, carrying the
-    budget when it binds, and its host side. ``shared``: the device's memory is host memory, and its
-    budget is a share of the host's (`policies.share_budget`)."""
+) -> tuple[policies.Facts, int | None]:
+    """Read every fact the open planner needs, once (see [Note: the open planner]): the machine's
+    (`runtime.machine.host_facts`, with the read mode `READ_MODE_ENV` sets), the device's (its free
+    memory), the module's and the checkpoint's (`store_facts`, through the key map ``prefix_map``);
+    and under a process group the least host budget of its ranks (a collective), else ``None``."""
     target = torch.device("cpu") if device is None else device
     copied = plan.config.checkpoint is None
-    facts = host_facts(
+    host = host_facts(
         module_bytes=module_bytes(pipeline, plan.topology) if copied and pipeline is not None else 0,
         pins_locked=plan.config.pin_memory and target.type == "cuda" and CudaPinner.memlock,
         read_mode=os.environ.get(READ_MODE_ENV, "auto").strip().lower(),
     )
-    plan = attrs.evolve(
-        plan, facts=store_facts(pipeline, plan, prefix_map=prefix_map, variant=variant, own=own)
+    free = torch.cuda.mem_get_info(target)[0] if target.type == "cuda" else None
+    facts = policies.Facts(
+        host=host,
+        device=policies.DeviceFacts(type=target.type, free_bytes=free),
+        store=store_facts(pipeline, plan, prefix_map=prefix_map, variant=variant, own=own),
     )
     least = None
-    if group is not None:
+    if group is not None:  # every rank plans against the least budget: only the exchange is here
         given = plan.config.host_memory_bytes
-        mine = (
-            policies.given_budget(given)
-            if given is not None
-            else policies.machine_budget(facts, facts.module_bytes)
-        )
+        machine = policies.machine_budget(host, host.module_bytes) if given is None else None
+        mine = policies.given_budget(given) if given is not None else machine
+        assert mine is not None
         least = _group_least(mine, group, target)
-    figure = policies.host_plan(plan, facts, least=least, shared=shared, spill=spill is not None)
-    host = HostPlan(
+    return facts, least
+
+
+def host_side(figure: policies.HostFigure, spill: str | os.PathLike[str] | None) -> HostPlan:
+    """The session's `HostPlan` from the open planner's host figure and the spill folder given."""
+    return HostPlan(
         budget=figure.budget,
         cache_bytes=figure.cache_bytes,
         spill=None if spill is None else os.fspath(spill),
@@ -174,7 +178,6 @@ def host_plan(
         device_bytes=figure.device_bytes,
         device_source=figure.device_source,
     )
-    return figure.plan, host
 
 
 def widened(
