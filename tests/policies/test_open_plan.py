@@ -72,3 +72,17 @@ def test_pinning_and_candidates_follow_one_rule() -> None:
     both = ("layerwise", "distributed_layerwise")
     assert policies.open_plan(p, cuda, auto=True, world=2).candidates == both
     assert policies.open_plan(p, cuda).candidates == ()
+
+
+def test_a_cpu_refusal_for_want_of_a_spill_names_a_figure_that_opens() -> None:
+    """On the CPU the host budget is one memory with the device's: the figure a pipeline built in
+    memory is told to raise host_memory= to counts the device's share too, and opens."""
+    p = ring_plan(8, 64 * MIB, host_memory_bytes=400 * MIB)
+    with pytest.raises(PlanError) as caught:
+        policies.open_plan(p, policies.Facts(), auto=True)
+    whole = policies.tiers(ring_plan(8, 64 * MIB)).host_bytes + policies.least_device_bytes(p)
+    assert f"or raise host_memory= to {policies.format_bytes(whole)} so every pack" in str(caught.value)
+    bigger = attrs.evolve(p, config=attrs.evolve(p.config, host_memory_bytes=whole))
+    opened = policies.open_plan(bigger, policies.Facts(), auto=True)
+    assert not opened.host.tiers.file
+    assert opened.plan.config.device_memory_bytes == policies.least_device_bytes(p)

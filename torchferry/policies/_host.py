@@ -285,7 +285,7 @@ def host_plan(
             raise exc.with_source(budget.source) from None
         # One memory: the refusal names the one budget and the least that opens both halves.
         raise exc.with_device(one.bytes, device[0], one.source) from None
-    needs_source(plan, chosen, budget, spill=spill)
+    needs_source(plan, chosen, budget, spill=spill, device=device[0] or 0)
     pinned = chosen.host_bytes - chosen.kept_bytes - chosen.transient_bytes
     if locked is not None and pinned > locked:
         raise PlanError.worded(
@@ -310,15 +310,16 @@ def host_plan(
     )
 
 
-def needs_source(plan: Plan, chosen: Tiers, budget: HostBudget, *, spill: bool) -> None:
+def needs_source(plan: Plan, chosen: Tiers, budget: HostBudget, *, spill: bool, device: int = 0) -> None:
     """`PlanError` when ``chosen`` has a file tier and nothing to read it from: the pipeline was built
     in memory (no checkpoint) and no ``spill=`` folder was given to write those packs to once. It
-    names the host budget that keeps every pack in host memory (no file tier, so it opens)."""
+    names the host budget that keeps every pack in host memory (no file tier, so it opens), with the
+    ``device`` bytes of a device sharing that budget."""
     if not chosen.file or plan.config.checkpoint is not None or spill:
         return
     shown = [name for name, _ in pack_table(plan) if name in chosen.file]
     listed = ", ".join(shown[:3]) + (", ..." if len(shown) > 3 else "")
-    whole = host_bytes(plan, (), ())[0]
+    whole = host_bytes(plan, (), ())[0] + device
     source: tuple[str | Flag, ...] = ("given as ", HOST_MEMORY) if budget.given else (budget.source,)
     raise PlanError.worded(
         f"the host budget of {_size(budget.bytes or 0)} (",
