@@ -23,6 +23,7 @@ from torchferry import _served, policies, runtime, topology
 from torchferry._chooser import Chooser, SessionReport, named_report
 from torchferry._errors import ExecutionError, PlanError
 from torchferry._options import (
+    budget_options,
     check_pipeline,
     check_variant,
     is_auto,
@@ -159,18 +160,7 @@ def offload(
             "this pipeline is already served by an open torchferry session; close() it before opening "
             "another (torchferry.session_of(pipe).close() when you no longer hold the session)"
         )
-    for budget_name, what in (("device_memory", "device"), ("host_memory", "host")):
-        if budget_name in config_options and config_options[budget_name] is None:
-            config_options = {k: v for k, v in config_options.items() if k != budget_name}  # the default
-        if budget_name in config_options:
-            if f"{budget_name}_bytes" in config_options:
-                raise PlanError(
-                    f"offload() got both {budget_name}= and {budget_name}_bytes=, two names for the {what} "
-                    f"budget; pass {budget_name}= alone"
-                )
-            config_options = dict(config_options)
-            value = config_options.pop(budget_name)
-            config_options[f"{budget_name}_bytes"] = topology.memory_bytes(value, f"{budget_name}")
+    config_options = budget_options(config_options)
     auto = is_auto(config, strategy, policy, config_options)
     request = offload_config(config, "layerwise" if auto else strategy, config_options)
     if policy is not None and _policy_knobs(request):
