@@ -210,8 +210,19 @@ def test_the_read_mode_is_a_pure_decision() -> None:
     assert policies.read_direct(2 * MIB, MIB) and not policies.read_direct(MIB, 2 * MIB)
     assert not policies.read_direct(2 * MIB, None)
     assert policies.read_direct(MIB, 2 * MIB, "direct") and not policies.read_direct(2 * MIB, MIB, "buffered")
-    with pytest.raises(PlanError, match=r"^TORCHFERRY_READ='fast': say direct, buffered or auto$"):
+    with pytest.raises(PlanError, match=r"^TORCHFERRY_READ='fast' is no read mode; set it to direct, buff"):
         policies.read_direct(MIB, MIB, "fast")
+
+
+def test_the_read_mode_is_read_once_and_checked_when_planning() -> None:
+    """The read mode in the facts is the one the figure carries for the file tier, and a mode no reader
+    knows is refused by the host planner when there is a file tier, before anything is read."""
+    p = ring_plan(8, 64 * MIB, checkpoint="ckpt", host_memory_bytes=400 * MIB)
+    assert policies.host_plan(p, policies.HostFacts(read_mode="direct")).read_mode == "direct"
+    with pytest.raises(PlanError, match=r"^TORCHFERRY_READ='fast' is no read mode"):
+        policies.host_plan(p, policies.HostFacts(read_mode="fast"))
+    whole = _budget(p, 1 << 40)  # no file tier: the mode is never used, so not refused
+    assert policies.host_plan(whole, policies.HostFacts(read_mode="fast")).read_mode == "fast"
 
 
 def test_a_file_tier_with_nothing_to_read_it_from_is_refused_in_either_words() -> None:

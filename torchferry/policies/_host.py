@@ -206,7 +206,9 @@ def read_direct(file_bytes: int, cache_bytes: int | None, mode: str = "auto") ->
     if mode in ("direct", "buffered"):
         return mode == "direct"
     if mode != "auto":
-        raise PlanError(f"TORCHFERRY_READ={mode!r}: say direct, buffered or auto")  # the env var that sets it
+        raise PlanError(
+            f"TORCHFERRY_READ={mode!r} is no read mode; set it to direct, buffered or auto, or unset it"
+        )  # the environment variable that sets it
     return cache_bytes is not None and file_bytes > cache_bytes
 
 
@@ -225,6 +227,9 @@ class HostFigure:
     #: memory (``None``: not shared, or no host limit), and where it came from.
     device_bytes: int | None = None
     device_source: str = ""
+    #: How the file tier's files are read: ``direct``, ``buffered`` or ``auto`` (`read_direct` decides
+    #: per file at open, from their bytes); the read-mode setting as read once, checked here.
+    read_mode: str = "auto"
 
 
 def _with_budget(plan: Plan, nbytes: int | None) -> Plan:
@@ -286,6 +291,8 @@ def host_plan(
         # One memory: the refusal names the one budget and the least that opens both halves.
         raise exc.with_device(one.bytes, device[0], one.source) from None
     needs_source(plan, chosen, budget, spill=spill, device=device[0] or 0)
+    if chosen.file:
+        read_direct(0, None, facts.read_mode)  # a read mode no reader knows is refused before any read
     pinned = chosen.host_bytes - chosen.kept_bytes - chosen.transient_bytes
     if locked is not None and pinned > locked:
         raise PlanError.worded(
@@ -307,6 +314,7 @@ def host_plan(
         pinned_bytes=pinned,
         device_bytes=device[0],
         device_source=device[1],
+        read_mode=facts.read_mode,
     )
 
 

@@ -112,6 +112,8 @@ class HostPlan:
     #: On a device that shares host memory, the device budget taken from the host's, and its source.
     device_bytes: int | None = None
     device_source: str = ""
+    #: How the file tier reads its files (`policies.HostFigure.read_mode`, read once with the facts).
+    read_mode: str | None = None
 
 
 def store_facts(
@@ -177,6 +179,7 @@ def host_side(figure: policies.HostFigure, spill: str | os.PathLike[str] | None)
         tiers=figure.tiers,
         device_bytes=figure.device_bytes,
         device_source=figure.device_source,
+        read_mode=figure.read_mode,
     )
 
 
@@ -309,7 +312,7 @@ def open_tier(
     if chosen.file and plan.config.checkpoint is None:
         assert host.spill is not None
         source = spill(pipeline, plan, chosen.file, host.spill, comm=comm)
-    return TierLayout(cache_bytes=host.cache_bytes, source=source)
+    return TierLayout(cache_bytes=host.cache_bytes, source=source, read_mode=host.read_mode)
 
 
 def host_figures(store: HostStore, host: HostPlan | None, plan: Plan | None = None) -> dict[str, Any]:
