@@ -207,16 +207,19 @@ def widened_names(
     in host memory for the session and reads none of them per use (a spill writes them as float32,
     so none there). ``pipeline`` may be built on the meta device (`torchferry plan`)."""
     made = frozenset(t for c in KeyMap.of(prefix_map).conversions for t in c.targets)
-    wide = (s.name for c in topo.components for s in c.all_tensors() if s.dtype == "float32" and s.persistent)
-    kept = kept_in_float32(pipeline, topo) | frozenset(wide)
-    if not kept:
-        return made
+    kept = kept_in_float32(pipeline, topo)
+    specs = [s for c in topo.components for s in c.all_tensors()]
+    floats = {s.name for s in specs if s.dtype == "float32" and s.persistent}
     try:
         with open_checkpoint(checkpoint, pipeline=pipeline, prefix_map=prefix_map, variant=variant) as reader:
-            stored = {n: reader.entries.get(reader.key(n)) for n in kept}
+            stored = {n: reader.entries.get(reader.key(n)) for n in kept | floats}
+            # Beyond the kept ones, those the reader widens as it reads (a GGUF file's 16-bit biases).
+            read = frozenset(
+                n for n in floats - kept if (e := stored[n]) is not None and reader.widens(n, e.dtype)
+            )
     except (PlanError, OSError):
         return kept | made  # the engine names the checkpoint's problem; count every candidate meanwhile
-    return made | frozenset(n for n, e in stored.items() if e is None or e.dtype in WIDENED_FROM)
+    return made | read | frozenset(n for n in kept if (e := stored[n]) is None or e.dtype in WIDENED_FROM)
 
 
 def strided_names(pipeline: Any, topo: Topology) -> frozenset[str]:
