@@ -33,7 +33,7 @@ def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
 def test_wan_on_a_24gib_card_and_a_32gib_host(capsys: pytest.CaptureFixture[str]) -> None:
     """Wan2.2 A14B (64.2 GiB) plans for 24 GiB of device and 32 GiB of host memory: which packs are read
     from the checkpoint per component, host bytes within the budget, and a step that hides its reads."""
-    out = _plan(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB").splitlines()
+    out = _plan(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB", "--spill").splitlines()
     assert (
         f"host memory 32.0 GiB · file reads 3.5 GB/s (assumed: a PCIe Gen3 NVMe drive; no profile at "
         f"{profile_path()}; pass --read-bandwidth, or time the drive with torchferry probe CHECKPOINT)"
@@ -43,9 +43,9 @@ def test_wan_on_a_24gib_card_and_a_32gib_host(capsys: pytest.CaptureFixture[str]
     table = [f"{r.split('  ')[0]} | {' '.join(r[len(r.split('  ')[0]) :].split())}" for r in rows]
     assert table == [
         "transformer | 19 of 40 blocks + remainder in file 13.7 GiB 12.9 GiB 12.4 GiB every forward, "
-        "497.4 MiB once a session",
+        "496.4 MiB once a session",
         "transformer_2 | 18 of 40 blocks + remainder in file 14.4 GiB 12.3 GiB 11.8 GiB every forward, "
-        "497.4 MiB once a session",
+        "496.4 MiB once a session",
         "text_encoder | 24 of 24 blocks in file 2.0 GiB 8.6 GiB 8.6 GiB once a call",
         "vae | file 0 B 242.0 MiB 242.0 MiB once a session",
         "staging slots | 2 x 670.3 MiB 1.3 GiB -",
@@ -57,13 +57,13 @@ def test_wan_on_a_24gib_card_and_a_32gib_host(capsys: pytest.CaptureFixture[str]
         "them, as it would down to 0.568 GB/s (simulated)"
     )
     plain = _json(capsys, WAN, "--device-memory", "24GiB")
-    host = _json(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB")
+    host = _json(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB", "--spill")
     assert host["recommended"]["step_s"] == pytest.approx(plain["recommended"]["step_s"])
 
 
 def test_the_json_host_section_adds_up(capsys: pytest.CaptureFixture[str]) -> None:
     """The host section's parts sum to its host bytes, within the budget, as policies.tiers says."""
-    doc = _json(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB")
+    doc = _json(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB", "--spill")
     h = doc["host"]
     pages = sum(policies.page_bytes(n) for n in h["staging_slot_bytes"])
     assert sum(c["host_bytes"] for c in h["components"]) == h["store_bytes"]
@@ -92,6 +92,7 @@ def test_slow_reads_make_auto_keep_file_blocks_resident(capsys: pytest.CaptureFi
         "24GiB",
         "--host-memory",
         "32GiB",
+        "--spill",
         "--block-ms",
         "50",
         "--read-bandwidth",
@@ -111,6 +112,7 @@ def test_slow_reads_make_auto_keep_file_blocks_resident(capsys: pytest.CaptureFi
         "24GiB",
         "--host-memory",
         "32GiB",
+        "--spill",
         "--block-ms",
         "50",
         "--read-bandwidth",
@@ -167,7 +169,7 @@ def test_plan_takes_the_saved_read_rate_even_from_a_cpu_profile(
         read_direct_bytes_per_s=1.0e9,
     )
     save_profile(cpu)
-    args = (WAN, "--device-memory", "24GiB", "--host-memory", "32GiB")
+    args = (WAN, "--device-memory", "24GiB", "--host-memory", "32GiB", "--spill")
     for extra in ((), ("--device-class", "h100")):
         doc = _json(capsys, *args, *extra)
         assert doc["assumptions"]["read_bytes_per_s"] == 1.0e9
@@ -226,7 +228,7 @@ def test_host_refusals_speak_flags_and_sit_under_the_table(
         "or stream the blocks of 'text_encoder' (--strategy layerwise --components dit,text_encoder)" in x
         for x in default
     ), default
-    wan = _plan(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB").splitlines()
+    wan = _plan(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB", "--spill").splitlines()
     note = next(x for x in wan if x.startswith("note 1: "))
     assert note.endswith(
         "(2 staging slots of 26.7 GiB, the largest pack read; 16.0 MiB of read buffers; 0 B of packs in host "
@@ -316,3 +318,21 @@ def test_the_command_line_says_flags_for_storage_dtype_and_warnings_and_small_bu
     save_file({f"blocks.{i}.weight": torch.zeros(64, 64) for i in range(4)}, str(dit))
     text = _plan(capsys, str(dit), "--device-memory", "1GiB", "--block-ms", "1", "--strategy", "model_level")
     assert "use --strategy layerwise to stream its blocks instead" in text and "strategy='" not in text
+
+
+def test_a_known_id_needs_spill_for_a_file_tier_as_offload_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 39 item 1: a known id is a pipeline built in memory, so a file tier needs a spill folder
+    (offload refuses it without spill=): without --spill every row that needs one says so in flags, with
+    --spill the same budget plans the file tier."""
+    doc = _json(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB")
+    assert doc["recommended"] is None and "host" not in doc
+    for row in doc["strategies"]:
+        if row["strategy"] in ("none", "model_level"):
+            continue  # a component kept whole: too small for 32 GiB, refused before any file tier
+        assert "built in memory with no checkpoint; pass --spill (those packs" in row["error"]
+        assert re.search(r"or raise --host-memory to [\d.]+ GiB \(\d+\) so every pack stays", row["error"])
+        assert "=" not in row["error"]
+    spilled = _json(capsys, WAN, "--device-memory", "24GiB", "--host-memory", "32GiB", "--spill")
+    assert spilled["recommended"] is not None and spilled["host"]["file_packs"]
+    code = main(["plan", WAN, "--device-memory", "24GiB", "--spill"])
+    assert code == 2 and "--spill is where the file tier is written" in capsys.readouterr().err

@@ -306,3 +306,27 @@ def test_imports_become_edges_where_their_packages_meet() -> None:
     assert _lifted("torchferry._session", "torchferry._session") is None
     graph = {"runtime.executor": {"runtime.guard"}, "runtime.guard": {"runtime.executor"}}
     assert _cycles(graph) == [["runtime.executor", "runtime.guard"]]
+
+
+#: The pure planners: what a session decides before its first byte moves (`policies.open_plan`).
+PLANNERS = {"open_plan", "host_plan", "share_budget", "default_device_budget", "needs_source"}
+
+
+def _called(path: Path) -> set[str]:
+    """The names ``path`` calls, as ``f(...)`` or ``x.f(...)``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            names.add(func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", ""))
+    return names
+
+
+def test_the_runtime_calls_no_planner_and_the_root_measures_no_device() -> None:
+    """Issue 39: the runtime carries out what `policies.open_plan` decided (no module under runtime/
+    calls a planner), and no root module reads the device's free memory (the runtime's fact readers do)."""
+    modules = (PACKAGE / "runtime").rglob("*.py")
+    runtime = {p.relative_to(PACKAGE).as_posix(): _called(p) & PLANNERS for p in modules}
+    assert {k: v for k, v in runtime.items() if v} == {}
+    root = {p.name: "mem_get_info" in _called(p) for p in PACKAGE.glob("*.py")}
+    assert [name for name, measures in root.items() if measures] == []

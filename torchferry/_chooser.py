@@ -2,12 +2,13 @@
 re-choice in `policies._calibrate` ([Note: choosing in a session] there) to the session's tracer.
 
 `offload` with ``strategy="auto"`` (its default) resolves a layerwise plan whose budget
-(``config.device_memory_bytes``) is the one given, else the device's free memory when the session
-opens minus `ACTIVATION_MARGIN` (at least `ACTIVATION_MARGIN_MIN`) for activations, else on the CPU
-`CPU_BUDGET`. It measures the host-to-device bandwidth once per process (`h2d_bandwidth`: a pinned
-copy on CUDA, a host memcpy on the CPU) and takes the cost model from the device's profile
-(`base_profile`). `Chooser` holds the `policies.ChooserState` and hands it each traced step
-(`runtime.Tracer`) measured by `policies.measure`; every decision is a pure function of that state.
+(``config.device_memory_bytes``) the open planner set (`policies.open_plan`: the one given, else
+`policies.default_device_budget` of the device's free memory, or a device sharing host memory its
+share of the host budget). It measures the host-to-device bandwidth once per process
+(`h2d_bandwidth`: a pinned copy on CUDA, a host memcpy on the CPU) and takes the cost model from
+the device's profile (`base_profile`). `Chooser` holds the `policies.ChooserState` and hands it
+each traced step (`runtime.Tracer`) measured by `policies.measure`; every decision is a pure
+function of that state.
 """
 
 from __future__ import annotations
@@ -27,40 +28,17 @@ from torchferry.runtime import StepTrace, Tracer, copy_bytes_per_s, host_name, l
 from torchferry.topology import Plan
 
 __all__ = [
-    "ACTIVATION_MARGIN",
-    "ACTIVATION_MARGIN_MIN",
-    "CPU_BUDGET",
     "Chooser",
     "SessionReport",
     "base_profile",
-    "default_budget",
     "h2d_bandwidth",
     "named_report",
 ]
 
 LOG = logging.getLogger("torchferry")
 
-#: Fraction of the device's free memory at open left to activations when no budget is given.
-ACTIVATION_MARGIN = 0.10
-#: The least left to activations (bytes): 1 GiB.
-ACTIVATION_MARGIN_MIN = 1 << 30
-#: The budget on a CPU "device" when none is given (bytes): 8 GiB.
-CPU_BUDGET = 8 << 30
 #: Bytes of the timed copy that measures the host-to-device bandwidth (CUDA, CPU).
 _COPY_BYTES = {"cuda": 64 << 20, "cpu": 16 << 20}
-
-
-def default_budget(device: torch.device) -> tuple[int, str]:
-    """The budget when none is given, and a sentence saying where it came from."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        margin = max(ACTIVATION_MARGIN_MIN, int(free * ACTIVATION_MARGIN))
-        budget = max(free - margin, 0)
-        return budget, (
-            f"free device memory at open {policies.format_bytes(free, exact=False)} minus "
-            f"{policies.format_bytes(margin, exact=False)} for activations"
-        )
-    return CPU_BUDGET, f"the CPU default of {policies.format_bytes(CPU_BUDGET, exact=False)}"
 
 
 @functools.cache

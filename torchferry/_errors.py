@@ -14,9 +14,11 @@ from typing import Literal, TypeAlias
 from typing_extensions import Self
 
 __all__ = [
+    "CHECKPOINT",
     "DEVICE_BUDGET",
     "HOST_BUDGET",
     "HOST_MEMORY",
+    "SPILL",
     "STORAGE_DTYPE",
     "ExecutionError",
     "Flag",
@@ -65,6 +67,13 @@ HOST_MEMORY = Flag("host_memory=", "--host-memory")
 HOST_BUDGET = Flag("config.host_memory_bytes", "--host-memory")
 #: The device budget as the config field a plan holds.
 DEVICE_BUDGET = Flag("config.device_memory_bytes", "--device-memory")
+#: A folder the file tier of a pipeline built in memory is written to once (``--spill`` plans as if given).
+SPILL = Flag("spill=<a folder>", "--spill")
+#: Opening the model from its checkpoint instead of building it in memory.
+CHECKPOINT = Flag(
+    "open it from its checkpoint (checkpoint=, or from_pretrained)",
+    "plan its checkpoint (a pipeline folder or file as MODEL)",
+)
 
 
 def strategy_named(name: str) -> Flag:

@@ -18,12 +18,13 @@ import torch
 
 from torchferry._errors import PlanError
 from torchferry.policies import Policy
-from torchferry.topology import OffloadConfig
+from torchferry.topology import OffloadConfig, memory_bytes
 
 __all__ = [
     "DEVICE_TYPES",
     "EQUIVALENTS",
     "RING_KNOBS",
+    "budget_options",
     "check_pipeline",
     "check_variant",
     "default_device",
@@ -222,3 +223,21 @@ def is_auto(
 #: What a request may set that names a ring policy rather than leave the choice to auto (a resident
 #: head given to auto would raise the budget its choice needs and then not be what it chose).
 RING_KNOBS = ("prefetch_depth", "chunk_bytes", "resident_layers")
+
+
+def budget_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with ``device_memory=`` and ``host_memory=`` as the config's byte fields
+    (``"24GiB"`` or bytes; ``None`` is the default, left out); a budget named both ways is refused."""
+    out = dict(options)
+    for name, what in (("device_memory", "device"), ("host_memory", "host")):
+        if name in out and out[name] is None:
+            del out[name]  # the default
+        if name not in out:
+            continue
+        if f"{name}_bytes" in out:
+            raise PlanError(
+                f"offload() got both {name}= and {name}_bytes=, two names for the {what} budget; pass "
+                f"{name}= alone"
+            )
+        out[f"{name}_bytes"] = memory_bytes(out.pop(name), name)
+    return out

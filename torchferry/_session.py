@@ -20,9 +20,10 @@ import attrs
 import torch
 
 from torchferry import _served, policies, runtime, topology
-from torchferry._chooser import Chooser, SessionReport, default_budget, named_report
+from torchferry._chooser import Chooser, SessionReport, named_report
 from torchferry._errors import ExecutionError, PlanError
 from torchferry._options import (
+    budget_options,
     check_pipeline,
     check_variant,
     is_auto,
@@ -159,18 +160,7 @@ def offload(
             "this pipeline is already served by an open torchferry session; close() it before opening "
             "another (torchferry.session_of(pipe).close() when you no longer hold the session)"
         )
-    for budget_name, what in (("device_memory", "device"), ("host_memory", "host")):
-        if budget_name in config_options and config_options[budget_name] is None:
-            config_options = {k: v for k, v in config_options.items() if k != budget_name}  # the default
-        if budget_name in config_options:
-            if f"{budget_name}_bytes" in config_options:
-                raise PlanError(
-                    f"offload() got both {budget_name}= and {budget_name}_bytes=, two names for the {what} "
-                    f"budget; pass {budget_name}= alone"
-                )
-            config_options = dict(config_options)
-            value = config_options.pop(budget_name)
-            config_options[f"{budget_name}_bytes"] = topology.memory_bytes(value, f"{budget_name}")
+    config_options = budget_options(config_options)
     auto = is_auto(config, strategy, policy, config_options)
     request = offload_config(config, "layerwise" if auto else strategy, config_options)
     if policy is not None and _policy_knobs(request):
@@ -188,12 +178,6 @@ def offload(
             f"'distributed_layerwise', and this request is strategy={request.strategy!r}, which keeps "
             "whole weights: close() gives them back as they were; drop gather_on_close"
         )
-    source = "given"
-    # A device whose memory is host memory takes its budget from the host's (one memory, both proven).
-    shared = auto and request.device_memory_bytes is None and target.type in policies.SHARED_DEVICES
-    if auto and request.device_memory_bytes is None:
-        budget, source = default_budget(target)
-        request = attrs.evolve(request, device_memory_bytes=budget)
     topo = topology.discover(pipeline, declaration)
     topology.check_stranded(pipeline, topo, target)
     refuse_foreign(pipeline, topo)
@@ -205,19 +189,14 @@ def offload(
         checkpoint_prefix_map = topology.checkpoint_key_map(
             pipeline, paths, request.checkpoint, checkpoint_variant, checkpoint_prefix_map
         )
-    plan, host = runtime.host_plan(
-        pipeline, plan, group=group, spill=spill, device=target, prefix_map=checkpoint_prefix_map,
-        variant=checkpoint_variant, own=_own(plan, checkpoint_components), shared=shared,
+    facts, least = runtime.read_facts(
+        pipeline, plan, group=group, device=target, prefix_map=checkpoint_prefix_map,
+        variant=checkpoint_variant, own=_own(plan, checkpoint_components),
     )  # fmt: skip
-    if host.device_bytes is not None:
-        source = host.device_source
-        plan = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=host.device_bytes))
-    given = plan.config.device_memory_bytes
-    if given is not None and (reserve := policies.dequantize_reserve(plan)):
-        # The largest dequantized weight must fit beside the weights, as `torchferry plan` counts it.
-        source = f"{source}, less {policies.format_bytes(reserve)} for the largest dequantized weight"
-        weights = policies.weight_budget(plan, given)
-        plan = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=weights))
+    opened = policies.open_plan(plan, facts, auto=auto, spill=spill is not None, least=least)
+    host = runtime.host_side(opened.host, spill)
+    source = opened.device_source
+    plan = topology.interned(opened.plan)  # one request on one machine: one plan object however often opened
     chooser = None
     if auto:
         assert plan.config.device_memory_bytes is not None

@@ -359,3 +359,31 @@ def test_a_diffusers_legacy_single_file_reads_as_diffusers_loads_it(tmp_path: Pa
     expected = loaded.state_dict()
     assert weights.keys() == expected.keys()
     assert [k for k in expected if not torch.equal(weights[k], expected[k])] == []
+
+
+@pytest.mark.slow
+def test_plan_and_session_agree_on_a_folder_saved_under_other_names(tmp_path: Path) -> None:
+    """Issue 39 item 4: ``plan FOLDER --host-memory X`` reads the folder's store facts through the key
+    map the session reads them with (transformers' saved names), so both name one digest, the same
+    host bytes (float32 tensors found under their saved names, not counted as widened) and reads."""
+    import contextlib
+    import io
+    import json
+
+    folder = tmp_path / "qwen"
+    _save("QwenImagePipeline", folder, _LARGER)
+    budget = 28 << 20
+    argv = ["plan", str(folder), "--device-memory", "8GiB", "--host-memory", f"{budget}B", "--strategy"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*argv, "layerwise", "--components", "text_encoder", "--format", "json"]) == 0
+    host = json.loads(out.getvalue())["host"]
+    with torchferry.from_pretrained(
+        diffusers.QwenImagePipeline, folder, **_left_out("QwenImagePipeline"), strategy="layerwise",
+        device="cpu", host_memory=budget, components=("text_encoder",),
+    ) as session:  # fmt: skip
+        report = session.report()
+        widened = session.plan.facts.widened
+    assert report.file_packs > 0 and not widened  # the folder is float32 throughout: nothing widens
+    assert (host["plan_digest"], host["host_bytes"]) == (report.plan_digest, report.planned_host_bytes)
+    assert host["file_read_bytes"] == dict(report.planned_read_bytes)

@@ -4,6 +4,8 @@ fit beside the weights on the device; policies/_dequantize.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import re
@@ -231,3 +233,37 @@ def test_plan_refuses_a_config_the_file_does_not_fill(
             torchferry.from_single_file(
                 diffusers.WanTransformer3DModel, where / "wan.gguf", config=where, device="cpu"
             )
+
+
+@pytest.mark.slow
+def test_plan_and_session_agree_on_a_gguf_wherever_it_lies(tmp_path: Path) -> None:
+    """Issue 39 items 2-4: `plan FILE.gguf --host-memory X` in two folders and the session on the file
+    name one digest (the location takes no part), the same host bytes (the biases the file stores in
+    16 bits counted as kept, read through the key map), and the bytes a call reads, as measured."""
+    from torchferry.cli._main import main
+
+    config = {**gguf_files.WAN_GGUF, "num_layers": 12}
+    first, second = tmp_path / "a", tmp_path / "b" / "c"
+    first.mkdir()
+    gguf_files.write(first / "wan.gguf", gguf_files.wan(config), original=True)
+    shutil.copy(gguf_files.config_folder(tmp_path / "config", config) / "config.json", first / "config.json")
+    shutil.copytree(first, second)
+    budget = 6_000_000
+    docs = []
+    for where in (first, second):
+        argv = ["plan", str(where / "wan.gguf"), "--device-memory", "8GiB", "--host-memory", f"{budget}B"]
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main([*argv, "--strategy", "layerwise", "--format", "json"]) == 0
+        docs.append(json.loads(out.getvalue())["host"])
+    with torchferry.from_single_file(
+        diffusers.WanTransformer3DModel, first / "wan.gguf", config=first, device="cpu", host_memory=budget,
+        strategy="layerwise",
+    ) as session:  # fmt: skip
+        report = session.report()
+        gguf_files.call(session.pipeline)
+        read = session.report().file_read_bytes
+    for host in docs:
+        assert (host["plan_digest"], host["host_bytes"]) == (report.plan_digest, report.planned_host_bytes)
+        assert host["file_read_bytes"] == dict(report.planned_read_bytes)
+    assert report.file_packs and read == report.planned_read_bytes["forward"] > 0

@@ -130,21 +130,59 @@ def test_a_component_given_by_keyword_leaves_the_others_to_the_file_tier() -> No
     assert t.host_bytes <= 28 * MIB
 
 
-def test_a_cpu_device_takes_its_budget_from_the_host() -> None:
-    """Case 8: on a device sharing host memory the machine's budget is split, device and host halves
-    proven together; with host_memory= given, the device has what the machine leaves beyond it."""
+def test_a_cpu_device_and_the_host_share_one_budget() -> None:
+    """Issue 38 item 9: on a device sharing host memory, one budget (the machine's, or host_memory=)
+    holds both: the device its least (depth 1), the host the rest, or the host every pack and the
+    device the rest; a budget too small names one figure, the least of both, which opens while one
+    byte less is refused, so the remedy leads to no second refusal."""
     bound = policies.Bound(what="cgroup v1 memory /x", available=768 * MIB, source="limit")
     facts = policies.HostFacts(bounds=(bound,))
     p = ring_plan(8, 64 * MIB, checkpoint="ckpt")  # 512 MiB of weights in the checkpoint
+    least = policies.least_device_bytes(p)
+    assert least == 128 * MIB  # two ring slots of a block at depth 1
+    policies.choose(p, least, policies.DEFAULT_COST)
+    with pytest.raises(ScheduleError):
+        policies.choose(p, least - 1, policies.DEFAULT_COST)
     figure = policies.host_plan(p, facts, shared=True)
     machine = 768 * MIB - policies.RESERVE_MIN
-    assert figure.device_bytes == machine // 2
-    assert figure.budget.bytes == machine - machine // 2
-    assert figure.tiers.file and figure.tiers.host_bytes <= figure.budget.bytes
-    assert figure.device_source.startswith("half the host budget of 512.0 MiB (the device's memory is host")
-    given = policies.host_plan(_budget(p, 300 * MIB), facts, shared=True)
-    assert given.device_bytes == machine - 300 * MIB and given.budget.bytes == 300 * MIB
+    assert figure.device_bytes == least and figure.budget.bytes == machine - least
+    assert figure.tiers.file and figure.tiers.host_bytes <= machine - least
+    said = "the least the device's schedules need, 128.0 MiB, of the host budget"
+    assert figure.device_source.startswith(said)
+    whole = policies.tiers(p).host_bytes  # no budget: every pack in host memory
+    roomy = policies.host_plan(_budget(p, whole + 200 * MIB), facts, shared=True)
+    assert not roomy.tiers.file and roomy.device_bytes == 200 * MIB
+    with pytest.raises(policies.HostBudgetTooSmall) as caught:
+        policies.host_plan(_budget(p, 200 * MIB), facts, shared=True)
+    refused = caught.value
+    assert refused.budget == 200 * MIB and refused.device == least
+    assert "128.0 MiB for the device, whose memory is host memory, at its least" in str(refused)
+    opened = policies.host_plan(_budget(p, refused.minimum), facts, shared=True)
+    assert opened.device_bytes == least and opened.tiers.host_bytes <= refused.minimum - least
+    with pytest.raises(policies.HostBudgetTooSmall):
+        policies.host_plan(_budget(p, refused.minimum - 1), facts, shared=True)
     assert policies.host_plan(p, facts).device_bytes is None
+
+
+def test_a_measured_budget_plans_once() -> None:
+    """Issue 39 item 5: two opens whose free memory differs by a few bytes plan one plan: a measured
+    host budget that binds is carried as the least budget choosing the same tiers, a measured device
+    share is rounded down to its grain, and what was measured stays in the figure's budget."""
+    p = ring_plan(8, 64 * MIB, checkpoint="ckpt")
+    figures = []
+    for available in (700 * MIB, 700 * MIB + 4099):
+        bound = policies.Bound(what="MemAvailable", available=available, source="x")
+        facts = policies.HostFacts(bounds=(bound,))
+        figures.append((policies.host_plan(p, facts), policies.host_plan(p, facts, shared=True)))
+    (host, shared), (host2, shared2) = figures
+    assert host.budget.bytes != host2.budget.bytes and host.plan == host2.plan and host.tiers.file
+    assert host.plan.config.host_memory_bytes == host.tiers.least_budget <= host.budget.bytes
+    assert policies.tiers(host.plan).file == policies.tiers(_budget(p, host.budget.bytes or 0)).file
+    assert shared.plan == shared2.plan and shared.device_bytes == shared2.device_bytes
+    roomy = policies.HostFacts(bounds=(policies.Bound(what="MemAvailable", available=64 << 30, source="x"),))
+    most = policies.whole_device_bytes(p)
+    assert policies.host_plan(p, roomy, shared=True).device_bytes == most  # more would choose the same
+    assert policies.settled(20_937_965_568 + 5_000_000) == policies.settled(20_937_965_568) == 20_937_965_568
 
 
 def test_zero_budget_and_locked_memory_are_refused_with_their_sources() -> None:
@@ -172,5 +210,48 @@ def test_the_read_mode_is_a_pure_decision() -> None:
     assert policies.read_direct(2 * MIB, MIB) and not policies.read_direct(MIB, 2 * MIB)
     assert not policies.read_direct(2 * MIB, None)
     assert policies.read_direct(MIB, 2 * MIB, "direct") and not policies.read_direct(2 * MIB, MIB, "buffered")
-    with pytest.raises(PlanError, match=r"^TORCHFERRY_READ='fast': say direct, buffered or auto$"):
+    with pytest.raises(PlanError, match=r"^TORCHFERRY_READ='fast' is no read mode; set it to direct, buff"):
         policies.read_direct(MIB, MIB, "fast")
+
+
+def test_the_read_mode_is_read_once_and_checked_when_planning() -> None:
+    """The read mode in the facts is the one the figure carries for the file tier, and a mode no reader
+    knows is refused by the host planner when there is a file tier, before anything is read."""
+    p = ring_plan(8, 64 * MIB, checkpoint="ckpt", host_memory_bytes=400 * MIB)
+    assert policies.host_plan(p, policies.HostFacts(read_mode="direct")).read_mode == "direct"
+    with pytest.raises(PlanError, match=r"^TORCHFERRY_READ='fast' is no read mode"):
+        policies.host_plan(p, policies.HostFacts(read_mode="fast"))
+    whole = _budget(p, 1 << 40)  # no file tier: the mode is never used, so not refused
+    assert policies.host_plan(whole, policies.HostFacts(read_mode="fast")).read_mode == "fast"
+
+
+def test_a_file_tier_with_nothing_to_read_it_from_is_refused_in_either_words() -> None:
+    """A budget that leaves packs in the file tier of a pipeline built in memory (no checkpoint) is a
+    PlanError from the host planner itself, worded with keywords or flags, naming spill, the checkpoint
+    and a host budget that opens; with a spill or a checkpoint the same budget plans a file tier."""
+    p = _rope_plan(8, host_memory_bytes=26 * MIB)
+    with pytest.raises(PlanError) as caught:
+        policies.host_plan(p, policies.HostFacts())
+    whole = policies.tiers(_budget(p, 1 << 40)).host_bytes
+    tail = (
+        "in the file tier, read on demand from a checkpoint, and this pipeline is built in memory with "
+        "no checkpoint; pass {spill} (those packs are written there once as safetensors and read back), "
+        "{ckpt}, or raise {host} to " + policies.format_bytes(whole) + " so every pack stays in host memory"
+    )
+    api = tail.format(
+        spill="spill=<a folder>", ckpt="open it from its checkpoint (checkpoint=, or from_pretrained)",
+        host="host_memory=",
+    )  # fmt: skip
+    cli = tail.format(
+        spill="--spill", ckpt="plan its checkpoint (a pipeline folder or file as MODEL)", host="--host-memory"
+    )
+    head = "the host budget of 26.0 MiB (given as host_memory=) leaves "
+    assert caught.value.message("api").startswith(head)
+    assert caught.value.message("api").endswith(api)
+    assert caught.value.message("cli").startswith("the host budget of 26.0 MiB (given as --host-memory) ")
+    assert caught.value.message("cli").endswith(cli)
+    assert "(transformer.blocks.0, transformer.blocks.1, transformer.blocks.2, ...)" in str(caught.value)
+    assert not policies.host_plan(_budget(p, whole), policies.HostFacts()).tiers.file  # the figure opens
+    assert policies.host_plan(p, policies.HostFacts(), spill=True).tiers.file
+    with_files = attrs.evolve(p, config=attrs.evolve(p.config, checkpoint="ckpt"))
+    assert policies.host_plan(with_files, policies.HostFacts()).tiers.file

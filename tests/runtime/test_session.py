@@ -394,7 +394,7 @@ def test_device_memory_is_taken_as_text_or_bytes() -> None:
 def test_host_memory_is_taken_as_text_or_bytes() -> None:
     """offload(host_memory="1GiB") stores the host budget in bytes; both of its names at once are refused."""
     p = toy.build(0)
-    with torchferry.offload(p, device="cpu", host_memory="1GiB") as session:
+    with torchferry.offload(p, device="cpu", host_memory="1GiB", strategy="layerwise") as session:
         assert session.plan.config.host_memory_bytes == 2**30
     with pytest.raises(PlanError, match=re.escape("two names for the host budget; pass host_memory= alone")):
         torchferry.offload(p, device="cpu", host_memory=1, host_memory_bytes=1)

@@ -184,6 +184,13 @@ def _parser() -> _Parser:
         "demand (the file tier)",
     )
     plan.add_argument(
+        "--spill",
+        action="store_true",
+        help="plan as a session given spill=<a folder>: the file tier of a model with no checkpoint (a known "
+        "id) is written there once and read back; without it such a file tier is refused, as offload "
+        "refuses it; only with --host-memory",
+    )
+    plan.add_argument(
         "--read-bandwidth",
         type=_rate,
         metavar="RATE",
@@ -364,6 +371,11 @@ def _plan(args: argparse.Namespace) -> int:
             "--read-bandwidth is the file tier's read rate, and there is no file tier without --host-memory; "
             "pass --host-memory SIZE too"
         )
+    if args.spill and args.host_memory is None:
+        raise UsageError(
+            "--spill is where the file tier is written, and there is no file tier without --host-memory; "
+            "pass --host-memory SIZE too"
+        )
     if args.block_ms is not None and args.tflops is not None:
         raise UsageError("--block-ms and --tflops are two ways to set compute time; pass one of them")
     attrs_ = (
@@ -392,6 +404,7 @@ def _plan(args: argparse.Namespace) -> int:
         tflops=args.tflops,
         block_ms=args.block_ms,
         host_bytes=args.host_memory,
+        spill=args.spill,
         read_bytes_per_s=args.read_bandwidth,
         storage_dtype=args.storage_dtype,
         components=args.components,

@@ -90,6 +90,20 @@ def store_facts(path: str) -> topology.StoreFacts:
     return _FACTS.get(path, topology.StoreFacts())
 
 
+def _read_facts(model: str, built: object, topo: Topology, checkpoint: str) -> None:
+    """Read the `StoreFacts` of ``built`` (a pipeline or model on meta) opened from ``checkpoint`` as a
+    session reads them, through the key map its library converts the checkpoint's names with
+    (`topology.checkpoint_key_map`), and the identity its topology has there, for MODEL ``model``."""
+    from torchferry.runtime import strided_names, widened_names
+
+    paths = [c.path for c in topo.components]
+    key_map = topology.checkpoint_key_map(built, paths, checkpoint)
+    _FACTS[model] = topology.StoreFacts(
+        widened=widened_names(built, topo, checkpoint, prefix_map=key_map), strided=strided_names(built, topo)
+    )
+    _OPENED_AS[model] = (topo.source, topo.pipeline_class)
+
+
 def _built(path: str) -> Topology | None:
     """The topology of the folder's pipeline built on the meta device as `from_pretrained` builds it
     (what a session holds: non-persistent buffers included), or ``None`` when it cannot be built here
@@ -101,12 +115,7 @@ def _built(path: str) -> Topology | None:
             warnings.simplefilter("ignore")  # the models' own warnings while building; not the plan's
             pipeline = pipeline_on_meta(path)
         topo = topology.discover(pipeline)
-        from torchferry.runtime import strided_names, widened_names
-
-        _FACTS[path] = topology.StoreFacts(
-            widened=widened_names(pipeline, topo, path), strided=strided_names(pipeline, topo)
-        )
-        _OPENED_AS[path] = (topo.source, topo.pipeline_class)
+        _read_facts(path, pipeline, topo, path)
     except Exception:  # planning falls back to the headers alone, and the report says so
         return None
     named = topology.read_pipeline_folder(path).pipeline_class
@@ -145,10 +154,10 @@ def _gguf(model: str, compute_dtype: str | None = None) -> Topology | None:
         warnings.simplefilter("ignore")  # the model's own warnings while building; not the plan's
         dtype = getattr(torch, compute_dtype or "float32")
         built = model_on_meta(model_class, file, config=config, compute_dtype=dtype)
+        found = topology.discover(built)
+        _read_facts(model, built, found, str(file))  # the session's facts and identity: not the path
     kind = "gguf" if config is not None else "gguf-inferred"  # no config.json: inferred from the file
-    return attrs.evolve(
-        topology.discover(built), source=f"{kind}:{file}", pipeline_class=model_class.__name__
-    )
+    return attrs.evolve(found, source=f"{kind}:{file}", pipeline_class=model_class.__name__)
 
 
 def load_model(

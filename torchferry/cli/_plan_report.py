@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Any, cast
 
 import attrs
 
@@ -31,6 +32,7 @@ from torchferry.topology import (
     Plan,
     Resolution,
     SelectableComponent,
+    Strategy,
     Topology,
 )
 
@@ -71,6 +73,8 @@ class Options:
     text_tokens: int | None = None
     host_op_s: float = 0.0
     host_bytes: int | None = None
+    #: Plan as a session given ``spill=<a folder>`` (``--spill``): a file tier needs no checkpoint then.
+    spill: bool = False
     read_bytes_per_s: float | None = None
     #: Where the device figures' read rates came from (``the saved profile PATH``), or, when they hold
     #: none, what to do to measure one; empty: say nothing beyond the device's ``source``.
@@ -302,33 +306,24 @@ class _Planner:
         return cost, description, cost.block_s
 
     def config(self, strategy: str) -> OffloadConfig:
-        host = self.options.host_bytes
-        files = self.options.checkpoint
-        dtype = self.options.storage_dtype  # `resolve` stores the DiTs' weights in it, as a session does
-        if strategy == "none":
-            return OffloadConfig(
-                strategy="none", components=self.selection, host_memory_bytes=host, checkpoint=files,
-                storage_dtype=dtype,
-            )  # fmt: skip
-        if strategy == "model_level":
-            return OffloadConfig(
-                strategy="model_level", components=self.selection, host_memory_bytes=host, checkpoint=files,
-                storage_dtype=dtype,
-            )  # fmt: skip
-        if strategy == "layerwise":
-            return OffloadConfig(
-                strategy="layerwise", components=self.selection, host_memory_bytes=host, checkpoint=files,
-                storage_dtype=dtype,
-            )  # fmt: skip
+        return attrs.evolve(self._config(strategy), device_memory_bytes=self.options.budget_bytes)
+
+    def _config(self, strategy: str) -> OffloadConfig:
+        # As a session's request: the selection, host budget, checkpoint and storage dtype given.
+        common: dict[str, Any] = {
+            "components": self.selection,
+            "host_memory_bytes": self.options.host_bytes,
+            "checkpoint": self.options.checkpoint,
+            "storage_dtype": self.options.storage_dtype,
+        }
+        if strategy != "distributed_layerwise":
+            return OffloadConfig(strategy=cast("Strategy", strategy), **common)
         return OffloadConfig(
             strategy="distributed_layerwise",
-            components=self.selection,
             dit_transfer="allgather",
             encoder_transfer="rank-local",
             parallel=ParallelLayout(data_parallel_size=self.world),
-            host_memory_bytes=host,
-            checkpoint=files,
-            storage_dtype=dtype,
+            **common,
         )
 
     def resolve(self, strategy: str) -> Plan:
@@ -340,11 +335,10 @@ class _Planner:
             text = f"{strategy}: {said}"
             if text not in self.warnings:
                 self.warnings.append(text)
-        plan = attrs.evolve(plan, facts=self.options.facts)
-        if self.options.host_bytes is None:
-            return plan
-        # The session's host planner, on the given budget: the same tiers, host bytes and refusals.
-        return policies.host_plan(plan, policies.HostFacts()).plan
+        # The session's open planner on the facts assumed (the budgets given, the store's facts read of
+        # the folder): the same tiers, host bytes, device budget and refusals.
+        facts = policies.Facts(store=self.options.facts)
+        return policies.open_plan(plan, facts, spill=self.options.spill).plan
 
     def generation(self, policy: Policy, plan: Plan) -> tuple[list[Schedule], Schedule | None]:
         """The schedules of one generation in order, and the steady step of the first DiT."""
@@ -438,15 +432,14 @@ class _Planner:
             return StrategyRow(strategy=strategy, error=_one_line(exc)), None
 
     def auto(self) -> tuple[StrategyRow, Schedule | None]:
-        candidates = ["layerwise"]
-        if (self.options.world_size or 1) > 1:
-            candidates.append("distributed_layerwise")
+        candidates = policies.auto_candidates(self.options.world_size)  # the session's rule
         best: tuple[StrategyRow, Schedule | None] | None = None
         problems: list[str] = []
         for strategy in candidates:
             try:
                 plan = self.resolve(strategy)
-                budget = policies.weight_budget(plan, self.options.budget_bytes)  # as the session plans
+                budget = plan.config.device_memory_bytes  # less the dequantize reserve, as in a session
+                assert budget is not None
                 choice = policies.choose(plan, budget, self.cost)
             except OffloadError as exc:
                 problems.append(_one_line(exc))

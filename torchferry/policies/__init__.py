@@ -5,6 +5,8 @@ from __future__ import annotations
 # Imports written ``name as name`` are for the layers above, which enter only through this file
 # (tests/test_layering.py); they are not public and not in ``__all__``.
 from torchferry.policies._auto import Choice, auto, choose, swap_per_forward_s
+from torchferry.policies._auto import least_device_bytes as least_device_bytes
+from torchferry.policies._auto import whole_device_bytes as whole_device_bytes
 from torchferry.policies._builtin import (
     BUILTINS,
     STRATEGIES,
@@ -65,9 +67,11 @@ from torchferry.policies._host import given_budget as given_budget
 from torchferry.policies._host import group_least as group_least
 from torchferry.policies._host import host_plan as host_plan
 from torchferry.policies._host import machine_budget as machine_budget
+from torchferry.policies._host import needs_source as needs_source
 from torchferry.policies._host import policy_reads as policy_reads
 from torchferry.policies._host import read_direct as read_direct
-from torchferry.policies._host import shared_device_budget as shared_device_budget
+from torchferry.policies._host import settled as settled
+from torchferry.policies._host import share_budget as share_budget
 from torchferry.policies._ir import (
     DEVICE,
     OP_KINDS,
@@ -95,6 +99,15 @@ from torchferry.policies._layout import pack_bytes as pack_bytes
 from torchferry.policies._layout import shard_nbytes
 from torchferry.policies._layout import unit_packs as unit_packs
 from torchferry.policies._listing import format_schedule
+from torchferry.policies._open import ACTIVATION_MARGIN as ACTIVATION_MARGIN
+from torchferry.policies._open import ACTIVATION_MARGIN_MIN as ACTIVATION_MARGIN_MIN
+from torchferry.policies._open import CPU_BUDGET as CPU_BUDGET
+from torchferry.policies._open import DeviceFacts as DeviceFacts
+from torchferry.policies._open import Facts as Facts
+from torchferry.policies._open import OpenPlan as OpenPlan
+from torchferry.policies._open import auto_candidates as auto_candidates
+from torchferry.policies._open import default_device_budget as default_device_budget
+from torchferry.policies._open import open_plan as open_plan
 from torchferry.policies._refusal import HostBudgetTooSmall as HostBudgetTooSmall
 from torchferry.policies._refusal import size_at_least as size_at_least
 from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, Span, simulate, steady_schedule

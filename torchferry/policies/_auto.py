@@ -40,7 +40,16 @@ from torchferry.policies._tiers import read_nbytes, tiers
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import FrozenMap, Plan, Strategy, memory_bytes
 
-__all__ = ["Choice", "auto", "choose", "footprint", "steady_step_s", "swap_per_forward_s"]
+__all__ = [
+    "Choice",
+    "auto",
+    "choose",
+    "footprint",
+    "least_device_bytes",
+    "steady_step_s",
+    "swap_per_forward_s",
+    "whole_device_bytes",
+]
 
 _TIE = 1e-9
 #: How resident blocks are spread over the streaming pool: the first ones, evenly from a half step
@@ -358,6 +367,28 @@ def _model_level_choice(
         footprint=need,
         candidates=0,
     )
+
+
+def whole_device_bytes(plan: Plan) -> int:
+    """Device bytes of every weight resident (and the largest acquired unit): the most any choice of
+    `choose` holds, so a budget beyond it chooses as it does."""
+    lay = layout(plan)
+    return sum(c.nbytes for c in plan.components if not c.on_demand) + max(lay.acquired.values(), default=0)
+
+
+def least_device_bytes(plan: Plan) -> int:
+    """The least device budget `choose` opens ``plan`` with (its weights; one byte less is a
+    `ScheduleError`): every weight, else depth 1 with no resident blocks, else model-level swapping
+    where it applies, whichever is smallest."""
+    lay = layout(plan)
+    total = whole_device_bytes(plan)
+    streaming = [c.path for c in plan.components if lay.streamed.get(c.path)]
+    if not streaming:
+        return min(total, _model_level_bytes(plan))
+    least = min(total, footprint(plan, 1, gather=plan.config.distributed))
+    if any(c.kind == "encoder" for c in plan.components if swaps(c)):
+        least = min(least, _model_level_bytes(plan))
+    return least
 
 
 def _model_level_bytes(plan: Plan) -> int:

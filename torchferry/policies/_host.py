@@ -27,12 +27,21 @@ from __future__ import annotations
 
 import attrs
 
-from torchferry._errors import HOST_MEMORY, PlanError
+from torchferry._errors import CHECKPOINT, HOST_MEMORY, SPILL, Flag, PlanError
 from torchferry.policies._ir import DEVICE, Policy, Schedule
-from torchferry.policies._layout import pack_bytes, unit_packs
+from torchferry.policies._layout import pack_table, unit_packs
 from torchferry.policies._refusal import HostBudgetTooSmall
 from torchferry.policies._sim import steady_schedule
-from torchferry.policies._tiers import HEATS, Heat, Tiers, pack_heats, tiers
+from torchferry.policies._tiers import (
+    HEATS,
+    Heat,
+    Tiers,
+    host_bytes,
+    pack_heats,
+    tiers,
+    tiers_at,
+    use_read_bytes,
+)
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Plan
 
@@ -49,9 +58,11 @@ __all__ = [
     "group_least",
     "host_plan",
     "machine_budget",
+    "needs_source",
     "policy_reads",
     "read_direct",
-    "shared_device_budget",
+    "settled",
+    "share_budget",
 ]
 
 #: The share of the tightest bound kept back for what is not torchferry's.
@@ -60,6 +71,8 @@ RESERVE_FRACTION = 0.05
 RESERVE_MIN = 256 << 20
 #: Device types whose memory is host memory: their device budget comes from the host budget.
 SHARED_DEVICES = frozenset({"cpu", "mps"})
+#: The least grain a measured budget is rounded down to (`settled`): 1 MiB.
+MEASURED_GRAIN_MIN = 1 << 20
 
 
 def _size(n: int) -> str:
@@ -193,7 +206,9 @@ def read_direct(file_bytes: int, cache_bytes: int | None, mode: str = "auto") ->
     if mode in ("direct", "buffered"):
         return mode == "direct"
     if mode != "auto":
-        raise PlanError(f"TORCHFERRY_READ={mode!r}: say direct, buffered or auto")  # the env var that sets it
+        raise PlanError(
+            f"TORCHFERRY_READ={mode!r} is no read mode; set it to direct, buffered or auto, or unset it"
+        )  # the environment variable that sets it
     return cache_bytes is not None and file_bytes > cache_bytes
 
 
@@ -212,19 +227,25 @@ class HostFigure:
     #: memory (``None``: not shared, or no host limit), and where it came from.
     device_bytes: int | None = None
     device_source: str = ""
+    #: How the file tier's files are read: ``direct``, ``buffered`` or ``auto`` (`read_direct` decides
+    #: per file at open, from their bytes); the read-mode setting as read once, checked here.
+    read_mode: str = "auto"
 
 
 def _with_budget(plan: Plan, nbytes: int | None) -> Plan:
     return attrs.evolve(plan, config=attrs.evolve(plan.config, host_memory_bytes=nbytes))
 
 
-def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None, shared: bool = False) -> HostFigure:
+def host_plan(
+    plan: Plan, facts: HostFacts, *, least: int | None = None, shared: bool = False, spill: bool = False
+) -> HostFigure:
     """The whole host figure of ``plan`` (see [Note: the host planner]); ``least``: the least budget
     of a process group's ranks (`group_least`). ``shared``: the device's memory is host memory and its
     budget is not given: the one budget is split in halves, one the device budget (`shared_device_budget`),
     one the host's, so both are proven against the memory there is. A budget too small for every tiering is a
     `HostBudgetTooSmall` naming its source and the smallest budget that opens; 0 bytes, or pinned
-    bytes over ``RLIMIT_MEMLOCK`` where that binds, a `PlanError` naming the remedies."""
+    bytes over ``RLIMIT_MEMLOCK`` where that binds, a `PlanError` naming the remedies, as is a file tier
+    of a pipeline built in memory when ``spill`` (a ``spill=`` folder given) is false (`needs_source`)."""
     given = plan.config.host_memory_bytes
     copied = plan.config.checkpoint is None
     if given is not None:
@@ -241,38 +262,37 @@ def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None, shared:
             HOST_MEMORY,
             " to name what torchferry may hold",
         )
-    device: tuple[int | None, str] = (None, "")
-    if shared and given is not None:  # the caller's host budget stands; the device has what is left
-        machine = machine_budget(facts, facts.module_bytes if copied else 0)
-        if machine.bytes is not None:
-            left = max(machine.bytes - given, 0)
-            device = (left, f"the host memory left beyond host_memory= (the device's memory is host memory): "
-                      f"{_size(machine.bytes)}, {machine.source}")  # fmt: skip
-    elif shared and budget.bytes is not None:
-        device = shared_device_budget(budget)
-        assert device[0] is not None
-        budget = attrs.evolve(
-            budget,
-            bytes=budget.bytes - device[0],
-            source=f"{budget.source}, less {_size(device[0])} for the device (its memory is host memory)",
-        )
     locked = facts.locked_bytes if facts.pins_locked else None
     plan = attrs.evolve(
         plan, facts=attrs.evolve(plan.facts, copied=copied and given is None, locked_bytes=locked)
     )
+    device: tuple[int | None, str] = (None, "")
+    one = budget
+    if shared and budget.bytes is not None:  # one memory: the device's share first, the host's the rest
+        device, budget = share_budget(plan, budget)
     bound = _with_budget(plan, budget.bytes)
-    if given is not None or budget.bytes is None:
+    if (given is not None and not shared) or budget.bytes is None:
         plan = bound
     else:
+        # A budget worked out from the machine (or from a share of one) is a measurement: the plan
+        # carries the least budget that chooses the same tiers (`Tiers.least_budget`), or none when
+        # every pack fits, so free memory that moves a little plans the same plan.
         try:
-            binds = bool(tiers(bound).file)
+            found = tiers_at(plan, budget.bytes)  # a probe at the measured figure: no plan carries it
         except HostBudgetTooSmall:
-            binds = True
-        plan = bound if binds else _with_budget(plan, None)
+            found = None
+        floor = None if found is None or not found.file else found.least_budget
+        plan = bound if found is None else _with_budget(plan, floor)
     try:
         chosen = tiers(plan)
     except HostBudgetTooSmall as exc:
-        raise exc.with_source(budget.source) from None
+        if device[0] is None or one.bytes is None:
+            raise exc.with_source(budget.source) from None
+        # One memory: the refusal names the one budget and the least that opens both halves.
+        raise exc.with_device(one.bytes, device[0], one.source) from None
+    needs_source(plan, chosen, budget, spill=spill, device=device[0] or 0)
+    if chosen.file:
+        read_direct(0, None, facts.read_mode)  # a read mode no reader knows is refused before any read
     pinned = chosen.host_bytes - chosen.kept_bytes - chosen.transient_bytes
     if locked is not None and pinned > locked:
         raise PlanError.worded(
@@ -294,26 +314,90 @@ def host_plan(plan: Plan, facts: HostFacts, *, least: int | None = None, shared:
         pinned_bytes=pinned,
         device_bytes=device[0],
         device_source=device[1],
+        read_mode=facts.read_mode,
     )
 
 
-def shared_device_budget(host: HostBudget) -> tuple[int, str]:
-    """The device budget of a device whose memory is host memory (`SHARED_DEVICES`: the CPU, Apple's
-    MPS), and where it came from: half the one budget ``host`` (given or the machine's), the other
-    half left to the host store, so the device and host figures together stay within it."""
-    assert host.bytes is not None
-    half = host.bytes // 2
-    return (
-        half,
-        f"half the host budget of {_size(host.bytes)} (the device's memory is host memory): {host.source}",
+def needs_source(plan: Plan, chosen: Tiers, budget: HostBudget, *, spill: bool, device: int = 0) -> None:
+    """`PlanError` when ``chosen`` has a file tier and nothing to read it from: the pipeline was built
+    in memory (no checkpoint) and no ``spill=`` folder was given to write those packs to once. It
+    names the host budget that keeps every pack in host memory (no file tier, so it opens), with the
+    ``device`` bytes of a device sharing that budget."""
+    if not chosen.file or plan.config.checkpoint is not None or spill:
+        return
+    shown = [name for name, _ in pack_table(plan) if name in chosen.file]
+    listed = ", ".join(shown[:3]) + (", ..." if len(shown) > 3 else "")
+    whole = host_bytes(plan, (), ())[0] + device
+    source: tuple[str | Flag, ...] = ("given as ", HOST_MEMORY) if budget.given else (budget.source,)
+    raise PlanError.worded(
+        f"the host budget of {_size(budget.bytes or 0)} (",
+        *source,
+        f") leaves {len(shown)} pack(s) ({listed}) in the file tier, read on demand from a checkpoint, "
+        "and this pipeline is built in memory with no checkpoint; pass ",
+        SPILL,
+        " (those packs are written there once as safetensors and read back), ",
+        CHECKPOINT,
+        ", or raise ",
+        HOST_MEMORY,
+        f" to {format_bytes(whole)} so every pack stays in host memory",
     )
+
+
+def settled(nbytes: int) -> int:
+    """A budget measured on the machine rounded down to its grain (a 64th to a 128th of it, at least
+    1 MiB), so two opens a few bytes of free memory apart plan the same plan."""
+    if nbytes < MEASURED_GRAIN_MIN:
+        return nbytes
+    grain = max(1 << (nbytes.bit_length() - 7), MEASURED_GRAIN_MIN)
+    return nbytes // grain * grain
+
+
+def share_budget(plan: Plan, one: HostBudget) -> tuple[tuple[int, str], HostBudget]:
+    """A device whose memory is host memory (`SHARED_DEVICES`: the CPU, Apple's MPS) and the host
+    store share ``one`` budget (given as ``host_memory=``, or the machine's): the device's share (its
+    budget, with where it came from) and the host's budget.
+
+    The device takes the least its schedules open with (`least_device_bytes`, with the largest
+    dequantized weight beside it) and the host the rest, unless the host can hold every pack: then
+    the host takes that and the device the rest (more of the model resident, nothing read from the
+    files), at most every weight (`whole_device_bytes`: more would choose the same, so a roomy
+    machine plans one plan whatever its free memory). A measured share below that is `settled`. A
+    host share too small for every tiering is refused by `tiers` with the least of both
+    (`HostBudgetTooSmall.with_device`)."""
+    assert one.bytes is not None
+    from torchferry.policies._auto import least_device_bytes, whole_device_bytes
+    from torchferry.policies._dequantize import dequantize_reserve
+
+    reserve = dequantize_reserve(plan)
+    need = least_device_bytes(plan) + reserve
+    most = whole_device_bytes(plan) + reserve
+    whole = host_bytes(plan, (), ())[0]
+    figure = _size(one.bytes)
+    if one.bytes - need >= whole and one.bytes - whole >= most:
+        device = most  # every weight resident: more would choose the same
+        said = f"every weight resident, {_size(most)}, within the host budget of {figure} beside every pack"
+    elif one.bytes - need >= whole:
+        left = one.bytes - whole
+        device = left if one.given else settled(left)
+        said = f"the host budget of {figure} less {_size(whole)} for every pack in host memory"
+    else:
+        device = need
+        said = f"the least the device's schedules need, {_size(need)}, of the host budget of {figure}"
+    source = f"{said} (the device's memory is host memory): {one.source}"
+    host = attrs.evolve(
+        one,
+        bytes=max(one.bytes - device, 1),
+        source=f"{one.source}, less {_size(device)} for the device (its memory is host memory)",
+    )
+    return (device, source), host
 
 
 def file_reads(plan: Plan, chosen: Tiers, steady: Schedule | None) -> dict[str, dict[Heat, int]]:
     """Component -> bytes its file-tier packs are read, by how often (`HEATS`), as the policy behind
     ``steady`` (its steady DiT step; ``None``: none) runs: a pack it keeps on the device once staged
     (its exit holds it, as ``none()`` and resident blocks do) is read once a session, whatever the
-    plan's streaming would read. `torchferry plan` and the session's report both say this."""
+    plan's streaming would read; a use reads the pack less what it keeps in host memory
+    (`use_read_bytes`). `torchferry plan` and the session's report both say this."""
     heats = pack_heats(plan)
     kept = {p.unit for p in (steady.exit if steady is not None else ()) if p.where == DEVICE}
     for unit in kept:
@@ -323,7 +407,7 @@ def file_reads(plan: Plan, chosen: Tiers, steady: Schedule | None) -> dict[str, 
     out: dict[str, dict[Heat, int]] = {}
     for top in plan.components:
         infile = [p for p in unit_packs(plan, top.path) if p in chosen.file]
-        out[top.path] = {h: sum(pack_bytes(plan, p) for p in infile if heats[p] == h) for h in HEATS}
+        out[top.path] = {h: sum(use_read_bytes(plan, p) for p in infile if heats[p] == h) for h in HEATS}
     return out
 
 

@@ -37,7 +37,8 @@ class HostBudgetTooSmall(PlanError):
     ``minimum`` is the smallest budget that opens (that budget opens, one byte less is refused);
     ``file_tier`` whether that least is with packs in the file tier (else every pack in host memory);
     ``store``, ``slots`` x ``largest``, ``bounce``, ``kept`` (kept, widened and scratch buffers) and
-    ``transient`` (the open's copy of one pack) make it up. ``holder``/``biggest``/``biggest_bytes``
+    ``transient`` (the open's copy of one pack) make it up, with ``device`` (the least of a device
+    whose memory is host memory, sharing the one budget; 0: none). ``holder``/``biggest``/``biggest_bytes``
     name a component kept whole whose pack is the largest (streaming its blocks would help), and
     ``select`` the selection that streams it when the request's does not (``("dit", "text_encoder")``);
     ``unfiled`` says which packs cannot be in the file tier and why: those of components that keep their
@@ -66,6 +67,7 @@ class HostBudgetTooSmall(PlanError):
         own: tuple[str, ...] = (),
         cast: bool = False,
         source: str = "config.host_memory_bytes",
+        device: int = 0,
     ) -> None:
         self.budget = budget
         self.minimum = minimum
@@ -85,12 +87,21 @@ class HostBudgetTooSmall(PlanError):
         self.own = own
         self.cast = cast
         self.source = source
+        self.device = device
         super().__init__(self.message("api"))
 
     def with_source(self, source: str) -> HostBudgetTooSmall:
         """This refusal naming ``source`` as where the budget came from."""
         fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
         fields["source"] = source
+        return HostBudgetTooSmall(**fields)
+
+    def with_device(self, one: int, device: int, source: str) -> HostBudgetTooSmall:
+        """This refusal of a host share as the refusal of ``one`` budget a device whose memory is host
+        memory shares (its ``device`` bytes beside the host's): the least that opens is the host's
+        least and the device's together."""
+        fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        fields.update(budget=one, minimum=self.minimum + device, device=device, source=source)
         return HostBudgetTooSmall(**fields)
 
     def _parts(self) -> str:
@@ -103,16 +114,19 @@ class HostBudgetTooSmall(PlanError):
             parts.append(f"{_b(self.kept)} of kept, widened and scratch buffers")
         if self.transient:
             parts.append(f"{_b(self.transient)} while the store copies the pipeline's own weights in")
+        if self.device:
+            parts.append(f"{_b(self.device)} for the device, whose memory is host memory, at its least")
         return "; ".join(parts)
 
     def body(self) -> str:
         """What the plan needs, in words both the API and the command line use."""
+        whose = "its host buffers and the device need" if self.device else "its host buffers need"
         if self.file_tier:
             return (
-                "even with packs read from the checkpoint (the file tier) its host buffers need "
+                f"even with packs read from the checkpoint (the file tier) {whose} "
                 f"{_b(self.minimum)} ({self._parts()})"
             )
-        said = f"with every pack in host memory its host buffers need {_b(self.minimum)} ({self._parts()})"
+        said = f"with every pack in host memory {whose} {_b(self.minimum)} ({self._parts()})"
         if not self.unfiled:
             said += ", and the file tier would need more (staging slots as large as the largest pack read)"
         return said

@@ -57,6 +57,8 @@ __all__ = [
     "read_buffer_bytes",
     "read_nbytes",
     "tiers",
+    "tiers_at",
+    "use_read_bytes",
 ]
 
 #: The host page size: host buffers start on a page and are counted (and pinned) in whole pages.
@@ -138,6 +140,9 @@ class Tiers:
     kept_bytes: int = 0
     #: Of ``host_bytes``: the open's copy of one pack while the store copies the pipeline's weights in.
     transient_bytes: int = 0
+    #: The least budget that chooses these very tiers (``budget`` may be larger): the plan of a budget
+    #: measured on the machine carries this, so free memory that moves a little plans the same.
+    least_budget: int = 0
 
     @property
     def read_buffer_bytes(self) -> int:
@@ -175,6 +180,14 @@ def kept_bytes(plan: Plan, name: str) -> int:
         for s in _specs(plan)[name]
         if (s.buffer and not s.persistent) or s.name in widened
     )
+
+
+def use_read_bytes(plan: Plan, name: str) -> int:
+    """Bytes a use of file-tier pack ``name`` reads from the files: the pack less the tensors it keeps
+    in host memory for the session (`kept_bytes`: non-persistent buffers, widened tensors)."""
+    widened = plan.facts.widened
+    kept = sum(s.nbytes for s in _specs(plan)[name] if (s.buffer and not s.persistent) or s.name in widened)
+    return pack_bytes(plan, name) - kept
 
 
 def scratch_bytes(largest: int) -> int:
@@ -279,14 +292,19 @@ def tiers(plan: Plan) -> Tiers:
     holds in the file tier is counted as that pack is chosen, so the figure is the whole host figure).
     A budget that no tiering fits is a `HostBudgetTooSmall` naming the smallest budget that opens.
     """
-    budget = plan.config.host_memory_bytes
+    return tiers_at(plan, plan.config.host_memory_bytes)
+
+
+def tiers_at(plan: Plan, budget: int | None) -> Tiers:
+    """`tiers` of ``plan`` within ``budget`` instead of its own, not cached: the host planner probes a
+    budget measured on the machine with it, so no cache keeps a plan per measurement."""
     sizes = {name: pack_bytes(plan, name) for name, _ in pack_table(plan)}
     whole, whole_store = host_bytes(plan, (), ())
     if budget is None or whole <= budget:
         transient = extra_bytes(plan, ())[2]
         return Tiers(
             file=frozenset(), staging=(), host_bytes=whole, store_bytes=whole_store, budget=budget,
-            transient_bytes=transient,
+            transient_bytes=transient, least_budget=whole,
         )  # fmt: skip
     heats = _heats(plan)
     barred = unfiled(plan)
@@ -296,6 +314,9 @@ def tiers(plan: Plan) -> Tiers:
     kept_of = {n: kept_bytes(plan, n) for n in ranked}
     strided_of = {n: _strided(plan, n) for n in ranked}
     best: _Option | None = None
+    # The largest total any fitting pass stopped at: every budget from it up stops each pass where
+    # this one did, so it chooses the same tiers.
+    floor = 0
     least = _Least(need=whole, store=whole_store, largest=0, extras=extra_bytes(plan, ()))
     for largest in sorted({sizes[n] for n in ranked}):
         fixed = STAGING_SLOTS * page_bytes(largest) + read_buffer_bytes(largest)
@@ -321,6 +342,7 @@ def tiers(plan: Plan) -> Tiers:
                 least = _Least(need=total, store=store, largest=largest, extras=extras)
             if total <= budget:
                 fits = True
+                floor = max(floor, total)
                 break
         if not fits:
             continue
@@ -352,6 +374,7 @@ def tiers(plan: Plan) -> Tiers:
         notes=_notes(best, len(sizes), budget),
         kept_bytes=kept + scratch,
         transient_bytes=transient,
+        least_budget=floor,
     )
 
 

@@ -41,8 +41,9 @@ from torchferry.runtime.machine import load_profile, probe, profile_path, save_p
 from torchferry.runtime.memory import PackState as PackState
 from torchferry.runtime.store import HostPlan as HostPlan
 from torchferry.runtime.store import host_figures as host_figures
-from torchferry.runtime.store import host_plan as host_plan
+from torchferry.runtime.store import host_side as host_side
 from torchferry.runtime.store import open_tier as open_tier
+from torchferry.runtime.store import read_facts as read_facts
 from torchferry.runtime.store import strided_names as strided_names
 from torchferry.runtime.store import widened_names as widened_names
 

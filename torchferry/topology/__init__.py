@@ -77,6 +77,7 @@ from torchferry.topology._model import find_attr as find_attr
 from torchferry.topology._order import order_mismatch as order_mismatch
 from torchferry.topology._parallel import ParallelLayout
 from torchferry.topology._plan import Plan, StoreFacts, canonical
+from torchferry.topology._plan import interned as interned
 from torchferry.topology._protocol import SupportsComponentDiscovery
 from torchferry.topology._quantized import flattened_names as flattened_names
 from torchferry.topology._quantized import header_metadata as header_metadata

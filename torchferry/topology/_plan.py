@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Iterable
 from functools import lru_cache
 
@@ -13,7 +14,7 @@ from torchferry.topology._fields import WHEN_SET, Strategy
 from torchferry.topology._frozen import FrozenMap
 from torchferry.topology._model import Component, ComponentKind, TensorSpec, Topology, find_component
 
-__all__ = ["Plan", "StoreFacts", "canonical"]
+__all__ = ["Plan", "StoreFacts", "canonical", "interned"]
 
 
 @attrs.frozen(kw_only=True)
@@ -129,3 +130,17 @@ def _digest(plan: Plan) -> str:
     unset = request is plan.config and plan.facts == _NO_FACTS
     identity = plan if unset else attrs.evolve(plan, config=request, facts=_NO_FACTS)
     return hashlib.sha256(repr(canonical(identity)).encode()).hexdigest()[:8]
+
+
+#: Every plan a session runs, by value: one instance of each, while anything holds it.
+_INTERNED: weakref.WeakValueDictionary[Plan, Plan] = weakref.WeakValueDictionary()
+
+
+def interned(plan: Plan) -> Plan:
+    """The one live instance equal to ``plan`` (``plan`` itself when none is): sessions of one request
+    on one machine then share one plan and its topology, so the caches keyed by plans hold one copy
+    however often a pipeline is opened and closed."""
+    found = _INTERNED.get(plan)
+    if found is None:
+        _INTERNED[plan] = found = plan
+    return found

@@ -524,6 +524,10 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             return self._widened(entry).view(torch.float32).view(entry.shape)
         return self._stored(entry)
 
+    def widens(self, name: str, stored: str) -> bool:
+        """Whether model tensor ``name``, stored as ``stored``, is read widened to float32."""
+        return self._widens(name, stored, "float32")
+
     def _widens(self, name: str, stored: str, wanted: str) -> bool:
         """Whether model tensor ``name`` stored as ``stored`` is read widened to ``wanted``."""
         return name in self.widen and wanted == "float32" and stored in WIDENED_FROM

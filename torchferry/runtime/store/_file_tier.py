@@ -61,10 +61,11 @@ __all__ = [
 READ_MODE_ENV = "TORCHFERRY_READ"
 
 
-def read_direct(file_bytes: int, cache_bytes: int | None) -> bool:
-    """Whether the file tier reads with ``O_DIRECT`` (`policies.read_direct`, the decision), with the
-    mode `READ_MODE_ENV` sets (``direct``, ``buffered`` or ``auto``), read here."""
-    mode = os.environ.get(READ_MODE_ENV, "auto").strip().lower()
+def read_direct(file_bytes: int, cache_bytes: int | None, mode: str | None = None) -> bool:
+    """Whether the file tier reads with ``O_DIRECT`` (`policies.read_direct`, the decision), in the
+    read mode the session's facts hold (``None``, an engine opened without them: `READ_MODE_ENV`)."""
+    if mode is None:
+        mode = os.environ.get(READ_MODE_ENV, "auto").strip().lower()
     return policies.read_direct(file_bytes, cache_bytes, mode)
 
 
@@ -79,6 +80,8 @@ class TierLayout:
     source: str | None = None
     packs: frozenset[str] | None = None
     staging: tuple[tuple[str, int], ...] | None = None
+    #: The read mode the session's facts hold (``None``: read `READ_MODE_ENV` at open).
+    read_mode: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -94,6 +97,8 @@ class TierRequest:
     prefix_map: Mapping[str, str] | None = None
     #: The session's device: reader threads make it current before waiting on its events.
     device: torch.device | None = None
+    #: The read mode (`TierLayout.read_mode`).
+    read_mode: str | None = None
 
 
 def tier_request(
@@ -139,6 +144,7 @@ def tier_request(
         cache_bytes=layout.cache_bytes,
         prefix_map=prefix_map,
         device=device,
+        read_mode=layout.read_mode,
     )
 
 
@@ -239,7 +245,7 @@ class FileTier:
             if (e := source.entries.get(source.key(s.name, request.prefix_map))) is not None
         }
         file_bytes = sum(os.path.getsize(f) for f in files)
-        direct = source.files if read_direct(file_bytes, request.cache_bytes) else ()
+        direct = source.files if read_direct(file_bytes, request.cache_bytes, request.read_mode) else ()
         largest = max((n for _, n in request.staging), default=0)
         reader = FileReader(
             source, direct=[f for f in direct if f in files], device=request.device,

@@ -45,10 +45,11 @@ if TYPE_CHECKING:
 __all__ = [
     "HostPlan",
     "host_figures",
-    "host_plan",
+    "host_side",
     "module_bytes",
     "open_tier",
     "preflight",
+    "read_facts",
     "store_facts",
     "strided_names",
     "widened",
@@ -118,6 +119,8 @@ class HostPlan:
     #: On a device that shares host memory, the device budget taken from the host's, and its source.
     device_bytes: int | None = None
     device_source: str = ""
+    #: How the file tier reads its files (`policies.HostFigure.read_mode`, read once with the facts).
+    read_mode: str | None = None
 
 
 def store_facts(
@@ -137,51 +140,54 @@ def store_facts(
     )
 
 
-def host_plan(
+def read_facts(
     pipeline: Any,
     plan: Plan,
     *,
     group: Any = None,
-    spill: str | os.PathLike[str] | None = None,
     device: torch.device | None = None,
     prefix_map: Mapping[str, str] | None = None,
     variant: str | None = None,
     own: frozenset[str] = frozenset(),
-    shared: bool = False,
-) -> tuple[Plan, HostPlan]:
-    """Read the facts (the machine's, the module's and the checkpoint's) and plan the host with
-    `policies.host_plan` (see [Note: the host planner]): the plan the session runs, carrying the
-    budget when it binds, and its host side. ``shared``: the device's memory is host memory, and its
-    budget comes from the host's (`policies.shared_device_budget`)."""
+) -> tuple[policies.Facts, int | None]:
+    """Read every fact the open planner needs, once (see [Note: the open planner]): the machine's
+    (`runtime.machine.host_facts`, with the read mode `READ_MODE_ENV` sets), the device's (its free
+    memory), the module's and the checkpoint's (`store_facts`, through the key map ``prefix_map``);
+    and under a process group the least host budget of its ranks (a collective), else ``None``."""
     target = torch.device("cpu") if device is None else device
     copied = plan.config.checkpoint is None
-    facts = host_facts(
+    host = host_facts(
         module_bytes=module_bytes(pipeline, plan.topology) if copied and pipeline is not None else 0,
         pins_locked=plan.config.pin_memory and target.type == "cuda" and CudaPinner.memlock,
         read_mode=os.environ.get(READ_MODE_ENV, "auto").strip().lower(),
     )
-    plan = attrs.evolve(
-        plan, facts=store_facts(pipeline, plan, prefix_map=prefix_map, variant=variant, own=own)
+    free = torch.cuda.mem_get_info(target)[0] if target.type == "cuda" else None
+    facts = policies.Facts(
+        host=host,
+        device=policies.DeviceFacts(type=target.type, free_bytes=free),
+        store=store_facts(pipeline, plan, prefix_map=prefix_map, variant=variant, own=own),
     )
     least = None
-    if group is not None:
+    if group is not None:  # every rank plans against the least budget: only the exchange is here
         given = plan.config.host_memory_bytes
-        mine = (
-            policies.given_budget(given)
-            if given is not None
-            else policies.machine_budget(facts, facts.module_bytes)
-        )
+        machine = policies.machine_budget(host, host.module_bytes) if given is None else None
+        mine = policies.given_budget(given) if given is not None else machine
+        assert mine is not None
         least = _group_least(mine, group, target, plan)
-    figure = policies.host_plan(plan, facts, least=least, shared=shared)
-    host = HostPlan(
+    return facts, least
+
+
+def host_side(figure: policies.HostFigure, spill: str | os.PathLike[str] | None) -> HostPlan:
+    """The session's `HostPlan` from the open planner's host figure and the spill folder given."""
+    return HostPlan(
         budget=figure.budget,
         cache_bytes=figure.cache_bytes,
         spill=None if spill is None else os.fspath(spill),
         tiers=figure.tiers,
         device_bytes=figure.device_bytes,
         device_source=figure.device_source,
+        read_mode=figure.read_mode,
     )
-    return figure.plan, host
 
 
 def widened(
@@ -202,20 +208,25 @@ def widened_names(
     prefix_map: Mapping[str, str] | None = None,
     variant: str | None = None,
 ) -> frozenset[str]:
-    """The float32 model tensors (the model keeps them in float32) that ``checkpoint`` stores in 16
-    bits, and the tensors its library makes from other stored tensors on load (`topology.KeyMap`):
-    a file-tier pack keeps each in host memory for the session (a spill writes them as float32, so
-    none there). ``pipeline`` may be built on the meta device (`torchferry plan`)."""
+    """The float32 model tensors that ``checkpoint`` stores in 16 bits (those a model keeps in
+    float32, and any other the file holds narrower, as a GGUF file its biases), and the tensors its
+    library makes from other stored tensors on load (`topology.KeyMap`): a file-tier pack keeps each
+    in host memory for the session and reads none of them per use (a spill writes them as float32,
+    so none there). ``pipeline`` may be built on the meta device (`torchferry plan`)."""
     made = frozenset(t for c in KeyMap.of(prefix_map).conversions for t in c.targets)
     kept = kept_in_float32(pipeline, topo)
-    if not kept:
-        return made
+    specs = [s for c in topo.components for s in c.all_tensors()]
+    floats = {s.name for s in specs if s.dtype == "float32" and s.persistent}
     try:
         with open_checkpoint(checkpoint, pipeline=pipeline, prefix_map=prefix_map, variant=variant) as reader:
-            stored = {n: reader.entries.get(reader.key(n)) for n in kept}
+            stored = {n: reader.entries.get(reader.key(n)) for n in kept | floats}
+            # Beyond the kept ones, those the reader widens as it reads (a GGUF file's 16-bit biases).
+            read = frozenset(
+                n for n in floats - kept if (e := stored[n]) is not None and reader.widens(n, e.dtype)
+            )
     except (PlanError, OSError):
         return kept | made  # the engine names the checkpoint's problem; count every candidate meanwhile
-    return made | frozenset(n for n, e in stored.items() if e is None or e.dtype in WIDENED_FROM)
+    return made | read | frozenset(n for n in kept if (e := stored[n]) is None or e.dtype in WIDENED_FROM)
 
 
 def strided_names(pipeline: Any, topo: Topology) -> frozenset[str]:
@@ -283,22 +294,16 @@ def open_tier(
 ) -> TierLayout:
     """`preflight` (held to ``RLIMIT_MEMLOCK`` when ``pinner`` is subject to it), then the file tier's
     layout for the engine: for a pipeline built in memory, its file-tier packs spilled once into
-    ``host.spill`` (without one: `PlanError` naming the remedy). With ``comm``, every rank learns
-    whether every other could do each part before any goes on, so a rank that fails here fails all
-    (each its own error) instead of leaving them waiting in a later collective."""
+    ``host.spill`` (the host planner refused one without it: `policies.needs_source`). With
+    ``comm``, every rank learns whether every other could do each part before any goes on, so a rank
+    that fails here fails all (each its own error) instead of leaving them waiting in a later
+    collective."""
 
     def check() -> Tiers:
         chosen = preflight(plan, host, pin=pin, memlock=pinner.memlock, pipeline=pipeline)
         if chosen.file and plan.config.checkpoint is None:
-            if host.spill is None:
-                raise PlanError(
-                    f"the host budget of {_size(host.budget.bytes or 0)} ({host.budget.source}) leaves "
-                    f"{len(chosen.file)} pack(s) in the file tier, read on demand from a checkpoint, and "
-                    "this pipeline was built in memory with no checkpoint; pass spill=<a folder> (those "
-                    "packs are written there once as safetensors and read back), open it from its "
-                    "checkpoint (checkpoint=, or from_pretrained), or pass a larger host_memory= if the "
-                    "machine has it"
-                )
+            # `policies.host_plan` refused a file tier with nothing to read it from (`needs_source`).
+            assert host.spill is not None, "a torchferry bug: a file tier with no checkpoint nor spill="
             specs = group_specs(plan)
             cast = sorted(n for n in chosen.file if any(t.compute_dtype is not None for t in specs[n]))
             if cast:  # refused before a byte is spilled: the file tier reads bytes as they are stored
@@ -317,7 +322,7 @@ def open_tier(
     if chosen.file and plan.config.checkpoint is None:
         assert host.spill is not None
         source = spill(pipeline, plan, chosen.file, host.spill, comm=comm)
-    return TierLayout(cache_bytes=host.cache_bytes, source=source)
+    return TierLayout(cache_bytes=host.cache_bytes, source=source, read_mode=host.read_mode)
 
 
 def host_figures(store: HostStore, host: HostPlan | None, plan: Plan | None = None) -> dict[str, Any]:
