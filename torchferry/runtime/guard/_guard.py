@@ -374,9 +374,10 @@ class SessionGuard:
             return
         indices, tensors = self._on_device()
         then = self._versions
-        written = [(i, v) for i, v in zip(indices, map(_VERSION, tensors), strict=True) if v != then[i]]
-        if not written:
+        now = list(map(_VERSION, tensors))
+        if now == list(map(then.__getitem__, indices)):  # the usual case, in two C-level passes
             return
+        written = [(i, v) for i, v in zip(indices, now, strict=True) if v != then[i]]
         records = self._records
         for i, version in written:
             r = records[i]
@@ -433,7 +434,7 @@ class SessionGuard:
         registered = REGISTRATIONS.count
         if (
             pointers == self._pointers
-            and list(map(_VERSION, tensors)) == [then[i] for i in indices]
+            and list(map(_VERSION, tensors)) == list(map(then.__getitem__, indices))
             and ((registered == self._registered and not everything) or self._in_place())
         ):
             self._registered = registered

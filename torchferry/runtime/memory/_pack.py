@@ -43,7 +43,9 @@ resident, and the session's ``close(gather=True)`` re-assembles full host copies
 
 from __future__ import annotations
 
+import collections
 import enum
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -63,6 +65,7 @@ __all__ = [
     "contiguous_strides",
     "dense_strides",
     "shard_span",
+    "views_into",
 ]
 
 
@@ -122,6 +125,24 @@ class Piece:
         flat = torch.empty(self.nbytes, dtype=torch.uint8)
         self.view(flat, 0).copy_(source)
         return flat
+
+
+def views_into(pieces: Sequence[Piece], flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each piece's view into ``flat`` (`Piece.view` of each), made with one ``as_strided`` per piece
+    over one typed view of ``flat`` per dtype: a staged component's views are made at every stage."""
+    typed: dict[torch.dtype, tuple[torch.Tensor, int, Any]] = {}
+    for dtype in {p.dtype for p in pieces}:
+        size = dtype.itemsize
+        whole = flat.narrow(0, 0, flat.shape[0] - flat.shape[0] % size).view(dtype)
+        typed[dtype] = (whole, size, whole.storage_offset())
+    # A piece off its dtype's alignment (never in a packed layout: 256-byte places) takes the general way.
+    return tuple(
+        [
+            p.view(flat) if p.offset % size else whole.as_strided(p.shape, p.stride, base + p.offset // size)
+            for p in pieces
+            for whole, size, base in (typed[p.dtype],)
+        ]
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -209,7 +230,7 @@ class Pack:
         if cached is not None and cached[0] is flat:
             return cached[1], cached[2]
         dst = flat.narrow(0, 0, self.nbytes)
-        views = tuple(p.view(flat) for p in self.pieces)
+        views = views_into(self.pieces, flat)
         self.device_views[key] = (flat, dst, views)
         return dst, views
 
@@ -221,8 +242,7 @@ class Pack:
             raise ValueError(f"pack {self.name}: {len(views)} views for {len(tensors)} tensors")
         self.moves += 1
         if not tensors or tensors[0].is_meta is views[0].is_meta:
-            for t, v in zip(tensors, views):  # noqa: B905 (lengths checked above)
-                t.data = v
+            _consume(map(_SET_DATA, tensors, views))  # ``t.data = v`` for each, in C
         else:
             for t, v in zip(tensors, views):  # noqa: B905
                 _swap_in(t, v)
@@ -250,6 +270,10 @@ class Pack:
         in-place write made to their host bytes meanwhile (`stale`). Tensors already watched keep the
         counter seen first."""
         watched, tensors = self.watched, self.tensors
+        if not watched:  # the usual case (a load's first watch): in C
+            indices = tuple(indices)
+            watched.update(zip(indices, map(_VERSION, map(tensors.__getitem__, indices)), strict=True))
+            return
         for i in indices:
             if i not in watched:
                 watched[i] = tensors[i]._version
@@ -263,15 +287,14 @@ class Pack:
     def stale(self) -> bool:
         """Whether a watched tensor was written in place since `carry` (the copy holds old bytes);
         the watch ends."""
-        watched, tensors = self.watched, self.tensors
-        written = any(tensors[i]._version != v for i, v in watched.items())
+        watched = self.watched
+        written = list(map(_VERSION, map(self.tensors.__getitem__, watched))) != list(watched.values())
         watched.clear()
         return written
 
     def arrived(self) -> None:
         """The pack's tensors point at a device copy now: remember its buffers' version counters."""
-        tensors = self.tensors
-        self._arrival = tuple(tensors[i]._version for i in self.buffers)
+        self._arrival = tuple(map(_VERSION, map(self.tensors.__getitem__, self.buffers)))
 
     def keep_written(self) -> None:
         """Before the pack leaves the device: copy into the host buffer each buffer a forward wrote in
@@ -279,6 +302,8 @@ class Pack:
         holds only a shard of has no host copy of the whole buffer to take it."""
         if self.shard is not None or self.in_file:
             return  # a file-tier pack's write cannot be kept: the session guard refuses it
+        if tuple(map(_VERSION, map(self.tensors.__getitem__, self.buffers))) == self._arrival:
+            return  # nothing written (the usual case), found in C
         for i, then in zip(self.buffers, self._arrival, strict=True):
             t = self.tensors[i]
             if t._version != then:
@@ -299,6 +324,13 @@ class Pack:
         self.shard = None
         self.point(self.host_views)
         self.where = PackState.HOST
+
+
+#: ``tensor.data = view`` as a function (the setter of ``Tensor.data``), mapped over a pack's tensors
+#: and run to the end by `_consume` (an empty deque's ``extend``): no Python loop per tensor.
+_SET_DATA: Any = vars(torch._C.TensorBase)["data"].__set__
+_VERSION = operator.attrgetter("_version")
+_consume = collections.deque[Any](maxlen=0).extend
 
 
 def _swap_in(t: torch.Tensor, v: torch.Tensor) -> None:
