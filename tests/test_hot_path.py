@@ -32,17 +32,17 @@ STEPS = 2  # denoising steps of a whole toy pipeline call
 #: instructions). Measured on CPython 3.11 (CI's) with torch 2.13 when set (the first figure of each
 #: comment; the figure before the hot-path trims of issue 40 follows it).
 BUDGETS: dict[str, tuple[float, float, float]] = {
-    # 26.1 calls, 31.1 C calls, 998 instructions per block (before: 37.8, 27.6, 1256, and no
+    # 25.1 calls, 31.1 C calls, 978 instructions per block (before: 37.8, 27.6, 1256, and no
     # steady figure:
     # the table of what follows each step grew by one entry a forward, and was copied in Python)
     "dit layerwise": (29.0, 34.5, 1100.0),
     # a call of the toy pipeline (encoder, two DiT steps, decoder) over its 18 streamed blocks:
-    # 32.2, 36.7, 1169 (before: 43.4, 32.7, 1635)
+    # 31.2, 36.7, 1150 (before: 43.4, 32.7, 1635)
     "pipeline layerwise": (35.5, 40.5, 1290.0),
     # the same with part of the blocks in the file tier (read from the checkpoint at every use):
-    # 48.1, 48.1, 1522 (before: 56.7, 44.2, 2476)
+    # 47.1, 48.1, 1503 (before: 56.7, 44.2, 2476)
     "pipeline file_tier": (53.0, 53.0, 1680.0),
-    # model_level streams no block: per component forward (4 a call): 72.5, 104.2, 3357 (before:
+    # model_level streams no block: per component forward (4 a call): 72.5, 105.0, 3370 (before:
     # 161.5, 183.0, 6212: three tensor calls a tensor to view a staged component)
     "pipeline model_level": (80.0, 115.0, 3700.0),
 }

@@ -12,7 +12,8 @@ schedule names: a block, ``<component>:rest`` or a whole component, with its pac
 A block reaches its slot once per step, so how its modules are made to read the slot is the hot
 path: each tensor is re-pointed (``tensor.data = view``) at the wait and back at the evict, 2 x 27
 assignments per step for a block of a Wan transformer, about 0.13 us each in a tight loop and 0.3 us
-in a live forward. Swapping each module's ``_parameters``/``_buffers`` dict for a cached one holding
+in a live forward (`Pack.point` maps the setter over the tensors in C: no Python loop step per
+tensor). Swapping each module's ``_parameters``/``_buffers`` dict for a cached one holding
 parameters over slot views ("binding", 16 dict assignments each way) was built and measured: it cut
 torchferry's own code per block from 43 to 20 us on benchmarks/overhead.py, and was taken out again,
 because it gives every weight a second identity during a step. A reference taken during a forward
@@ -22,7 +23,12 @@ bytes after the evict, and crashed the process once the slot was freed; a tensor
 between steps (``bias = None``, ``register_parameter``, ``functional_call``) were ignored; a
 weight's own attributes and ``requires_grad_`` changes were not seen, and a backward inside a no-grad
 forward gave its gradient to the stand-in. Each can be checked for, at about the cost binding saved.
-tests/runtime/test_weights_hostile.py keeps those cases, all exact with re-pointing. The tensors
+tests/runtime/test_weights_hostile.py keeps those cases, all exact with re-pointing. Binding each
+block to its ring slot once for the session (a fixed ring puts block i in slot i mod R), so a load
+is only the copy and an evict nothing, fails the same cases and one more: between steps a weight
+must read its own values (the contract's rule 2 adopts edits made then), and R slots cannot hold
+them. Re-pointing a whole pack by swapping its storage's data pointer (one call instead of 27)
+works only where host and slot memory are one device: a CPU tensor cannot read device memory. The tensors
 move at the wait, not at the load: until compute is ordered after the copy they read the host copy,
 so nothing that reads them then (a hook, a tied weight, the caller between steps) races the copy
 stream on a GPU; an in-place write to them meanwhile is caught at the wait, which copies again
