@@ -6,14 +6,15 @@ torchferry's code *does* per block can: `count_calls` runs a callable under `sys
 counts the Python functions of the package that run (``calls``), the functions implemented in C
 they call (``c_calls``: ``copy_``, ``data_ptr``, a dict's ``get``) and the bytecode instructions
 they execute (``instructions``: an attribute store such as ``tensor.data = view`` calls nothing a
-profiler sees, but it is an instruction). The counts are
-deterministic for a given model, schedule, Python and torch, so a test can assert a budget per
-streamed block and fail when a change puts work back on the hot path; benchmarks/overhead.py prints
-the same counts beside its timings.
+profiler sees, but it is an instruction). The counts are deterministic for a given model, schedule,
+Python and torch, so a test can assert a budget per streamed block and fail when a change puts work
+back on the hot path (tests/test_hot_path.py); benchmarks/overhead.py and paths.py print the same
+counts beside their timings. A resumed generator counts as a call, as the profiler reports it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -34,7 +35,8 @@ PACKAGE = str(Path(torchferry.__file__).resolve().parent)
 
 @attrs.frozen(kw_only=True)
 class CallCount:
-    """What torchferry's code ran during one call: its Python functions and the C functions they called.
+    """What torchferry's code ran during one call: its Python functions, the C functions they called
+    and the instructions they executed.
 
     ``by_function`` counts the calls of each Python function (``module:line(name)``) and each C
     function (``C name``), ``instructions_by_function`` the instructions each Python function
@@ -47,15 +49,6 @@ class CallCount:
     by_function: dict[str, int] = attrs.field(eq=False, repr=False)
     instructions_by_function: dict[str, int] = attrs.field(eq=False, repr=False)
 
-    @property
-    def total(self) -> int:
-        """Python and C calls together."""
-        return self.calls + self.c_calls
-
-    def per(self, n: int) -> float:
-        """The total per one of ``n`` (blocks, say)."""
-        return self.total / n
-
     def top(self, n: int = 15, *, instructions: bool = False) -> list[tuple[str, int]]:
         """The ``n`` functions called most often (or that executed the most instructions)."""
         table = self.instructions_by_function if instructions else self.by_function
@@ -63,7 +56,7 @@ class CallCount:
 
 
 def _ours(filename: str, package: str) -> bool:
-    return filename.startswith(package) and not filename.startswith(f"{package}/testing/")
+    return filename.startswith(package) and not filename.startswith(os.path.join(package, "testing", ""))
 
 
 def count_calls(fn: Callable[[], Any], *, package: str = PACKAGE) -> CallCount:
