@@ -25,6 +25,9 @@ goes on), ``DIR/gpu_check.json`` is rewritten after every row, and one table is 
   the copy stream's busy fraction (the compute-bound size is the variants' own);
 - ``host syncs``: steady steps under ``torch.cuda.set_sync_debug_mode("error")``, and host enqueue
   time per step versus GPU time;
+- ``host per block``: the host time torchferry's own code adds per streamed block (layerwise less
+  resident, least host time to issue a steady forward, alternating rounds: on CUDA the copies are
+  queued, so this is all bookkeeping) and its deterministic count of calls and instructions per block;
 - ``ordering stress``: bit identity with ``torch.cuda._sleep`` on the copy stream before each copy
   and on compute before each evict, depth 1 and 2, and the bytes compute reads: inside every
   block's forward (after its wait) a checksum of each weight's bits, on the compute stream, must be
@@ -847,6 +850,47 @@ class Check:
             "enqueue_per_block_s": common.Stats.of(enqueue).median / self.size.blocks,
         }
 
+    def host_per_block(self) -> dict[str, Any]:
+        """Host time torchferry's own code adds per streamed block on this device (issue 40): the
+        least host time to issue a steady forward, per block, layerwise (depth 1) less resident, in
+        alternating rounds; and the deterministic count of its work per block
+        (`torchferry.testing._calls.count_calls`), the figure tests/test_hot_path.py budgets. On
+        CUDA the copies are queued, so the difference is all bookkeeping; on the CPU it holds the
+        copies too."""
+        from torchferry.testing._calls import count_calls
+
+        blocks = self.size.blocks
+        resident: list[float] = []
+        ours: list[float] = []
+        with torch.no_grad():
+            for _ in range(3):
+                self.model.to(self.device)
+                try:
+                    self.fn()()
+                    resident.append(host_enqueue_per_block(self.fn(), blocks, self.device))
+                finally:
+                    self.model.to("cpu")
+                with torchferry.offload(self.model, strategy="layerwise", device=self.device):
+                    run = self.fn()
+                    for _ in range(3):
+                        run()
+                    ours.append(host_enqueue_per_block(run, blocks, self.device))
+                    count = count_calls(run)
+        host = min(ours) - min(resident)
+        return {
+            "resident_enqueue_per_block_s": min(resident),
+            "enqueue_per_block_s": min(ours),
+            "host_per_block_s": host,
+            "calls_per_block": count.calls / blocks,
+            "c_calls_per_block": count.c_calls / blocks,
+            "instructions_per_block": count.instructions / blocks,
+            "verdict": (
+                f"torchferry adds {host * 1e6:.1f} us of host time per block ({min(resident) * 1e6:.1f} -> "
+                f"{min(ours) * 1e6:.1f}, least of 3 rounds{'' if self.cuda else ', the copy included'}); "
+                f"{count.calls / blocks:.1f} calls, {count.instructions / blocks:.0f} instructions per block"
+            ),
+        }
+
     def ordering_stress(self) -> dict[str, Any]:
         """Bit identity with ``torch.cuda._sleep`` on the copy stream before each copy and on compute
         before each evict's release (a missing wait would then let a copy overwrite bytes a block still
@@ -1412,6 +1456,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check.row("auto", check.auto_choice)
     check.row("transfer bound", check.transfer_bound)
     check.row("host syncs", check.host_syncs)
+    check.row("host per block", check.host_per_block)
     check.row("ordering stress", check.ordering_stress)
     check.row("cuda sanitizer", check.sanitizer)
     check.row("open close", check.open_close)

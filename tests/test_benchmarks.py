@@ -79,6 +79,8 @@ def test_gpu_check_runs_on_cpu(tmp_path: Path) -> None:
     for name in ("torchferry model_level", "torchferry resident set", "inference mode", "pageable"):
         assert rows[name]["identical"] is True, name
     assert rows["exception mid-step"]["weights_identical"] is True
+    host = rows["host per block"]  # host time per block (on CUDA: all bookkeeping) and the counts
+    assert host["status"] == "ok" and host["calls_per_block"] > 0 and host["instructions_per_block"] > 0
     assert rows["open close"]["pinned_bytes_after_close"] == 0
     path = rows["cuda path"]
     assert path["stream_context"] == "CpuStreams" and path["probe_fired"] is True
@@ -131,6 +133,19 @@ def test_overhead_quick_compares_every_variant(tmp_path: Path) -> None:
     assert pieces["own_code_without_copy_us"] > 0 and pieces["copy_us"] > 0
     assert pieces["own_code_without_copy_us"] >= pieces["repoint_us"]
     assert pieces["schedules_built_while_profiling"] == 0
+
+
+@pytest.mark.bench_full
+def test_paths_quick_times_and_counts_every_path(tmp_path: Path) -> None:
+    """paths --quick runs the toy pipeline resident, layerwise, from the file tier and model_level, each
+    output equal to the resident one, with torchferry's counted work per block beside each timing."""
+    target = tmp_path / "paths.json"
+    out = _run("paths.py", "--quick", "--out", str(target))
+    assert "us over resident" in out
+    rows = json.loads(target.read_text())["rows"]
+    assert set(rows) == {"resident", "layerwise", "file tier", "model_level"}
+    assert all(row["identical"] for row in rows.values())
+    assert all(rows[n]["instructions_per_block"] > 0 for n in ("layerwise", "file tier", "model_level"))
 
 
 @pytest.mark.bench_full

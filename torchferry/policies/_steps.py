@@ -58,7 +58,7 @@ def next_step(
     follows = state.follows
     after = None if last is None or last[0] == component else component
     if last is not None and (last not in follows or follows[last] != after):
-        table = dict(follows)
+        table = dict(follows.items())  # in C (`FrozenMap.items` is the dict's view)
         if last not in table and len(table) >= MAX_FOLLOWS:
             table.pop(next(iter(table)))
         table[last] = after

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from types import MappingProxyType
 from typing import Generic, TypeVar, overload
 
@@ -40,6 +40,17 @@ class FrozenMap(Mapping[K, V], Generic[K, V]):
     # `KeyError` on every miss, and cost models and declarations are probed mostly for misses.
     def __contains__(self, key: object) -> bool:
         return key in self._map
+
+    # The views are the dict's own, so ``dict(m.items())`` copies in C (a step's follow-ups are
+    # copied at every step start: `policies.next_step`).
+    def keys(self) -> KeysView[K]:
+        return self._map.keys()
+
+    def items(self) -> ItemsView[K, V]:
+        return self._map.items()
+
+    def values(self) -> ValuesView[V]:
+        return self._map.values()
 
     @overload
     def get(self, key: K, /) -> V | None: ...

@@ -25,7 +25,7 @@ from torchferry.runtime.device import Comm, DeviceBuffer, Ledger, SlotPool, Stre
 from torchferry.runtime.executor._hooks import GradGuard
 from torchferry.runtime.executor._program import Handler, Program
 from torchferry.runtime.executor._trace import Tracer
-from torchferry.runtime.memory import PackState, Unit
+from torchferry.runtime.memory import PackState, Unit, views_into
 from torchferry.runtime.store import HostStore
 from torchferry.topology import Plan
 
@@ -37,6 +37,7 @@ __all__ = ["RANGES", "Mover"]
 RANGES: dict[str, str] = {kind: f"torchferry::{kind}" for kind in OP_KINDS}
 
 _profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
+_inference = torch.is_inference_mode_enabled
 _READY, _IN_FLIGHT = PackState.READY, PackState.IN_FLIGHT
 
 
@@ -82,11 +83,24 @@ class Mover:
     # ---------------------------------------------------------------------------------- running
     def advance(self, program: Program, stop: int) -> None:
         """Run ``program``'s ops up to op ``stop``, as ordinary tensors whatever the caller's mode."""
-        if torch.is_inference_mode_enabled():
+        if _inference():
             with torch.inference_mode(False), torch.no_grad():
                 self.run(program, stop)
-        else:
-            self.run(program, stop)
+            return
+        if self.tracer is not None or _profiling():
+            self._run_observed(program, stop)
+            return
+        # `run`'s loop, inline: this is the hot path of every block.
+        calls = program.calls
+        i = program.pc
+        try:
+            while i < stop:
+                handler, unit, op = calls[i]
+                program.pc = i
+                handler(unit, op)
+                i += 1
+        finally:
+            program.pc = i
 
     def run(self, program: Program, stop: int) -> None:
         """Run ``program``'s ops up to (not including) op ``stop``."""
@@ -191,25 +205,37 @@ class Mover:
             return
         name = op.slot
         assert name is not None
-        slot = self.slots.get(name)
+        allocated = self.slots.slots.get(name)  # `SlotPool.get`, inline for a slot in use
+        slot = self.slots.get(name) if allocated is None else allocated[1]
         held = self.occupants.get(name)
         if held is not None and held is not unit:
             self._claim(unit, op)  # raises
         pack = unit.packs[0]
-        if pack.in_file:
-            raise ExecutionError(
+        if pack.in_file or pack.shard is not None:
+            raise self._unloadable(unit)
+        if unit.name in self.transfers:
+            self._leave_first(unit, op)
+        # The views into this slot are cached per slot (`Pack.views`): a steady load builds nothing.
+        cached = pack.device_views.get(name)
+        if cached is not None and cached[0] is slot.data:
+            _, dst, views = cached
+        else:
+            dst, views = pack.views(name, slot.data)
+        self.streams.copy_in(slot, dst, pack.host)
+        self._placed_in(unit, name, slot, views)
+
+    @staticmethod
+    def _unloadable(unit: Unit) -> ExecutionError:
+        """Why ``unit`` cannot be loaded from host memory (it is in the file tier, or a shard)."""
+        if unit.packs[0].in_file:
+            return ExecutionError(
                 f"load of {unit.name}: it is in the file tier (no host copy), so it is loaded from the "
                 "staging slot its read fills (load ... from tK)"
             )
-        if pack.shard is not None:
-            raise ExecutionError(
-                f"load of {unit.name}: this rank holds only its shard of the block; the schedule must "
-                "load the shard and all-gather it (the distributed_layerwise policy does)"
-            )
-        self._leave_first(unit, op)
-        dst, views = pack.views(name, slot.data)
-        self.streams.copy_in(slot, dst, pack.host)
-        self._placed_in(unit, name, slot, views)
+        return ExecutionError(
+            f"load of {unit.name}: this rank holds only its shard of the block; the schedule must "
+            "load the shard and all-gather it (the distributed_layerwise policy does)"
+        )
 
     def _claim(self, unit: Unit, op: Op) -> None:
         assert op.slot is not None
@@ -341,11 +367,19 @@ class Mover:
         self.streams.copy_in(slot, dst, pack.host)
 
     def _evict(self, unit: Unit, op: Op) -> None:
-        self._leaving(unit)
+        packs = unit.packs
+        if len(packs) == 1:  # a block or a remainder in its slot: `_leaving`, inline
+            pack = packs[0]
+            if pack.buffers and pack.where is _READY:
+                pack.keep_written()
+            if self.guard.graded:
+                self.guard.leaving(unit)
+        else:
+            self._leaving(unit)
         name = unit.name
         transfer = self.transfers.pop(name, None)
         if transfer is not None:
-            if unit.packs[0].where is _IN_FLIGHT:
+            if packs[0].where is _IN_FLIGHT:
                 # A prefetch compute never waited for (a stale one, which `check` allows): the slot's
                 # next writer waits only on ``free``, so compute must first be ordered after this
                 # unit's load or gather, which may still be writing the slot on another stream.
@@ -354,7 +388,7 @@ class Mover:
         where = self.placed.pop(name, None)
         if where is not None and self.occupants.get(where) is unit:
             del self.occupants[where]
-        for pack in unit.packs:
+        for pack in packs:
             pack.to_host()
 
     def _leaving(self, unit: Unit) -> None:
@@ -402,7 +436,7 @@ class Mover:
                 else:
                     self.streams.copy_in(transfer, transfer.data, pack.host)
                 self.streams.wait(transfer)
-                pack.point(tuple(p.view(transfer.data) for p in pack.pieces))
+                pack.point(views_into(pack.pieces, transfer.data))
                 if pack.buffers:
                     pack.arrived()
                 pack.where = PackState.READY

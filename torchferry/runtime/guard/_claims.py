@@ -78,13 +78,22 @@ def _accelerate_hook(hook: object) -> tuple[str, str]:
     return "other", f"an accelerate hook ({type(hook).__name__})"
 
 
+def _own_attr(module: torch.nn.Module, name: str) -> Any:
+    """``getattr(module, name, None)`` for an attribute an offloader sets on the instance, without
+    `nn.Module.__getattr__`'s miss (it formats an error), which every step start would pay."""
+    found = vars(module).get(name)
+    if found is None and hasattr(type(module), name):
+        found = getattr(module, name, None)
+    return found
+
+
 def enabled_offloaders(module: torch.nn.Module) -> list[tuple[str, str]]:
     """The other offloaders whose hooks sit on ``module`` itself: (kind, in words) each."""
     found = []
-    hook = getattr(module, "_hf_hook", None)
+    hook = _own_attr(module, "_hf_hook")
     if hook is not None:
         found.append(_accelerate_hook(hook))
-    names = getattr(getattr(module, "_diffusers_hook", None), "hooks", {})
+    names = getattr(_own_attr(module, "_diffusers_hook"), "hooks", {})
     for words in sorted({MOVING_HOOKS[n] for n in names if n in MOVING_HOOKS}):
         found.append(("group" if "group" in words else "other", f"diffusers {words}"))
     return found

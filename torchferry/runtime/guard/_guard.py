@@ -208,6 +208,9 @@ class SessionGuard:
         self._bumps: dict[Pack, int] = {}
         # Why: per pack, (its host buffer, its tensors' data pointers when they point at it).
         self._at_host: dict[Pack, tuple[torch.Tensor, list[int]]] = {}
+        # Why: per pack, the host buffer whose pointers `_pointers` holds for it, set by `_refresh`
+        # (so a pack back at host memory at every step's end is not written there again).
+        self._hosted: dict[Pack, torch.Tensor] = {}
         # Why: the registration count when the module slots were last seen in place (see `_changed`).
         REGISTRATIONS.install()
         self._registered = -1
@@ -339,6 +342,7 @@ class SessionGuard:
         """Remember each managed tensor's version and data pointer as the engine leaves them now."""
         self._versions = list(map(_VERSION, self._tensors))
         self._pointers = list(map(_DATA_PTR, self._tensors))
+        self._hosted.clear()
         self._moves = {pack: pack.moves for pack in self._spans}
         self._bumps = {pack: pack.bumps for pack in self._spans}
 
@@ -351,14 +355,17 @@ class SessionGuard:
         """`snapshot`, for what the engine changed since: the pointers of packs it re-pointed (a pack
         back at host memory points at its host views, known without reading a tensor), the versions
         of packs whose counters it bumped."""
-        tensors, moves, bumps = self._tensors, self._moves, self._bumps
+        tensors, moves, bumps, hosted = self._tensors, self._moves, self._bumps, self._hosted
         for pack, (start, end) in self._spans.items():
             if pack.moves != moves[pack]:
                 moves[pack] = pack.moves
                 if pack.where is not PackState.READY:  # at host memory (a copy in flight, or none)
-                    self._pointers[start:end] = self._host_pointers(pack)
+                    if hosted.get(pack) is not pack.host:  # else they are remembered there already
+                        self._pointers[start:end] = self._host_pointers(pack)
+                        hosted[pack] = pack.host
                 else:
                     self._pointers[start:end] = map(_DATA_PTR, tensors[start:end])
+                    hosted.pop(pack, None)
             if pack.bumps != bumps[pack]:
                 bumps[pack] = pack.bumps
                 self._versions[start:end] = map(_VERSION, tensors[start:end])
@@ -374,9 +381,10 @@ class SessionGuard:
             return
         indices, tensors = self._on_device()
         then = self._versions
-        written = [(i, v) for i, v in zip(indices, map(_VERSION, tensors), strict=True) if v != then[i]]
-        if not written:
+        now = list(map(_VERSION, tensors))
+        if now == list(map(then.__getitem__, indices)):  # the usual case, in two C-level passes
             return
+        written = [(i, v) for i, v in zip(indices, now, strict=True) if v != then[i]]
         records = self._records
         for i, version in written:
             r = records[i]
@@ -433,7 +441,7 @@ class SessionGuard:
         registered = REGISTRATIONS.count
         if (
             pointers == self._pointers
-            and list(map(_VERSION, tensors)) == [then[i] for i in indices]
+            and list(map(_VERSION, tensors)) == list(map(then.__getitem__, indices))
             and ((registered == self._registered and not everything) or self._in_place())
         ):
             self._registered = registered

@@ -14,6 +14,7 @@ from torchferry.runtime.memory._pack import Unit as Unit
 from torchferry.runtime.memory._pack import contiguous_strides as contiguous_strides
 from torchferry.runtime.memory._pack import dense_strides as dense_strides
 from torchferry.runtime.memory._pack import shard_span as shard_span
+from torchferry.runtime.memory._pack import views_into as views_into
 from torchferry.runtime.memory._pinning import PAGE as PAGE
 from torchferry.runtime.memory._pinning import CudaPinner as CudaPinner
 from torchferry.runtime.memory._pinning import Footprint as Footprint

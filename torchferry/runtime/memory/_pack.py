@@ -12,7 +12,8 @@ schedule names: a block, ``<component>:rest`` or a whole component, with its pac
 A block reaches its slot once per step, so how its modules are made to read the slot is the hot
 path: each tensor is re-pointed (``tensor.data = view``) at the wait and back at the evict, 2 x 27
 assignments per step for a block of a Wan transformer, about 0.13 us each in a tight loop and 0.3 us
-in a live forward. Swapping each module's ``_parameters``/``_buffers`` dict for a cached one holding
+in a live forward (`Pack.point` maps the setter over the tensors in C: no Python loop step per
+tensor). Swapping each module's ``_parameters``/``_buffers`` dict for a cached one holding
 parameters over slot views ("binding", 16 dict assignments each way) was built and measured: it cut
 torchferry's own code per block from 43 to 20 us on benchmarks/overhead.py, and was taken out again,
 because it gives every weight a second identity during a step. A reference taken during a forward
@@ -22,7 +23,12 @@ bytes after the evict, and crashed the process once the slot was freed; a tensor
 between steps (``bias = None``, ``register_parameter``, ``functional_call``) were ignored; a
 weight's own attributes and ``requires_grad_`` changes were not seen, and a backward inside a no-grad
 forward gave its gradient to the stand-in. Each can be checked for, at about the cost binding saved.
-tests/runtime/test_weights_hostile.py keeps those cases, all exact with re-pointing. The tensors
+tests/runtime/test_weights_hostile.py keeps those cases, all exact with re-pointing. Binding each
+block to its ring slot once for the session (a fixed ring puts block i in slot i mod R), so a load
+is only the copy and an evict nothing, fails the same cases and one more: between steps a weight
+must read its own values (the contract's rule 2 adopts edits made then), and R slots cannot hold
+them. Re-pointing a whole pack by swapping its storage's data pointer (one call instead of 27)
+works only where host and slot memory are one device: a CPU tensor cannot read device memory. The tensors
 move at the wait, not at the load: until compute is ordered after the copy they read the host copy,
 so nothing that reads them then (a hook, a tied weight, the caller between steps) races the copy
 stream on a GPU; an in-place write to them meanwhile is caught at the wait, which copies again
@@ -43,7 +49,9 @@ resident, and the session's ``close(gather=True)`` re-assembles full host copies
 
 from __future__ import annotations
 
+import collections
 import enum
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -63,6 +71,7 @@ __all__ = [
     "contiguous_strides",
     "dense_strides",
     "shard_span",
+    "views_into",
 ]
 
 
@@ -122,6 +131,24 @@ class Piece:
         flat = torch.empty(self.nbytes, dtype=torch.uint8)
         self.view(flat, 0).copy_(source)
         return flat
+
+
+def views_into(pieces: Sequence[Piece], flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each piece's view into ``flat`` (`Piece.view` of each), made with one ``as_strided`` per piece
+    over one typed view of ``flat`` per dtype: a staged component's views are made at every stage."""
+    typed: dict[torch.dtype, tuple[torch.Tensor, int, Any]] = {}
+    for dtype in {p.dtype for p in pieces}:
+        size = dtype.itemsize
+        whole = flat.narrow(0, 0, flat.shape[0] - flat.shape[0] % size).view(dtype)
+        typed[dtype] = (whole, size, whole.storage_offset())
+    # A piece off its dtype's alignment (never in a packed layout: 256-byte places) takes the general way.
+    return tuple(
+        [
+            p.view(flat) if p.offset % size else whole.as_strided(p.shape, p.stride, base + p.offset // size)
+            for p in pieces
+            for whole, size, base in (typed[p.dtype],)
+        ]
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -209,7 +236,7 @@ class Pack:
         if cached is not None and cached[0] is flat:
             return cached[1], cached[2]
         dst = flat.narrow(0, 0, self.nbytes)
-        views = tuple(p.view(flat) for p in self.pieces)
+        views = views_into(self.pieces, flat)
         self.device_views[key] = (flat, dst, views)
         return dst, views
 
@@ -221,8 +248,7 @@ class Pack:
             raise ValueError(f"pack {self.name}: {len(views)} views for {len(tensors)} tensors")
         self.moves += 1
         if not tensors or tensors[0].is_meta is views[0].is_meta:
-            for t, v in zip(tensors, views):  # noqa: B905 (lengths checked above)
-                t.data = v
+            _consume(map(_SET_DATA, tensors, views))  # ``t.data = v`` for each, in C
         else:
             for t, v in zip(tensors, views):  # noqa: B905
                 _swap_in(t, v)
@@ -250,6 +276,10 @@ class Pack:
         in-place write made to their host bytes meanwhile (`stale`). Tensors already watched keep the
         counter seen first."""
         watched, tensors = self.watched, self.tensors
+        if not watched:  # the usual case (a load's first watch): in C
+            indices = tuple(indices)
+            watched.update(zip(indices, map(_VERSION, map(tensors.__getitem__, indices)), strict=True))
+            return
         for i in indices:
             if i not in watched:
                 watched[i] = tensors[i]._version
@@ -263,15 +293,14 @@ class Pack:
     def stale(self) -> bool:
         """Whether a watched tensor was written in place since `carry` (the copy holds old bytes);
         the watch ends."""
-        watched, tensors = self.watched, self.tensors
-        written = any(tensors[i]._version != v for i, v in watched.items())
+        watched = self.watched
+        written = list(map(_VERSION, map(self.tensors.__getitem__, watched))) != list(watched.values())
         watched.clear()
         return written
 
     def arrived(self) -> None:
         """The pack's tensors point at a device copy now: remember its buffers' version counters."""
-        tensors = self.tensors
-        self._arrival = tuple(tensors[i]._version for i in self.buffers)
+        self._arrival = tuple(map(_VERSION, map(self.tensors.__getitem__, self.buffers)))
 
     def keep_written(self) -> None:
         """Before the pack leaves the device: copy into the host buffer each buffer a forward wrote in
@@ -279,6 +308,8 @@ class Pack:
         holds only a shard of has no host copy of the whole buffer to take it."""
         if self.shard is not None or self.in_file:
             return  # a file-tier pack's write cannot be kept: the session guard refuses it
+        if tuple(map(_VERSION, map(self.tensors.__getitem__, self.buffers))) == self._arrival:
+            return  # nothing written (the usual case), found in C
         for i, then in zip(self.buffers, self._arrival, strict=True):
             t = self.tensors[i]
             if t._version != then:
@@ -299,6 +330,13 @@ class Pack:
         self.shard = None
         self.point(self.host_views)
         self.where = PackState.HOST
+
+
+#: ``tensor.data = view`` as a function (the setter of ``Tensor.data``), mapped over a pack's tensors
+#: and run to the end by `_consume` (an empty deque's ``extend``): no Python loop per tensor.
+_SET_DATA: Any = vars(torch._C.TensorBase)["data"].__set__
+_VERSION = operator.attrgetter("_version")
+_consume = collections.deque[Any](maxlen=0).extend
 
 
 def _swap_in(t: torch.Tensor, v: torch.Tensor) -> None:
