@@ -296,7 +296,7 @@ def from_pretrained(
         )
     folder = resolve_folder(pretrained_model_name_or_path)
     asked = dtype if dtype is not None else torch_dtype
-    pipeline, options, built = _build_on_meta(pipeline_class, folder, asked, kwargs, variant)
+    pipeline, options, built = build_on_meta(pipeline_class, folder, asked, kwargs, variant)
     _refuse_unknown(options)
     return offload(
         pipeline, checkpoint=str(folder), checkpoint_variant=variant, checkpoint_components=built, **options
@@ -330,7 +330,7 @@ def pipeline_on_meta(folder: str | os.PathLike[str]) -> Any:
             f"{path}: model_index.json names the pipeline class {found.pipeline_class!r}, which diffusers "
             "does not have; upgrade diffusers"
         )
-    pipeline, _, _ = _build_on_meta(cls, path, None, {})
+    pipeline, _, _ = build_on_meta(cls, path, None, {})
     return pipeline
 
 
@@ -361,7 +361,7 @@ def _pipeline_class(given: Any, named: str, folder: Path) -> Any:
     return found if isinstance(found, type) and issubclass(found, given) else given
 
 
-def _build_on_meta(
+def build_on_meta(
     pipeline_class: Any,
     folder: Path,
     torch_dtype: TorchDtype,
@@ -369,7 +369,9 @@ def _build_on_meta(
     variant: str | None = None,
 ) -> tuple[Any, dict[str, Any], list[str]]:
     """The pipeline with every model parameter on meta, the keywords left for `offload`, and the
-    components built here (to fill from the folder; a component given by keyword keeps its weights)."""
+    components built here (to fill from the folder; a component given by keyword keeps its weights):
+    the first half of `from_pretrained`, public for an engine that opens the session later on its own
+    device (``offload(..., checkpoint=folder, checkpoint_components=built)`` fills them)."""
     if not is_pipeline_folder(folder):
         raise PlanError(
             f"{folder}: no model_index.json, so this is not a diffusers pipeline folder; pass the folder "
@@ -459,15 +461,3 @@ def _build_on_meta(
     built = [name for name, value in values.items() if name not in given and isinstance(value, nn.Module)]
     return pipeline, options, built
 
-
-def build_on_meta(
-    pipeline_class: Any,
-    folder: Path,
-    dtype: TorchDtype,
-    components: Mapping[str, Any],
-    variant: str | None = None,
-) -> tuple[Any, dict[str, Any], list[str]]:
-    """The first half of `from_pretrained`, for an engine that opens the session later on its own device:
-    the pipeline with every model parameter on meta, the keywords that named no component, and the
-    components built here (``offload(..., checkpoint=folder, checkpoint_components=built)`` fills them)."""
-    return _build_on_meta(pipeline_class, folder, dtype, components, variant)
