@@ -34,7 +34,7 @@ def per_step(reason: str) -> float:
     return float(found.group(1))
 
 
-@pytest.mark.parametrize("host", [(), ("--host-memory", "32GiB")])
+@pytest.mark.parametrize("host", [(), ("--host-memory", "32GiB", "--spill")])
 def test_plan_why_line_per_step_is_the_table_step_for_two_experts(
     capsys: pytest.CaptureFixture[str], host: tuple[str, ...]
 ) -> None:

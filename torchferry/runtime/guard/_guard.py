@@ -544,4 +544,5 @@ class SessionGuard:
             self._overrides.remove()
             # The caches hold each pack's host buffer: a closed session keeps none of them alive.
             self._at_host.clear()
+            self._hosted.clear()
             self._resident.clear()
