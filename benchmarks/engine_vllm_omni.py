@@ -103,6 +103,9 @@ def memory(kind: str, blocks: int) -> dict[str, int]:
     import torch
 
     torch.set_num_threads(1)
+    from vllm_omni.plugins import load_omni_general_plugins
+
+    load_omni_general_plugins()
     pipe = pipeline(blocks)
     latents, embeds = inputs()
     with torch.no_grad():
