@@ -91,7 +91,9 @@ def test_auto_names_no_ring_knob() -> None:
     """``strategy: "auto"`` leaves the choice to torchferry: no resident_layers=0 or depth is passed."""
     request = engine_request(settings({"strategy": "auto", "device_memory": "8GiB"}, enable_cpu_offload=True))
     assert request == EngineRequest(
-        config=OffloadConfig(strategy="model_level", device_memory_bytes=8 << 30), auto=True
+        config=OffloadConfig(strategy="model_level", device_memory_bytes=8 << 30),
+        auto=True,
+        given=frozenset({"strategy", "device_memory"}),
     )
     assert request.offload_kwargs() == {"strategy": "auto", "device_memory_bytes": 8 << 30}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,32 @@ def test_the_plugin_loader_installs_torchferry_once() -> None:
     assert offloader.get_offload_backend is tf_vllm.get_offload_backend
     assert tf_vllm.get_offload_backend.__wrapped__ is stock  # type: ignore[attr-defined]
     assert DiffusersAdapterPipeline.load_weights is patched
+
+
+def test_another_plugins_wrapper_over_torchferrys_is_kept(wan22: Path) -> None:
+    """A plugin that wraps vLLM-Omni's function after torchferry (functools.wraps) stays in place when
+    register runs again, and a stock config still reaches vLLM-Omni's own function through both."""
+    import functools
+
+    from vllm_omni.diffusion import offloader
+
+    ours = offloader.get_offload_backend
+    calls = []
+
+    @functools.wraps(ours)
+    def theirs(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return ours(*args, **kwargs)
+
+    offloader.get_offload_backend = theirs
+    try:
+        tf_vllm.register()
+        assert offloader.get_offload_backend is theirs
+        with pytest.raises(NotImplementedError):  # vLLM-Omni's own function on a CPU, as stock
+            offloader.get_offload_backend(od_config(wan22, enable_layerwise_offload=True), device=CPU)
+        assert calls == [1]
+    finally:
+        offloader.get_offload_backend = ours
 
 
 def test_a_stock_configuration_gets_the_stock_offloader(wan22: Path) -> None:
@@ -516,3 +543,11 @@ def test_a_pipeline_that_owns_its_model_level_lifecycle_is_delegated_to(wan22: P
     assert backend.is_enabled() and backend.session is None and torchferry.session_of(pipeline) is None
     backend.disable()
     assert calls == [("enable", {"device": DEVICE, "pin_memory": False, "use_hsdp": False}), ("disable", {})]
+    calls.clear()
+    options = {**SELECT, "torchferry": {"host_memory": "8GiB"}}
+    config = OmniDiffusionConfig.from_kwargs(
+        model=str(wan22), dtype=torch.float32, enable_cpu_offload=True, additional_config=options
+    )
+    with pytest.raises(torchferry.PlanError, match=re.escape("torchferry serves none of")):
+        enable(config, pipeline)
+    assert calls == []

@@ -48,12 +48,28 @@ __all__ = [
 ]
 
 
+#: vLLM-Omni's own ``get_offload_backend``, kept by the first `register` (another plugin may wrap ours later).
+_STOCK: list[Callable[..., Any]] = []
+
+
 def _original() -> Callable[..., Any]:
+    if _STOCK:
+        return _STOCK[0]
     from vllm_omni.diffusion import offloader
 
-    current = offloader.get_offload_backend
-    found: Callable[..., Any] = getattr(current, "__wrapped__", current)
-    return found
+    stock: Callable[..., Any] = offloader.get_offload_backend  # not registered: it is still vLLM-Omni's
+    return stock
+
+
+def _installed(function: object) -> bool:
+    """Whether ``function`` is torchferry's wrapper or wraps it (``__wrapped__``, as functools.wraps sets)."""
+    seen: set[int] = set()
+    while function is not None and id(function) not in seen:
+        if getattr(function, "__torchferry__", False):
+            return True
+        seen.add(id(function))
+        function = getattr(function, "__wrapped__", None)
+    return False
 
 
 def get_offload_backend(
@@ -61,9 +77,10 @@ def get_offload_backend(
 ) -> Any:
     """vLLM-Omni's ``get_offload_backend``, which builds torchferry's backend when the config selects it.
 
-    vLLM-Omni's own checks of its offload options run first (its ``OffloadConfig.from_od_config``, in its
-    words), then torchferry's (`engine_request`); a request either refuses is a `PlanError` here, when
-    the engine starts, before any weight moves. Any other config goes to the original function.
+    vLLM-Omni's own checks of its offload options run first (its ``OffloadConfig.from_od_config``: its
+    own ``ValueError`` or ``TypeError``, in its words), then torchferry's (`engine_request`: a
+    `PlanError` in the engine's words), when the engine starts. Any other config goes to vLLM-Omni's
+    own function.
     """
     if not selects_torchferry(getattr(od_config, "additional_config", None)):
         return _original()(od_config, device=device, host_weight_plan=host_weight_plan)
@@ -87,7 +104,13 @@ def register() -> None:
 
     from torchferry.integrations.vllm_omni._adapter import patch_adapter
 
-    if offloader.get_offload_backend is not get_offload_backend:
-        get_offload_backend.__wrapped__ = offloader.get_offload_backend  # type: ignore[attr-defined]
+    current = offloader.get_offload_backend
+    if not _installed(current):
+        if not _STOCK:
+            _STOCK.append(current)
+        get_offload_backend.__wrapped__ = _STOCK[0]  # type: ignore[attr-defined]  # functools' convention
         offloader.get_offload_backend = get_offload_backend
     patch_adapter()
+
+
+get_offload_backend.__torchferry__ = True  # type: ignore[attr-defined]  # marks the wrapper (`_installed`)

@@ -16,6 +16,7 @@ method runs, untouched.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -26,12 +27,16 @@ from torchferry.integrations.vllm_omni._request import engine_request, read_sett
 
 __all__ = ["load_weights", "patch_adapter"]
 
+logger = logging.getLogger("torchferry")
+
 #: ``diffusers_load_kwargs`` keys torchferry honours when it loads the folder.
 LOAD_KWARGS = ("variant",)
 
 
 def _load_kwargs(adapter: Any) -> tuple[str | None, dict[str, Any]]:
-    """The weight variant and the component overrides of the adapter's ``diffusers_load_kwargs``."""
+    """The weight variant and the other keywords of the adapter's load (its ``diffusers_load_kwargs``
+    and what its per-model utilities add, such as Wan's ``boundary_ratio``): components and pipeline
+    values go to `build_on_meta`, which returns what names neither, refused by `load_weights`."""
     od_config = adapter.od_config
     if getattr(od_config, "quantization_config", None) is not None:
         raise PlanError(
@@ -40,19 +45,15 @@ def _load_kwargs(adapter: Any) -> tuple[str | None, dict[str, Any]]:
             "the pipeline quantized (torchao or optimum-quanto, which torchferry streams as their "
             "bytes) and drop quantization_config"
         )
+    if "torch_dtype" in od_config.diffusers_load_kwargs:
+        raise PlanError(
+            "diffusers_load_kwargs['torch_dtype'] with torchferry: the dtype is vLLM-Omni's dtype= "
+            "(torchferry reads the folder in it); drop it and set dtype="
+        )
     load_kwargs: dict[str, Any] = {"torch_dtype": od_config.dtype, **od_config.diffusers_load_kwargs}
     adapter._pipeline_utils.update_load_kwargs(od_config, load_kwargs)
     load_kwargs.pop("torch_dtype")
-    variant = load_kwargs.pop("variant", None)
-    components = {k: v for k, v in load_kwargs.items() if not isinstance(v, (str, bool, int, float, dict))}
-    other = sorted(set(load_kwargs) - set(components))
-    if other:
-        raise PlanError(
-            f"diffusers_load_kwargs has {', '.join(map(repr, other))}, which torchferry does not read when "
-            f"it loads the folder (it honours {', '.join(map(repr, LOAD_KWARGS))} and components given as "
-            'modules); drop them, or drop additional_config["offload_backend"] to load with diffusers'
-        )
-    return variant, components
+    return load_kwargs.pop("variant", None), load_kwargs
 
 
 def load_weights(adapter: Any) -> None:
@@ -69,14 +70,16 @@ def load_weights(adapter: Any) -> None:
     folder = resolve_folder(od_config.model)
     resolved = resolve_diffusers_pipeline_class(od_config)
     if resolved is None or resolved is od_config.diffusers_pipeline_cls:
-        from diffusers import DiffusionPipeline
+        from diffusers import DiffusionPipeline  # as the adapter: diffusers' own class lookup
 
-        resolved = resolved or DiffusionPipeline
+        resolved = DiffusionPipeline
     pipeline, options, built = build_on_meta(resolved, folder, od_config.dtype, components, variant)
     if options:
         raise PlanError(
-            f"diffusers_load_kwargs names {', '.join(map(repr, sorted(options)))}, which are no components "
-            f"of {type(pipeline).__name__}; drop them"
+            f"diffusers_load_kwargs names {', '.join(map(repr, sorted(options)))}, which are neither "
+            f"components nor values of {type(pipeline).__name__} (torchferry honours "
+            f"{', '.join(map(repr, LOAD_KWARGS))} besides those); drop them, or drop "
+            'additional_config["offload_backend"] to load with diffusers'
         )
     adapter._pipeline = pipeline
     setattr(adapter, ADAPTER_OPEN, (str(folder), variant, built))
@@ -84,7 +87,10 @@ def load_weights(adapter: Any) -> None:
     adapter._accept_call_kwargs = set(inspect.signature(pipeline.__call__).parameters)
     for flag, method in (("vae_use_slicing", "enable_vae_slicing"), ("vae_use_tiling", "enable_vae_tiling")):
         if getattr(od_config, flag, False):
-            getattr(pipeline, method)()
+            try:  # as the adapter: not every pipeline has a VAE that slices or tiles
+                getattr(pipeline, method)()
+            except Exception as exc:
+                logger.warning("%s() failed for %s: %s", method, type(pipeline).__name__, exc)
     adapter._set_attention_backend()
 
 

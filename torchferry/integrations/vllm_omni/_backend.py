@@ -110,7 +110,7 @@ class TorchferryBackend:
                 "the torchferry offload backend is already enabled; disable() it before enabling it again"
             )
         request = self.request
-        if request.config.strategy == "model_level" and not request.auto and _owns_lifecycle(pipeline):
+        if request.config.strategy == "model_level" and _owns_lifecycle(pipeline):
             self._delegate(pipeline)
             return
         kwargs = request.offload_kwargs()
@@ -131,6 +131,14 @@ class TorchferryBackend:
         logger.info("torchferry serves the pipeline: %s", self.session.running_policy)
 
     def _delegate(self, pipeline: Any) -> None:
+        if self.request.given:
+            raise PlanError(
+                f"{type(pipeline).__name__} owns its model-level lifecycle (enable_omni_model_cpu_offload), "
+                "so under enable_cpu_offload=True vLLM-Omni's rule hands it the offload, and torchferry "
+                f'serves none of additional_config["torchferry"] '
+                f"({', '.join(map(repr, sorted(self.request.given)))}); drop them, or use "
+                "enable_layerwise_offload=True, which torchferry serves"
+            )
         components = self.request.config.components
         options: dict[str, Any] = {
             "device": self.device,
@@ -142,7 +150,10 @@ class TorchferryBackend:
         try:
             pipeline.enable_omni_model_cpu_offload(**options)
         except BaseException:
-            pipeline.disable_omni_model_cpu_offload()
+            try:
+                pipeline.disable_omni_model_cpu_offload()
+            except BaseException:  # the enable failure is the one to raise; this one is logged
+                logger.exception("model-level cleanup failed after enable_omni_model_cpu_offload failed")
             raise
         self.delegated = pipeline
         self.enabled = True

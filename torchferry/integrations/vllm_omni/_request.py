@@ -102,6 +102,8 @@ class EngineRequest:
     config: OffloadConfig
     auto: bool = False
     spill: str | None = None
+    #: The keys of ``additional_config["torchferry"]`` given (a delegated pipeline serves none of them).
+    given: frozenset[str] = frozenset()
 
     def offload_kwargs(self) -> dict[str, Any]:
         """The keywords of `torchferry.offload` (and `torchferry.from_pretrained`) for this request.
@@ -287,4 +289,4 @@ def engine_request(settings: EngineSettings) -> EngineRequest:
             "True (model-level), enable_distributed_layerwise_offload=True, or diffusion_offload_config"
         )
     config, auto, spill = _own_options(config, options)
-    return EngineRequest(config=config, auto=auto, spill=spill)
+    return EngineRequest(config=config, auto=auto, spill=spill, given=frozenset(options))
