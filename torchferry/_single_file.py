@@ -29,6 +29,7 @@ from torchferry._errors import PlanError
 from torchferry._session import Session, offload
 from torchferry.runtime import meta_parameters, model_entries
 from torchferry.topology import (
+    GGUF_CONFIG_FIX,
     GIVE_CONFIG,
     GGUFEntry,
     InferredModel,
@@ -153,8 +154,12 @@ def model_on_meta(
         with meta_parameters():
             model: nn.Module = model_class.from_config(values)
     except Exception as exc:
-        if inferred is None:
-            raise
+        if inferred is None:  # a config.json of wrong types or values: diffusers' own error, worded
+            raise PlanError.worded(
+                f"{file}: the configuration given does not build {model_class.__name__} "
+                f"({type(exc).__name__}: {exc}); ",
+                GGUF_CONFIG_FIX,
+            ) from None
         raise PlanError.worded(
             f"{file}: the {inferred.class_name} configuration inferred from its tensors ({inferred.layout}) "
             f"does not build ({type(exc).__name__}: {exc}); ",

@@ -279,6 +279,23 @@ def test_a_model_not_built_for_the_file_is_refused_with_every_problem(
         torchferry.offload(model, checkpoint=str(path), device="cpu")
 
 
+@pytest.mark.parametrize(
+    ("field", "value"), [("num_layers", "3"), ("ffn_dim", -256), ("num_attention_heads", None)]
+)
+def test_a_config_of_wrong_types_or_values_is_refused_in_words(
+    small: tuple[Path, Path, torch.Tensor], field: str, value: object
+) -> None:
+    """A config whose field diffusers cannot build a model from (a string count, a negative width, a
+    missing head count) is a PlanError naming the file and diffusers' reason, not diffusers' own
+    TypeError or torch's RuntimeError."""
+    path, _, _ = small
+    config = {**gguf_files.WAN_GGUF, field: value}
+    start = f"{path}: the configuration given does not build WanTransformer3DModel ("
+    with pytest.raises(torchferry.PlanError, match="^" + re.escape(start)) as caught:
+        torchferry.from_single_file(diffusers.WanTransformer3DModel, path, config=config, device="cpu")
+    assert str(caught.value).endswith("or leave config= out to infer it from the file")
+
+
 def test_a_config_the_file_does_not_fill_is_refused_naming_tensor_shapes_and_field(
     small: tuple[Path, Path, torch.Tensor],
 ) -> None:

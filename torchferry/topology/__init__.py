@@ -36,6 +36,7 @@ from torchferry.topology._gguf import GGUFEntry as GGUFEntry
 from torchferry.topology._gguf import is_gguf as is_gguf
 from torchferry.topology._gguf import parse_gguf as parse_gguf
 from torchferry.topology._gguf import read_gguf as read_gguf
+from torchferry.topology._gguf_fit import GGUF_CONFIG_FIX as GGUF_CONFIG_FIX
 from torchferry.topology._gguf_fit import check_gguf_fits as check_gguf_fits
 from torchferry.topology._gguf_layouts import GGUF_LAYOUTS as GGUF_LAYOUTS
 from torchferry.topology._gguf_layouts import GIVE_CONFIG as GIVE_CONFIG
