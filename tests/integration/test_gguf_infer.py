@@ -242,3 +242,27 @@ def test_hostile_shapes_and_indices_are_refused_naming_them() -> None:
         torchferry.PlanError, match=r"patch_embedding\.weight has shape \[256, 16\], not a 3-d"
     ):
         infer_gguf_model("x.gguf", _header(flat))
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "said"),
+    [
+        ("patch_embedding.weight", (256, 0, 1, 2, 2), "in_channels=0"),
+        ("text_embedding.0.weight", (256, 0), "text_dim=0"),
+        ("blocks.0.ffn.0.weight", (0, 256), "ffn_dim=0"),
+    ],
+)
+def test_a_zero_width_read_from_a_shape_is_refused(name: str, shape: tuple[int, ...], said: str) -> None:
+    """A tensor with a zero dimension gives a zero width (in_channels, text_dim, ffn_dim): refused by
+    name at inference, not planned as a model that fails at its first forward."""
+    base = {
+        "head.modulation": (1, 2, 256),
+        "patch_embedding.weight": (256, 4, 1, 2, 2),
+        "blocks.0.self_attn.q.weight": (256, 256),
+        "head.head.weight": (16, 256),
+        "text_embedding.0.weight": (256, 16),
+        "time_embedding.0.weight": (256, 16),
+        "blocks.0.ffn.0.weight": (256, 256),
+    }
+    with pytest.raises(torchferry.PlanError, match=re.escape(f"(its tensors give {said}, and a width")):
+        infer_gguf_model("x.gguf", _header({**base, name: shape}))

@@ -84,6 +84,16 @@ def _count(shapes: Shapes, prefix: str) -> int:
     return len(found)
 
 
+def _positive(config: dict[str, Any]) -> dict[str, Any]:
+    """``config``, once every width and count read from a shape is positive (a zero dimension reads as
+    an empty model that fails at its first forward, not here)."""
+    for key, value in config.items():
+        values = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, int) and not isinstance(v, bool) and v <= 0 for v in values):
+            raise ValueError(f"its tensors give {key}={value!r}, and a width or count must be positive")
+    return config
+
+
 def _divide(total: int, part: int, what: str) -> int:
     if part <= 0 or total <= 0 or total % part:
         raise ValueError(f"{what}: {total} is not a positive multiple of {part}")
@@ -258,7 +268,7 @@ def infer_gguf_model(
         if not all(m in shapes for m in layout.markers):
             continue
         try:
-            config = layout.infer(shapes)
+            config = _positive(layout.infer(shapes))
         except (KeyError, ValueError, IndexError) as exc:
             why = f"it has no tensor {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
             raise PlanError.worded(
