@@ -214,18 +214,22 @@ def test_known_models_are_inferred_from_full_size_headers() -> None:
             assert infer_gguf_model("x.gguf", _header(shapes)).config == published, model_id
 
 
+#: The smallest set of tensors Wan's original names infer a configuration from (one block).
+ONE_BLOCK_WAN: dict[str, tuple[int, ...]] = {
+    "head.modulation": (1, 2, 256),
+    "patch_embedding.weight": (256, 4, 1, 2, 2),
+    "blocks.0.self_attn.q.weight": (256, 256),
+    "head.head.weight": (16, 256),
+    "text_embedding.0.weight": (256, 16),
+    "time_embedding.0.weight": (256, 16),
+    "blocks.0.ffn.0.weight": (256, 256),
+}
+
+
 def test_hostile_shapes_and_indices_are_refused_naming_them() -> None:
     """A block index far past the others (which would build a hundred million blocks), and a patch
     embedding of the wrong rank, are refused by name; no model is built."""
-    base = {
-        "head.modulation": (1, 2, 256),
-        "patch_embedding.weight": (256, 4, 1, 2, 2),
-        "blocks.0.self_attn.q.weight": (256, 256),
-        "head.head.weight": (16, 256),
-        "text_embedding.0.weight": (256, 16),
-        "time_embedding.0.weight": (256, 16),
-        "blocks.0.ffn.0.weight": (256, 256),
-    }
+    base = dict(ONE_BLOCK_WAN)
     assert infer_gguf_model("x.gguf", _header(base)).config["num_layers"] == 1
     far = {**base, "blocks.99999999.ffn.0.weight": (256, 256)}
     with pytest.raises(
@@ -255,14 +259,6 @@ def test_hostile_shapes_and_indices_are_refused_naming_them() -> None:
 def test_a_zero_width_read_from_a_shape_is_refused(name: str, shape: tuple[int, ...], said: str) -> None:
     """A tensor with a zero dimension gives a zero width (in_channels, text_dim, ffn_dim): refused by
     name at inference, not planned as a model that fails at its first forward."""
-    base = {
-        "head.modulation": (1, 2, 256),
-        "patch_embedding.weight": (256, 4, 1, 2, 2),
-        "blocks.0.self_attn.q.weight": (256, 256),
-        "head.head.weight": (16, 256),
-        "text_embedding.0.weight": (256, 16),
-        "time_embedding.0.weight": (256, 16),
-        "blocks.0.ffn.0.weight": (256, 256),
-    }
+    base = dict(ONE_BLOCK_WAN)
     with pytest.raises(torchferry.PlanError, match=re.escape(f"(its tensors give {said}, and a width")):
         infer_gguf_model("x.gguf", _header({**base, name: shape}))
