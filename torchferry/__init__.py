@@ -11,10 +11,9 @@ from torchferry._errors import (
     ScheduleError,
     TorchferryDeprecationWarning,
 )
-from torchferry._pretrained import from_pretrained
-from torchferry._session import Session, SessionReport, offload, session_of
-from torchferry._single_file import from_single_file
+from torchferry.load import from_pretrained, from_single_file
 from torchferry.runtime import meta_parameters
+from torchferry.session import Session, SessionReport, offload, session_of
 
 __version__ = "0.1.0"
 

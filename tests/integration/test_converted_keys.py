@@ -25,8 +25,8 @@ from tiny import fresh_storage
 
 import torchferry
 from torchferry import PlanError, topology
-from torchferry._pretrained import pipeline_on_meta
 from torchferry.cli import main
+from torchferry.load._pretrained import pipeline_on_meta
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")

@@ -370,7 +370,7 @@ def test_without_the_input_hooks_the_probe_sees_host_tensors(monkeypatch: pytest
 
         def remove(self) -> None: ...
 
-    monkeypatch.setattr(torchferry._session, "Inputs", Nothing)
+    monkeypatch.setattr(torchferry.session._session, "Inputs", Nothing)
     off: list[str] = []
     with pytest.raises(RuntimeError):  # some op then meets a meta weight with a CPU input and refuses
         _probed_meta_call(toy.wan_pipeline(), off, {})

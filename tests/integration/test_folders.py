@@ -299,7 +299,7 @@ def test_from_pretrained_keeps_a_tie_stored_under_its_later_name(tmp_path: Path)
 
 def test_from_pretrained_builds_every_model_on_meta(tmp_path: Path) -> None:
     """Before the session reads the files, every parameter of every model component is on meta."""
-    from torchferry._pretrained import build_on_meta
+    from torchferry.load._pretrained import build_on_meta
 
     folder = _save(_flux_pipeline(), tmp_path / "flux", True)
     pipe, options, built = build_on_meta(diffusers.FluxPipeline, folder, None, {"device": "cpu"})

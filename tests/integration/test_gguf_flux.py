@@ -108,7 +108,7 @@ def test_fused_qkv_is_read_as_row_ranges_of_the_quantized_tensor(
 
 def gguf_flux_model(path: Path, config: Path) -> nn.Module:
     """The model torchferry builds on meta for the file."""
-    from torchferry._single_file import model_on_meta
+    from torchferry.load._single_file import model_on_meta
 
     return model_on_meta(diffusers.FluxTransformer2DModel, path, config=config)
 

@@ -96,7 +96,7 @@ def test_from_single_file_without_config_equals_diffusers_with_it(files: dict[st
         diffusers.WanTransformer3DModel, path, device="cpu", strategy="layerwise"
     ) as session:
         assert torch.equal(gguf_files.call(session.pipeline), expected)
-    from torchferry._single_file import model_on_meta
+    from torchferry.load._single_file import model_on_meta
 
     assert type(model_on_meta(None, path)) is diffusers.WanTransformer3DModel  # the class from the file
     with pytest.raises(

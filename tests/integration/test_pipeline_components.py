@@ -16,7 +16,7 @@ from torch import nn
 
 import torchferry
 from torchferry import PlanError, topology
-from torchferry._pretrained import _class
+from torchferry.load._pretrained import _class
 from torchferry.topology import FolderComponent
 
 diffusers = pytest.importorskip("diffusers")

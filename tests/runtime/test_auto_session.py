@@ -13,7 +13,7 @@ from module_checks import hook_count, same_weights
 
 import torchferry
 from torchferry import PlanError, policies
-from torchferry._chooser import SessionReport
+from torchferry.session._chooser import SessionReport
 from torchferry.testing import toy
 
 
@@ -315,8 +315,8 @@ def test_a_saved_profile_is_used_only_on_the_device_it_was_measured_on(
     """The session's starting figures come from a saved profile only when it was measured on this
     device: its type, its name and this machine. A GPU's profile says nothing about the CPU and back,
     nor one of another GPU model, another machine, or a profile that does not say where it was made."""
-    from torchferry._chooser import base_profile
     from torchferry.runtime import host_name, save_profile
+    from torchferry.session._chooser import base_profile
 
     monkeypatch.setenv("TORCHFERRY_PROFILE", str(tmp_path / "profile.json"))
     other = policies.DeviceProfile(
@@ -351,8 +351,8 @@ def test_a_saved_profile_of_another_device_still_gives_this_machines_read_rates(
 ) -> None:
     """A CUDA profile with `probe PATH`'s read rates gives a CPU session those rates (the drive's) over
     the CPU class's other figures; a profile from another machine gives none."""
-    from torchferry._chooser import base_profile
     from torchferry.runtime import host_name, save_profile
+    from torchferry.session._chooser import base_profile
 
     monkeypatch.setenv("TORCHFERRY_PROFILE", str(tmp_path / "profile.json"))
     gpu = policies.DeviceProfile(

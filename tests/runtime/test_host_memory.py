@@ -272,7 +272,7 @@ def test_a_memory_cgroup_smaller_than_the_model(tmp_path: Path) -> None:
 def test_the_report_shows_a_finite_memlock_limit_and_leaves_out_an_unlimited_one() -> None:
     """A finite RLIMIT_MEMLOCK is a `memlock` line of the report with its source; an unlimited one
     (None) adds no line; the planned host bytes show only where they differ from the peak."""
-    from torchferry._chooser import SessionReport
+    from torchferry.session._chooser import SessionReport
 
     base = SessionReport(
         budget=None, budget_source="none given", h2d_bytes_per_s=None, h2d_source="", policy="layerwise",

@@ -27,7 +27,7 @@ from module_checks import hook_count
 
 import torchferry
 from torchferry import OffloadWarning, policies, topology
-from torchferry._session import Session
+from torchferry.session._session import Session
 from torchferry.testing import toy
 from torchferry.topology import Plan
 

@@ -108,7 +108,7 @@ def _built(path: str) -> Topology | None:
     """The topology of the folder's pipeline built on the meta device as `from_pretrained` builds it
     (what a session holds: non-persistent buffers included), or ``None`` when it cannot be built here
     (diffusers missing, a class it lacks, a component it cannot build on meta)."""
-    from torchferry._pretrained import pipeline_on_meta
+    from torchferry.load import pipeline_on_meta
 
     try:
         with warnings.catch_warnings():
@@ -144,7 +144,7 @@ def _gguf(model: str, compute_dtype: str | None = None) -> Topology | None:
     its layers computing in ``compute_dtype`` (default float32); ``None`` when ``model`` is neither."""
     import torch
 
-    from torchferry._single_file import gguf_source, model_on_meta
+    from torchferry.load import gguf_source, model_on_meta
 
     source = gguf_source(model)
     if source is None:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 from torchferry._errors import PlanError
-from torchferry._pretrained import build_on_meta, resolve_folder
 from torchferry.integrations.vllm_omni._backend import ADAPTER_OPEN
 from torchferry.integrations.vllm_omni._request import engine_request, read_settings, selects_torchferry
+from torchferry.load import build_on_meta, resolve_folder
 
 __all__ = ["load_weights", "patch_adapter"]
 

@@ -33,8 +33,8 @@ import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
-from torchferry._session import Session, offload
 from torchferry.integrations.vllm_omni._request import EngineRequest
+from torchferry.session import Session, offload
 from torchferry.topology import Declaration
 
 __all__ = ["ADAPTER_OPEN", "TorchferryBackend", "backend_class", "declaration_of", "engine_group"]

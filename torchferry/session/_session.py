@@ -19,18 +19,8 @@ from typing import Any
 import attrs
 import torch
 
-from torchferry import _served, policies, runtime, topology
-from torchferry._chooser import Chooser, SessionReport, named_report
+from torchferry import policies, runtime, topology
 from torchferry._errors import ExecutionError, PlanError
-from torchferry._options import (
-    budget_options,
-    check_pipeline,
-    check_variant,
-    is_auto,
-    offload_config,
-    positional,
-    target_device,
-)
 from torchferry.policies import Placement, Policy, Schedule, Step
 from torchferry.runtime import (
     CLAIMS,
@@ -44,6 +34,17 @@ from torchferry.runtime import (
     Watch,
     prove,
     refuse_foreign,
+)
+from torchferry.session import _served
+from torchferry.session._chooser import Chooser, SessionReport, named_report
+from torchferry.session._options import (
+    budget_options,
+    check_pipeline,
+    check_variant,
+    is_auto,
+    offload_config,
+    positional,
+    target_device,
 )
 from torchferry.topology import Declaration, OffloadConfig, Plan
 

@@ -36,10 +36,9 @@ import torch
 from torch import nn
 
 from torchferry._errors import PlanError
-from torchferry._options import unknown_options
-from torchferry._prequantized import quantization_method, quantize_on_meta
-from torchferry._session import Session, offload
+from torchferry.load._prequantized import quantization_method, quantize_on_meta
 from torchferry.runtime import keep_lists, meta_parameters
+from torchferry.session import Session, offload, unknown_options
 from torchferry.topology import (
     FolderComponent,
     OffloadConfig,

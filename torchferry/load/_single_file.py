@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from torchferry._errors import PlanError
-from torchferry._session import Session, offload
 from torchferry.runtime import meta_parameters, model_entries
+from torchferry.session import Session, offload
 from torchferry.topology import (
     GGUF_CONFIG_FIX,
     GIVE_CONFIG,
