@@ -1,4 +1,5 @@
-"""The layers' dependency direction: runtime -> policies -> topology, never back (docs/architecture.md)."""
+"""The layers' dependency direction: load -> session -> runtime -> policies -> topology, never back
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -44,16 +45,22 @@ PACKAGES = sorted(
 )
 #: The runtime's rooms, lowest first: a room imports only rooms before it (docs/architecture.md).
 RUNTIME_ORDER = ["device", "interop", "memory", "files", "machine", "store", "executor", "guard"]
+#: The package's layers and the root's rooms, lowest first: each imports only those before it. The
+#: error family (`torchferry/_errors.py`) sits below them all; cli/, testing/ and integrations/ are
+#: leaves above them (docs/architecture.md).
+PACKAGE_ORDER = ["topology", "policies", "runtime", "session", "load"]
 
 
 @pytest.mark.parametrize("layer", ["topology", "policies"])
 def test_pure_layers_never_import_the_runtime(layer: str) -> None:
-    """Nothing in topology/ or policies/ imports the runtime, the session or torch.distributed."""
+    """Nothing in topology/ or policies/ imports the runtime, the session, loading or torch.distributed."""
     offenders = {
         str(path.relative_to(PACKAGE)): sorted(
             name
             for name in _imports(path)
-            if name.startswith(("torchferry.runtime", "torchferry._session", "torch.distributed"))
+            if name.startswith(
+                ("torchferry.runtime", "torchferry.session", "torchferry.load", "torch.distributed")
+            )
         )
         for path in _modules(layer)
     }
@@ -140,6 +147,45 @@ def test_runtime_rooms_import_one_way() -> None:
     assert {k: v for k, v in upward.items() if v} == {}
 
 
+def _reached(path: Path) -> set[str]:
+    """The layers and rooms of ``PACKAGE_ORDER`` that ``path`` imports, at run time or for type checking
+    (``from torchferry import runtime`` reaches the runtime as ``import torchferry.runtime`` does)."""
+    names = _imports(path)
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module == "torchferry" and node.level == 0:
+            names.update(f"torchferry.{alias.name}" for alias in node.names)
+    return {
+        parts[1] for name in names if len(parts := name.split(".")) > 1 and parts[0] == "torchferry"
+    } & set(PACKAGE_ORDER)
+
+
+def test_layers_and_root_rooms_import_one_way() -> None:
+    """topology/ <- policies/ <- runtime/ <- session/ <- load/: each imports only those before it, so the
+    root's rooms sit above the runtime and nothing below them reaches back for the session or a loader."""
+    upward = {
+        str(path.relative_to(PACKAGE)): sorted(
+            other
+            for other in _reached(path)
+            if PACKAGE_ORDER.index(other) > PACKAGE_ORDER.index(path.relative_to(PACKAGE).parts[0])
+        )
+        for path in ALL_MODULES
+        if path.relative_to(PACKAGE).parts[0] in PACKAGE_ORDER
+    }
+    assert {k: v for k, v in upward.items() if v} == {}
+
+
+def test_the_order_check_sees_every_form_of_import(tmp_path: Path) -> None:
+    """`_reached` finds a layer through ``from torchferry import x``, ``from torchferry.x import y``
+    and ``import torchferry.x._y``, and ignores names of the root and other packages."""
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from torchferry import _errors, policies\nfrom torchferry.session import offload\n"
+        "import torchferry.load._pretrained\nfrom torchferry.runtime.store import HostStore\n"
+        "import torchferry.cli\nfrom torch import nn\n"
+    )
+    assert _reached(module) == {"policies", "session", "load", "runtime"}
+
+
 def test_no_two_modules_share_a_name() -> None:
     """No two modules of torchferry/ have one name: a reader finds a module by its name alone."""
     seen: dict[str, list[str]] = {}
@@ -158,8 +204,8 @@ def test_no_two_modules_share_a_name() -> None:
     ],
 )
 def test_cli_and_testing_are_leaves(leaf: str, allowed: set[str]) -> None:
-    """Nothing in the layers or the session imports ``torchferry.cli``, ``torchferry.testing`` or
-    ``torchferry.integrations``."""
+    """Nothing in the layers, the session or loading imports ``torchferry.cli``, ``torchferry.testing``
+    or ``torchferry.integrations``."""
     offenders = sorted(
         str(path.relative_to(PACKAGE))
         for path in ALL_MODULES
@@ -303,7 +349,7 @@ def test_imports_become_edges_where_their_packages_meet() -> None:
         "torchferry.runtime.store",
         "torchferry.runtime",
     )
-    assert _lifted("torchferry._session", "torchferry._session") is None
+    assert _lifted("torchferry.session._session", "torchferry.session._session") is None
     graph = {"runtime.executor": {"runtime.guard"}, "runtime.guard": {"runtime.executor"}}
     assert _cycles(graph) == [["runtime.executor", "runtime.guard"]]
 
@@ -324,9 +370,10 @@ def _called(path: Path) -> set[str]:
 
 def test_the_runtime_calls_no_planner_and_the_root_measures_no_device() -> None:
     """Issue 39: the runtime carries out what `policies.open_plan` decided (no module under runtime/
-    calls a planner), and no root module reads the device's free memory (the runtime's fact readers do)."""
+    calls a planner), and no module of the root or its rooms (session/, load/) reads the device's free
+    memory (the runtime's fact readers do)."""
     modules = (PACKAGE / "runtime").rglob("*.py")
     runtime = {p.relative_to(PACKAGE).as_posix(): _called(p) & PLANNERS for p in modules}
     assert {k: v for k, v in runtime.items() if v} == {}
-    root = {p.name: "mem_get_info" in _called(p) for p in PACKAGE.glob("*.py")}
-    assert [name for name, measures in root.items() if measures] == []
+    root = [*PACKAGE.glob("*.py"), *(PACKAGE / "session").rglob("*.py"), *(PACKAGE / "load").rglob("*.py")]
+    assert [p.relative_to(PACKAGE).as_posix() for p in root if "mem_get_info" in _called(p)] == []

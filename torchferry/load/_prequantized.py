@@ -3,7 +3,7 @@
 A folder that diffusers' ``save_pretrained`` wrote for a quantized model carries the quantization
 config in the component's ``config.json`` (``quantization_config``) and the quantized tensors in its
 safetensors files. `quantize_on_meta` gives the model `from_pretrained` built on the meta device
-(`torchferry._pretrained`) the structure diffusers' own load gives it, with every byte still on meta,
+(`torchferry.load._pretrained`) the structure diffusers' own load gives it, with every byte still on meta,
 so the host store and the file tier fill it from the files like any model (docs/quantized.md,
 "Quantized checkpoints"):
 

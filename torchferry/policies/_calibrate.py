@@ -18,7 +18,7 @@ op (its bandwidth is infinite) instead of on a copy stream that would hide them.
 
 Every function here is pure: the state is a frozen `ChooserState`, the fixed inputs a `Calibration`,
 and each returns a new state (optax's ``init``/``update``: `init_chooser`, `observe`);
-``torchferry._chooser`` wires them to the session's tracer and probes.
+``torchferry.session._chooser`` wires them to the session's tracer and probes.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def offload(
 
     ``strategy`` defaults to ``"auto"``: the session picks strategy, depth and resident blocks that
     fit the budget (``device_memory=``, else the device's free memory at open less a margin for
-    activations), measures this machine and re-chooses once calibrated (see `torchferry._chooser`,
+    activations), measures this machine and re-chooses once calibrated (see `torchferry.session._chooser`,
     `Session.report`). A ``config``, a ``policy`` or a ring knob (``prefetch_depth=``) names the
     policy instead. ``config`` (or ``strategy`` and any `OffloadConfig` field as a keyword) says what
     to offload (a strategy name in its place is the strategy: ``offload(pipe, "layerwise")``);
