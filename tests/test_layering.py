@@ -150,10 +150,14 @@ def test_runtime_rooms_import_one_way() -> None:
 def _reached(path: Path) -> set[str]:
     """The layers and rooms of ``PACKAGE_ORDER`` that ``path`` imports, at run time or for type checking
     (``from torchferry import runtime`` reaches the runtime as ``import torchferry.runtime`` does)."""
-    names = _imports(path)
+    names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module == "torchferry" and node.level == 0:
-            names.update(f"torchferry.{alias.name}" for alias in node.names)
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            if node.module == "torchferry":
+                names.update(f"torchferry.{alias.name}" for alias in node.names)
     return {
         parts[1] for name in names if len(parts := name.split(".")) > 1 and parts[0] == "torchferry"
     } & set(PACKAGE_ORDER)
