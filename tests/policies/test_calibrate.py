@@ -131,6 +131,27 @@ def test_measure_splits_a_literal_step_into_compute_host_cost_and_rest() -> None
     assert cpu.host_op_s == pytest.approx(0.002 + 0.004 / ops)
 
 
+
+def test_measure_scales_a_host_fit_larger_than_the_step_down_to_the_wall() -> None:
+    """Gaps that say more host time than the step had beside its blocks (a noisy trace) give host
+    figures scaled down to what there was: no rest, and the figures still add up to the wall."""
+    plan = ring_plan(4, MiB)
+    schedule = policies.layerwise(depth=1)(plan, Step(component="transformer", index=1))
+    blocks = [f"transformer.blocks.{i}" for i in range(4)]
+    spans, t = [], 0.0
+    for i, label in enumerate(blocks):
+        t += 0.004 if i else 0.0
+        spans.append(Span(stream="compute", kind="compute", label=label, start_s=t, end_s=t + 0.010))
+        t += 0.010
+    wall = 4 * 0.010 + 0.003  # less than the 12 ms the three gaps alone hold
+    figures = policies.measure(
+        _Trace(schedule=schedule, clock="cuda events", wall_s=wall, spans=tuple(spans)), plan
+    )
+    ops = len(schedule.ops)
+    assert figures.rest_s == 0.0 and figures.host_block_s >= 0 and figures.host_op_s >= 0
+    total = sum(figures.block_s.values()) + figures.host_block_s * 4 + figures.host_op_s * ops
+    assert total == pytest.approx(wall, rel=1e-9)
+
 def test_predicted_step_of_a_whole_component_schedule_adds_its_blocks() -> None:
     """A schedule anchoring no block (none()) is simulated plus its blocks' compute and hooks."""
     plan = ring_plan(4, MiB)

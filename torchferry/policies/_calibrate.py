@@ -125,7 +125,9 @@ def measure(trace: Traced, plan: Plan) -> Measured:
     two blocks' ends and the ops anchored there): ``gap = host_block + ops x host_op`` (`fit`). On the
     CPU (``clock == "host clock"``) the copies inside a gap are taken out first and then spread over
     the step's ops (they run on the compute thread). The remainder is what the step took beyond its
-    blocks, stalls and host cost.
+    blocks, stalls and host cost; where the fitted host cost is more than the step had beside its
+    blocks and stalls, both host figures are scaled down to it, so the figures always add up to the
+    step's wall time.
     """
     schedule = trace.schedule
     component = schedule.step.component
@@ -153,7 +155,13 @@ def measure(trace: Traced, plan: Plan) -> Measured:
         host_op += sum(s.duration_s for s in copies) / ops
     compute = sum(s.duration_s for s in blocks)
     stall = sum(s.duration_s for s in stalls)
-    rest = trace.wall_s - compute - stall - host_block * len(blocks) - host_op * ops
+    host = host_block * len(blocks) + host_op * ops
+    rest = trace.wall_s - compute - stall - host
+    if rest < 0 and host > 0:
+        # The fit charged more host time than the step had beside its blocks (noise on a busy
+        # machine): scale the host figures down to what there was, so the figures add up to the wall.
+        scale = max(trace.wall_s - compute - stall, 0.0) / host
+        host_block, host_op, rest = host_block * scale, host_op * scale, 0.0
     per_block: dict[str, float] = {}
     for s in blocks:
         per_block[s.label] = per_block.get(s.label, 0.0) + s.duration_s
