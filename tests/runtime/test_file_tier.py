@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchferry import ExecutionError, PlanError, runtime, topology
+from torchferry import ExecutionError, runtime, topology
 from torchferry.policies import Op, Schedule, Slot, Step, rest_unit
 from torchferry.runtime.store._file_tier import TierLayout
 from torchferry.testing import toy
@@ -129,19 +129,20 @@ def test_file_ring_bit_identical_and_views_between_uses(saved: Path) -> None:
 
 
 @torch.no_grad()
-def test_file_tier_needs_a_checkpoint(saved: Path) -> None:
-    """A pipeline built in memory with no checkpoint cannot have a file tier: PlanError naming the
-    units and the remedies (checkpoint=, spill=, host_memory=), and nothing is changed."""
+def test_a_file_tier_with_nothing_to_read_it_from_is_a_bug_the_engine_names(saved: Path) -> None:
+    """A layout the open planner refuses (file-tier packs of a pipeline built in memory, no checkpoint
+    nor spill) reaching the engine is an ExecutionError calling it a bug and naming the packs, raised
+    before anything is changed."""
     p = toy.build(0)
     plan = _plan(p, None)
     before = p.transformer.blocks[0].q.weight
     message = (
-        "the plan keeps 8 pack(s) (transformer.blocks.0, transformer.blocks.1, transformer.blocks.2, ...) "
-        "in the file tier (read on demand from the checkpoint), and this pipeline was built in memory with "
-        "no checkpoint; pass checkpoint=<its safetensors> to read them from, spill=<a folder> to write "
-        "them there once and read them back, or raise host_memory="
+        "the file tier names 8 pack(s) (transformer.blocks.0, transformer.blocks.1, "
+        "transformer.blocks.2, ...) and nothing to read them from (no checkpoint nor spill): a torchferry "
+        "bug, or a TierLayout that policies.open_plan did not decide (it refuses both: needs_source, "
+        "unfiled); lay the file tier out from the open plan's tiers"
     )
-    with pytest.raises(PlanError, match=re.escape(message)):
+    with pytest.raises(ExecutionError, match=re.escape(message)):
         runtime.Engine(p, plan, device="cpu", tier=_layout(plan))
     assert p.transformer.blocks[0].q.weight is before and before.untyped_storage().data_ptr() != 0
 

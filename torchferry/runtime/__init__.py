@@ -40,6 +40,7 @@ from torchferry.runtime.machine import host_name as host_name
 from torchferry.runtime.machine import load_profile, probe, profile_path, save_profile
 from torchferry.runtime.memory import PackState as PackState
 from torchferry.runtime.store import HostPlan as HostPlan
+from torchferry.runtime.store import exchange_budgets as exchange_budgets
 from torchferry.runtime.store import host_figures as host_figures
 from torchferry.runtime.store import host_side as host_side
 from torchferry.runtime.store import open_tier as open_tier

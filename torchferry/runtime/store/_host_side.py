@@ -1,15 +1,17 @@
-"""Preflight: the facts the host planner needs, read once before planning, and the proof, before
-anything is read, pinned or moved, that what the session holds in host memory fits its budget.
+"""The host side of a session's open: the facts the open planner reads, read once; the one exchange
+of host budgets a process group needs; the file tier laid out as the open plan decided it (its spill
+written); and the host figures a report shows.
 
-[Note: preflight]
-`host_plan` reads the facts, and `policies.host_plan` decides (see [Note: the host planner]): the
-machine's `HostFacts` (`runtime.machine.host_facts`: every bound on host memory, the locked-memory
-limit, the pipeline's own CPU bytes, the read mode) and the plan's `StoreFacts` (`store_facts`:
-float32 tensors the checkpoint stores in 16 bits, tensors stored with other strides, components
-that keep their own weights). Every byte the host holds is then counted by `policies.tiers` as it
-chooses (no budget is lowered after the fact), so `preflight` only proves the same figure and the
-locked-memory limit of a pinner held to it, and names the budget's source in a refusal. Under a
-process group the ranks exchange their budgets first and every rank plans against the least.
+[Note: the host side]
+Nothing here decides (see [Note: the open planner]). `read_facts` reads what the machine, the device,
+the module and the checkpoint are (`runtime.machine.host_facts`: every bound on host memory, the
+locked-memory limit and whether this device's pinner is held to it, the pipeline's own CPU bytes, the
+read mode; `store_facts`: float32 tensors the checkpoint stores in 16 bits, tensors stored with other
+strides, components that keep their own weights). `policies.open_plan` decides the budgets, the tiers,
+whether the store pins, and every refusal. Under a process group the ranks exchange the budget each
+offers (`policies.offered_budget`) with `exchange_budgets`, the only collective before planning, and
+every rank plans against the least. `open_tier` then carries the decided tiers out: it makes the spill
+folder and writes a pipeline built in memory's file-tier packs there once.
 """
 
 from __future__ import annotations
@@ -23,18 +25,11 @@ import torch
 
 from torchferry import policies
 from torchferry._errors import PlanError
-from torchferry.policies import (
-    HostBudget,
-    HostBudgetTooSmall,
-    Tiers,
-    format_bytes,
-    group_specs,
-    tiers,
-)
+from torchferry.policies import HostBudget, Tiers
 from torchferry.runtime.files import WIDENED_FROM, agreed, open_checkpoint, spill, spill_folder
 from torchferry.runtime.interop import kept_in_float32
 from torchferry.runtime.machine import host_facts
-from torchferry.runtime.memory import CudaPinner, HostPinner, contiguous_strides, dense_strides
+from torchferry.runtime.memory import CudaPinner, contiguous_strides, dense_strides
 from torchferry.runtime.store._file_tier import READ_MODE_ENV, TierLayout
 from torchferry.runtime.store._store import HostStore
 from torchferry.topology import KeyMap, Plan, StoreFacts, Topology, find_attr
@@ -44,21 +39,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HostPlan",
+    "exchange_budgets",
     "host_figures",
     "host_side",
     "module_bytes",
     "open_tier",
-    "preflight",
     "read_facts",
     "store_facts",
     "strided_names",
     "widened",
     "widened_names",
 ]
-
-
-def _size(n: int) -> str:
-    return format_bytes(n, exact=False)
 
 
 def module_bytes(pipeline: Any, topology: Topology) -> int:
@@ -91,31 +82,34 @@ def _text(value: Any) -> str:
     return repr(value)
 
 
-def _group_least(budget: HostBudget, group: Any, device: torch.device, plan: Plan) -> int:
-    """The least budget of the ranks of ``group``, once they are found to ask for the same plan
-    (`Comm.agree_request`, the session's first collective), so every rank plans the same tiers;
-    ``None`` (no machine limit) counts as the largest."""
+def exchange_budgets(offered: HostBudget, group: Any, device: torch.device | None, plan: Plan) -> int:
+    """The least host budget the ranks of ``group`` offer (each its `policies.offered_budget`), once
+    they are found to ask for the same plan (`Comm.agree_request`, the session's first collective), so
+    every rank plans the same tiers; ``None`` (no machine limit) counts as the largest."""
     from torchferry.runtime.device import Comm
 
-    mine = policies.NO_LIMIT if budget.bytes is None else min(budget.bytes, policies.NO_LIMIT)
+    mine = policies.NO_LIMIT if offered.bytes is None else min(offered.bytes, policies.NO_LIMIT)
     # What the plan is (its digest's options), and the two runtime options that shape the collectives;
     # the others (budgets, the checkpoint's path, pinning) may differ between ranks.
     asked = plan.config.request
     request = {f.name: _text(getattr(asked, f.name)) for f in attrs.fields(type(asked))}
     request.update((k, _text(getattr(plan.config, k))) for k in ("prefetch_depth", "chunk_bytes"))
-    return min(Comm(group, device).agree_request(request, mine))
+    target = torch.device("cpu") if device is None else device
+    return min(Comm(group, target).agree_request(request, mine))
 
 
 @attrs.frozen(kw_only=True)
 class HostPlan:
-    """The host side of a session: the budget (and where it came from), what the page cache can keep
-    beside torchferry's buffers (for choosing direct I/O; ``None``: unknown), the spill folder, and
-    the tiers the host planner chose (the whole host figure)."""
+    """The host side of a session as `policies.open_plan` decided it: the budget (and where it came
+    from), the tiers (the whole host figure), what the page cache can keep beside torchferry's buffers
+    (for choosing direct I/O; ``None``: unknown), whether the store pins, and the spill folder."""
 
     budget: HostBudget
-    cache_bytes: int | None
+    tiers: Tiers
+    cache_bytes: int | None = None
+    #: Whether the host store pins its buffers (`OpenPlan.pin`): the engine and the pinner read it.
+    pin: bool = False
     spill: str | None = None
-    tiers: Tiers | None = None
     #: On a device that shares host memory, the device budget taken from the host's, and its source.
     device_bytes: int | None = None
     device_source: str = ""
@@ -144,21 +138,20 @@ def read_facts(
     pipeline: Any,
     plan: Plan,
     *,
-    group: Any = None,
     device: torch.device | None = None,
     prefix_map: Mapping[str, str] | None = None,
     variant: str | None = None,
     own: frozenset[str] = frozenset(),
-) -> tuple[policies.Facts, int | None]:
+) -> policies.Facts:
     """Read every fact the open planner needs, once (see [Note: the open planner]): the machine's
-    (`runtime.machine.host_facts`, with the read mode `READ_MODE_ENV` sets), the device's (its free
-    memory), the module's and the checkpoint's (`store_facts`, through the key map ``prefix_map``);
-    and under a process group the least host budget of its ranks (a collective), else ``None``."""
+    (`runtime.machine.host_facts`, with the read mode `READ_MODE_ENV` sets, and whether this device's
+    pinner, CUDA's page-locking, is held to ``RLIMIT_MEMLOCK``), the device's (its free memory), the
+    module's and the checkpoint's (`store_facts`, through the key map ``prefix_map``)."""
     target = torch.device("cpu") if device is None else device
     copied = plan.config.checkpoint is None
     host = host_facts(
         module_bytes=module_bytes(pipeline, plan.topology) if copied and pipeline is not None else 0,
-        pins_locked=plan.config.pin_memory and target.type == "cuda" and CudaPinner.memlock,
+        pins_locked=target.type == "cuda" and CudaPinner.memlock,
         read_mode=os.environ.get(READ_MODE_ENV, "auto").strip().lower(),
     )
     free = torch.cuda.mem_get_info(target)[0] if target.type == "cuda" else None
@@ -167,23 +160,18 @@ def read_facts(
         device=policies.DeviceFacts(type=target.type, free_bytes=free),
         store=store_facts(pipeline, plan, prefix_map=prefix_map, variant=variant, own=own),
     )
-    least = None
-    if group is not None:  # every rank plans against the least budget: only the exchange is here
-        given = plan.config.host_memory_bytes
-        machine = policies.machine_budget(host, host.module_bytes) if given is None else None
-        mine = policies.given_budget(given) if given is not None else machine
-        assert mine is not None
-        least = _group_least(mine, group, target, plan)
-    return facts, least
+    return facts
 
 
-def host_side(figure: policies.HostFigure, spill: str | os.PathLike[str] | None) -> HostPlan:
-    """The session's `HostPlan` from the open planner's host figure and the spill folder given."""
+def host_side(opened: policies.OpenPlan, spill: str | os.PathLike[str] | None) -> HostPlan:
+    """The session's `HostPlan` from what the open planner decided and the spill folder given."""
+    figure = opened.host
     return HostPlan(
         budget=figure.budget,
-        cache_bytes=figure.cache_bytes,
-        spill=None if spill is None else os.fspath(spill),
         tiers=figure.tiers,
+        cache_bytes=figure.cache_bytes,
+        pin=opened.pin,
+        spill=None if spill is None else os.fspath(spill),
         device_bytes=figure.device_bytes,
         device_source=figure.device_source,
         read_mode=figure.read_mode,
@@ -246,92 +234,38 @@ def strided_names(pipeline: Any, topo: Topology) -> frozenset[str]:
     return frozenset(found)
 
 
-def preflight(plan: Plan, host: HostPlan, *, pin: bool, memlock: bool, pipeline: Any = None) -> Tiers:
-    """The tiers the store is laid out from, proven (see [Note: the host planner]): every host byte
-    within the budget, pinned bytes within ``RLIMIT_MEMLOCK`` where the pinner (``memlock``:
-    `HostPinner.memlock`) is held to it. ``pipeline`` is unused (the facts are on the plan)."""
-    budget = host.budget
-    try:
-        chosen = tiers(plan)
-    except HostBudgetTooSmall as exc:
-        raise exc.with_source(budget.source) from None
-    if budget.bytes is not None and chosen.host_bytes > budget.bytes:
-        raise PlanError(
-            f"torchferry would hold {_size(chosen.host_bytes)} of host memory, over the host budget of "
-            f"{_size(budget.bytes)} ({budget.source}); " + _remedies(plan)
+def open_tier(pipeline: Any, plan: Plan, host: HostPlan, *, comm: Comm | None = None) -> TierLayout:
+    """The file tier's layout for the engine, as the open planner decided it (``host.tiers``): for a
+    pipeline built in memory, its file-tier packs spilled once into ``host.spill`` (`open_plan`
+    refused a file tier with nothing to read it from: `policies.needs_source`). With ``comm``, every
+    rank learns whether every other could make its spill folder before any writes, so a rank that
+    fails here fails all (each its own error) instead of leaving them waiting in a later collective."""
+    chosen = host.tiers
+    spilled = bool(chosen.file) and plan.config.checkpoint is None
+    if spilled:
+        assert host.spill is not None, (
+            "a torchferry bug: the open plan has a file tier with no checkpoint nor spill= (needs_source)"
         )
-    pinned = chosen.host_bytes - chosen.kept_bytes - chosen.transient_bytes
-    if pin and memlock and budget.locked_bytes is not None and pinned > budget.locked_bytes:
-        raise PlanError(
-            f"torchferry would pin {_size(pinned)} of host memory, over the locked-memory limit "
-            f"of {_size(budget.locked_bytes)} ({budget.locked_source}); raise it (ulimit -l, or the "
-            "container's memlock limit), pass pin_memory=False, or lower host_memory= so fewer bytes are "
-            "pinned"
-        )
-    return chosen
 
-
-def _remedies(plan: Plan) -> str:
-    fixes = ["pass a larger host_memory= if the machine has it"]
-    if plan.config.checkpoint is None:
-        fixes.append(
-            "open from the checkpoint (checkpoint=, or from_pretrained) or pass spill=<a folder>, so the "
-            "file tier can keep packs out of host memory"
-        )
-    fixes.append("keep fewer units resident (resident_layers=0) or stream more components")
-    fixes.append("close other sessions or processes holding host memory")
-    return "remedies: " + "; ".join(fixes)
-
-
-def open_tier(
-    pipeline: Any,
-    plan: Plan,
-    host: HostPlan,
-    *,
-    pin: bool,
-    comm: Comm | None = None,
-    pinner: type[HostPinner] | HostPinner = CudaPinner,
-) -> TierLayout:
-    """`preflight` (held to ``RLIMIT_MEMLOCK`` when ``pinner`` is subject to it), then the file tier's
-    layout for the engine: for a pipeline built in memory, its file-tier packs spilled once into
-    ``host.spill`` (the host planner refused one without it: `policies.needs_source`). With
-    ``comm``, every rank learns whether every other could do each part before any goes on, so a rank
-    that fails here fails all (each its own error) instead of leaving them waiting in a later
-    collective."""
-
-    def check() -> Tiers:
-        chosen = preflight(plan, host, pin=pin, memlock=pinner.memlock, pipeline=pipeline)
-        if chosen.file and plan.config.checkpoint is None:
-            # `policies.host_plan` refused a file tier with nothing to read it from (`needs_source`).
-            assert host.spill is not None, "a torchferry bug: a file tier with no checkpoint nor spill="
-            specs = group_specs(plan)
-            cast = sorted(n for n in chosen.file if any(t.compute_dtype is not None for t in specs[n]))
-            if cast:  # refused before a byte is spilled: the file tier reads bytes as they are stored
-                raise PlanError(
-                    f"spill= with storage_dtype={plan.config.storage_dtype!r}: the host budget leaves "
-                    f"{len(cast)} pack(s) held in the storage dtype ({', '.join(cast[:3])}"
-                    f"{', ...' if len(cast) > 3 else ''}) in the file tier, which would read the spilled "
-                    "bytes in the model's own dtypes; pass a larger host_memory= so they stay in host "
-                    "memory, or drop storage_dtype="
-                )
+    def prepare() -> None:
+        if spilled and host.spill is not None:
             spill_folder(host.spill)
-        return chosen
 
-    chosen = agreed(comm, "check the host budget", check)
+    agreed(comm, "prepare the spill folder", prepare)
     source = None
-    if chosen.file and plan.config.checkpoint is None:
+    if spilled:
         assert host.spill is not None
         source = spill(pipeline, plan, chosen.file, host.spill, comm=comm)
-    return TierLayout(cache_bytes=host.cache_bytes, source=source, read_mode=host.read_mode)
+    return TierLayout.of(chosen, cache_bytes=host.cache_bytes, source=source, read_mode=host.read_mode)
 
 
-def host_figures(store: HostStore, host: HostPlan | None, plan: Plan | None = None) -> dict[str, Any]:
-    """A session's host memory figures for its report, beside its bytes: the budget in force and
-    where it came from, the ``RLIMIT_MEMLOCK`` that bounds pinning (when finite), the file tier's
-    packs and the bytes read from it so far; with ``plan``, the host bytes planned (the tiers', and
-    the kept and scratch buffers preflight counted beside them), the direct-I/O buffers they
-    reserved and how the reads ran (buffered when no file was opened for direct I/O, so those
-    buffers were never allocated)."""
+def host_figures(store: HostStore, host: HostPlan | None) -> dict[str, Any]:
+    """A session's host memory figures for its report, beside its bytes: the file tier's packs and
+    the bytes read from it so far; with ``host``, the budget in force and where it came from, the
+    ``RLIMIT_MEMLOCK`` that bounds pinning (when finite), the host bytes planned (the tiers', with
+    the kept and scratch buffers counted beside them), the direct-I/O buffers they reserved and how
+    the reads ran (buffered when no file was opened for direct I/O, so those buffers were never
+    allocated)."""
     tier = store.tier
     figures: dict[str, Any] = {
         "file_packs": 0 if tier is None else len(tier.reads),
@@ -344,8 +278,8 @@ def host_figures(store: HostStore, host: HostPlan | None, plan: Plan | None = No
             memlock_bytes=host.budget.locked_bytes,
             memlock_source=host.budget.locked_source,
         )
-    if plan is not None and host is not None:
-        chosen = tiers(plan)
+    if host is not None:
+        chosen = host.tiers
         figures["planned_host_bytes"] = chosen.host_bytes
         if tier is not None and chosen.file:
             modes = {m.split(" ", 1)[0] for m in tier.reader.modes.values()}
