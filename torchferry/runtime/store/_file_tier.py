@@ -57,6 +57,9 @@ __all__ = [
     "tier_request",
 ]
 
+#: A failure `check` makes unreachable ([9]: file-tier reads and staging slots) is not the caller's.
+_MISSED = "a torchferry bug, or a custom policy that check missed ([9])"
+
 #: Environment variable forcing how file-tier files are read: ``direct``, ``buffered`` or ``auto``.
 READ_MODE_ENV = "TORCHFERRY_READ"
 
@@ -306,7 +309,7 @@ class FileTier:
         if staging is None:
             raise ExecutionError(
                 f"staging slot {name} is not one of this session's ({', '.join(self.staging) or 'none'}); "
-                "every schedule of a session must use the staging slots its plan's tiers name"
+                f"every schedule of a session must use the staging slots its plan's tiers name: {_MISSED}"
             )
         return staging
 
@@ -315,13 +318,15 @@ class FileTier:
         read = self.reads.get(pack.name)
         if read is None:
             raise ExecutionError(
-                f"read of {pack.name}: it is not in this session's file tier (its bytes are in host memory)"
+                f"read of {pack.name}: it is not in this session's file tier (its bytes are in host "
+                f"memory): {_MISSED}"
             )
         staging = self.slot(slot)
         if staging.ticket is not None and staging.pack is not pack:
             raise ExecutionError(
                 f"read of {pack.name} into staging slot {slot}, which still holds the read of "
-                f"{staging.pack.name if staging.pack is not None else 'another pack'} that no load took"
+                f"{staging.pack.name if staging.pack is not None else 'another pack'} that no load took: "
+                f"{_MISSED}"
             )
         if staging.ticket is not None:
             # The same pack read again before a load took the first read: that read finishes (or
@@ -337,7 +342,7 @@ class FileTier:
         if ticket is None or staging.pack is not pack:
             held = "nothing" if staging.pack is None else f"the read of {staging.pack.name}"
             raise ExecutionError(
-                f"load of {pack.name} from staging slot {slot}, which holds {held}; read it first"
+                f"load of {pack.name} from staging slot {slot}, which holds {held}; read it first: {_MISSED}"
             )
         staging.pack = staging.ticket = None
         ticket.wait()
