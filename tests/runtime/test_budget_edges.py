@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from machine_budgets import given_budget, host_budget
 from safetensors.torch import save_file
 
 import torchferry
 from torchferry import OffloadWarning, PlanError, policies
 from torchferry.runtime.files import _spill
 from torchferry.runtime.machine import _host_facts
-from torchferry.runtime.machine._host_facts import given_budget, host_budget, locked_limit
+from torchferry.runtime.machine._host_facts import locked_limit
 from torchferry.runtime.memory._pinning import BookPinner, CudaPinner, HostPinner
 from torchferry.runtime.store import _host_side
 from torchferry.testing import toy
