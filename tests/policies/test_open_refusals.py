@@ -58,11 +58,14 @@ def test_a_rank_offers_its_given_budget_else_the_machine_s_credited_with_its_own
 
 
 def test_the_host_figure_holds_within_its_budget_and_names_its_source() -> None:
-    """Every host byte the tiers hold is within the budget (nothing is proved again at open); a budget
-    too small for any tiering names the bound it came from."""
+    """Every host byte the tiers hold is within the budget (nothing is proved again at open), and they are
+    the tiers of the plan the session runs; a budget too small for any tiering names the bound it came
+    from."""
     p = ring_plan(8, BLOCK, checkpoint="ckpt", host_memory_bytes=30 * MIB)
-    figure = policies.open_plan(p, policies.Facts()).host
+    opened = policies.open_plan(p, policies.Facts())
+    figure = opened.host
     assert figure.tiers.file and figure.tiers.host_bytes <= 30 * MIB
+    assert figure.tiers == policies.tiers(opened.plan)  # the tiers the session hands the runtime
     tight = policies.Bound(what="cgroup v2 /job", available=300 * MIB, source="memory.max")
     named = re.escape("(cgroup v2 /job 300.0 MiB (memory.max)")
     with pytest.raises(policies.HostBudgetTooSmall, match=named):
