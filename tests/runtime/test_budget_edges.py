@@ -17,10 +17,9 @@ from safetensors.torch import save_file
 import torchferry
 from torchferry import OffloadWarning, PlanError, policies
 from torchferry.runtime.files import _spill
-from torchferry.runtime.machine import _host_facts
+from torchferry.runtime.machine import _facts, _host_facts
 from torchferry.runtime.machine._host_facts import locked_limit
 from torchferry.runtime.memory._pinning import BookPinner, CudaPinner, HostPinner
-from torchferry.runtime.store import _host_side
 from torchferry.testing import toy
 
 HIDDEN = 512
@@ -38,7 +37,7 @@ def _fake_proc(root: Path, meminfo: str | None = None, status: str | None = None
 
 def _use_proc(monkeypatch: pytest.MonkeyPatch, proc: Path) -> None:
     real = _host_facts.host_facts
-    monkeypatch.setattr(_host_side, "host_facts", lambda **known: real(proc=proc, **known))
+    monkeypatch.setattr(_facts, "host_facts", lambda **known: real(proc=proc, **known))
     monkeypatch.setattr(_host_facts, "_WARNED", set())
 
 

@@ -10,8 +10,5 @@ from torchferry.runtime.store._host_side import exchange_budgets as exchange_bud
 from torchferry.runtime.store._host_side import host_figures as host_figures
 from torchferry.runtime.store._host_side import host_side as host_side
 from torchferry.runtime.store._host_side import open_tier as open_tier
-from torchferry.runtime.store._host_side import read_facts as read_facts
-from torchferry.runtime.store._host_side import strided_names as strided_names
-from torchferry.runtime.store._host_side import widened_names as widened_names
 from torchferry.runtime.store._progress import Progress as Progress
 from torchferry.runtime.store._store import HostStore as HostStore

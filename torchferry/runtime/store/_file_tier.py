@@ -36,6 +36,7 @@ from torchferry._errors import ExecutionError, PlanError
 from torchferry.policies import Schedule, Tiers, unit_packs
 from torchferry.runtime.device import DeviceBuffer
 from torchferry.runtime.files import CheckpointReader, FileReader, PackRead, Ticket
+from torchferry.runtime.machine import READ_MODE_ENV
 from torchferry.runtime.memory import (
     HostMemory,
     Pack,
@@ -49,7 +50,6 @@ from torchferry.topology import Plan, TensorSpec
 from torchferry.topology import pack as pack_specs
 
 __all__ = [
-    "READ_MODE_ENV",
     "FileTier",
     "TierLayout",
     "TierRequest",
@@ -59,9 +59,6 @@ __all__ = [
 
 #: A failure `check` makes unreachable ([9]: file-tier reads and staging slots) is not the caller's.
 _MISSED = "a torchferry bug, or a custom policy that check missed ([9])"
-
-#: Environment variable forcing how file-tier files are read: ``direct``, ``buffered`` or ``auto``.
-READ_MODE_ENV = "TORCHFERRY_READ"
 
 
 def read_direct(file_bytes: int, cache_bytes: int | None, mode: str | None = None) -> bool:
