@@ -256,8 +256,8 @@ class Session:
         variant: str | None = None,
         checkpoint_components: Collection[str] | None = None,
     ) -> None:
-        # Host memory is proved first, then each top-level component's first schedule, and only then is
-        # a spill written: every refusal comes before its first byte (docs/host-memory.md).
+        # Host memory was proved by the open plan; each top-level component's first schedule is proved
+        # here, and only then is a spill written: every refusal comes before its first byte.
         self.host = host  # Why: what the open plan decided of host memory (tiers, budget, pinning; `report`).
         self.pipeline = pipeline
         self.plan = plan
