@@ -8,6 +8,7 @@ import os
 import re
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -126,6 +127,24 @@ def test_file_ring_bit_identical_and_views_between_uses(saved: Path) -> None:
         assert torch.equal(a, b)
     # The transposed weight comes back row-major (it views the file), with the same values.
     assert p.transformer.blocks[0].out.weight.is_contiguous()
+
+
+@torch.no_grad()
+def test_execute_alone_lays_out_the_file_tier_its_schedule_names(saved: Path) -> None:
+    """runtime.execute with no engine lays out the file tier its schedule names (its file set and
+    staging slots, nothing planned again), reads those blocks from the checkpoint, and the output and
+    the weights given back equal the plain model's."""
+    p, ref = toy.build_empty(), toy.build(0)
+    plan = _plan(p, saved)
+    blocks = [b.path for b in plan.component("transformer").blocks]
+    schedule = attrs.evolve(file_ring(plan), file=blocks)
+    assert TierLayout.from_schedule(schedule) == _layout(plan)
+    with runtime.execute(schedule, p, plan, device="cpu") as engine:
+        assert engine.store.tier is not None and engine.store.tier.packs == frozenset(blocks)
+        out = p.transformer(*_inputs())
+    assert torch.equal(out, ref.transformer(*_inputs()))
+    for a, b in zip(p.state_dict().values(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
 
 
 @torch.no_grad()
