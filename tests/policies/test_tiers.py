@@ -172,15 +172,6 @@ def test_shards_count_and_read_as_shards() -> None:
     assert len(loads) == len(reads) == 7
 
 
-def test_the_store_it_counts_is_the_one_the_runtime_allocates() -> None:
-    """tiers' store bytes are the pinned bytes the runtime's host store allocates for the same plan."""
-    from torchferry.runtime.store._fill import footprint, group_specs
-
-    p: Plan = model_plan("flux.1-dev", stream=(T, "text_encoder_2"))
-    assert group_specs is policies.group_specs
-    assert policies.tiers(p).store_bytes == footprint(p).pinned_bytes
-
-
 def test_ring_reads_ahead_into_alternating_slots() -> None:
     """The steady ring reads each file block one anchor ahead of its load, t0 and t1 in turn, and
     reads and stages the remainder at the component's start."""

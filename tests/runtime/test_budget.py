@@ -7,9 +7,11 @@ import resource
 from pathlib import Path
 
 import pytest
+from machine_budgets import given_budget, host_budget
 
 from torchferry import policies
-from torchferry.runtime.machine._host_facts import RESERVE_MIN, given_budget, host_budget, locked_limit
+from torchferry.policies import RESERVE_MIN
+from torchferry.runtime.machine._host_facts import locked_limit
 
 MiB = 1 << 20
 GiB = 1 << 30

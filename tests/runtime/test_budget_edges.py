@@ -11,16 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from machine_budgets import given_budget, host_budget
 from safetensors.torch import save_file
 
 import torchferry
 from torchferry import OffloadWarning, PlanError, policies
 from torchferry.runtime.files import _spill
-from torchferry.runtime.machine import _host_facts
-from torchferry.runtime.machine._host_facts import given_budget, host_budget, locked_limit
-from torchferry.runtime.memory._pinning import BookPinner, CudaPinner
-from torchferry.runtime.store import _preflight
-from torchferry.runtime.store._preflight import HostPlan, open_tier
+from torchferry.runtime.machine import _facts, _host_facts
+from torchferry.runtime.machine._host_facts import locked_limit
+from torchferry.runtime.memory._pinning import BookPinner, CudaPinner, HostPinner
 from torchferry.testing import toy
 
 HIDDEN = 512
@@ -38,7 +37,7 @@ def _fake_proc(root: Path, meminfo: str | None = None, status: str | None = None
 
 def _use_proc(monkeypatch: pytest.MonkeyPatch, proc: Path) -> None:
     real = _host_facts.host_facts
-    monkeypatch.setattr(_preflight, "host_facts", lambda **known: real(proc=proc, **known))
+    monkeypatch.setattr(_facts, "host_facts", lambda **known: real(proc=proc, **known))
     monkeypatch.setattr(_host_facts, "_WARNED", set())
 
 
@@ -114,9 +113,10 @@ def _widened_checkpoint(path: Path) -> torchferry.testing.toy.ToyPipeline:
     return ref
 
 
-def test_preflight_counts_tensors_the_file_tier_keeps_widened(tmp_path: Path) -> None:
+def test_the_host_figure_counts_tensors_the_file_tier_keeps_widened(tmp_path: Path) -> None:
     """fc1 kept in float32 but stored in bfloat16: the file tier keeps float32 copies of its file-tier
-    tensors in host memory, preflight counts them, and the whole footprint stays within the budget."""
+    tensors in host memory, the open plan's tiers count them, and the whole footprint stays within the
+    budget."""
     path = tmp_path / "toy.safetensors"
     ref = _widened_checkpoint(path)
     with torch.no_grad():
@@ -144,8 +144,9 @@ def test_preflight_counts_tensors_the_file_tier_keeps_widened(tmp_path: Path) ->
 def test_locked_limit_refuses_pins_of_a_pinner_subject_to_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A finite RLIMIT_MEMLOCK (no CAP_IPC_LOCK) under the pinned bytes: open_tier refuses a pinner
-    charged to it (memlock True) with a PlanError naming the remedy, and lets the CUDA pinner through."""
+    """A finite RLIMIT_MEMLOCK (no CAP_IPC_LOCK) under the pinned bytes, read from this process: the open
+    plan refuses a store pinning with a pinner charged to it with a PlanError naming the remedy, and
+    lets the CUDA pinner through."""
     proc = _fake_proc(tmp_path / "proc", status="Name:\tpython\nCapEff:\t0000000000000000\n")
     import resource
 
@@ -162,17 +163,15 @@ def test_locked_limit_refuses_pins_of_a_pinner_subject_to_it(
     plan = torchferry.topology.resolve(
         torchferry.topology.discover(pipe), torchferry.topology.OffloadConfig(strategy="layerwise")
     )
-    budget = given_budget(1 << 40)
-    host = HostPlan(
-        budget=budget.__class__(
-            bytes=budget.bytes, source=budget.source, given=True, locked_bytes=locked, locked_source=why
-        ),
-        cache_bytes=None,
-    )
+    cuda = policies.DeviceFacts(type="cuda", free_bytes=1 << 40)
+
+    def facts(pinner: type[HostPinner]) -> policies.Facts:
+        host = policies.HostFacts(locked_bytes=locked, locked_source=why, pins_locked=pinner.memlock)
+        return policies.Facts(host=host, device=cuda)
+
     with pytest.raises(PlanError, match=r"over the locked-memory limit of 4\.0 MiB.*pin_memory=False"):
-        open_tier(pipe, plan, host, pin=True, pinner=BookPinner)
-    assert open_tier(pipe, plan, host, pin=True, pinner=CudaPinner).source is None
-    assert open_tier(pipe, plan, host, pin=False, pinner=BookPinner).source is None
+        policies.open_plan(plan, facts(BookPinner))
+    assert policies.open_plan(plan, facts(CudaPinner)).pin
 
 
 def test_spill_into_tmpfs_is_refused(tmp_path: Path) -> None:

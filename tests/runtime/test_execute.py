@@ -83,6 +83,28 @@ def test_block_not_resident_raises(hand_ring: Callable[..., Schedule]) -> None:
 
 
 @torch.no_grad()
+def test_an_op_check_refuses_is_called_a_bug_with_the_listing(hand_ring: Callable[..., Schedule]) -> None:
+    """A wait for a block no load brought (check's [1]) reaching the runtime says it is a torchferry bug
+    or a custom policy check missed, names the invariant, marks the op in the listing, and the
+    pipeline survives."""
+    p, ref = toy.build(0), toy.build(0)
+    plan = _plan(p)
+    base = hand_ring(plan)
+    block = "transformer.blocks.3"
+    ops = [op for op in base.ops if not (op.kind == "load" and op.unit == block)]
+    schedule = attrs.evolve(base, ops=ops)
+    wait = next(i for i, op in enumerate(ops) if op.kind == "wait" and op.unit == block)
+    message = (
+        f"wait for {block}, which no load brought to the device: a torchferry bug, or a custom policy that "
+        f"check missed ([1] {policies.INVARIANTS[1]})\n" + runtime.listing(schedule, wait)
+    )
+    with pytest.raises(ExecutionError) as caught, runtime.execute(schedule, p, plan, device="cpu"):
+        p.transformer(*_inputs())
+    assert str(caught.value) == message
+    assert torch.equal(p("a cat"), ref("a cat"))
+
+
+@torch.no_grad()
 def test_a_block_loaded_again_while_ready_points_at_host_memory_after_an_unwaited_evict(
     hand_ring: Callable[..., Schedule],
 ) -> None:

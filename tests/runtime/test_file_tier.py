@@ -8,10 +8,11 @@ import os
 import re
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
-from torchferry import ExecutionError, PlanError, runtime, topology
+from torchferry import ExecutionError, runtime, topology
 from torchferry.policies import Op, Schedule, Slot, Step, rest_unit
 from torchferry.runtime.store._file_tier import TierLayout
 from torchferry.testing import toy
@@ -129,19 +130,38 @@ def test_file_ring_bit_identical_and_views_between_uses(saved: Path) -> None:
 
 
 @torch.no_grad()
-def test_file_tier_needs_a_checkpoint(saved: Path) -> None:
-    """A pipeline built in memory with no checkpoint cannot have a file tier: PlanError naming the
-    units and the remedies (checkpoint=, spill=, host_memory=), and nothing is changed."""
+def test_execute_alone_lays_out_the_file_tier_its_schedule_names(saved: Path) -> None:
+    """runtime.execute with no engine lays out the file tier its schedule names (its file set and
+    staging slots, nothing planned again), reads those blocks from the checkpoint, and the output and
+    the weights given back equal the plain model's."""
+    p, ref = toy.build_empty(), toy.build(0)
+    plan = _plan(p, saved)
+    blocks = [b.path for b in plan.component("transformer").blocks]
+    schedule = attrs.evolve(file_ring(plan), file=blocks)
+    assert TierLayout.from_schedule(schedule) == _layout(plan)
+    with runtime.execute(schedule, p, plan, device="cpu") as engine:
+        assert engine.store.tier is not None and engine.store.tier.packs == frozenset(blocks)
+        out = p.transformer(*_inputs())
+    assert torch.equal(out, ref.transformer(*_inputs()))
+    for a, b in zip(p.state_dict().values(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+@torch.no_grad()
+def test_a_file_tier_with_nothing_to_read_it_from_is_a_bug_the_engine_names(saved: Path) -> None:
+    """A layout the open planner refuses (file-tier packs of a pipeline built in memory, no checkpoint
+    nor spill) reaching the engine is an ExecutionError calling it a bug and naming the packs, raised
+    before anything is changed."""
     p = toy.build(0)
     plan = _plan(p, None)
     before = p.transformer.blocks[0].q.weight
     message = (
-        "the plan keeps 8 pack(s) (transformer.blocks.0, transformer.blocks.1, transformer.blocks.2, ...) "
-        "in the file tier (read on demand from the checkpoint), and this pipeline was built in memory with "
-        "no checkpoint; pass checkpoint=<its safetensors> to read them from, spill=<a folder> to write "
-        "them there once and read them back, or raise host_memory="
+        "the file tier names 8 pack(s) (transformer.blocks.0, transformer.blocks.1, "
+        "transformer.blocks.2, ...) and nothing to read them from (no checkpoint nor spill): a torchferry "
+        "bug, or a TierLayout that policies.open_plan did not decide (it refuses both: needs_source, "
+        "unfiled); lay the file tier out from the open plan's tiers"
     )
-    with pytest.raises(PlanError, match=re.escape(message)):
+    with pytest.raises(ExecutionError, match=re.escape(message)):
         runtime.Engine(p, plan, device="cpu", tier=_layout(plan))
     assert p.transformer.blocks[0].q.weight is before and before.untyped_storage().data_ptr() != 0
 

@@ -1,5 +1,5 @@
 """Sessions within a host budget: the file tier chosen by policies.tiers and carried out by the
-runtime, bit-identical to the plain model; preflight refusals before anything is touched; spill=;
+runtime, bit-identical to the plain model; the open plan's refusals before anything is touched; spill=;
 edits of file-tier weights refused; the report's host figures; real memory measured in children."""
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import torchferry
-from torchferry import OffloadWarning, topology
+from torchferry import OffloadWarning, policies, topology
 from torchferry.runtime.memory._pinning import PAGE, BookPinner, HostPinner, page_bytes
-from torchferry.runtime.store._fill import footprint
 from torchferry.runtime.store._store import HostStore
 from torchferry.testing import toy
 from torchferry.topology import KNOWN_MODELS, PACK_ALIGN, known_topology
@@ -48,10 +47,11 @@ def _snapshot(p: torch.nn.Module) -> list[tuple[str, int, torch.Tensor]]:
 def test_pinned_bytes_of_every_known_model_are_within_one_percent(model_id: str) -> None:
     """A layerwise store of each shipped topology pins at most 1% more than it holds (whole pages)."""
     plan = topology.resolve(known_topology(model_id), topology.OffloadConfig(strategy="layerwise"))
-    fp = footprint(plan)
-    assert fp.store_bytes == sum(c.nbytes for c in plan.components if not c.on_demand)
-    assert fp.pinned_bytes == sum(page_bytes(n) for n in _sizes(plan))
-    assert 1.0 <= fp.ratio <= 1.01
+    held = sum(_sizes(plan))
+    assert held == sum(c.nbytes for c in plan.components if not c.on_demand)
+    pinned = policies.tiers(plan).store_bytes
+    assert pinned == sum(page_bytes(n) for n in _sizes(plan) if n)
+    assert 1.0 <= pinned / held <= 1.01
 
 
 def _sizes(plan: topology.Plan) -> list[int]:
@@ -61,14 +61,15 @@ def _sizes(plan: topology.Plan) -> list[int]:
 
 
 def test_store_pins_exactly_its_pages_and_close_unpins_them() -> None:
-    """Every buffer is page-aligned and registered once (as footprint says); close unregisters each."""
+    """Every buffer is page-aligned and registered once (the store bytes the tiers count, whole pages);
+    close unregisters each."""
     p = toy.build(0)
     plan = _plan(p)
     pinner = BookPinner()
     store = HostStore.prepare(p, plan, pin=True, pinner=pinner).commit()
     assert store.pinned
-    assert store.pinned_bytes == footprint(plan).pinned_bytes == sum(pinner.ranges.values())
-    assert store.nbytes == footprint(plan).store_bytes
+    assert store.pinned_bytes == policies.tiers(plan).store_bytes == sum(pinner.ranges.values())
+    assert store.nbytes == sum(_sizes(plan))
     assert sorted(pinner.ranges) == sorted(g.host.data_ptr() for g in store.packs.values() if g.nbytes)
     for group in store.packs.values():
         assert group.host.data_ptr() % PAGE == 0

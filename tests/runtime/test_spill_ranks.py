@@ -58,7 +58,7 @@ def test_a_rank_that_cannot_spill_fails_every_rank(tmp_path: Path) -> None:
     assert results[1]["error"] == "PlanError", results[1]
     assert "cannot create the folder" in results[1]["message"]
     assert results[0]["error"] == "ExecutionError", results[0]
-    named = "rank(s) 1 of the 2-rank weight-shard group could not check the host budget"
+    named = "rank(s) 1 of the 2-rank weight-shard group could not prepare the spill folder"
     assert named in results[0]["message"]
     assert not (tmp_path / "spill0").exists() or not any((tmp_path / "spill0").iterdir())
 

@@ -68,6 +68,7 @@ from torchferry.policies._host import group_least as group_least
 from torchferry.policies._host import host_plan as host_plan
 from torchferry.policies._host import machine_budget as machine_budget
 from torchferry.policies._host import needs_source as needs_source
+from torchferry.policies._host import offered_budget as offered_budget
 from torchferry.policies._host import policy_reads as policy_reads
 from torchferry.policies._host import read_direct as read_direct
 from torchferry.policies._host import settled as settled
@@ -108,6 +109,7 @@ from torchferry.policies._open import OpenPlan as OpenPlan
 from torchferry.policies._open import auto_candidates as auto_candidates
 from torchferry.policies._open import default_device_budget as default_device_budget
 from torchferry.policies._open import open_plan as open_plan
+from torchferry.policies._open import store_pins as store_pins
 from torchferry.policies._refusal import HostBudgetTooSmall as HostBudgetTooSmall
 from torchferry.policies._refusal import size_at_least as size_at_least
 from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, Span, simulate, steady_schedule

@@ -59,6 +59,7 @@ __all__ = [
     "host_plan",
     "machine_budget",
     "needs_source",
+    "offered_budget",
     "policy_reads",
     "read_direct",
     "settled",
@@ -96,8 +97,9 @@ class HostFacts:
     ``bounds``: every bound on host memory read, tightest first (empty: none could be read, and
     ``unread`` says where they were looked for). ``locked_bytes``: ``RLIMIT_MEMLOCK`` when it bounds
     this process (``None``: unlimited, or lifted), ``locked_source`` where it came from;
-    ``pins_locked``: whether the session's pinner is held to it. ``module_bytes``: the pipeline's own
-    CPU bytes the store would take over. ``read_mode``: ``direct``, ``buffered`` or ``auto``.
+    ``pins_locked``: whether the device's pinner (the one its store would pin with) is held to it, a
+    fact of the pinner whether or not the store pins (`open_plan` decides that). ``module_bytes``: the
+    pipeline's own CPU bytes the store would take over. ``read_mode``: ``direct``, ``buffered`` or ``auto``.
     """
 
     bounds: tuple[Bound, ...] = ()
@@ -232,26 +234,41 @@ class HostFigure:
     read_mode: str = "auto"
 
 
+def offered_budget(plan: Plan, facts: HostFacts) -> HostBudget:
+    """The host budget this process offers before any group agrees: the caller's ``host_memory=``,
+    else the machine's (`machine_budget`), credited with the pipeline's own weights the store takes
+    over when it copies them (no checkpoint). Under a process group the runtime exchanges this figure
+    and `host_plan` plans against the least (``least=``)."""
+    given = plan.config.host_memory_bytes
+    if given is not None:
+        return given_budget(given, facts)
+    return machine_budget(facts, facts.module_bytes if plan.config.checkpoint is None else 0)
+
+
 def _with_budget(plan: Plan, nbytes: int | None) -> Plan:
     return attrs.evolve(plan, config=attrs.evolve(plan.config, host_memory_bytes=nbytes))
 
 
 def host_plan(
-    plan: Plan, facts: HostFacts, *, least: int | None = None, shared: bool = False, spill: bool = False
+    plan: Plan,
+    facts: HostFacts,
+    *,
+    least: int | None = None,
+    shared: bool = False,
+    spill: bool = False,
+    pin: bool = True,
 ) -> HostFigure:
     """The whole host figure of ``plan`` (see [Note: the host planner]); ``least``: the least budget
     of a process group's ranks (`group_least`). ``shared``: the device's memory is host memory and its
     budget is not given: the one budget is split in halves, one the device budget (`shared_device_budget`),
     one the host's, so both are proven against the memory there is. A budget too small for every tiering is a
     `HostBudgetTooSmall` naming its source and the smallest budget that opens; 0 bytes, or pinned
-    bytes over ``RLIMIT_MEMLOCK`` where that binds, a `PlanError` naming the remedies, as is a file tier
-    of a pipeline built in memory when ``spill`` (a ``spill=`` folder given) is false (`needs_source`)."""
+    bytes over ``RLIMIT_MEMLOCK`` where that binds (``pin``: the store pins, `open_plan`'s decision, and
+    the pinner is held to the limit), a `PlanError` naming the remedies, as is a file tier of a pipeline
+    built in memory when ``spill`` (a ``spill=`` folder given) is false (`needs_source`)."""
     given = plan.config.host_memory_bytes
     copied = plan.config.checkpoint is None
-    if given is not None:
-        budget = given_budget(given, facts)
-    else:
-        budget = machine_budget(facts, facts.module_bytes if copied else 0)
+    budget = offered_budget(plan, facts)
     if least is not None:
         budget = group_least(budget, least)
     if budget.bytes is not None and budget.bytes <= 0:
@@ -262,7 +279,7 @@ def host_plan(
             HOST_MEMORY,
             " to name what torchferry may hold",
         )
-    locked = facts.locked_bytes if facts.pins_locked else None
+    locked = facts.locked_bytes if pin and facts.pins_locked else None
     plan = attrs.evolve(
         plan, facts=attrs.evolve(plan.facts, copied=copied and given is None, locked_bytes=locked)
     )

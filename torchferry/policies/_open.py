@@ -13,7 +13,9 @@ builds them from its flags. `open_plan` then decides, in this order:
    read it from and of pinned bytes over ``RLIMIT_MEMLOCK``);
 3. the weights' device budget: the budget less the largest dequantized weight (`weight_budget`),
    with where it came from in words;
-4. whether the store pins (CUDA only), and auto's candidate strategies (`auto_candidates`).
+4. whether the store pins (`store_pins`: asked for, and a CUDA device; decided first, as the
+   locked-memory refusal of step 2 depends on it), and auto's candidate strategies
+   (`auto_candidates`).
 
 Every refusal is raised here, before anything is read, pinned or moved.
 """
@@ -37,6 +39,7 @@ __all__ = [
     "auto_candidates",
     "default_device_budget",
     "open_plan",
+    "store_pins",
 ]
 
 #: Fraction of the device's free memory at open left to activations when no budget is given.
@@ -94,6 +97,12 @@ def default_device_budget(device: DeviceFacts) -> tuple[int, str]:
     )
 
 
+def store_pins(pin_memory: bool, device_type: str) -> bool:
+    """Whether the host store pins its buffers: asked for (``pin_memory=``), and only for a CUDA
+    device (page-locked memory speeds copies to a GPU; elsewhere it would only hold memory)."""
+    return pin_memory and device_type == "cuda"
+
+
 def auto_candidates(world: int | None) -> tuple[str, ...]:
     """The strategies auto weighs: layerwise, and the distributed strategy over more than one rank."""
     return ("layerwise", "distributed_layerwise") if (world or 1) > 1 else ("layerwise",)
@@ -120,7 +129,8 @@ def open_plan(
         default, source = default_device_budget(facts.device)
         plan = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=default))
     plan = attrs.evolve(plan, facts=facts.store)
-    figure = host_plan(plan, facts.host, least=least, shared=shared, spill=spill)
+    pin = store_pins(plan.config.pin_memory, facts.device.type)
+    figure = host_plan(plan, facts.host, least=least, shared=shared, spill=spill, pin=pin)
     plan = figure.plan
     if figure.device_bytes is not None:
         source = figure.device_source
@@ -135,6 +145,6 @@ def open_plan(
         plan=plan,
         host=attrs.evolve(figure, plan=plan),
         device_source=source,
-        pin=plan.config.pin_memory and facts.device.type == "cuda",
+        pin=pin,
         candidates=auto_candidates(world) if auto else (),
     )

@@ -38,14 +38,15 @@ from torchferry.runtime.interop import meta_parameters
 from torchferry.runtime.machine import copy_bytes_per_s as copy_bytes_per_s
 from torchferry.runtime.machine import host_name as host_name
 from torchferry.runtime.machine import load_profile, probe, profile_path, save_profile
+from torchferry.runtime.machine import read_facts as read_facts
+from torchferry.runtime.machine import strided_names as strided_names
+from torchferry.runtime.machine import widened_names as widened_names
 from torchferry.runtime.memory import PackState as PackState
 from torchferry.runtime.store import HostPlan as HostPlan
+from torchferry.runtime.store import exchange_budgets as exchange_budgets
 from torchferry.runtime.store import host_figures as host_figures
 from torchferry.runtime.store import host_side as host_side
 from torchferry.runtime.store import open_tier as open_tier
-from torchferry.runtime.store import read_facts as read_facts
-from torchferry.runtime.store import strided_names as strided_names
-from torchferry.runtime.store import widened_names as widened_names
 
 __all__ = [
     "CheckpointReader",

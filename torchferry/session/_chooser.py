@@ -102,7 +102,7 @@ class SessionReport:
     peaks so far; ``host_budget`` the host budget given (``config.host_memory_bytes``), if any.
     ``host_budget_source`` says where the host budget came from (given, or the machine's bound that
     set it), ``file_packs`` how many packs the file tier holds and ``file_read_bytes`` the bytes read
-    from the checkpoint so far. ``planned_host_bytes`` is what the tiers planned and preflight
+    from the checkpoint so far. ``planned_host_bytes`` is what the tiers planned and the open plan
     proved against the budget, ``read_buffer_bytes`` the direct-I/O buffers in it and ``read_mode``
     how the file tier read (``"buffered"``: those buffers were reserved, never allocated);
     ``memlock_bytes`` the finite ``RLIMIT_MEMLOCK`` (``None``: unlimited), said by ``memlock_source``.

@@ -190,12 +190,14 @@ def offload(
         checkpoint_prefix_map = topology.checkpoint_key_map(
             pipeline, paths, request.checkpoint, checkpoint_variant, checkpoint_prefix_map
         )
-    facts, least = runtime.read_facts(
-        pipeline, plan, group=group, device=target, prefix_map=checkpoint_prefix_map,
-        variant=checkpoint_variant, own=_own(plan, checkpoint_components),
+    facts = runtime.read_facts(
+        pipeline, plan, device=target, prefix_map=checkpoint_prefix_map, variant=checkpoint_variant,
+        own=topology.own_weights(plan, checkpoint_components),
     )  # fmt: skip
+    offered = policies.offered_budget(plan, facts.host)  # under a group, the ranks plan on the least
+    least = None if group is None else runtime.exchange_budgets(offered, group, target, plan)
     opened = policies.open_plan(plan, facts, auto=auto, spill=spill is not None, least=least)
-    host = runtime.host_side(opened.host, spill)
+    host = runtime.host_side(opened, spill)
     source = opened.device_source
     plan = topology.interned(opened.plan)  # one request on one machine: one plan object however often opened
     chooser = None
@@ -217,16 +219,6 @@ def offload(
     session.gather_on_close = gather_on_close
     session.budget_source = source
     return session
-
-
-def _own(plan: Plan, fill: Collection[str] | str | None) -> frozenset[str]:
-    """The top-level components that keep their own weights although a checkpoint is given (those
-    ``checkpoint_components=`` leaves out): none of their packs can be in the file tier. Names that are
-    no component are the engine's to refuse."""
-    if fill is None or plan.config.checkpoint is None:
-        return frozenset()
-    named = {fill} if isinstance(fill, str) else set(fill)
-    return frozenset(c.path for c in plan.components if c.path not in named)
 
 
 def session_of(pipeline: Any) -> Session | None:
@@ -260,14 +252,13 @@ class Session:
         comm: Comm | None = None,
         prefix_map: Mapping[str, str] | None = None,
         chooser: Chooser | None = None,
-        host: runtime.HostPlan | None = None,
+        host: runtime.HostPlan,
         variant: str | None = None,
         checkpoint_components: Collection[str] | None = None,
     ) -> None:
-        # Host memory is proved first, then each top-level component's first schedule, and only then is
-        # a spill written: every refusal comes before its first byte (docs/host-memory.md).
-        self.host = host  # Why: the host budget and its source (`report`); ``None``: not planned here.
-        pin = plan.config.pin_memory and device.type == "cuda"
+        # Host memory was proved by the open plan; each top-level component's first schedule is proved
+        # here, and only then is a spill written: every refusal comes before its first byte.
+        self.host = host  # Why: what the open plan decided of host memory (tiers, budget, pinning; `report`).
         self.pipeline = pipeline
         self.plan = plan
         self.policy = policy
@@ -276,7 +267,7 @@ class Session:
         self._spill = runtime.SpillLease()
         with self._spill.opening():
             # Why: with a group, every rank learns whether every rank could (a failed one fails them all).
-            tier = None if host is None else runtime.open_tier(pipeline, plan, host, pin=pin, comm=comm)
+            tier = runtime.open_tier(pipeline, plan, host, comm=comm)
             for top in plan.components:
                 prove(policy(plan, Step(component=top.path)), plan)
             self._spill.write()
@@ -284,7 +275,7 @@ class Session:
                 pipeline,
                 plan,
                 device=device,
-                pin_memory=plan.config.pin_memory,
+                pin_memory=host.pin,
                 comm=comm,
                 prefix_map=prefix_map,
                 driver=self,
@@ -463,7 +454,7 @@ class Session:
             "host_bytes": self.host_bytes,
             "peak_host_bytes": self._peak_host,
             "host_budget": self.plan.config.host_memory_bytes,
-            **runtime.host_figures(self.engine.store, self.host, self.plan),
+            **runtime.host_figures(self.engine.store, self.host),
             **self._planned_reads(),
         }
         if self._chooser is not None:
@@ -472,7 +463,7 @@ class Session:
 
     def _planned_reads(self) -> dict[str, Any]:
         """The plan's digest, file-tier packs and planned reads by how often, as `torchferry plan` says."""
-        chosen = policies.tiers(self.plan)
+        chosen = self.host.tiers
         reads = policies.policy_reads(self.policy, self.plan, chosen)
         return {
             "plan_digest": self.plan.digest,

@@ -84,6 +84,7 @@ from torchferry.topology._quantized import flattened_names as flattened_names
 from torchferry.topology._quantized import header_metadata as header_metadata
 from torchferry.topology._quantized import quantized_names as quantized_names
 from torchferry.topology._resolve import encoder_type, resolve
+from torchferry.topology._resolve import own_weights as own_weights
 from torchferry.topology._safetensors import SAFETENSORS_DTYPES as SAFETENSORS_DTYPES
 from torchferry.topology._safetensors import HeaderEntry as HeaderEntry
 from torchferry.topology._safetensors import open_regular as open_regular

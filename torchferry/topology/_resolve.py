@@ -509,6 +509,17 @@ class _Resolver:
             )
 
 
+def own_weights(plan: Plan, fill: Collection[str] | str | None) -> frozenset[str]:
+    """The top-level components of ``plan`` that keep their own weights although a checkpoint is
+    given: those ``fill`` (``checkpoint_components=``, the components to read from the checkpoint;
+    ``None``: all) leaves out. None without a checkpoint: every component then keeps its own (rule 14
+    refuses a ``fill`` without a checkpoint, or one naming no component)."""
+    if fill is None or plan.config.checkpoint is None:
+        return frozenset()
+    named = {fill} if isinstance(fill, str) else set(fill)
+    return frozenset(c.path for c in plan.components if c.path not in named)
+
+
 def resolve(
     topology: Topology,
     config: OffloadConfig,

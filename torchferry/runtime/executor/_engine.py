@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from torchferry._errors import ExecutionError, OffloadWarning, PlanError
-from torchferry.policies import Placement, Schedule, layout
+from torchferry.policies import Placement, Schedule, layout, store_pins
 from torchferry.runtime.device import Comm, Ledger, StreamContext, resolved, stream_context
 from torchferry.runtime.executor._handlers import Mover
 from torchferry.runtime.executor._hooks import Driver, Hooks
@@ -64,7 +64,7 @@ from torchferry.runtime.files import CheckpointReader, open_checkpoint
 from torchferry.runtime.interop import CastCache, kept_in_float32
 from torchferry.runtime.memory import PackState, Sharding, warn_pageable
 from torchferry.runtime.store import HostStore, Progress, TierLayout, tier_request
-from torchferry.topology import Plan
+from torchferry.topology import Plan, own_weights
 
 __all__ = ["Engine", "execute"]
 
@@ -90,15 +90,6 @@ def _ordinary() -> contextlib.AbstractContextManager[None]:
     return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
-def _from_module(plan: Plan, fill: Collection[str] | None) -> frozenset[str]:
-    """The top-level components that keep their own weights although a checkpoint is given: those
-    ``fill`` (the components to read from the checkpoint; ``None``: all) leaves out (`topology.resolve`
-    refused a ``fill`` that names another component, or comes without a checkpoint: rule 14)."""
-    if fill is None:
-        return frozenset()
-    return frozenset(c.path for c in plan.components) - frozenset((fill,) if isinstance(fill, str) else fill)
-
-
 class Engine(Mover):
     """Carries out schedules for one plan on one pipeline; the only object that moves weights.
 
@@ -107,7 +98,10 @@ class Engine(Mover):
     be served. ``driver``, when given, is told when a top-level component's forward starts and ends
     (the session uses it to pick each step's schedule). With a checkpoint, ``checkpoint_components``
     names the top-level components filled from it (default: every one); the others keep the weights
-    they hold (read from the module, as without a checkpoint).
+    they hold (read from the module, as without a checkpoint). The engine decides nothing: the store
+    pins as ``pin_memory`` says on a CUDA device (`policies.store_pins`; a session passes its open
+    plan's `OpenPlan.pin`), and the file tier is ``tier`` (the open plan's tiers, `TierLayout.of`;
+    ``None``: no file tier).
     """
 
     def __init__(
@@ -124,14 +118,14 @@ class Engine(Mover):
         variant: str | None = None,
         checkpoint_components: Collection[str] | None = None,
     ) -> None:
-        from_module = _from_module(plan, checkpoint_components)
+        from_module = own_weights(plan, checkpoint_components)
         self.pipeline = pipeline
         self.plan = plan
         # Why: resolved once (`cuda` -> `cuda:0`), so each check of where a tensor is compares like forms.
         self.device = resolved(device)
         self.streams: StreamContext = stream_context(self.device) if STREAMS is None else STREAMS(self)
         self.ledger = Ledger()
-        pin = pin_memory and self.device.type == "cuda" and torch.cuda.is_available()
+        pin = store_pins(pin_memory, self.device.type)  # a session passes its open plan's decision
         if not pin_memory and self.device.type == "cuda":
             warn_pageable(self.device)
         world = plan.config.dp_size
@@ -509,7 +503,11 @@ def execute(
     pipeline back as it was; with one (a session's), its state carries on to the next schedule.
     """
     own = engine is None
-    runner = Engine(pipeline, plan, device=device, pin_memory=pin_memory) if engine is None else engine
+    if engine is None:  # an engine for this schedule alone lays out the file tier it names
+        tier = TierLayout.from_schedule(schedule)
+        runner = Engine(pipeline, plan, device=device, pin_memory=pin_memory, tier=tier)
+    else:
+        runner = engine
     try:
         runner.begin(schedule)
         try:

@@ -23,7 +23,7 @@ from torchferry._errors import ExecutionError, OffloadWarning
 from torchferry.policies import DEVICE, OP_KINDS, Op
 from torchferry.runtime.device import Comm, DeviceBuffer, Ledger, SlotPool, StreamContext
 from torchferry.runtime.executor._hooks import GradGuard
-from torchferry.runtime.executor._program import Handler, Program
+from torchferry.runtime.executor._program import Handler, Program, missed
 from torchferry.runtime.executor._trace import Tracer
 from torchferry.runtime.memory import PackState, Unit, views_into
 from torchferry.runtime.store import HostStore
@@ -55,6 +55,8 @@ class Mover:
     ledger: Ledger
     comm: Comm | None
     store: HostStore
+    #: The program of the step running now (``None`` between steps); its ``pc`` is the op running.
+    program: Program | None
 
     def __init__(self) -> None:
         self.slots = SlotPool(self.streams, self.ledger)
@@ -75,6 +77,13 @@ class Mover:
         # Why: the tracer of the step running now; checked once per op and per block hook.
         self.tracer: Tracer | None = None
         self.guard = GradGuard(self.placed, self.store.units)
+
+    def _missed(self, what: str, invariant: int) -> ExecutionError:
+        """`missed` at the op running now, with the step's listing marked there."""
+        program = self.program
+        if program is None:
+            return missed(what, invariant)
+        return missed(what, invariant, program.schedule, program.pc)
 
     def handlers(self) -> dict[str, Handler]:
         """Each op kind's handler bound to this mover, as a compiled program calls it (read now)."""
@@ -189,9 +198,10 @@ class Mover:
         tier = self.store.tier
         pack = next((g for g in unit.packs if g.in_file), None)
         if tier is None or pack is None:
-            raise ExecutionError(
-                f"read of {unit.name}: it is not in this session's file tier (its bytes are in host memory); "
-                "the schedule's file set must be the one the session's store was laid out from"
+            raise self._missed(
+                f"read of {unit.name}: it is not in this session's file tier (its bytes are in host "
+                "memory); the schedule's file set must be the one the session's store was laid out from",
+                9,
             )
         assert op.slot is not None
         tier.issue(pack, op.slot, self.streams.before_read(tier.slot(op.slot).buffer))
@@ -224,25 +234,26 @@ class Mover:
         self.streams.copy_in(slot, dst, pack.host)
         self._placed_in(unit, name, slot, views)
 
-    @staticmethod
-    def _unloadable(unit: Unit) -> ExecutionError:
+    def _unloadable(self, unit: Unit) -> ExecutionError:
         """Why ``unit`` cannot be loaded from host memory (it is in the file tier, or a shard)."""
         if unit.packs[0].in_file:
-            return ExecutionError(
+            return self._missed(
                 f"load of {unit.name}: it is in the file tier (no host copy), so it is loaded from the "
-                "staging slot its read fills (load ... from tK)"
+                "staging slot its read fills (load ... from tK)",
+                9,
             )
-        return ExecutionError(
+        return self._missed(
             f"load of {unit.name}: this rank holds only its shard of the block; the schedule must "
-            "load the shard and all-gather it (the distributed_layerwise policy does)"
+            "load the shard and all-gather it (the distributed_layerwise policy does)",
+            6,
         )
 
     def _claim(self, unit: Unit, op: Op) -> None:
         assert op.slot is not None
         held = self.occupants.get(op.slot)
         if held is not None and held is not unit:
-            raise ExecutionError(
-                f"{op.kind} of {unit.name} into slot {op.slot} while {held.name} still occupies it"
+            raise self._missed(
+                f"{op.kind} of {unit.name} into slot {op.slot} while {held.name} still occupies it", 2
             )
 
     def _leave_first(self, unit: Unit, op: Op) -> None:
@@ -304,9 +315,10 @@ class Mover:
         assert op.slot is not None and op.src is not None and self.comm is not None
         if self.shards.get(op.src) is not unit:
             held = self.shards.get(op.src)
-            raise ExecutionError(
+            raise self._missed(
                 f"gather of {unit.name} from slot {op.src}, which holds "
-                f"{'no shard' if held is None else 'the shard of ' + held.name}; load its shard first"
+                f"{'no shard' if held is None else 'the shard of ' + held.name}; load its shard first",
+                6,
             )
         self._claim(unit, op)
         self._leave_first(unit, op)
@@ -331,7 +343,7 @@ class Mover:
         if transfer is None:
             if unit.name in self.staged:
                 return
-            raise ExecutionError(f"wait for {unit.name}, which no load brought to the device")
+            raise self._missed(f"wait for {unit.name}, which no load brought to the device", 1)
         pack = unit.packs[0]  # a unit with a transfer streams through a slot: one pack
         if pack.watched and pack.stale():
             self._reload(unit, transfer)
@@ -403,10 +415,11 @@ class Mover:
     def _stage(self, unit: Unit, op: Op) -> None:
         sharded = [g.name for g in unit.packs if g.shard is not None]
         if sharded:
-            raise ExecutionError(
+            raise self._missed(
                 f"stage of {unit.name}: this rank holds only shards of {', '.join(sharded)}, which are "
                 "all-gathered into ring slots, never staged; keep all-gathered blocks out of a policy's "
-                "resident set"
+                "resident set",
+                6,
             )
         if unit.name in self.staged:
             self._drop_staged(unit.name)
@@ -418,9 +431,10 @@ class Mover:
                 read = None
                 if pack.in_file:
                     if tier is None or op.src is None:
-                        raise ExecutionError(
+                        raise self._missed(
                             f"stage of {unit.name}: {pack.name} is in the file tier (no host copy), so it is "
-                            "staged from the staging slot its read fills (stage ... from tK)"
+                            "staged from the staging slot its read fills (stage ... from tK)",
+                            9,
                         )
                     # A unit of several packs goes through its staging slot one pack at a time: the read
                     # op brought the first, each later one is read once the copy before it drained.

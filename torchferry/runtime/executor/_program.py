@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from torchferry._errors import ExecutionError
-from torchferry.policies import Op, Schedule, format_marked, format_schedule
+from torchferry.policies import INVARIANTS, Op, Schedule, format_marked, format_schedule
 from torchferry.runtime.executor._step_cache import step_name
 from torchferry.runtime.memory import Unit
 from torchferry.topology import Plan
@@ -22,7 +22,16 @@ from torchferry.topology import Plan
 if TYPE_CHECKING:
     from torchferry.runtime.device import Comm
 
-__all__ = ["MAX_PROGRAMS", "Handler", "Program", "compile_program", "listing", "schedule_text"]
+__all__ = [
+    "MAX_PROGRAMS",
+    "MISSED",
+    "Handler",
+    "Program",
+    "compile_program",
+    "listing",
+    "missed",
+    "schedule_text",
+]
 
 #: An op kind's handler, bound to the engine that runs it (see `Mover.handlers`): a program needs
 #: nothing else of the engine.
@@ -30,6 +39,18 @@ Handler = Callable[[Unit, Op], None]
 
 #: Compiled schedules an engine keeps (oldest dropped first).
 MAX_PROGRAMS = 512
+
+
+#: What a runtime check that `check` makes unreachable calls its failure: not the caller's input.
+MISSED = "a torchferry bug, or a custom policy that check missed"
+
+
+def missed(what: str, invariant: int, schedule: Schedule | None = None, pc: int = 0) -> ExecutionError:
+    """An op that `check` proves never comes (its invariant ``[invariant]``) reached the runtime:
+    `ExecutionError` saying what, that it is a bug (`MISSED`) and which invariant, with ``schedule``'s
+    listing marked at op ``pc``."""
+    text = f"{what}: {MISSED} ([{invariant}] {INVARIANTS[invariant]})"
+    return ExecutionError(text if schedule is None else f"{text}\n{listing(schedule, pc)}")
 
 
 def listing(schedule: Schedule, pc: int) -> str:
@@ -91,7 +112,8 @@ def compile_program(
                 problem = f"a gather in {op.chunks} chunks lands them in a gather slot; the table has none"
         if problem is not None or unit is None:
             raise ExecutionError(
-                f"cannot run op {i} of step {step_name(schedule.step)}: {problem}\n" + listing(schedule, i)
+                f"cannot run op {i} of step {step_name(schedule.step)}: {problem} ({MISSED}, or a schedule "
+                "for another plan)\n" + listing(schedule, i)
             )
         calls.append((handlers[op.kind], unit, op))
         stops[f"{op.when} {op.anchor}"] = i + 1

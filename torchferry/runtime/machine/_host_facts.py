@@ -1,10 +1,12 @@
-"""The machine's host budget: how many bytes of host memory torchferry's own buffers may hold, read
-from the kernel (available memory, every memory cgroup that applies, the locked-memory limit), each
-figure with the file it was read from, so a report or an error can say where the budget came from.
+"""The machine's host-memory facts, from which the host budget is decided (`policies.machine_budget`):
+what the kernel says is left (available memory, every memory cgroup that applies, the locked-memory
+limit), each figure with the file it was read from, so a report or an error can say where the budget
+came from.
 
 [Note: the host budget]
 A process is killed by the kernel's OOM killer when it, or any memory cgroup it belongs to, runs out:
-whichever bound is tightest binds. `host_budget` reads every one of them and keeps the smallest:
+whichever bound is tightest binds. `host_facts` reads every one of them, tightest first, and the host
+planner keeps the smallest:
 
 - ``MemAvailable`` of ``/proc/meminfo``: the kernel's estimate of what can be allocated without
   swapping (free memory plus the page cache and slab it can reclaim);
@@ -41,17 +43,11 @@ from pathlib import Path
 
 import attrs
 
-from torchferry import policies
 from torchferry._errors import OffloadWarning
-from torchferry.policies import RESERVE_FRACTION, RESERVE_MIN, Bound, HostBudget, HostFacts, format_bytes
+from torchferry.policies import Bound, HostFacts, format_bytes
 
 __all__ = [
-    "RESERVE_FRACTION",
-    "RESERVE_MIN",
     "Bound",
-    "HostBudget",
-    "given_budget",
-    "host_budget",
     "host_facts",
     "locked_limit",
     "read_bounds",
@@ -64,12 +60,6 @@ _CAP_IPC_LOCK = 14
 
 def _size(n: int) -> str:
     return format_bytes(n, exact=False)
-
-
-def given_budget(nbytes: int) -> HostBudget:
-    """The budget the caller named (``host_memory=``)."""
-    locked, why = locked_limit()
-    return policies.given_budget(nbytes, HostFacts(locked_bytes=locked, locked_source=why))
 
 
 def read_bounds(proc: str | os.PathLike[str] = "/proc") -> tuple[tuple[Bound, ...], str]:
@@ -106,19 +96,6 @@ def host_facts(
         module_bytes=module_bytes,
         read_mode=read_mode,
     )
-
-
-def host_budget(
-    *,
-    proc: str | os.PathLike[str] = "/proc",
-    reserve_fraction: float = RESERVE_FRACTION,
-    reserve_min: int = RESERVE_MIN,
-) -> HostBudget:
-    """The machine's host budget now: the tightest of `Bound` s read under ``proc`` (see [Note: the
-    host budget]), less the reserve (`policies.machine_budget`). ``proc`` is for tests (a fake
-    ``/proc`` tree whose ``self/mountinfo`` names fake cgroup folders)."""
-    facts = attrs.evolve(host_facts(proc=proc), reserve_fraction=reserve_fraction, reserve_min=reserve_min)
-    return policies.machine_budget(facts)
 
 
 _WARNED: set[str] = set()

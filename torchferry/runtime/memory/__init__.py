@@ -17,7 +17,6 @@ from torchferry.runtime.memory._pack import shard_span as shard_span
 from torchferry.runtime.memory._pack import views_into as views_into
 from torchferry.runtime.memory._pinning import PAGE as PAGE
 from torchferry.runtime.memory._pinning import CudaPinner as CudaPinner
-from torchferry.runtime.memory._pinning import Footprint as Footprint
 from torchferry.runtime.memory._pinning import HostMemory as HostMemory
 from torchferry.runtime.memory._pinning import HostPinner as HostPinner
 from torchferry.runtime.memory._pinning import page_bytes as page_bytes

@@ -7,7 +7,7 @@ buffer per block, real models pinned 1.3-1.8x their size and held it after ``clo
 instead takes each buffer from an anonymous ``mmap`` (page-aligned, zero-filled, untouched pages
 cost nothing, and unmapping gives them back to the OS) and page-locks exactly its pages with
 ``cudaHostRegister``. So pinned bytes are the store's bytes rounded up to whole pages per buffer
-(`footprint` computes them from a plan alone), and `HostMemory.close` unregisters and unmaps
+(`policies.Tiers.store_bytes` counts them from a plan alone), and `HostMemory.close` unregisters and unmaps
 every buffer. Registered memory is what ``non_blocking`` copies need to run asynchronously; the
 copy engine reads it directly.
 
@@ -34,11 +34,10 @@ import contextlib
 import ctypes
 import mmap
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast, final
 
-import attrs
 import torch
 
 from torchferry._errors import OffloadWarning
@@ -47,7 +46,6 @@ __all__ = [
     "PAGE",
     "BookPinner",
     "CudaPinner",
-    "Footprint",
     "HostMemory",
     "HostPinner",
     "page_bytes",
@@ -67,7 +65,8 @@ class HostPinner(abc.ABC):
     """Page-locks ranges of host memory: `register` and `unregister`, each raising on failure.
 
     ``memlock`` says whether what it pins is charged to ``RLIMIT_MEMLOCK`` (``mlock``-style pinning:
-    preflight then refuses pinned bytes over a finite limit); see [Note: the host budget].
+    the open plan then refuses pinned bytes over a finite limit, `policies.host_plan`); see [Note: the
+    host budget].
     """
 
     #: Whether pinned bytes count against ``RLIMIT_MEMLOCK``.
@@ -348,23 +347,3 @@ class HostMemory:
         """Release every buffer still held."""
         for name in list(self._held):
             self.release(name)
-
-
-@attrs.frozen(kw_only=True)
-class Footprint:
-    """What a host store holds: ``store_bytes`` (its buffers), ``pinned_bytes`` (whole pages of them)."""
-
-    store_bytes: int
-    pinned_bytes: int
-    buffers: int
-
-    @property
-    def ratio(self) -> float:
-        """Pinned bytes per store byte (1.0 when empty)."""
-        return self.pinned_bytes / self.store_bytes if self.store_bytes else 1.0
-
-    @classmethod
-    def of(cls, sizes: Iterable[int]) -> Footprint:
-        """The footprint of buffers of these sizes."""
-        listed = [n for n in sizes if n]
-        return cls(store_bytes=sum(listed), pinned_bytes=sum(map(page_bytes, listed)), buffers=len(listed))

@@ -33,9 +33,10 @@ import torch
 
 from torchferry import policies
 from torchferry._errors import ExecutionError, PlanError
-from torchferry.policies import format_bytes, pack_bytes, tiers, unit_packs
+from torchferry.policies import Schedule, Tiers, unit_packs
 from torchferry.runtime.device import DeviceBuffer
 from torchferry.runtime.files import CheckpointReader, FileReader, PackRead, Ticket
+from torchferry.runtime.machine import READ_MODE_ENV
 from torchferry.runtime.memory import (
     HostMemory,
     Pack,
@@ -49,7 +50,6 @@ from torchferry.topology import Plan, TensorSpec
 from torchferry.topology import pack as pack_specs
 
 __all__ = [
-    "READ_MODE_ENV",
     "FileTier",
     "TierLayout",
     "TierRequest",
@@ -57,8 +57,8 @@ __all__ = [
     "tier_request",
 ]
 
-#: Environment variable forcing how file-tier files are read: ``direct``, ``buffered`` or ``auto``.
-READ_MODE_ENV = "TORCHFERRY_READ"
+#: A failure `check` makes unreachable ([9]: file-tier reads and staging slots) is not the caller's.
+_MISSED = "a torchferry bug, or a custom policy that check missed ([9])"
 
 
 def read_direct(file_bytes: int, cache_bytes: int | None, mode: str | None = None) -> bool:
@@ -71,17 +71,29 @@ def read_direct(file_bytes: int, cache_bytes: int | None, mode: str | None = Non
 
 @attrs.frozen(kw_only=True)
 class TierLayout:
-    """What a session asks of the file tier: what the page cache can keep (``None``: unknown), where
-    the file tier is read from (``None``: the plan's checkpoint; else a spill folder written for it),
-    and, for tests of hand-written schedules only, the packs and staging slots (``None``: those of
-    `policies.tiers`, as every built-in policy's schedules name them)."""
+    """The file tier a session lays out, as decided before it opened (`TierLayout.of` the open
+    plan's tiers, or `from_schedule` for one schedule run alone): the packs in it and the staging
+    slots (name, bytes), where it is read from (``None``: the plan's checkpoint; else a spill folder
+    written for it), what the page cache can keep (``None``: unknown) and the read mode the facts
+    hold (``None``: read `READ_MODE_ENV` at open). The default is no file tier."""
 
+    packs: frozenset[str] = frozenset()
+    staging: tuple[tuple[str, int], ...] = ()
     cache_bytes: int | None = None
     source: str | None = None
-    packs: frozenset[str] | None = None
-    staging: tuple[tuple[str, int], ...] | None = None
-    #: The read mode the session's facts hold (``None``: read `READ_MODE_ENV` at open).
     read_mode: str | None = None
+
+    @classmethod
+    def of(cls, chosen: Tiers, **options: Any) -> TierLayout:
+        """The layout of the tiers the open planner chose (`policies.Tiers`)."""
+        return cls(packs=chosen.file, staging=tuple((s.name, s.nbytes) for s in chosen.staging), **options)
+
+    @classmethod
+    def from_schedule(cls, schedule: Schedule) -> TierLayout:
+        """The file tier ``schedule`` names (`Schedule.file`, its staging slots): what an engine built for
+        that schedule alone lays out (`execute`)."""
+        staging = tuple((s.name, s.nbytes) for s in schedule.slots if s.kind == "staging")
+        return cls(packs=frozenset(schedule.file), staging=staging)
 
 
 @attrs.frozen(kw_only=True)
@@ -111,15 +123,14 @@ def tier_request(
     from_module: frozenset[str] = frozenset(),
     device: torch.device | None = None,
 ) -> TierRequest | None:
-    """The host store's file tier for ``plan`` (`policies.tiers`, unless ``layout`` names one; ``None``:
-    no file tier): read from ``layout.source`` when it names a spill (a reader opened for it is
-    appended to ``opened``), else from ``checkpoint``; an in-memory pipeline without a spill cannot
-    have one, nor can a component whose own weights are kept (``from_module``) be read from the
-    checkpoint (`PlanError`)."""
+    """The host store's file tier for ``plan`` as ``layout`` names it (``None``, or no packs: no file
+    tier): read from ``layout.source`` when it names a spill (a reader opened for it is appended to
+    ``opened``), else from ``checkpoint``. A layout the open planner could not have made (file-tier
+    packs with nothing to read them from, or of a component that keeps its own weights,
+    ``from_module``: `policies.needs_source` and `policies.unfiled` keep both out) is an
+    `ExecutionError` saying so, raised before anything is read."""
     layout = layout or TierLayout()
-    chosen = tiers(plan)
-    packs = chosen.file if layout.packs is None else layout.packs
-    staging = tuple((s.name, s.nbytes) for s in chosen.staging) if layout.staging is None else layout.staging
+    packs = layout.packs
     if not packs:
         return None
     source = checkpoint
@@ -127,48 +138,29 @@ def tier_request(
         source = CheckpointReader(layout.source)
         opened.append(source)
         prefix_map = None
-    if source is None:
-        shown = ", ".join(sorted(packs, key=_natural)[:3]) + (", ..." if len(packs) > 3 else "")
-        raise PlanError(
-            f"the plan keeps {len(packs)} pack(s) ({shown}) in the file tier (read on demand from "
-            "the checkpoint), and this pipeline was built in memory with no checkpoint; pass "
-            "checkpoint=<its safetensors> to read them from, spill=<a folder> to write them there once "
-            "and read them back, or raise host_memory="
+    kept = () if layout.source is not None else from_module  # a spill holds their bytes too
+    own = [n for top in plan.components if top.path in kept for n in unit_packs(plan, top.path) if n in packs]
+    if source is None or own:
+        shown = sorted(own or packs, key=_natural)
+        listed = ", ".join(shown[:3]) + (", ..." if len(shown) > 3 else "")
+        what = (
+            "nothing to read them from (no checkpoint nor spill)"
+            if source is None
+            else "their components keep their own weights, which are not the checkpoint's"
         )
-    if layout.source is None and from_module:
-        _refuse_own(plan, packs, from_module)
+        raise ExecutionError(
+            f"the file tier names {len(shown)} pack(s) ({listed}) and {what}: a torchferry bug, or a "
+            "TierLayout that policies.open_plan did not decide (it refuses both: needs_source, unfiled); "
+            "lay the file tier out from the open plan's tiers"
+        )
     return TierRequest(
         packs=frozenset(packs),
-        staging=staging,
+        staging=layout.staging,
         source=source,
         cache_bytes=layout.cache_bytes,
         prefix_map=prefix_map,
         device=device,
         read_mode=layout.read_mode,
-    )
-
-
-def _refuse_own(plan: Plan, packs: frozenset[str], from_module: frozenset[str]) -> None:
-    """`PlanError` when file-tier ``packs`` belong to components that keep their own weights: the
-    checkpoint does not hold those bytes, so nothing could read them back."""
-    own: dict[str, list[str]] = {}
-    for top in plan.components:
-        theirs = sorted(packs & set(unit_packs(plan, top.path)), key=_natural)
-        if top.path in from_module and theirs:
-            own[top.path] = theirs
-    if not own:
-        return
-    names = [n for theirs in own.values() for n in theirs]
-    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    size = format_bytes(sum(pack_bytes(plan, n) for n in names), exact=False)
-    tops = " and ".join(map(repr, own))
-    it, its, keeps = ("it", "its", "keeps its") if len(own) == 1 else ("them", "their", "keep their")
-    raise PlanError(
-        f"the host budget leaves {len(names)} pack(s) of {tops} ({shown}; {size}) in the file tier, read on "
-        f"demand from the checkpoint, but {tops} {keeps} own weights (passed by keyword, or left out of "
-        f"checkpoint_components=), which are not the checkpoint's; raise host_memory= so {its} packs stay "
-        f"in host memory, or fill {it} from the checkpoint (name {it} in checkpoint_components=, or do not "
-        f"pass {it} by keyword)"
     )
 
 
@@ -314,7 +306,7 @@ class FileTier:
         if staging is None:
             raise ExecutionError(
                 f"staging slot {name} is not one of this session's ({', '.join(self.staging) or 'none'}); "
-                "every schedule of a session must use the staging slots its plan's tiers name"
+                f"every schedule of a session must use the staging slots its plan's tiers name: {_MISSED}"
             )
         return staging
 
@@ -323,13 +315,15 @@ class FileTier:
         read = self.reads.get(pack.name)
         if read is None:
             raise ExecutionError(
-                f"read of {pack.name}: it is not in this session's file tier (its bytes are in host memory)"
+                f"read of {pack.name}: it is not in this session's file tier (its bytes are in host "
+                f"memory): {_MISSED}"
             )
         staging = self.slot(slot)
         if staging.ticket is not None and staging.pack is not pack:
             raise ExecutionError(
                 f"read of {pack.name} into staging slot {slot}, which still holds the read of "
-                f"{staging.pack.name if staging.pack is not None else 'another pack'} that no load took"
+                f"{staging.pack.name if staging.pack is not None else 'another pack'} that no load took: "
+                f"{_MISSED}"
             )
         if staging.ticket is not None:
             # The same pack read again before a load took the first read: that read finishes (or
@@ -345,7 +339,7 @@ class FileTier:
         if ticket is None or staging.pack is not pack:
             held = "nothing" if staging.pack is None else f"the read of {staging.pack.name}"
             raise ExecutionError(
-                f"load of {pack.name} from staging slot {slot}, which holds {held}; read it first"
+                f"load of {pack.name} from staging slot {slot}, which holds {held}; read it first: {_MISSED}"
             )
         staging.pack = staging.ticket = None
         ticket.wait()

@@ -14,14 +14,11 @@ from torch import nn
 
 from torchferry.policies import group_specs
 from torchferry.runtime.memory import (
-    Footprint,
     Piece,
-    Sharding,
     contiguous_strides,
     dense_strides,
-    shard_span,
 )
-from torchferry.topology import Plan, TensorSpec, packed_nbytes
+from torchferry.topology import TensorSpec, packed_nbytes
 from torchferry.topology import pack as pack_specs
 
 if TYPE_CHECKING:
@@ -29,7 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "fill_from_module",
-    "footprint",
     "group_specs",
     "in_pack_order",
     "make_ordinary",
@@ -39,17 +35,6 @@ __all__ = [
     "read_pack",
     "swappable",
 ]
-
-
-def footprint(plan: Plan, sharding: Sharding | None = None) -> Footprint:
-    """The host memory a store for ``plan`` holds and pins: a pure function of the plan (and this
-    rank's sharding), the same sizes `HostStore.prepare` allocates."""
-    sizes = []
-    for name, specs in group_specs(plan).items():
-        nbytes = packed_nbytes(pack_specs(specs))
-        start, end = shard_span(name, nbytes, sharding) or (0, nbytes)
-        sizes.append(end - start)
-    return Footprint.of(sizes)
 
 
 def in_pack_order(
