@@ -23,8 +23,11 @@ MiB = 1 << 20
 BUDGET = 44 * MiB
 
 
-def _open(rank: int, world: int, folders: list[str]) -> dict[str, Any]:
-    """Open the toy with the file tier spilled into this rank's folder; the error, or what it saw."""
+def _open(rank: int, world: int, folders: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Open the toy with the file tier spilled into this rank's folder (rank 1 with ``env`` set in its
+    environment); the error, or what it saw."""
+    if rank == 1 and env:
+        os.environ.update(env)
     ref = toy.build(0, hidden=HIDDEN)
     with torch.no_grad():
         want = ref("a cat", steps=2)
@@ -61,6 +64,19 @@ def test_a_rank_that_cannot_spill_fails_every_rank(tmp_path: Path) -> None:
     named = "rank(s) 1 of the 2-rank weight-shard group could not prepare the spill folder"
     assert named in results[0]["message"]
     assert not (tmp_path / "spill0").exists() or not any((tmp_path / "spill0").iterdir())
+
+
+def test_a_refusal_of_one_rank_alone_fails_every_rank(tmp_path: Path) -> None:
+    """Rank 1 alone reads a read mode no reader knows (its own TORCHFERRY_READ): it raises its own
+    PlanError and rank 0 an ExecutionError naming rank 1 and the step, promptly (not the group's
+    timeout, nor a raw gloo error in the next collective), with no spill written on either."""
+    folders = [str(tmp_path / "spill0"), str(tmp_path / "spill1")]
+    results = run_ranks(_open, 2, folders, {"TORCHFERRY_READ": "sideways"}, timeout=150, group_timeout=120)
+    assert results[1]["error"] == "PlanError", results[1]
+    assert "TORCHFERRY_READ='sideways' is no read mode" in results[1]["message"]
+    assert results[0]["error"] == "ExecutionError", results[0]
+    assert "rank(s) 1 of the 2-rank weight-shard group could not plan the session" in results[0]["message"]
+    assert not any((tmp_path / f"spill{r}").exists() for r in (0, 1))
 
 
 def test_ranks_spilling_into_one_folder_keep_one_set_of_files(tmp_path: Path) -> None:

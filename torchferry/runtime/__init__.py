@@ -24,6 +24,7 @@ from torchferry.runtime.executor import stream_factory as stream_factory
 from torchferry.runtime.files import CheckpointReader
 from torchferry.runtime.files import GGUFCheckpointReader as GGUFCheckpointReader
 from torchferry.runtime.files import SpillLease as SpillLease
+from torchferry.runtime.files import agreed as agreed
 from torchferry.runtime.files import check_spill as check_spill
 from torchferry.runtime.files import model_entries as model_entries
 from torchferry.runtime.files import open_checkpoint as open_checkpoint

@@ -196,7 +196,15 @@ def offload(
     )  # fmt: skip
     offered = policies.offered_budget(plan, facts.host)  # under a group, the ranks plan on the least
     least = None if group is None else runtime.exchange_budgets(offered, group, target, plan)
-    opened = policies.open_plan(plan, facts, auto=auto, spill=spill is not None, least=least)
+
+    def decide() -> policies.OpenPlan:
+        return policies.open_plan(plan, facts, auto=auto, spill=spill is not None, least=least)
+
+    # Under a group a refusal made on one rank alone (its own facts: a read mode, a locked-memory
+    # limit) is agreed on, so no peer is left waiting in the next collective.
+    opened = (
+        decide() if group is None else runtime.agreed(runtime.Comm(group, target), "plan the session", decide)
+    )
     host = runtime.host_side(opened, spill)
     source = opened.device_source
     plan = topology.interned(opened.plan)  # one request on one machine: one plan object however often opened
