@@ -3,6 +3,8 @@ a GGUF single-file load and the checkpoint reader's widening all read (issue 39,
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from torchferry import topology
 
 
@@ -10,15 +12,15 @@ class DiffusersModel:
     """A diffusers model class as it declares its float32 modules."""
 
     __module__ = "diffusers.models.transformers.transformer_wan"
-    _keep_in_fp32_modules = ["time_embedder", "scale_shift_table", "norm1"]
+    _keep_in_fp32_modules: ClassVar[list[str]] = ["time_embedder", "scale_shift_table", "norm1"]
 
 
 class TransformersModel:
     """A transformers model class with both of its lists."""
 
     __module__ = "transformers.models.t5.modeling_t5"
-    _keep_in_fp32_modules = ["wo"]
-    _keep_in_fp32_modules_strict = ["relative_attention_bias"]
+    _keep_in_fp32_modules: ClassVar[list[str]] = ["wo"]
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["relative_attention_bias"]
 
 
 class Declares:
