@@ -189,7 +189,7 @@ def offload(
         )
     facts = runtime.read_facts(
         pipeline, plan, device=target, prefix_map=checkpoint_prefix_map, variant=checkpoint_variant,
-        own=topology.own_weights(plan, checkpoint_components),
+        own=topology.own_weights(plan, checkpoint_components), measure=auto,
     )  # fmt: skip
     offered = policies.offered_budget(plan, facts.host)  # under a group, the ranks plan on the least
     least = None if group is None else runtime.exchange_budgets(offered, group, target, plan)
@@ -198,9 +198,8 @@ def offload(
     source = opened.device_source
     plan = topology.interned(opened.plan)  # one request on one machine: one plan object however often opened
     chooser = None
-    if auto:
-        assert plan.config.device_memory_bytes is not None
-        chooser = Chooser(plan, target, plan.config.device_memory_bytes, source)
+    if opened.setup is not None:  # auto: what it starts from, decided by open_plan from the facts
+        chooser = Chooser(attrs.evolve(opened.setup, plan=plan), target, source, facts.device.h2d_source)
     chosen = (
         policy if policy is not None else chooser.policy if chooser is not None else default_policy(request)
     )
