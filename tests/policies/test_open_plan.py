@@ -127,7 +127,7 @@ def test_the_dequantize_reserve_comes_off_the_budget_after_it_is_settled() -> No
 def test_every_open_time_refusal_in_full() -> None:
     """Each refusal open_plan makes, whole, in the API's words and the command line's: a file tier
     with nothing to read it from, a host budget too small for any tiering, pinned bytes over the
-    locked-memory limit, a read mode no reader knows."""
+    locked-memory limit, no host memory left at all, a read mode no reader knows."""
     p = ring_plan(8, 64 * MIB, host_memory_bytes=300 * MIB)
     with pytest.raises(PlanError) as caught:
         policies.open_plan(p, policies.Facts())
@@ -164,6 +164,14 @@ def test_every_open_time_refusal_in_full() -> None:
         "pin_memory=False, or lower host_memory= so fewer bytes are pinned"
     )
     assert pinned.value.message("cli").endswith("or lower --host-memory so fewer bytes are pinned")
+    bound = policies.Bound(what="cgroup v2 memory /x", available=100 * MIB, source="limit")
+    with pytest.raises(PlanError) as none_left:  # 100 MiB less the 256 MiB reserve
+        policies.open_plan(ring_plan(8, 64 * MIB), policies.Facts(host=policies.HostFacts(bounds=(bound,))))
+    assert none_left.value.message("cli") == (
+        "the host budget is 0 B (cgroup v2 memory /x 100.0 MiB (limit) less a reserve of 256.0 MiB): no "
+        "host memory is left for torchferry's buffers; free host memory (close other processes or "
+        "sessions), raise the memory cgroup's limit, or pass --host-memory to name what torchferry may hold"
+    )
     odd = policies.Facts(host=policies.HostFacts(read_mode="sometimes"))
     with pytest.raises(PlanError) as mode:
         policies.open_plan(ring_plan(8, 64 * MIB, host_memory_bytes=300 * MIB, checkpoint="ckpt"), odd)
