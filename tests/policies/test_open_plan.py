@@ -156,8 +156,10 @@ def test_every_open_time_refusal_in_full() -> None:
     )
     assert small.value.message("api").endswith("; raise host_memory= to 144.0 MiB")
     locked = policies.HostFacts(locked_bytes=256 * MIB, locked_source="RLIMIT_MEMLOCK", pins_locked=True)
+    cuda = policies.DeviceFacts(type="cuda", free_bytes=8 * GIB)  # only a CUDA device's store pins
     with pytest.raises(PlanError) as pinned:
-        policies.open_plan(ring_plan(8, 64 * MIB, host_memory_bytes=GIB), policies.Facts(host=locked))
+        pinning = policies.Facts(host=locked, device=cuda)
+        policies.open_plan(ring_plan(8, 64 * MIB, host_memory_bytes=GIB), pinning)
     assert pinned.value.message("api") == (
         "torchferry would pin 512.0 MiB of host memory, over the locked-memory limit of 256.0 MiB "
         "(RLIMIT_MEMLOCK); raise it (ulimit -l, or the container's memlock limit), pass "
