@@ -769,6 +769,43 @@ def test_plan_device_class_sets_bandwidth_and_compute(capsys: pytest.CaptureFixt
     )
 
 
+def test_plan_for_a_named_gpu_takes_the_figures_a_session_on_it_starts_from(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39 (S6): with no saved profile, plan --device-name "NVIDIA H100 80GB HBM3" assumes the H100
+    class, the figures `policies.device_profile` gives a session on that GPU; a saved profile of that
+    GPU on this machine is used, one of another GPU is left out saying why; --device-name with
+    --device-class is two sources."""
+    from torchferry.runtime import host_name
+
+    where = tmp_path / "profile.json"
+    monkeypatch.setenv("TORCHFERRY_PROFILE", str(where))
+    name = "NVIDIA H100 80GB HBM3"
+    facts = policies.DeviceFacts(type="cuda", name=name, machine=host_name())
+    doc = plan_json(capsys, "qwen-image", "--device-memory", "24GiB", "--device-name", name)
+    assert policies.device_profile(facts)[0] == policies.DEVICE_CLASSES["h100"]
+    assert doc["assumptions"]["device"]["name"] == "h100" and doc["assumptions"]["h2d_bytes_per_s"] == 55e9
+    saved = attrs.evolve(policies.DEVICE_CLASSES["h100"], name=name, h2d_bytes_per_s=4e10, device="cuda",
+                         host=host_name(), source="measured here")  # fmt: skip
+    where.write_text(json.dumps(saved.to_json()))
+    doc = plan_json(capsys, "qwen-image", "--device-memory", "24GiB", "--device-name", name)
+    assert doc["assumptions"]["h2d_bytes_per_s"] == 4e10
+    a100 = "NVIDIA A100-SXM4-80GB"
+    doc = plan_json(capsys, "qwen-image", "--device-memory", "24GiB", "--device-name", a100)
+    assert doc["assumptions"]["h2d_bytes_per_s"] == 25e9
+    assert doc["assumptions"]["device"]["source"] == (
+        f"{policies.DEVICE_CLASSES['a100'].source}; the saved profile {where}'s device figures were not "
+        f"used: it was measured on {name}, and this device is NVIDIA A100-SXM4-80GB; probe this one"
+    )
+    code, out, err = run(capsys, "plan", "qwen-image", "--device-memory", "24GiB", "--device-class", "h100",
+                         "--device-name", name)  # fmt: skip
+    assert (code, out) == (2, "")
+    assert err == (
+        "torchferry plan: error: --device-class and --device-name are two sources of device figures; "
+        "pass one of them\n"
+    )
+
+
 def test_plan_auto_is_the_chooser_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
     """--strategy auto reports policies.choose's choice for the layerwise plan, with its reason."""
     doc = plan_json(

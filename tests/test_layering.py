@@ -359,7 +359,8 @@ def test_imports_become_edges_where_their_packages_meet() -> None:
 
 
 #: The pure planners: what a session decides before its first byte moves (`policies.open_plan`), and
-#: the pieces it is made of (the host planner, the tiers, the budgets, auto's choice).
+#: the pieces it is made of (the host planner, the tiers, the budgets, the device's figures, auto's
+#: setup and choice).
 PLANNERS = {
     "open_plan",
     "host_plan",
@@ -375,13 +376,22 @@ PLANNERS = {
     "weight_budget",
     "dequantize_reserve",
     "auto_candidates",
+    "device_profile",
+    "auto_setup",
+    "estimate_cost",
     "choose",
 }
-#: What measures the device: its free memory, its name and properties, a timed copy.
-MEASURES = {"mem_get_info", "get_device_name", "get_device_properties", "memory_reserved", "copy_bytes_per_s"}
-#: Root modules still measuring the device, and what with, until they take `policies.DeviceFacts`
-#: (issue 39, item 2: the chooser's device profile and cost inputs). Entries only ever go.
-UNMOVED = {"session/_chooser.py": {"get_device_name", "copy_bytes_per_s"}}
+#: What reads or times the device: its free memory, its name and properties, its saved profile, a
+#: timed copy (the runtime's fact readers call these; the root and its rooms never do).
+MEASURES = {
+    "mem_get_info",
+    "get_device_name",
+    "get_device_properties",
+    "memory_reserved",
+    "copy_bytes_per_s",
+    "load_profile",
+    "device_facts",
+}
 
 
 def _called(path: Path) -> set[str]:
@@ -396,15 +406,15 @@ def _called(path: Path) -> set[str]:
 
 def test_the_runtime_calls_no_planner_and_the_root_measures_no_device() -> None:
     """Issue 39: the runtime carries out what `policies.open_plan` decided (no module under runtime/
-    calls a planner), and no module of the root or its rooms (session/, load/) measures the device
-    (the runtime's fact readers do)."""
+    calls a planner, nor picks the device's figures), and no module of the root or its rooms
+    (session/, load/) reads or times the device (its free memory, its name, its saved profile, its
+    H2D rate: the runtime's fact readers do)."""
     modules = (PACKAGE / "runtime").rglob("*.py")
     runtime = {p.relative_to(PACKAGE).as_posix(): _called(p) & PLANNERS for p in modules}
     assert {k: v for k, v in runtime.items() if v} == {}
     root = [*PACKAGE.glob("*.py"), *(PACKAGE / "session").rglob("*.py"), *(PACKAGE / "load").rglob("*.py")]
     found = {p.relative_to(PACKAGE).as_posix(): _called(p) & MEASURES for p in root}
-    measuring = {name: names for name, names in found.items() if names}
-    assert all(names <= UNMOVED.get(name, set()) for name, names in measuring.items()), measuring
+    assert {name: names for name, names in found.items() if names} == {}
 
 
 def test_the_layering_check_sees_a_planner_call_and_a_measure(tmp_path: Path) -> None:

@@ -309,77 +309,40 @@ def test_report_compares_predictions_only_with_steps_they_were_not_fitted_to() -
     assert [t.split()[0] for t in text[3:6]] == ["device", "host", "h2d"]
 
 
-def test_a_saved_profile_is_used_only_on_the_device_it_was_measured_on(
+def test_the_device_facts_are_read_once_and_auto_measures_nothing_itself(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The session's starting figures come from a saved profile only when it was measured on this
-    device: its type, its name and this machine. A GPU's profile says nothing about the CPU and back,
-    nor one of another GPU model, another machine, or a profile that does not say where it was made."""
+    """Issue 39 (S7): the runtime's fact reader gives the device's type and name, and for auto the saved
+    profile, this machine's name and the host-to-device rate it timed; an auto session starts from
+    exactly `policies.auto_setup` of those facts (its chooser times nothing), a named one reads no
+    profile (a damaged one does not stop it)."""
     from torchferry.runtime import host_name, save_profile
-    from torchferry.session._chooser import base_profile
+    from torchferry.runtime.machine import device_facts
 
     monkeypatch.setenv("TORCHFERRY_PROFILE", str(tmp_path / "profile.json"))
-    other = policies.DeviceProfile(
-        name="NVIDIA H200",
-        h2d_bytes_per_s=5e10,
-        flops_per_s=9e14,
-        collective_bytes_per_s=4e11,
-        dtype="bfloat16",
-        source="test",
-        device="cuda",
+    mine = policies.DeviceProfile(
+        name="cpu", h2d_bytes_per_s=1.5e10, flops_per_s=1e11, dtype="float32", source="test", device="cpu",
         host=host_name(),
-    )
-    cpu_class = policies.match_device_class("cpu")
-    save_profile(other)
-    assert base_profile(torch.device("cpu")) == cpu_class
-    mine = attrs.evolve(other, name="cpu", device="cpu", h2d_bytes_per_s=1.5e10)
+    )  # fmt: skip
     save_profile(mine)
-    assert base_profile(torch.device("cpu")) == mine
-    for stranger in (attrs.evolve(mine, host="another-machine"), attrs.evolve(mine, device="", host="")):
-        save_profile(stranger)
-        assert base_profile(torch.device("cpu")) == cpu_class, stranger
-    # Another GPU model than the one measured (no CUDA here: the device's name is all that is read).
-    save_profile(other)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    assert base_profile(torch.device("cuda")) == policies.match_device_class("NVIDIA A100-SXM4-80GB")
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    assert base_profile(torch.device("cuda")) == other
-
-
-def test_a_saved_profile_of_another_device_still_gives_this_machines_read_rates(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A CUDA profile with `probe PATH`'s read rates gives a CPU session those rates (the drive's) over
-    the CPU class's other figures; a profile from another machine gives none."""
-    from torchferry.runtime import host_name, save_profile
-    from torchferry.session._chooser import base_profile
-
-    monkeypatch.setenv("TORCHFERRY_PROFILE", str(tmp_path / "profile.json"))
-    gpu = policies.DeviceProfile(
-        name="NVIDIA H200",
-        h2d_bytes_per_s=5e10,
-        flops_per_s=9e14,
-        collective_bytes_per_s=4e11,
-        dtype="bfloat16",
-        source="test",
-        device="cuda",
-        host=host_name(),
-        read_bytes_per_s=1.5e9,
-        read_direct_bytes_per_s=1.0e9,
-    )
-    cpu_class = policies.match_device_class("cpu")
-    assert cpu_class is not None
-    save_profile(gpu)
-    got = base_profile(torch.device("cpu"))
-    assert (got.read_bytes_per_s, got.read_direct_bytes_per_s) == (1.5e9, 1.0e9)
-    assert got.file_read_bytes_per_s() == 1.0e9
-    assert (got.name, got.h2d_bytes_per_s, got.flops_per_s) == (
-        cpu_class.name,
-        cpu_class.h2d_bytes_per_s,
-        cpu_class.flops_per_s,
-    )
-    save_profile(attrs.evolve(gpu, host="another-machine"))
-    assert base_profile(torch.device("cpu")) == cpu_class
+    cpu = torch.device("cpu")
+    assert device_facts(cpu) == policies.DeviceFacts(type="cpu", name="cpu")
+    facts = device_facts(cpu, measure=True)
+    assert (facts.saved, facts.machine) == (mine, host_name())
+    assert facts.h2d_source == "measured: 16.0 MiB host memcpy"
+    assert facts.h2d_bytes_per_s is not None and facts.h2d_bytes_per_s > 0
+    p = toy.build(0)
+    with torchferry.offload(p, device="cpu", device_memory="64MiB") as session:
+        chooser = session._chooser
+        assert chooser is not None
+        assert chooser.setup == policies.auto_setup(session.plan, facts)
+        assert chooser.setup.base.block_s == policies.estimate_cost(
+            session.plan.topology, device=attrs.evolve(mine, h2d_bytes_per_s=facts.h2d_bytes_per_s),
+            forwards_per_step=1,
+        ).block_s  # fmt: skip
+    (tmp_path / "profile.json").write_text('{"torchferry_profile": 999}')
+    with torchferry.offload(p, "layerwise", device="cpu"):
+        pass
 
 
 def test_two_opens_of_one_request_share_one_plan() -> None:

@@ -586,6 +586,20 @@ def test_rule_13_the_shard_group_must_be_the_process_group() -> None:
     assert resolve(topo(), DLO_LOCAL, world=3) == resolve(topo(), DLO_LOCAL)
 
 
+def test_rule_13_a_layout_left_at_one_rank_takes_the_groups_size() -> None:
+    """Issue 39 (S4): an all-gathering distributed request whose layout is left at one rank is sized to
+    the process group by resolve (the plan's config carries it, as if the layout had named it); a
+    named layout, rank-local transfers, one rank or no group leave the request as it is."""
+    request = OffloadConfig(strategy="distributed_layerwise")
+    sized = resolve(topo(), request, world=4)
+    named = OffloadConfig(strategy="distributed_layerwise", parallel=ParallelLayout(data_parallel_size=4))
+    assert sized.config == named and sized == resolve(topo(), named)
+    assert sized.config.dp_size == 4
+    assert resolve(topo(), request, world=1).config == request
+    assert resolve(topo(), request).config == request
+    assert resolve(topo(), DLO_LOCAL, world=4).config == DLO_LOCAL
+
+
 def test_rule_14_checkpoint_components_name_top_level_components_of_a_checkpoint() -> None:
     """checkpoint_components= needs checkpoint= and names only the topology's top-level components."""
     with error(

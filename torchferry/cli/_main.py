@@ -16,10 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
-import attrs
-
 from torchferry._errors import OffloadError
-from torchferry.policies import BUILTINS, DEFAULT_DEVICE, DEVICE_CLASSES, DeviceProfile
+from torchferry.policies import BUILTINS, DEVICE_CLASSES
 from torchferry.topology import STORAGE_DTYPES, parse_bytes, parse_rate
 
 __all__ = ["main"]
@@ -210,8 +208,16 @@ def _parser() -> _Parser:
     plan.add_argument(
         "--device-class",
         choices=sorted(DEVICE_CLASSES),
-        help="assume this device class's figures (default: the saved profile of `torchferry probe` "
-        "if there is one, else an RTX 4090-class GPU with a 100GB/s all-gather)",
+        help="assume this device class's figures (default: those a session on the device starts from: "
+        "the profile `torchferry probe` saved of it here, else its class by --device-name or this machine's "
+        "GPU, else an RTX 4090-class GPU with a 100GB/s all-gather)",
+    )
+    plan.add_argument(
+        "--device-name",
+        metavar="NAME",
+        help="plan for the GPU of this name, as torch.cuda.get_device_name() gives it (\"NVIDIA H100 80GB "
+        "HBM3\"): the figures a session on it starts from, its saved profile if `torchferry probe` measured "
+        "it here, else its class (default: this machine's GPU)",
     )
     plan.add_argument(
         "--profile",
@@ -353,7 +359,7 @@ def _parser() -> _Parser:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from torchferry.cli import _plan_input, _plan_output, _plan_report
+    from torchferry.cli import _plan_device, _plan_input, _plan_output, _plan_report
 
     if args.list:
         if args.format == "json":
@@ -383,11 +389,18 @@ def _plan(args: argparse.Namespace) -> int:
         if args.block_attrs is None
         else tuple(a.strip() for a in args.block_attrs.split(",") if a.strip())
     )
-    if args.device_class is not None and args.profile is not None:
-        raise UsageError("--device-class and --profile are two sources of device figures; pass one of them")
+    named = [f for f, v in (("--device-class", args.device_class), ("--profile", args.profile),
+                            ("--device-name", args.device_name)) if v is not None]  # fmt: skip
+    if len(named) > 1:
+        many = "two" if len(named) == 2 else "three"
+        raise UsageError(f"{' and '.join(named)} are {many} sources of device figures; pass one of them")
     start = time.perf_counter()
     topo, known = _plan_input.load_model(args.model, attrs_, compute_dtype=args.compute_dtype)
-    device, read_note = _with_reads(args, _device_figures(args))
+    if args.profile is not None and not os.path.exists(args.profile):
+        raise UsageError(
+            f"--profile {args.profile}: no such file; write one with `torchferry probe --output FILE`"
+        )
+    device, read_note = _plan_device.with_reads(args, _plan_device.device_figures(args))
     options = _plan_report.Options(
         budget_bytes=args.device_memory,
         h2d_bytes_per_s=args.h2d,
@@ -438,81 +451,6 @@ def _checkpoint_options(model: str) -> dict[str, Any]:
         "facts": _plan_input.store_facts(model),
         "opened_as": _plan_input.opened_as(model),
     }
-
-
-def _device_figures(args: argparse.Namespace) -> DeviceProfile:
-    """The figures ``plan`` assumes: the named class, else the profile given or saved, else the default."""
-    if args.device_class is not None:
-        return DEVICE_CLASSES[args.device_class]
-    from torchferry.runtime import load_profile
-
-    if args.profile is not None and not os.path.exists(args.profile):
-        raise UsageError(
-            f"--profile {args.profile}: no such file; write one with `torchferry probe --output FILE`"
-        )
-    if args.profile is not None:
-        given = load_profile(args.profile)
-        assert given is not None
-        return given  # named on the command line: used whatever it was measured on
-    return _saved_for_plan()
-
-
-def _with_reads(args: argparse.Namespace, figures: DeviceProfile) -> tuple[DeviceProfile, str]:
-    """The device figures with the drive's read rates, and where those came from (else how to get
-    them). The rates are the drive's, not the device's: a saved profile's are kept when its device
-    figures are left out (measured on the CPU, or on another GPU) or a device class is named."""
-    from torchferry.runtime import host_name, load_profile, profile_path
-
-    if args.host_memory is None or args.read_bandwidth is not None:
-        return figures, ""  # no read rate is used, so no profile is opened for one
-    where = args.profile if args.profile is not None else str(profile_path())
-    what = "the profile" if args.profile is not None else "the saved profile"
-    try:
-        profile = load_profile(where) if args.profile is not None or os.path.exists(where) else None
-    except OffloadError as exc:
-        if args.profile is not None:
-            raise
-        return figures, f"{what} {where} could not be read ({exc}); pass --read-bandwidth"
-    elsewhere = profile is not None and args.profile is None and profile.host not in ("", host_name())
-    if profile is None or profile.read_bytes_per_s is None or elsewhere:
-        held = f"{what} {where} holds no read rate" if profile is not None else f"no profile at {where}"
-        if elsewhere:
-            assert profile is not None
-            held = f"{what} {where} was measured on {profile.host}, another machine with another drive"
-        return figures, (
-            f"{held}; pass --read-bandwidth, or time the drive with torchferry probe CHECKPOINT"
-            + (f" --output {where}" if args.profile is not None else "")
-        )
-    figures = attrs.evolve(
-        figures,
-        read_bytes_per_s=profile.read_bytes_per_s,
-        read_direct_bytes_per_s=profile.read_direct_bytes_per_s,
-    )
-    return figures, f"from {what} {where}: {profile.source or profile.name}"
-
-
-def _saved_for_plan() -> DeviceProfile:
-    """The saved profile when it describes a GPU that may be planned for, else the default figures
-    saying why the saved one was left out: a profile of the CPU (``probe`` on a machine without a
-    GPU) would make every plan a CPU plan, and one of another GPU model than this machine's is not
-    this machine's."""
-    import torch
-
-    from torchferry.runtime import load_profile, profile_path
-
-    saved = load_profile()
-    if saved is None:
-        return DEFAULT_DEVICE
-    why = None
-    if saved.device == "cpu" or (not saved.measured and saved.name == "cpu"):
-        why = "it holds CPU figures; pass --profile to plan with them, or --device-class cpu"
-    elif torch.cuda.is_available() and saved.name != (here := torch.cuda.get_device_name()):
-        why = f"it was measured on {saved.name}, and this machine's GPU is {here}; probe this one"
-    if why is None:
-        return saved
-    kept = "" if saved.read_bytes_per_s is None else "; its read rates are (the drive's, not the device's)"
-    note = f"the saved profile {profile_path()}'s device figures were not used: {why}{kept}"
-    return attrs.evolve(DEFAULT_DEVICE, source=f"{DEFAULT_DEVICE.source}; {note}")
 
 
 def _probe(args: argparse.Namespace) -> int:

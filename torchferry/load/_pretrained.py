@@ -37,7 +37,7 @@ from torch import nn
 
 from torchferry._errors import PlanError
 from torchferry.load._prequantized import quantization_method, quantize_on_meta
-from torchferry.runtime import keep_lists, meta_parameters
+from torchferry.runtime import meta_parameters
 from torchferry.session import Session, offload, unknown_options
 from torchferry.topology import (
     FolderComponent,
@@ -45,10 +45,12 @@ from torchferry.topology import (
     from_checkpoint,
     hub_snapshot,
     is_pipeline_folder,
+    kept_modules,
     library_key_map,
     library_module,
     locate,
     read_pipeline_folder,
+    under_kept,
 )
 
 __all__ = ["build_on_meta", "from_pretrained", "pipeline_on_meta", "resolve_folder"]
@@ -142,17 +144,9 @@ def _build_model(comp: FolderComponent, cls: type[nn.Module]) -> nn.Module:
 
 
 def _kept_in_float32(model: nn.Module, dtype: torch.dtype) -> frozenset[str]:
-    """The module names ``model``'s library keeps in float32 when it loads ``model`` in ``dtype``:
-    diffusers every ``_keep_in_fp32_modules`` entry whatever the dtype, transformers those only for
-    float16 and ``_keep_in_fp32_modules_strict`` for float16 and bfloat16."""
-    if not dtype.is_floating_point or dtype == torch.float32:
-        return frozenset()
-    if type(model).__module__.split(".")[0] != "transformers":
-        return keep_lists(model)
-    names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    if dtype == torch.float16:
-        names.update(getattr(model, "_keep_in_fp32_modules", None) or ())
-    return frozenset(names)
+    """The module names ``model``'s library keeps in float32 when it loads ``model`` in ``dtype``
+    (`topology.kept_modules`: diffusers' and transformers' rules)."""
+    return kept_modules(model, str(dtype).removeprefix("torch."))
 
 
 #: What ``torch_dtype`` may be: one dtype, or diffusers' mapping of component name (or ``"default"``)
@@ -217,7 +211,7 @@ def _stored_dtypes(
         full, dtype_name = found
         dtype = getattr(torch, dtype_name)
         keep = _kept_in_float32(model, torch_dtype or dtype)
-        if dtype.is_floating_point and keep.intersection(full.split(".")[1:]):
+        if dtype.is_floating_point and under_kept(full.split(".", 1)[1], keep):
             dtype = torch.float32  # stored float32, or widened from 16 bits as it is read
         elif torch_dtype is not None and dtype.is_floating_point and dtype != torch_dtype:
             asked = str(torch_dtype).removeprefix("torch.")

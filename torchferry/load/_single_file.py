@@ -36,7 +36,9 @@ from torchferry.topology import (
     check_gguf_fits,
     infer_gguf_model,
     is_gguf,
+    kept_modules,
     read_gguf,
+    under_kept,
 )
 
 __all__ = ["from_single_file", "gguf_source", "model_on_meta"]
@@ -175,8 +177,8 @@ def model_on_meta(
         values,
         inferred=None if inferred is None else inferred.layout,
     )
-    kept = [m for m in (getattr(model_class, "_keep_in_fp32_modules", None) or []) if m is not None]
-    dequantized = [n for n, e in entries.items() if e.quantized and any(m in n.split(".") for m in kept)]
+    kept = sorted(kept_modules(model_class))  # every module the class keeps in float32
+    dequantized = [n for n, e in entries.items() if e.quantized and under_kept(n, kept)]
     if dequantized:
         raise PlanError(
             f"{file}: {len(dequantized)} quantized tensor(s) ({', '.join(map(repr, dequantized[:3]))}) are "

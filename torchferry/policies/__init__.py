@@ -54,6 +54,9 @@ from torchferry.policies._dequantize import DEQUANTIZED_DTYPE as DEQUANTIZED_DTY
 from torchferry.policies._dequantize import dequantize_paths as dequantize_paths
 from torchferry.policies._dequantize import dequantized_tensors as dequantized_tensors
 from torchferry.policies._dequantize import with_dequantize as with_dequantize
+from torchferry.policies._device import DeviceFacts as DeviceFacts
+from torchferry.policies._device import auto_setup as auto_setup
+from torchferry.policies._device import device_profile as device_profile
 from torchferry.policies._host import NO_LIMIT as NO_LIMIT
 from torchferry.policies._host import RESERVE_FRACTION as RESERVE_FRACTION
 from torchferry.policies._host import RESERVE_MIN as RESERVE_MIN
@@ -103,7 +106,6 @@ from torchferry.policies._listing import format_schedule
 from torchferry.policies._open import ACTIVATION_MARGIN as ACTIVATION_MARGIN
 from torchferry.policies._open import ACTIVATION_MARGIN_MIN as ACTIVATION_MARGIN_MIN
 from torchferry.policies._open import CPU_BUDGET as CPU_BUDGET
-from torchferry.policies._open import DeviceFacts as DeviceFacts
 from torchferry.policies._open import Facts as Facts
 from torchferry.policies._open import OpenPlan as OpenPlan
 from torchferry.policies._open import auto_candidates as auto_candidates

@@ -14,8 +14,9 @@ builds them from its flags. `open_plan` then decides, in this order:
 3. the weights' device budget: the budget less the largest dequantized weight (`weight_budget`),
    with where it came from in words;
 4. whether the store pins (`store_pins`: asked for, and a CUDA device; decided first, as the
-   locked-memory refusal of step 2 depends on it), and auto's candidate strategies
-   (`auto_candidates`).
+   locked-memory refusal of step 2 depends on it), auto's candidate strategies
+   (`auto_candidates`), and what auto starts from (`auto_setup`: the device's figures by
+   `device_profile`, the cost inputs, the components it measures).
 
 Every refusal is raised here, before anything is read, pinned or moved.
 """
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 import attrs
 
+from torchferry.policies._calibrate import Calibration
 from torchferry.policies._dequantize import dequantize_reserve, weight_budget
+from torchferry.policies._device import DeviceFacts, auto_setup
 from torchferry.policies._host import SHARED_DEVICES, HostFacts, HostFigure, host_plan, settled
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Plan, StoreFacts
@@ -33,7 +36,6 @@ __all__ = [
     "ACTIVATION_MARGIN",
     "ACTIVATION_MARGIN_MIN",
     "CPU_BUDGET",
-    "DeviceFacts",
     "Facts",
     "OpenPlan",
     "auto_candidates",
@@ -55,15 +57,6 @@ def _size(n: int) -> str:
 
 
 @attrs.frozen(kw_only=True)
-class DeviceFacts:
-    """What was read of the session's device: its type (``cuda``, ``cpu``, ``mps``) and its free
-    bytes at open (``None``: not read, as on a CPU)."""
-
-    type: str = "cpu"
-    free_bytes: int | None = None
-
-
-@attrs.frozen(kw_only=True)
 class Facts:
     """Every fact the open planner reads, read once: the machine's, the device's and the store's."""
 
@@ -75,13 +68,15 @@ class Facts:
 @attrs.frozen(kw_only=True)
 class OpenPlan:
     """What `open_plan` decided: the plan the session runs (its budgets and facts in it), the host
-    figure, where the device budget came from, whether the store pins, and auto's candidates."""
+    figure, where the device budget came from, whether the store pins, auto's candidates, and what
+    auto chooses and calibrates from (`auto_setup`; ``None`` when auto does not choose)."""
 
     plan: Plan
     host: HostFigure
     device_source: str
     pin: bool
     candidates: tuple[str, ...] = ()
+    setup: Calibration | None = None
 
 
 def default_device_budget(device: DeviceFacts) -> tuple[int, str]:
@@ -147,4 +142,5 @@ def open_plan(
         device_source=source,
         pin=pin,
         candidates=auto_candidates(world) if auto else (),
+        setup=auto_setup(plan, facts.device) if auto else None,
     )

@@ -34,7 +34,6 @@ from torchferry.runtime.guard import SessionGuard as SessionGuard
 from torchferry.runtime.guard import Watch as Watch
 from torchferry.runtime.guard import refuse_foreign as refuse_foreign
 from torchferry.runtime.interop import Inputs as Inputs
-from torchferry.runtime.interop import keep_lists as keep_lists
 from torchferry.runtime.interop import meta_parameters
 from torchferry.runtime.machine import copy_bytes_per_s as copy_bytes_per_s
 from torchferry.runtime.machine import host_name as host_name

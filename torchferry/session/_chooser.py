@@ -1,19 +1,18 @@
-"""The session's side of ``strategy="auto"``: the budget, the probes, and the wiring of the pure
-re-choice in `policies._calibrate` ([Note: choosing in a session] there) to the session's tracer.
+"""The session's side of ``strategy="auto"``: the wiring of the pure re-choice in
+`policies._calibrate` ([Note: choosing in a session] there) to the session's tracer.
 
 `offload` with ``strategy="auto"`` (its default) resolves a layerwise plan whose budget
 (``config.device_memory_bytes``) the open planner set (`policies.open_plan`: the one given, else
 `policies.default_device_budget` of the device's free memory, or a device sharing host memory its
-share of the host budget). It measures the host-to-device bandwidth once per process
-(`h2d_bandwidth`: a pinned copy on CUDA, a host memcpy on the CPU) and takes the cost model from
-the device's profile (`base_profile`). `Chooser` holds the `policies.ChooserState` and hands it
-each traced step (`runtime.Tracer`) measured by `policies.measure`; every decision is a pure
-function of that state.
+share of the host budget), and what auto starts from (`policies.auto_setup`: the device's figures
+by `policies.device_profile`, the host-to-device rate the runtime timed once with the facts, the
+cost inputs, the components measured). `Chooser` measures nothing itself: it holds the
+`policies.ChooserState` and hands it each traced step (`runtime.Tracer`) measured by
+`policies.measure`; every decision is a pure function of that state.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -23,61 +22,17 @@ import torch
 
 from torchferry import policies
 from torchferry._errors import PlanError, ScheduleError
-from torchferry.policies import Calibration, Choice, ChooserState, CostModel, DeviceProfile, Policy
-from torchferry.runtime import StepTrace, Tracer, copy_bytes_per_s, host_name, load_profile
+from torchferry.policies import Calibration, Choice, ChooserState, CostModel, Policy
+from torchferry.runtime import StepTrace, Tracer
 from torchferry.topology import Plan
 
 __all__ = [
     "Chooser",
     "SessionReport",
-    "base_profile",
-    "h2d_bandwidth",
     "named_report",
 ]
 
 LOG = logging.getLogger("torchferry")
-
-#: Bytes of the timed copy that measures the host-to-device bandwidth (CUDA, CPU).
-_COPY_BYTES = {"cuda": 64 << 20, "cpu": 16 << 20}
-
-
-@functools.cache
-def _bandwidth(device: str) -> float:
-    target = torch.device(device)
-    rate = copy_bytes_per_s(target, _COPY_BYTES["cuda" if target.type == "cuda" else "cpu"], 3)
-    if target.type == "cuda":
-        torch.cuda.empty_cache()
-    return rate
-
-
-def h2d_bandwidth(device: torch.device) -> tuple[float, str]:
-    """Host-to-device bytes per second, measured once per process and device (the fastest of three
-    timed copies after a warm-up), and how it was measured."""
-    cuda = device.type == "cuda"
-    what = "pinned host-to-device copy" if cuda else "host memcpy"
-    nbytes = _COPY_BYTES["cuda" if cuda else "cpu"]
-    return _bandwidth(str(device)), f"measured: {policies.format_bytes(nbytes, exact=False)} {what}"
-
-
-def base_profile(device: torch.device) -> DeviceProfile:
-    """The device's saved profile (`runtime.load_profile`) when it was measured on this device: of
-    this type, of this name (``"cpu"``, or the CUDA device name) and on this machine (a profile of
-    another GPU model, of the CPU, of another machine or that does not say is not used); else its
-    device class, else `policies.DEFAULT_DEVICE`. A profile of another device of this machine still
-    gives its drive's read rates (``torchferry probe PATH``): they are the drive's, not the device's."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    saved = load_profile()
-    if saved is not None and saved.measured_on(device.type, name, host_name()):
-        return saved
-    base = policies.match_device_class(name) or policies.DEFAULT_DEVICE
-    if saved is not None and saved.read_bytes_per_s is not None and saved.host == host_name():
-        base = attrs.evolve(
-            base,
-            read_bytes_per_s=saved.read_bytes_per_s,
-            read_direct_bytes_per_s=saved.read_direct_bytes_per_s,
-            source=f"{base.source}; read rates from the profile of {saved.name} on this machine",
-        )
-    return base
 
 
 @attrs.frozen(kw_only=True)
@@ -251,30 +206,19 @@ class Chooser:
     hands each finished trace to `traced`, and asks `pending` between steps for a policy to switch to.
     """
 
-    def __init__(self, plan: Plan, device: torch.device, budget: int, budget_source: str) -> None:
-        self.plan = plan
+    def __init__(self, setup: Calibration, device: torch.device, budget_source: str, h2d_source: str) -> None:
+        #: What stays fixed (`policies.auto_setup`, decided by `policies.open_plan` from the facts read
+        #: at open): the plan, the budget, the measured bandwidth, the starting cost model, and the
+        #: components whose steps are measured and predicted.
+        self.setup = setup
+        self.plan = setup.plan
         self.device = device
-        self.budget = budget
+        self.budget = setup.budget
         self.budget_source = budget_source
-        self.h2d, self.h2d_source = h2d_bandwidth(device)
-        profile = base_profile(device)
-        base = policies.estimate_cost(
-            plan.topology, device=attrs.evolve(profile, h2d_bytes_per_s=self.h2d), forwards_per_step=1
-        )
-        lay = policies.layout(plan)
-        dits = [c.path for c in plan.components if lay.streamed.get(c.path) and c.kind == "dit"]
-        #: What stays fixed; `components` are those whose steps are measured and predicted: the
-        #: streaming DiTs (else any streamer).
-        self.setup = Calibration(
-            plan=plan,
-            budget=budget,
-            h2d_bytes_per_s=self.h2d,
-            base=base,
-            components=tuple(dits or [c.path for c in plan.components if lay.streamed.get(c.path)]),
-        )
+        self.h2d, self.h2d_source = setup.h2d_bytes_per_s, h2d_source
         try:
             #: Every choice, measurement and re-choice so far.
-            self.state: ChooserState = policies.init_chooser(self.setup)
+            self.state: ChooserState = policies.init_chooser(setup)
         except ScheduleError as exc:
             raise PlanError(
                 f"offload(strategy='auto'): nothing fits the budget ({budget_source}): {exc}; pass a "

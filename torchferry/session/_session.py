@@ -69,12 +69,13 @@ def _policy_knobs(request: OffloadConfig) -> list[str]:
     return [f"{k}={getattr(request, k)}" for k, dflt in _POLICY_KNOBS.items() if getattr(request, k) != dflt]
 
 
-def _shard_group(request: OffloadConfig, process_group: Any) -> tuple[OffloadConfig, Any]:
-    """The weight-shard group the request needs (``None``: none), and the request sized to it.
+def _shard_group(request: OffloadConfig, process_group: Any) -> Any:
+    """The weight-shard group the request needs (``None``: none).
 
     Only the distributed strategy with an all-gather transfer uses a group: the one passed, else the
-    default group (with rank-local transfers a group passed is not used). A parallel layout left at
-    its default takes the group's size; one that names another is refused by `topology.resolve`.
+    default group (with rank-local transfers a group passed is not used). `topology.resolve` sizes
+    the request to it (``world=``): a parallel layout left at one rank takes the group's size, one
+    that names another is refused.
     """
     gathers = "allgather" in (request.dit_transfer, request.encoder_transfer)
     if not request.distributed and process_group is not None:
@@ -83,7 +84,7 @@ def _shard_group(request: OffloadConfig, process_group: Any) -> tuple[OffloadCon
             f"is strategy={request.strategy!r}; drop process_group or change the strategy"
         )
     if not request.distributed or not gathers:
-        return request, None  # rank-local transfers issue no collective: a group given is not needed
+        return None  # rank-local transfers issue no collective: a group given is not needed
     import torch.distributed as dist
 
     group = process_group
@@ -96,11 +97,7 @@ def _shard_group(request: OffloadConfig, process_group: Any) -> tuple[OffloadCon
                 "process_group=...), or use dit_transfer='rank-local' and encoder_transfer='rank-local'"
             )
         group = dist.group.WORLD
-    world = dist.get_world_size(group)
-    size = request.parallel.shard_group_size
-    if size == 1 and world > 1:
-        request = attrs.evolve(request, parallel=topology.ParallelLayout(data_parallel_size=world))
-    return request, group
+    return group
 
 
 def offload(
@@ -170,7 +167,7 @@ def offload(
             "strategy's built-in policy, which policy= replaces; pass them to the policy's factory "
             "(policies.layerwise(depth=2)) and drop them here"
         )
-    request, group = _shard_group(request, process_group)
+    group = _shard_group(request, process_group)
     check_variant(checkpoint_variant, request.checkpoint)
     runtime.check_spill(spill)
     if gather_on_close and not request.distributed:
@@ -192,7 +189,7 @@ def offload(
         )
     facts = runtime.read_facts(
         pipeline, plan, device=target, prefix_map=checkpoint_prefix_map, variant=checkpoint_variant,
-        own=topology.own_weights(plan, checkpoint_components),
+        own=topology.own_weights(plan, checkpoint_components), measure=auto,
     )  # fmt: skip
     offered = policies.offered_budget(plan, facts.host)  # under a group, the ranks plan on the least
     least = None if group is None else runtime.exchange_budgets(offered, group, target, plan)
@@ -209,9 +206,8 @@ def offload(
     source = opened.device_source
     plan = topology.interned(opened.plan)  # one request on one machine: one plan object however often opened
     chooser = None
-    if auto:
-        assert plan.config.device_memory_bytes is not None
-        chooser = Chooser(plan, target, plan.config.device_memory_bytes, source)
+    if opened.setup is not None:  # auto: what it starts from, decided by open_plan from the facts
+        chooser = Chooser(attrs.evolve(opened.setup, plan=plan), target, source, facts.device.h2d_source)
     chosen = (
         policy if policy is not None else chooser.policy if chooser is not None else default_policy(request)
     )

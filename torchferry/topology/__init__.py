@@ -42,6 +42,8 @@ from torchferry.topology._gguf_layouts import GGUF_LAYOUTS as GGUF_LAYOUTS
 from torchferry.topology._gguf_layouts import GIVE_CONFIG as GIVE_CONFIG
 from torchferry.topology._gguf_layouts import InferredModel as InferredModel
 from torchferry.topology._gguf_layouts import infer_gguf_model as infer_gguf_model
+from torchferry.topology._keep_fp32 import kept_modules as kept_modules
+from torchferry.topology._keep_fp32 import under_kept as under_kept
 from torchferry.topology._keymap import Conversion as Conversion
 from torchferry.topology._keymap import KeyMap as KeyMap
 from torchferry.topology._known import (

@@ -31,7 +31,8 @@ The rules, in the order they are applied (messages name the component, what was 
 12. Model-level offload (not explicit) that would swap nothing warns: no DiT (nothing moves), or
     DiTs but no encoder stage (each DiT is staged whole; layerwise would stream it).
 13. With ``world`` (the size of the process group the session all-gathers over), a distributed
-    request that all-gathers must name a weight-shard group of that size.
+    request that all-gathers must name a weight-shard group of that size; a layout left at one rank
+    takes it (`_sized_to`), so the plan's config carries the group's size.
 14. ``checkpoint_components`` (the top-level components a checkpoint fills; ``None``: all) needs a
     ``checkpoint`` and names only top-level components of the topology.
 
@@ -56,6 +57,7 @@ import attrs
 from torchferry._errors import Flag, OffloadWarning, Part, PlanError, strategy_named
 from torchferry.topology._config import OffloadConfig
 from torchferry.topology._model import Component, Declaration, Stack, Topology, join_path
+from torchferry.topology._parallel import ParallelLayout
 from torchferry.topology._plan import Plan
 from torchferry.topology._storage import stored_as
 
@@ -520,6 +522,18 @@ def own_weights(plan: Plan, fill: Collection[str] | str | None) -> frozenset[str
     return frozenset(c.path for c in plan.components if c.path not in named)
 
 
+def _sized_to(config: OffloadConfig, world: int | None) -> OffloadConfig:
+    """Rule 13's default: an all-gathering distributed request whose parallel layout is left at one
+    rank takes a weight-shard group of ``world`` ranks (the process group's size); any other request
+    is returned as it is."""
+    gathers = "allgather" in (config.dit_transfer, config.encoder_transfer)
+    if world is None or world <= 1 or not (config.distributed and gathers):
+        return config
+    if config.parallel.shard_group_size != 1:
+        return config
+    return attrs.evolve(config, parallel=ParallelLayout(data_parallel_size=world))
+
+
 def resolve(
     topology: Topology,
     config: OffloadConfig,
@@ -541,6 +555,7 @@ def resolve(
         raise TypeError(f"resolve() needs an OffloadConfig, got {type(config).__name__}")
     if config.storage_dtype is not None:
         topology = stored_as(topology, config.storage_dtype)  # the bytes that move are the stored ones
+    config = _sized_to(config, world)
     r = _Resolver(topology, config)
     r.selection()
     r.resident_paths()

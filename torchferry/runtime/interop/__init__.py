@@ -8,5 +8,4 @@ from torchferry.runtime.interop._casting import Casting as Casting
 from torchferry.runtime.interop._casting import diffusers_cast as diffusers_cast
 from torchferry.runtime.interop._inputs import Inputs as Inputs
 from torchferry.runtime.interop._meta import meta_parameters as meta_parameters
-from torchferry.runtime.interop._widen import keep_lists as keep_lists
 from torchferry.runtime.interop._widen import kept_in_float32 as kept_in_float32

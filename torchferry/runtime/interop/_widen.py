@@ -5,36 +5,22 @@ in (``_keep_in_fp32_modules``; transformers' ``_keep_in_fp32_modules_strict`` to
 embedding stored in bfloat16 is widened to float32 as it loads. A model built that way (as
 `torchferry.from_pretrained` builds it, and diffusers' own load does) holds those tensors in float32
 while the files store 16 bits, and `CheckpointReader` widens exactly these, exactly, on the way in.
-A tensor counts when any dotted part of its name under the model that declares the list is one of
-the list's entries (diffusers' rule), and the model holds it in float32.
+A tensor counts when it is under a module its model keeps (`topology.kept_modules` and
+`topology.under_kept`: the one rule `from_pretrained` builds the model's dtypes by) and the model
+holds it in float32.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchferry.topology import Topology, find_attr
+from torchferry.topology import Topology, find_attr, kept_modules, under_kept
 
-__all__ = ["KEEP_LISTS", "keep_lists", "kept_in_float32"]
-
-#: The class attributes that name the modules a model keeps in float32.
-KEEP_LISTS = ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
-
-
-def keep_lists(model: nn.Module) -> frozenset[str]:
-    """The module names ``model``'s class keeps in float32 (both lists; empty when it keeps none)."""
-    names: set[str] = set()
-    for attr in KEEP_LISTS:
-        value = getattr(model, attr, None)
-        if isinstance(value, str):
-            names.add(value)
-        elif isinstance(value, Iterable):
-            names.update(v for v in value if isinstance(v, str))
-    return frozenset(names)
+__all__ = ["kept_in_float32"]
 
 
 def _named(root: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -54,10 +40,10 @@ def kept_in_float32(pipeline: Any, topo: Topology) -> frozenset[str]:
         if not isinstance(root, nn.Module):
             continue
         for prefix, model in root.named_modules(remove_duplicate=False):
-            keep = keep_lists(model)
+            keep = kept_modules(model)  # at any dtype: the tensors it holds in float32 are the kept ones
             if not keep:
                 continue
             for name, tensor in _named(model):
-                if tensor.dtype == torch.float32 and keep.intersection(name.split(".")):
+                if tensor.dtype == torch.float32 and under_kept(name, keep):
                     found.add(".".join(p for p in (component.path, prefix, name) if p))
     return frozenset(found)

@@ -1,9 +1,11 @@
-"""Facts read once before planning: the machine's memory bounds, rates and profiles, the device's free
-memory, and what the open planner needs of a live pipeline and its checkpoint (`read_facts`)."""
+"""Facts read once before planning: the machine's memory bounds, rates and profiles, the device's
+type, name and free memory (and for auto its saved profile and timed host-to-device rate), and what
+the open planner needs of a live pipeline and its checkpoint (`read_facts`)."""
 
 from __future__ import annotations
 
 # The names the rest of the runtime uses: it enters this package only here.
+from torchferry.runtime.machine._device_facts import device_facts as device_facts
 from torchferry.runtime.machine._facts import READ_MODE_ENV as READ_MODE_ENV
 from torchferry.runtime.machine._facts import module_bytes as module_bytes
 from torchferry.runtime.machine._facts import read_facts as read_facts

@@ -17,6 +17,7 @@ from torchferry import policies
 from torchferry._errors import PlanError
 from torchferry.runtime.files import WIDENED_FROM, open_checkpoint
 from torchferry.runtime.interop import kept_in_float32
+from torchferry.runtime.machine._device_facts import device_facts
 from torchferry.runtime.machine._host_facts import host_facts
 from torchferry.runtime.memory import CudaPinner, contiguous_strides, dense_strides
 from torchferry.topology import KeyMap, Plan, StoreFacts, Topology, find_attr
@@ -83,11 +84,13 @@ def read_facts(
     prefix_map: Mapping[str, str] | None = None,
     variant: str | None = None,
     own: frozenset[str] = frozenset(),
+    measure: bool = False,
 ) -> policies.Facts:
     """Read every fact the open planner needs, once (see [Note: the open planner]): the machine's
     (`runtime.machine.host_facts`, with the read mode `READ_MODE_ENV` sets, and whether this device's
-    pinner, CUDA's page-locking, is held to ``RLIMIT_MEMLOCK``), the device's (its free memory), the
-    module's and the checkpoint's (`store_facts`, through the key map ``prefix_map``)."""
+    pinner, CUDA's page-locking, is held to ``RLIMIT_MEMLOCK``), the device's (`device_facts`; with
+    ``measure``, what auto starts from too), the module's and the checkpoint's (`store_facts`,
+    through the key map ``prefix_map``)."""
     target = torch.device("cpu") if device is None else device
     copied = plan.config.checkpoint is None
     host = host_facts(
@@ -95,10 +98,9 @@ def read_facts(
         pins_locked=target.type == "cuda" and CudaPinner.memlock,
         read_mode=os.environ.get(READ_MODE_ENV, "auto").strip().lower(),
     )
-    free = torch.cuda.mem_get_info(target)[0] if target.type == "cuda" else None
     facts = policies.Facts(
         host=host,
-        device=policies.DeviceFacts(type=target.type, free_bytes=free),
+        device=device_facts(target, measure=measure),
         store=store_facts(pipeline, plan, prefix_map=prefix_map, variant=variant, own=own),
     )
     return facts
