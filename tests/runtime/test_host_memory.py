@@ -67,8 +67,7 @@ def test_file_tier_session_is_bit_identical(model: tuple[Path, torch.Tensor, int
         planned = report.planned_host_bytes
         assert planned is not None and policies.tiers(s.plan).host_bytes <= planned <= host
         # The direct-I/O buffers the plan counts: one per reader thread, as large as the largest pack read.
-        slot = max(sl.nbytes for sl in policies.tiers(s.plan).staging)
-        buffers = policies.read_buffer_bytes(slot)
+        buffers = policies.read_buffer_bytes(policies.tiers(s.plan).largest)
         assert report.read_buffer_bytes == buffers <= policies.READ_BOUNCE_BYTES
         assert report.read_mode in ("buffered", "direct", "buffered and direct")
         if report.read_mode == "buffered":  # the direct-I/O buffers were reserved, never allocated

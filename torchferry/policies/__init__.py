@@ -92,6 +92,7 @@ from torchferry.policies._ir import (
     is_index_free,
     rest_unit,
 )
+from torchferry.policies._ir import FILE as FILE
 from torchferry.policies._ir import gather_nbytes as gather_nbytes
 from torchferry.policies._layout import group_specs as group_specs
 from torchferry.policies._layout import layout as layout
@@ -119,6 +120,7 @@ from torchferry.policies._steps import step_name as step_name
 from torchferry.policies._text import Mark, format_marked, parse_schedule
 from torchferry.policies._tiers import BOUNCE_MAX as BOUNCE_MAX
 from torchferry.policies._tiers import DIRECT_ALIGN as DIRECT_ALIGN
+from torchferry.policies._tiers import DIRECT_DEVICES as DIRECT_DEVICES
 from torchferry.policies._tiers import HEATS as HEATS
 from torchferry.policies._tiers import READ_BOUNCE_BYTES, STAGING_SLOTS, Tiers, read_buffer_bytes, tiers
 from torchferry.policies._tiers import READ_THREADS as READ_THREADS
@@ -129,6 +131,8 @@ from torchferry.policies._tiers import host_bytes as host_bytes
 from torchferry.policies._tiers import pack_heats as pack_heats
 from torchferry.policies._tiers import page_bytes as page_bytes
 from torchferry.policies._tiers import read_nbytes as read_nbytes
+from torchferry.policies._tiers import reads_direct as reads_direct
+from torchferry.policies._tiers import staging_count as staging_count
 from torchferry.policies._tokens import format_bytes
 
 __all__ = [

@@ -12,15 +12,19 @@ first blocks of a step, a unit right after a resident one) is read at the anchor
 just before it. Staged units (remainders, resident blocks, whole components) are read and staged
 at the same anchor. Reads never cross a step: a step reads only what it loads or stages itself,
 so every staging slot is empty at its exit and the next step starts with no read in flight.
+
+Where the reader fills device slots itself (`reads_direct`: the device's memory is host memory) there
+is no staging slot to read ahead into: a load or stage of a file-tier unit names `FILE` as its source
+and reads as it loads, into the slot it loads into.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable
 
-from torchferry.policies._ir import OpKind, When
+from torchferry.policies._ir import FILE, OpKind, When
 from torchferry.policies._layout import layout
-from torchferry.policies._tiers import Tiers, file_packs, read_nbytes
+from torchferry.policies._tiers import Tiers, file_packs, read_nbytes, reads_direct
 from torchferry.topology import Plan
 
 __all__ = ["READ_AHEAD", "Emit", "Reads"]
@@ -43,6 +47,8 @@ class Reads:
         self.holding: dict[str, str] = {}
         self.emit = emit
         self.sharded = layout(plan).allgather
+        #: The reader fills device slots itself: no staging slot, no read op (see the note).
+        self.direct = reads_direct(plan)
 
     def needed(self, unit: str) -> bool:
         """Whether ``unit`` has packs in the file tier (so its loads and stages copy from staging)."""
@@ -58,10 +64,12 @@ class Reads:
 
     def take(self, when: When, anchor: str, unit: str) -> str | None:
         """The staging slot a load or stage of ``unit`` at this anchor copies from (read now unless
-        it was read ahead), free for the next read from here on; ``None`` when ``unit`` is wholly
-        in host memory."""
+        it was read ahead), free for the next read from here on; `FILE` when the reader fills the
+        device slot itself; ``None`` when ``unit`` is wholly in host memory."""
         if not self.needed(unit):
             return None
+        if self.direct:
+            return FILE
         if unit not in self.holding:
             self._read(when, anchor, unit)
         slot = self.holding.pop(unit)
@@ -70,7 +78,10 @@ class Reads:
 
     def ahead(self, when: When, anchor: str, queue: Iterable[str], resident: Container[str]) -> None:
         """Read the next file-tier units of ``queue`` (what the ring loads after its window, in
-        order) that are not ``resident`` nor read yet, while fewer than `READ_AHEAD` wait."""
+        order) that are not ``resident`` nor read yet, while fewer than `READ_AHEAD` wait (none
+        without staging slots: each is read as it is loaded)."""
+        if self.direct:
+            return
         for unit in dict.fromkeys(queue):
             if len(self.holding) >= READ_AHEAD or not self.free:
                 return
