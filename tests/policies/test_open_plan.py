@@ -8,7 +8,7 @@ import attrs
 import pytest
 from policy_plans import ring_plan
 
-from torchferry import PlanError, policies
+from torchferry import PlanError, ScheduleError, policies
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -56,8 +56,58 @@ def test_every_open_time_refusal_comes_from_the_open_planner() -> None:
     assert "pass --spill (those packs" in caught.value.message("cli")
     assert "pass spill=<a folder> (those packs" in caught.value.message("api")
     assert policies.open_plan(p, policies.Facts(), spill=True).host.tiers.file
+    cuda = policies.Facts(device=policies.DeviceFacts(type="cuda", free_bytes=8 * GIB))
     with pytest.raises(policies.HostBudgetTooSmall):
-        policies.open_plan(ring_plan(8, 64 * MIB, host_memory_bytes=64 * MIB), policies.Facts(), spill=True)
+        policies.open_plan(ring_plan(8, 64 * MIB, host_memory_bytes=64 * MIB), cuda, spill=True)
+
+
+def test_a_cpu_device_plans_no_staging_slot_and_a_cuda_device_two() -> None:
+    """Eight 64 MiB blocks in 300 MiB of host memory: on the CPU the reader fills the device slots, so
+    the plan counts no staging slot (256 MiB of packs stay in host memory, 4 in the file tier) and its
+    loads read 'from file'; on CUDA two 64 MiB staging slots are counted (128 MiB of packs stay, 6
+    in the file tier) and every file-tier block is read into one, then loaded from it."""
+    p = ring_plan(8, 64 * MIB, host_memory_bytes=300 * MIB, device_memory_bytes=GIB, checkpoint="ckpt")
+    cpu = policies.open_plan(p, policies.Facts(device=policies.DeviceFacts(type="cpu")))
+    cuda = policies.open_plan(p, policies.Facts(device=policies.DeviceFacts(type="cuda", free_bytes=8 * GIB)))
+    assert cpu.plan.facts.host_device and not cuda.plan.facts.host_device
+    assert policies.reads_direct(cpu.plan) and not policies.reads_direct(cuda.plan)
+    one, two = cpu.host.tiers, cuda.host.tiers
+    assert one.staging == () and one.largest == 64 * MIB
+    assert two.staging == (
+        policies.Slot(name="t0", nbytes=64 * MIB, kind="staging"),
+        policies.Slot(name="t1", nbytes=64 * MIB, kind="staging"),
+    )
+    assert (one.store_bytes, one.read_buffer_bytes, one.host_bytes) == (256 * MIB, 16 * MIB, 272 * MIB)
+    assert (two.store_bytes, two.read_buffer_bytes, two.host_bytes) == (128 * MIB, 16 * MIB, 272 * MIB)
+    assert (len(one.file), len(two.file)) == (4, 6)
+    assert one.notes[0] == (
+        "host 272.0 MiB of 300.0 MiB: 4 packs pinned (256.0 MiB), read straight into device slots, "
+        "16.0 MiB read buffers"
+    )
+    step = policies.Step(component="transformer")
+    direct = policies.layerwise(depth=1)(cpu.plan, step)
+    staged = policies.layerwise(depth=1)(cuda.plan, step)
+    policies.check(direct, cpu.plan)
+    policies.check(staged, cuda.plan)
+    loads = [(op.unit, op.src) for op in direct.ops if op.kind == "load" and op.src is not None]
+    assert loads == [(f"transformer.blocks.{i}", policies.FILE) for i in (4, 5, 6, 7)]
+    assert not any(op.kind == "read" for op in direct.ops)
+    assert not any(s.kind == "staging" for s in direct.slots)
+    assert sum(op.kind == "read" for op in staged.ops) == 6
+    assert [s.name for s in staged.slots if s.kind == "staging"] == ["t0", "t1"]
+
+
+def test_a_load_from_file_is_refused_where_the_device_is_not_host_memory() -> None:
+    """The CPU plan's schedule checked against the same plan for a CUDA device: every load 'from
+    file' is a [9] violation (no reader can write CUDA memory), as the engine refuses it at run time."""
+    p = ring_plan(8, 64 * MIB, host_memory_bytes=300 * MIB, device_memory_bytes=GIB, checkpoint="ckpt")
+    cpu = policies.open_plan(p, policies.Facts())
+    direct = policies.layerwise(depth=1)(cpu.plan, policies.Step(component="transformer"))
+    cuda = attrs.evolve(cpu.plan, facts=attrs.evolve(cpu.plan.facts, host_device=False))
+    with pytest.raises(ScheduleError) as caught:
+        policies.check(direct, cuda)
+    text = str(caught.value)
+    assert text.count("from file: the reader fills device memory itself only where it is host memory") == 4
 
 
 def test_pinning_and_candidates_follow_one_rule() -> None:
