@@ -9,6 +9,7 @@ import pytest
 from policy_plans import ring_plan
 
 from torchferry import PlanError, ScheduleError, policies
+from torchferry.topology import Plan
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -136,3 +137,29 @@ def test_a_cpu_refusal_for_want_of_a_spill_names_a_figure_that_opens() -> None:
     opened = policies.open_plan(bigger, policies.Facts(), auto=True)
     assert not opened.host.tiers.file
     assert opened.plan.config.device_memory_bytes == policies.least_device_bytes(p)
+
+
+def test_a_cpu_device_refusal_names_one_figure_without_staging_slots_that_opens() -> None:
+    """Auto on the CPU with host_memory= too small: the refusal's one figure (the device's least and
+    the host's, no staging slot among them) opens while one byte less is refused, and it is two 64 MiB
+    staging slots less than on MPS, whose memory is host memory too but whose reads go through them."""
+    p = ring_plan(8, 64 * MIB, checkpoint="ckpt")
+
+    def given(nbytes: int) -> Plan:
+        return attrs.evolve(p, config=attrs.evolve(p.config, host_memory_bytes=nbytes))
+
+    def refusal(facts: policies.Facts) -> policies.HostBudgetTooSmall:
+        with pytest.raises(policies.HostBudgetTooSmall) as caught:
+            policies.open_plan(given(130 * MIB), facts, auto=True)
+        return caught.value
+
+    cpu, mps = policies.Facts(), policies.Facts(device=policies.DeviceFacts(type="mps"))
+    refused = refusal(cpu)
+    said = str(refused)
+    assert "no staging slot (packs of up to 64.0 MiB read into device memory)" in said
+    assert "128.0 MiB for the device, whose memory is host memory, at its least" in said
+    opened = policies.open_plan(given(refused.minimum), cpu, auto=True)
+    assert opened.host.tiers.staging == () and opened.plan.config.device_memory_bytes == 128 * MIB
+    with pytest.raises(policies.HostBudgetTooSmall):
+        policies.open_plan(given(refused.minimum - 1), cpu, auto=True)
+    assert refusal(mps).minimum == refused.minimum + 2 * 64 * MIB

@@ -112,6 +112,7 @@ from torchferry.policies._open import open_plan as open_plan
 from torchferry.policies._refusal import HostBudgetTooSmall as HostBudgetTooSmall
 from torchferry.policies._refusal import size_at_least as size_at_least
 from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, Span, simulate, steady_schedule
+from torchferry.policies._staging import file_read_bytes as file_read_bytes
 from torchferry.policies._steps import StepState as StepState
 from torchferry.policies._steps import init_steps as init_steps
 from torchferry.policies._steps import next_step as next_step

@@ -22,18 +22,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable
 
-from torchferry.policies._ir import FILE, OpKind, When
+from torchferry.policies._ir import FILE, OpKind, Schedule, When
 from torchferry.policies._layout import layout
 from torchferry.policies._tiers import Tiers, file_packs, read_nbytes, reads_direct
 from torchferry.topology import Plan
 
-__all__ = ["READ_AHEAD", "Emit", "Reads"]
+__all__ = ["READ_AHEAD", "Emit", "Reads", "file_read_bytes"]
 
 #: File-tier units the ring reads ahead of the window it loads (see the note).
 READ_AHEAD = 1
 
 #: How `Reads` appends an op: ``emit(when, anchor, kind, unit, slot=..., src=..., nbytes=...)``.
 Emit = Callable[..., None]
+
+
+def file_read_bytes(schedule: Schedule) -> int:
+    """Bytes ``schedule`` reads from the checkpoint: its ``read`` ops into staging slots, and its loads
+    and stages `FILE` (the reader filling device memory itself)."""
+    return sum(op.nbytes for op in schedule.ops if op.kind == "read" or op.src == FILE)
 
 
 class Reads:
