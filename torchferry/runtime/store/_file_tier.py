@@ -126,9 +126,11 @@ def tier_request(
     chosen = tiers(plan)
     packs = chosen.file if layout.packs is None else layout.packs
     staging = tuple((s.name, s.nbytes) for s in chosen.staging) if layout.staging is None else layout.staging
-    largest = max((n for _, n in staging), default=0) or chosen.largest
     if not packs:
         return None
+    # The read buffers are sized by the staging slots, or with none (the reader fills device slots
+    # itself) by the largest file-tier pack, as `policies.tiers` counts them.
+    largest = max((n for _, n in staging), default=0) or max(pack_bytes(plan, name) for name in packs)
     source = checkpoint
     if layout.source is not None:
         source = CheckpointReader(layout.source)
