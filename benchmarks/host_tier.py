@@ -163,10 +163,13 @@ def memory(
 
 # ------------------------------------------------------------------------------------ throughput
 def _tier_pass(session: torchferry.Session) -> tuple[int, float]:
-    """Read every file-tier pack of the session, in ring order, through its two staging slots."""
+    """Read every file-tier pack of the session, in ring order, through its two staging slots (on a
+    CPU device, which has none, into two buffers of the largest pack, as its device slots would be)."""
     tier = session.engine.store.tier
     assert tier is not None
-    slots = list(tier.staging.values())
+    largest = max(r.nbytes for r in tier.reads.values())
+    staging = [s.buffer.data for s in tier.staging.values()]
+    slots = staging or [torch.empty(largest, dtype=torch.uint8) for _ in range(2)]
     tickets: list[Any] = [None] * len(slots)
     start = time.perf_counter()
     nbytes = 0
@@ -174,7 +177,7 @@ def _tier_pass(session: torchferry.Session) -> tuple[int, float]:
         k = i % len(slots)
         if tickets[k] is not None:
             tickets[k].wait()
-        tickets[k] = tier.reader.submit(read, slots[k].buffer.data)
+        tickets[k] = tier.reader.submit(read, slots[k])
         nbytes += read.file_bytes
     for ticket in tickets:
         if ticket is not None:
@@ -255,7 +258,7 @@ def overlap(checkpoint: Path, shape: dict[str, int], budget: int, rounds: int) -
             files = sorted({c.file for r in tier.reads.values() for c in r.chunks})
             warm = max(sequential_read(files, direct=False, drop=False).bytes_per_s for _ in range(3))
             schedule = file_traces[0].schedule
-            read_bytes = sum(op.nbytes for op in schedule.ops if op.kind == "read")
+            read_bytes = policies.file_read_bytes(schedule)
             best = min(host_traces, key=lambda t: t.wall_s)
             cost = calibrate([measure(best, hs.plan)], h2d_bytes_per_s=float("inf"))
             predicted = policies.simulate(schedule, attrs.evolve(cost, read_bytes_per_s=warm)).makespan_s

@@ -251,7 +251,8 @@ def test_plan_and_session_agree_on_a_gguf_wherever_it_lies(tmp_path: Path) -> No
     budget = 6_000_000
     docs = []
     for where in (first, second):
-        argv = ["plan", str(where / "wan.gguf"), "--device-memory", "8GiB", "--host-memory", f"{budget}B"]
+        argv = ["plan", str(where / "wan.gguf"), "--device", "cpu", "--device-memory", "8GiB"]
+        argv += ["--host-memory", f"{budget}B"]  # as the session on the CPU: no staging slot
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             assert main([*argv, "--strategy", "layerwise", "--format", "json"]) == 0

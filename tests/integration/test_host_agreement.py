@@ -56,7 +56,7 @@ Selection = frozenset[str] | None
 
 
 def _plan(folder: Path, strategy: str, budget: int, dtype: str | None, select: Selection) -> dict[str, Any]:
-    argv = ["plan", str(folder), "--device-memory", "8GiB", "--host-memory", f"{budget}B"]
+    argv = ["plan", str(folder), "--device", "cpu", "--device-memory", "8GiB", "--host-memory", f"{budget}B"]
     argv += ["--strategy", strategy, "--format", "json", *(["--storage-dtype", dtype] if dtype else [])]
     argv += ["--components", ",".join(sorted(select))] if select else []
     argv += ["--world-size", "1"] if strategy == "distributed_layerwise" else []
@@ -133,6 +133,28 @@ def test_distributed_plan_and_session_agree_on_the_host_figure(
 ) -> None:
     """The same for ``distributed_layerwise`` over a gloo group of one rank (``--world-size 1``)."""
     _agree(folders[kind], "distributed_layerwise", None, select)
+
+
+def test_a_cpu_plan_counts_no_staging_slot_as_the_cpu_session_does(tmp_path: Path) -> None:
+    """Two blocks of 10 MiB in 17 MiB of host memory: `plan --device cpu` counts no staging slot (the
+    reader fills the CPU device's slots itself), opens, and names the session's file tier and host
+    bytes; `--device cuda` counts two 10 MiB staging slots and refuses the same budget, naming 22.5 MiB."""
+    folder = tmp_path / "wan"
+    toy.wan_pipeline(layers=2, heads=4, head_dim=64, ffn_dim=4096).save_pretrained(str(folder))
+    budget = 17 * MiB
+    cpu = _plan(folder, "layerwise", budget, None, None)["host"]
+    got = _open(folder, "layerwise", budget, None, None)
+    assert cpu["staging_slot_bytes"] == [] and cpu["file_packs"]
+    assert not isinstance(got, policies.HostBudgetTooSmall)
+    assert got.planned_host_bytes == cpu["host_bytes"] <= budget
+    assert (got.plan_digest, got.file_pack_names) == (cpu["plan_digest"], tuple(cpu["file_packs"]))
+    argv = ["plan", str(folder), "--device", "cuda", "--device-memory", "8GiB", "--host-memory", f"{budget}B"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*argv, "--strategy", "layerwise", "--format", "json"]) == 0
+    refused = json.loads(out.getvalue())["strategies"][0]["error"]
+    assert "the file tier would need more (staging slots as large as the largest pack read)" in refused
+    assert refused.endswith("pass --host-memory 22.5MiB or more")
 
 
 def _agree(folder: Path, strategy: str, dtype: str | None, select: Selection) -> None:

@@ -8,8 +8,8 @@ import attrs
 import pytest
 from policy_plans import plan, ring_plan
 
-from torchferry import PlanError, policies
-from torchferry.topology import Block, Component, Dequantized, Stack, TensorSpec
+from torchferry import PlanError, ScheduleError, policies
+from torchferry.topology import Block, Component, Dequantized, Plan, Stack, TensorSpec
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -57,8 +57,58 @@ def test_every_open_time_refusal_comes_from_the_open_planner() -> None:
     assert "pass --spill (those packs" in caught.value.message("cli")
     assert "pass spill=<a folder> (those packs" in caught.value.message("api")
     assert policies.open_plan(p, policies.Facts(), spill=True).host.tiers.file
+    cuda = policies.Facts(device=policies.DeviceFacts(type="cuda", free_bytes=8 * GIB))
     with pytest.raises(policies.HostBudgetTooSmall):
-        policies.open_plan(ring_plan(8, 64 * MIB, host_memory_bytes=64 * MIB), policies.Facts(), spill=True)
+        policies.open_plan(ring_plan(8, 64 * MIB, host_memory_bytes=64 * MIB), cuda, spill=True)
+
+
+def test_a_cpu_device_plans_no_staging_slot_and_a_cuda_device_two() -> None:
+    """Eight 64 MiB blocks in 300 MiB of host memory: on the CPU the reader fills the device slots, so
+    the plan counts no staging slot (256 MiB of packs stay in host memory, 4 in the file tier) and its
+    loads read 'from file'; on CUDA two 64 MiB staging slots are counted (128 MiB of packs stay, 6
+    in the file tier) and every file-tier block is read into one, then loaded from it."""
+    p = ring_plan(8, 64 * MIB, host_memory_bytes=300 * MIB, device_memory_bytes=GIB, checkpoint="ckpt")
+    cpu = policies.open_plan(p, policies.Facts(device=policies.DeviceFacts(type="cpu")))
+    cuda = policies.open_plan(p, policies.Facts(device=policies.DeviceFacts(type="cuda", free_bytes=8 * GIB)))
+    assert cpu.plan.facts.host_device and not cuda.plan.facts.host_device
+    assert policies.reads_direct(cpu.plan) and not policies.reads_direct(cuda.plan)
+    one, two = cpu.host.tiers, cuda.host.tiers
+    assert one.staging == () and one.largest == 64 * MIB
+    assert two.staging == (
+        policies.Slot(name="t0", nbytes=64 * MIB, kind="staging"),
+        policies.Slot(name="t1", nbytes=64 * MIB, kind="staging"),
+    )
+    assert (one.store_bytes, one.read_buffer_bytes, one.host_bytes) == (256 * MIB, 16 * MIB, 272 * MIB)
+    assert (two.store_bytes, two.read_buffer_bytes, two.host_bytes) == (128 * MIB, 16 * MIB, 272 * MIB)
+    assert (len(one.file), len(two.file)) == (4, 6)
+    assert one.notes[0] == (
+        "host 272.0 MiB of 300.0 MiB: 4 packs pinned (256.0 MiB), read straight into device slots, "
+        "16.0 MiB read buffers"
+    )
+    step = policies.Step(component="transformer")
+    direct = policies.layerwise(depth=1)(cpu.plan, step)
+    staged = policies.layerwise(depth=1)(cuda.plan, step)
+    policies.check(direct, cpu.plan)
+    policies.check(staged, cuda.plan)
+    loads = [(op.unit, op.src) for op in direct.ops if op.kind == "load" and op.src is not None]
+    assert loads == [(f"transformer.blocks.{i}", policies.FILE) for i in (4, 5, 6, 7)]
+    assert not any(op.kind == "read" for op in direct.ops)
+    assert not any(s.kind == "staging" for s in direct.slots)
+    assert sum(op.kind == "read" for op in staged.ops) == 6
+    assert [s.name for s in staged.slots if s.kind == "staging"] == ["t0", "t1"]
+
+
+def test_a_load_from_file_is_refused_where_the_device_is_not_host_memory() -> None:
+    """The CPU plan's schedule checked against the same plan for a CUDA device: every load 'from
+    file' is a [9] violation (no reader can write CUDA memory), as the engine refuses it at run time."""
+    p = ring_plan(8, 64 * MIB, host_memory_bytes=300 * MIB, device_memory_bytes=GIB, checkpoint="ckpt")
+    cpu = policies.open_plan(p, policies.Facts())
+    direct = policies.layerwise(depth=1)(cpu.plan, policies.Step(component="transformer"))
+    cuda = attrs.evolve(cpu.plan, facts=attrs.evolve(cpu.plan.facts, host_device=False))
+    with pytest.raises(ScheduleError) as caught:
+        policies.check(direct, cuda)
+    text = str(caught.value)
+    assert text.count("from file: the reader fills device memory itself only where it is host memory") == 4
 
 
 def test_pinning_and_candidates_follow_one_rule() -> None:
@@ -129,8 +179,9 @@ def test_every_open_time_refusal_in_full() -> None:
     with nothing to read it from, a host budget too small for any tiering, pinned bytes over the
     locked-memory limit, no host memory left at all, a read mode no reader knows."""
     p = ring_plan(8, 64 * MIB, host_memory_bytes=300 * MIB)
+    cuda = policies.DeviceFacts(type="cuda", free_bytes=8 * GIB)  # a device with staging slots
     with pytest.raises(PlanError) as caught:
-        policies.open_plan(p, policies.Facts())
+        policies.open_plan(p, policies.Facts(device=cuda))
     # 8 blocks of 64 MiB in 300 MiB: 2 packs, 2 staging slots and 16 MiB of read buffers stay.
     said = (
         "the host budget of 300.0 MiB (given as {host}) leaves 6 pack(s) (transformer.blocks.2, "
@@ -148,7 +199,9 @@ def test_every_open_time_refusal_in_full() -> None:
         host="--host-memory", spill="--spill", ckpt="plan its checkpoint (a pipeline folder or file as MODEL)"
     )
     with pytest.raises(policies.HostBudgetTooSmall) as small:
-        policies.open_plan(ring_plan(8, 64 * MIB, host_memory_bytes=64 * MIB), policies.Facts(), spill=True)
+        policies.open_plan(
+            ring_plan(8, 64 * MIB, host_memory_bytes=64 * MIB), policies.Facts(device=cuda), spill=True
+        )
     assert small.value.message("cli") == (
         "--host-memory 64.0 MiB is too small for this plan: even with packs read from the checkpoint (the "
         "file tier) its host buffers need 144.0 MiB (2 staging slots of 64.0 MiB, the largest pack read; "
@@ -156,7 +209,6 @@ def test_every_open_time_refusal_in_full() -> None:
     )
     assert small.value.message("api").endswith("; raise host_memory= to 144.0 MiB")
     locked = policies.HostFacts(locked_bytes=256 * MIB, locked_source="RLIMIT_MEMLOCK", pins_locked=True)
-    cuda = policies.DeviceFacts(type="cuda", free_bytes=8 * GIB)  # only a CUDA device's store pins
     with pytest.raises(PlanError) as pinned:
         pinning = policies.Facts(host=locked, device=cuda)
         policies.open_plan(ring_plan(8, 64 * MIB, host_memory_bytes=GIB), pinning)
@@ -191,3 +243,29 @@ def test_the_read_mode_is_the_one_read_and_checked_only_with_a_file_tier() -> No
         assert policies.open_plan(tiered, facts).host.read_mode == mode
     odd = policies.Facts(host=policies.HostFacts(read_mode="sometimes"))
     assert not policies.open_plan(ring_plan(8, 64 * MIB, host_memory_bytes=GIB), odd).host.tiers.file
+
+
+def test_a_cpu_device_refusal_names_one_figure_without_staging_slots_that_opens() -> None:
+    """Auto on the CPU with host_memory= too small: the refusal's one figure (the device's least and
+    the host's, no staging slot among them) opens while one byte less is refused, and it is two 64 MiB
+    staging slots less than on MPS, whose memory is host memory too but whose reads go through them."""
+    p = ring_plan(8, 64 * MIB, checkpoint="ckpt")
+
+    def given(nbytes: int) -> Plan:
+        return attrs.evolve(p, config=attrs.evolve(p.config, host_memory_bytes=nbytes))
+
+    def refusal(facts: policies.Facts) -> policies.HostBudgetTooSmall:
+        with pytest.raises(policies.HostBudgetTooSmall) as caught:
+            policies.open_plan(given(130 * MIB), facts, auto=True)
+        return caught.value
+
+    cpu, mps = policies.Facts(), policies.Facts(device=policies.DeviceFacts(type="mps"))
+    refused = refusal(cpu)
+    said = str(refused)
+    assert "no staging slot (packs of up to 64.0 MiB read into device memory)" in said
+    assert "128.0 MiB for the device, whose memory is host memory, at its least" in said
+    opened = policies.open_plan(given(refused.minimum), cpu, auto=True)
+    assert opened.host.tiers.staging == () and opened.plan.config.device_memory_bytes == 128 * MIB
+    with pytest.raises(policies.HostBudgetTooSmall):
+        policies.open_plan(given(refused.minimum - 1), cpu, auto=True)
+    assert refusal(mps).minimum == refused.minimum + 2 * 64 * MIB

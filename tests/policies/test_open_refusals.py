@@ -70,5 +70,5 @@ def test_the_host_figure_holds_within_its_budget_and_names_its_source() -> None:
     named = re.escape("(cgroup v2 /job 300.0 MiB (memory.max)")
     with pytest.raises(policies.HostBudgetTooSmall, match=named):
         policies.open_plan(ring_plan(8, 64 * MIB, checkpoint="ckpt"), policies.Facts(
-            host=policies.HostFacts(bounds=(tight,))
+            host=policies.HostFacts(bounds=(tight,)), device=CUDA
         ))  # fmt: skip

@@ -1,7 +1,7 @@
 """`offload(pipe, checkpoint=..., device="cpu")` with no other argument, in a process held to a cgroup v1
-memory limit half the checkpoint's size: the host planner reads the cgroup's bound, the CPU device's
-budget is its share of the same one budget, and the run completes bit-identical, never killed for
-memory."""
+memory limit under half the checkpoint's size: the host planner reads the cgroup's bound, the CPU
+device's budget is its share of the same one budget, the file tier's reader fills the device's slots
+itself (no staging slot), and the run completes bit-identical, never killed for memory."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 
 CHILD = Path(__file__).with_name("host_child.py")
 V1 = Path("/sys/fs/cgroup/memory")
-LIMIT = 768 << 20
-HIDDEN, BLOCKS = 512, 156  # about 1.55 GiB of weights: twice the limit
+LIMIT = 704 << 20
+HIDDEN, BLOCKS = 1024, 39  # about 1.57 GiB of weights in 40 MiB blocks: over twice the limit
 PROMPT, STEPS = "a ferry at dawn", 2
 
 
@@ -62,9 +62,11 @@ def cgroup() -> Iterator[Path]:
 
 
 def test_default_offload_of_a_checkpoint_twice_the_limit_runs_exactly(cgroup: Path, tmp_path: Path) -> None:
-    """A 1.5 GiB checkpoint in a 768 MiB memory cgroup: auto plans one budget of what the cgroup leaves,
-    the device's least (the CPU's memory is host memory) and the host the rest, reads what does not
-    fit from the file, and the image equals the plain run's."""
+    """A 1.57 GiB checkpoint of 40 MiB blocks in a 704 MiB memory cgroup: auto plans one budget of what
+    the cgroup leaves (about 200 MiB beside the process and the reserve), the device's least (the CPU's
+    memory is host memory) and the host the rest, reads what does not fit from the file straight into
+    the device's slots, and the image equals the plain run's. Two 40 MiB staging slots would not fit:
+    with them the least is 224.8 MiB, and this was refused; without them it is 144.7 MiB."""
     ref = toy.build(0, hidden=HIDDEN, blocks=BLOCKS)
     path = tmp_path / "toy.safetensors"
     toy.save_checkpoint(ref, path)

@@ -294,8 +294,8 @@ def test_close_frees_the_readers_buffers(
         tier = s.engine.store.tier
         assert tier is not None
         reader = tier.reader
-        slot = max(sl.nbytes for sl in policies.tiers(s.plan).staging)  # the bounce buffers the plan counts
-        assert reader.bounce_bytes == policies.read_buffer_bytes(slot) and reader.scratch_bytes > 0
+        largest = policies.tiers(s.plan).largest  # the bounce buffers the plan counts
+        assert reader.bounce_bytes == policies.read_buffer_bytes(largest) and reader.scratch_bytes > 0
     assert s.report().host_bytes == 0 and s.host_bytes == 0
     assert reader.bounce_bytes == 0 and reader.scratch_bytes == 0
     assert reader._bounces.empty() and reader._scratch.empty()

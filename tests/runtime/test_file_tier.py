@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from torchferry import ExecutionError, runtime, topology
-from torchferry.policies import Op, Schedule, Slot, Step, rest_unit
+from torchferry.policies import FILE, Op, Schedule, Slot, Step, rest_unit
 from torchferry.runtime.store._file_tier import TierLayout
 from torchferry.testing import toy
 
@@ -272,4 +272,40 @@ def test_sanitizer_orders_reads_and_drains(
             p.transformer(*_inputs())
     finally:
         monkeypatch.undo()
+        engine.close()
+
+
+def direct_ring(plan: topology.Plan) -> Schedule:
+    """`file_ring` as on a CPU device: no staging slot and no read, each block loaded ``from file``
+    (the reader fills its device slot itself)."""
+    ring = file_ring(plan)
+    ops = [attrs.evolve(o, src=FILE) if o.kind == "load" else o for o in ring.ops if o.kind != "read"]
+    slots = [s for s in ring.slots if s.kind != "staging"]
+    return attrs.evolve(ring, policy="direct ring(hand-written)", ops=ops, slots=slots)
+
+
+@torch.no_grad()
+def test_a_direct_ring_reads_into_the_device_slots_bit_identical(saved: Path) -> None:
+    """Every DiT block loaded 'from file' on a CPU device: the reader fills the block slots with no
+    staging slot allocated, the output equals the plain model's, steps later too; a load 'from file'
+    of a unit in host memory is refused before anything runs."""
+    p, ref = toy.build_empty(), toy.build(0)
+    plan = _plan(p, saved)
+    schedule = direct_ring(plan)
+    engine = runtime.Engine(p, plan, device="cpu", tier=attrs.evolve(_layout(plan), staging=()))
+    try:
+        assert engine.store.tier is not None and engine.store.tier.staging == {}
+        for _ in range(2):
+            with runtime.execute(schedule, p, plan, device="cpu", engine=engine):
+                out = p.transformer(*_inputs())
+            assert torch.equal(out, ref.transformer(*_inputs()))
+        rest = rest_unit("transformer")
+        wrong = [attrs.evolve(o, src=FILE) if o.kind == "stage" else o for o in schedule.ops]
+        said = f"{rest} is in host memory, not the file tier: no read fills the file"
+        with (
+            pytest.raises(ExecutionError, match=re.escape(said)),
+            runtime.execute(attrs.evolve(schedule, ops=wrong), p, plan, device="cpu", engine=engine),
+        ):
+            pass
+    finally:
         engine.close()

@@ -64,11 +64,16 @@ def test_file_tier_session_is_bit_identical(model: tuple[Path, torch.Tensor, int
         assert 0 < report.host_bytes <= report.peak_host_bytes <= host
         assert s.plan.config.host_memory_bytes is not None and s.plan.config.host_memory_bytes <= host
         assert "# file: " in policies.format_schedule(next(iter(s.schedules.values())))
+        # The CPU device's slots are host memory: the reader fills them itself, through no staging slot.
+        assert s.plan.facts.host_device and policies.tiers(s.plan).staging == ()
+        assert s.engine.store.tier is not None and s.engine.store.tier.staging == {}
+        ops = [op for sched in s.schedules.values() for op in sched.ops]
+        assert not any(op.kind == "read" for op in ops)
+        assert any(op.src == policies.FILE for op in ops if op.kind in ("load", "stage"))
         planned = report.planned_host_bytes
         assert planned is not None and policies.tiers(s.plan).host_bytes <= planned <= host
         # The direct-I/O buffers the plan counts: one per reader thread, as large as the largest pack read.
-        slot = max(sl.nbytes for sl in policies.tiers(s.plan).staging)
-        buffers = policies.read_buffer_bytes(slot)
+        buffers = policies.read_buffer_bytes(policies.tiers(s.plan).largest)
         assert report.read_buffer_bytes == buffers <= policies.READ_BOUNCE_BYTES
         assert report.read_mode in ("buffered", "direct", "buffered and direct")
         if report.read_mode == "buffered":  # the direct-I/O buffers were reserved, never allocated

@@ -182,6 +182,11 @@ def _parser() -> _Parser:
         "demand (the file tier)",
     )
     plan.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda",
+        help="the device a session runs on (default cuda: file-tier reads go through pinned staging slots; "
+        "cpu: its memory is host memory, so the reader fills device slots itself, with no staging slot)",
+    )  # fmt: skip
+    plan.add_argument(
         "--spill",
         action="store_true",
         help="plan as a session given spill=<a folder>: the file tier of a model with no checkpoint (a known "
@@ -417,6 +422,7 @@ def _plan(args: argparse.Namespace) -> int:
         tflops=args.tflops,
         block_ms=args.block_ms,
         host_bytes=args.host_memory,
+        device_type=args.device,
         spill=args.spill,
         read_bytes_per_s=args.read_bandwidth,
         storage_dtype=args.storage_dtype,
@@ -446,11 +452,8 @@ def _checkpoint_options(model: str) -> dict[str, Any]:
 
     if not os.path.exists(model):
         return {}
-    return {
-        "checkpoint": model,
-        "facts": _plan_input.store_facts(model),
-        "opened_as": _plan_input.opened_as(model),
-    }
+    opened = _plan_input.opened_as(model)
+    return {"checkpoint": model, "facts": _plan_input.store_facts(model), "opened_as": opened}
 
 
 def _probe(args: argparse.Namespace) -> int:

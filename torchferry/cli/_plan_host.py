@@ -117,7 +117,7 @@ def host_tier(
         forward_free_reads_s=free,
         forward_s=forward,
         forward_component=steady.step.component if steady is not None else "",
-        forward_read_bytes=sum(op.nbytes for op in (steady.ops if steady else ()) if op.kind == "read"),
+        forward_read_bytes=policies.file_read_bytes(steady) if steady is not None else 0,
     )
 
 
@@ -125,7 +125,7 @@ def hidden_down_to(steady: Schedule, cost: CostModel) -> tuple[float | None, flo
     """The slowest read rate at which ``steady`` simulates within 1% of its time with free reads
     (``None`` when it reads nothing), and that time."""
     free = policies.simulate(steady, attrs.evolve(cost, read_bytes_per_s=math.inf)).makespan_s
-    if not any(op.kind == "read" for op in steady.ops):
+    if not policies.file_read_bytes(steady):
         return None, free
 
     def hidden(rate: float) -> bool:

@@ -73,6 +73,8 @@ class Options:
     text_tokens: int | None = None
     host_op_s: float = 0.0
     host_bytes: int | None = None
+    #: The session's device type (``--device``): on ``cpu`` the file tier has no staging slot.
+    device_type: str = "cuda"
     #: Plan as a session given ``spill=<a folder>`` (``--spill``): a file tier needs no checkpoint then.
     spill: bool = False
     read_bytes_per_s: float | None = None
@@ -337,7 +339,8 @@ class _Planner:
                 self.warnings.append(text)
         # The session's open planner on the facts assumed (the budgets given, the store's facts read of
         # the folder): the same tiers, host bytes, device budget and refusals.
-        facts = policies.Facts(store=self.options.facts)
+        device = policies.DeviceFacts(type=self.options.device_type)
+        facts = policies.Facts(store=self.options.facts, device=device)
         return policies.open_plan(plan, facts, spill=self.options.spill).plan
 
     def generation(self, policy: Policy, plan: Plan) -> tuple[list[Schedule], Schedule | None]:

@@ -96,6 +96,7 @@ from torchferry.policies._ir import (
     is_index_free,
     rest_unit,
 )
+from torchferry.policies._ir import FILE as FILE
 from torchferry.policies._ir import gather_nbytes as gather_nbytes
 from torchferry.policies._layout import group_specs as group_specs
 from torchferry.policies._layout import layout as layout
@@ -115,6 +116,7 @@ from torchferry.policies._open import store_pins as store_pins
 from torchferry.policies._refusal import HostBudgetTooSmall as HostBudgetTooSmall
 from torchferry.policies._refusal import size_at_least as size_at_least
 from torchferry.policies._sim import DEFAULT_COST, CostModel, SimReport, Span, simulate, steady_schedule
+from torchferry.policies._staging import file_read_bytes as file_read_bytes
 from torchferry.policies._steps import StepState as StepState
 from torchferry.policies._steps import init_steps as init_steps
 from torchferry.policies._steps import next_step as next_step
@@ -123,6 +125,7 @@ from torchferry.policies._steps import step_name as step_name
 from torchferry.policies._text import Mark, format_marked, parse_schedule
 from torchferry.policies._tiers import BOUNCE_MAX as BOUNCE_MAX
 from torchferry.policies._tiers import DIRECT_ALIGN as DIRECT_ALIGN
+from torchferry.policies._tiers import DIRECT_DEVICES as DIRECT_DEVICES
 from torchferry.policies._tiers import HEATS as HEATS
 from torchferry.policies._tiers import READ_BOUNCE_BYTES, STAGING_SLOTS, Tiers, read_buffer_bytes, tiers
 from torchferry.policies._tiers import READ_THREADS as READ_THREADS
@@ -133,6 +136,8 @@ from torchferry.policies._tiers import host_bytes as host_bytes
 from torchferry.policies._tiers import pack_heats as pack_heats
 from torchferry.policies._tiers import page_bytes as page_bytes
 from torchferry.policies._tiers import read_nbytes as read_nbytes
+from torchferry.policies._tiers import reads_direct as reads_direct
+from torchferry.policies._tiers import staging_count as staging_count
 from torchferry.policies._tokens import format_bytes
 
 __all__ = [

@@ -6,9 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torchferry._errors import HOST_BUDGET, Part
-from torchferry.policies._ir import Op, Schedule
+from torchferry.policies._ir import FILE, Op, Schedule
 from torchferry.policies._layout import layout, pack_bytes, pack_table
-from torchferry.policies._tiers import file_packs, host_bytes, page_bytes, read_buffer_bytes, read_nbytes
+from torchferry.policies._tiers import (
+    file_packs,
+    host_bytes,
+    largest_read,
+    page_bytes,
+    read_buffer_bytes,
+    read_nbytes,
+    reads_direct,
+)
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Plan
 
@@ -41,7 +49,8 @@ class FileTierCheck:
         budget = self.plan.config.host_memory_bytes
         staging = [self.slots[n] for n in sorted(self.staging)]
         total, store = host_bytes(self.plan, self.file, staging)
-        buffers = read_buffer_bytes(max((sl.nbytes for sl in staging), default=0)) if self.file else 0
+        largest = max((sl.nbytes for sl in staging), default=0) or largest_read(self.plan, self.file)
+        buffers = read_buffer_bytes(largest) if self.file else 0
         self.locked(line, store + sum(page_bytes(sl.nbytes) for sl in staging) + buffers)
         if budget is None or total <= budget:
             return
@@ -120,6 +129,9 @@ class FileTierCheck:
         nothing else copies from one; that slot is free again. Whether ``op`` copies from staging."""
         src = op.src
         in_file = bool(file_packs(self.plan, self.file, op.unit))
+        if src == FILE:
+            self.direct(op, line, in_file)
+            return True
         if src is None or src not in self.staging:
             if in_file:
                 self.add(
@@ -136,6 +148,21 @@ class FileTierCheck:
             holds = f"holds the read of {held}" if held is not None else "holds no read"
             self.add(line, 9, f"{op.kind} of {op.unit} from {src}, which {holds}; read {op.unit} there first")
         return True
+
+    def direct(self, op: Op, line: int, in_file: bool) -> None:
+        """A ``load`` or ``stage`` ``from file``: the reader fills the device's memory itself, which
+        only a device whose memory is host memory allows (`reads_direct`), and only of a file-tier unit."""
+        if not in_file:
+            self.add(line, 9, f"{op.kind} of {op.unit} from file, but it has no file-tier pack; {op.kind} it "
+                     "from host memory")  # fmt: skip
+        elif not reads_direct(self.plan):
+            self.add(
+                line,
+                9,
+                f"{op.kind} of {op.unit} from file: the reader fills device memory itself only where it is "
+                "host memory (a CPU device, plan.facts.host_device) and no block is all-gathered; read "
+                f"{op.unit} into a staging slot and {op.kind} it from there",
+            )
 
     def exit(self, line: int) -> None:
         """No read is left in a staging slot at the exit: reads never cross a step."""

@@ -26,7 +26,9 @@ Op kinds (stream in brackets; `OP_STREAM` maps each kind to it):
   this rank's shard of an all-gathered block). A ``load`` or ``stage`` of such a unit then names that
   slot as its ``src`` (``load U -> s1 from t0``; into a shard slot, ``load U -> h0 from t0``, the
   shard), which frees the slot for the next read. A unit of several packs (a whole component) is
-  read and staged pack by pack through the slot.
+  read and staged pack by pack through the slot. Where the device's memory is host memory (a CPU
+  device, `reads_direct`) there is no staging slot and no ``read``: the ``load`` or ``stage`` names
+  `FILE` as its ``src`` (``load U -> s1 from file``) and the reader fills the device slot itself.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torchferry.topology import Plan
 
 __all__ = [
     "DEVICE",
+    "FILE",
     "OP_KINDS",
     "OP_STREAM",
     "Declared",
@@ -99,6 +102,9 @@ OP_STREAM: Mapping[OpKind, StreamName] = MappingProxyType(
 
 #: The placement of a unit that has device memory of its own (staged), rather than a shared slot.
 DEVICE = "device"
+#: The ``src`` of a load or stage the file tier's reader fills straight from the checkpoint, with no
+#: staging slot between: the device's memory is host memory (`policies.reads_direct`).
+FILE = "file"
 
 
 def rest_unit(component_path: str) -> str:

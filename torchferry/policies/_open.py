@@ -10,7 +10,9 @@ builds them from its flags. `open_plan` then decides, in this order:
    host budget (`share_budget`), a CUDA device its free memory less the activation margin, settled
    (`default_device_budget`), a CPU with no host figure `CPU_BUDGET`;
 2. the host figure (`host_plan`: the budget, the tiers, the refusals of a file tier with nothing to
-   read it from and of pinned bytes over ``RLIMIT_MEMLOCK``);
+   read it from and of pinned bytes over ``RLIMIT_MEMLOCK``); on a CPU device (`DIRECT_DEVICES`) the
+   file tier's reader fills the device slots itself, so no staging slot is planned or counted
+   (`StoreFacts.host_device`, `reads_direct`);
 3. the weights' device budget: the budget less the largest dequantized weight (`weight_budget`),
    with where it came from in words;
 4. whether the store pins (`store_pins`: asked for, and a CUDA device; decided first, as the
@@ -29,6 +31,7 @@ from torchferry.policies._calibrate import Calibration
 from torchferry.policies._dequantize import dequantize_reserve, weight_budget
 from torchferry.policies._device import DeviceFacts, auto_setup
 from torchferry.policies._host import SHARED_DEVICES, HostFacts, HostFigure, host_plan, settled
+from torchferry.policies._tiers import DIRECT_DEVICES
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import Plan, StoreFacts
 
@@ -123,7 +126,8 @@ def open_plan(
     if auto and given is None:
         default, source = default_device_budget(facts.device)
         plan = attrs.evolve(plan, config=attrs.evolve(plan.config, device_memory_bytes=default))
-    plan = attrs.evolve(plan, facts=facts.store)
+    host_device = facts.device.type in DIRECT_DEVICES
+    plan = attrs.evolve(plan, facts=attrs.evolve(facts.store, host_device=host_device))
     pin = store_pins(plan.config.pin_memory, facts.device.type)
     figure = host_plan(plan, facts.host, least=least, shared=shared, spill=spill, pin=pin)
     plan = figure.plan

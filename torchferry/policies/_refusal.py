@@ -107,7 +107,10 @@ class HostBudgetTooSmall(PlanError):
     def _parts(self) -> str:
         parts = []
         if self.file_tier:
-            parts.append(f"{self.slots} staging slots of {_b(self.largest)}, the largest pack read")
+            if self.slots:
+                parts.append(f"{self.slots} staging slots of {_b(self.largest)}, the largest pack read")
+            else:  # the reader fills the device's slots itself: nothing staged in host memory
+                parts.append(f"no staging slot (packs of up to {_b(self.largest)} read into device memory)")
             parts.append(f"{_b(self.bounce)} of read buffers")
         parts.append(f"{_b(self.store)} of packs in host memory")
         if self.kept:
@@ -128,7 +131,9 @@ class HostBudgetTooSmall(PlanError):
             )
         said = f"with every pack in host memory {whose} {_b(self.minimum)} ({self._parts()})"
         if not self.unfiled:
-            said += ", and the file tier would need more (staging slots as large as the largest pack read)"
+            said += ", and the file tier would need more (" + (
+                "staging slots as large as the largest pack read)" if self.slots else "read buffers)"
+            )
         return said
 
     def _holder(self) -> str:

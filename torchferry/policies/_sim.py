@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from torchferry.policies._ir import DEVICE, Op, Placement, Policy, Schedule, Step, StreamName
+from torchferry.policies._ir import DEVICE, FILE, Op, Placement, Policy, Schedule, Step, StreamName
 from torchferry.policies._tokens import format_bytes
 from torchferry.topology import FrozenMap, Plan
 
@@ -361,6 +361,13 @@ class _Replay:
         if src is not None:
             self.drained[src] = end
 
+    def _move_seconds(self, op: Op, nbytes: float) -> float:
+        """Seconds ``op`` moves ``nbytes`` on its stream: a read from the checkpoint when the reader
+        fills the device's memory itself (`FILE`), else a host-to-device copy."""
+        if op.src == FILE:
+            return self.cost.read_seconds(nbytes)
+        return self.cost.h2d_seconds(nbytes)
+
     def _read(self, index: int, op: Op) -> None:
         slot = op.slot or ""
         start = max(self.io, self.drained.get(slot, 0.0))
@@ -372,7 +379,7 @@ class _Replay:
     def _whole(self, index: int, op: Op, stream: StreamName, start: float) -> float:
         """A whole unit's host-to-device copy on ``stream`` from ``start`` (a stage or an acquire): the
         unit is ready and holds its bytes from its end, which is returned."""
-        end = start + (self.cost.h2d_seconds(op.nbytes) + self.cost.launch_s)
+        end = start + (self._move_seconds(op, op.nbytes) + self.cost.launch_s)
         self._busy(stream, start, end, kind=op.kind, label=op.unit, op=index)
         self.ready[op.unit] = end
         self.held[op.unit] = op.nbytes
@@ -387,7 +394,7 @@ class _Replay:
         ends = []
         for chunk in range(k):
             begin = t
-            t += self.cost.h2d_seconds(op.nbytes / k) + self.cost.launch_s
+            t += self._move_seconds(op, op.nbytes / k) + self.cost.launch_s
             ends.append(t)
             self._busy("copy", begin, t, kind="load", label=op.unit, op=index, chunk=chunk)
         self.copy = t

@@ -19,6 +19,11 @@ largest-pack size is tried and the choice that reads the fewest bytes per forwar
 then per session; then the fewest host bytes) wins. The choice depends on the plan alone, so every
 policy of a session, and auto's re-choices, name the same `Schedule.file`, and the runtime lays out
 its host store once.
+
+Where the device's memory is host memory (`reads_direct`: a CPU device, whose slots the reader can
+fill itself) a staging slot would be a second host copy of what the device slot holds: such a plan
+has none, its loads and stages name `FILE` as their source, and only the read buffers are counted
+beside the store (`DIRECT_DEVICES`). A CUDA device keeps its pinned staging slots and copy stream.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from torchferry.topology import FrozenMap, Plan, TensorSpec
 __all__ = [
     "BOUNCE_MAX",
     "DIRECT_ALIGN",
+    "DIRECT_DEVICES",
     "HEATS",
     "PAGE",
     "READ_BOUNCE_BYTES",
@@ -56,6 +62,8 @@ __all__ = [
     "page_bytes",
     "read_buffer_bytes",
     "read_nbytes",
+    "reads_direct",
+    "staging_count",
     "tiers",
     "tiers_at",
     "use_read_bytes",
@@ -65,6 +73,9 @@ __all__ = [
 PAGE = mmap.PAGESIZE
 #: Staging slots of a plan with a file tier: one being read into while the other is copied out.
 STAGING_SLOTS = 2
+#: Device types whose slots are host memory the file tier's reader fills itself (no staging slot).
+#: Not MPS: its memory is the host's, but its tensors are not the reader's to write.
+DIRECT_DEVICES = frozenset({"cpu"})
 #: Reader threads of the file tier, each with its own bounce buffer for direct I/O and its own
 #: scratch for a read whose strides differ.
 READ_THREADS = 4
@@ -79,6 +90,19 @@ READ_BOUNCE_BYTES = READ_THREADS * BOUNCE_MAX
 #: How often the file tier reads a pack: once a session, once a pipeline call, every DiT forward.
 Heat = Literal["session", "call", "forward"]
 HEATS: tuple[Heat, ...] = ("session", "call", "forward")
+
+
+def reads_direct(plan: Plan) -> bool:
+    """Whether ``plan``'s file tier reads straight into device slots (see [Note: tiers]): its device
+    is host memory (`StoreFacts.host_device`) and no block is all-gathered (a shard is read into a
+    staging slot, then loaded into its shard slot and gathered, as on any device)."""
+    return plan.facts.host_device and not layout(plan).allgather
+
+
+def staging_count(plan: Plan) -> int:
+    """How many staging slots a file tier of ``plan`` reads through: `STAGING_SLOTS`, or none where
+    the reader fills the device slots itself (`reads_direct`)."""
+    return 0 if reads_direct(plan) else STAGING_SLOTS
 
 
 def page_bytes(nbytes: int) -> int:
@@ -118,7 +142,8 @@ class Tiers:
     bytes that leaves (see [Note: tiers]).
 
     - ``file``: the packs with no host copy, read from the checkpoint when needed (`Schedule.file`).
-    - ``staging``: the staging slots (``t0``, ``t1``; kind ``staging``), empty without a file tier.
+    - ``staging``: the staging slots (``t0``, ``t1``; kind ``staging``), empty without a file tier
+      and where the reader fills device slots itself (`reads_direct`).
     - ``host_bytes``: the host bytes `check` proves against the budget ([8]), the whole host figure:
       ``store_bytes`` plus the staging slots and the read buffers (`read_buffer_bytes`; both only with a
       file tier), and
@@ -143,12 +168,15 @@ class Tiers:
     #: The least budget that chooses these very tiers (``budget`` may be larger): the plan of a budget
     #: measured on the machine carries this, so free memory that moves a little plans the same.
     least_budget: int = 0
+    #: The largest pack the file tier reads (each staging slot's size; 0 without a file tier): it
+    #: sizes the reader's bounce buffers, staging slots or none.
+    largest: int = 0
 
     @property
     def read_buffer_bytes(self) -> int:
-        """Of ``host_bytes``: the reader's bounce buffers (`read_buffer_bytes` of the staging slot; 0
-        without a file tier)."""
-        return read_buffer_bytes(max((s.nbytes for s in self.staging), default=0)) if self.file else 0
+        """Of ``host_bytes``: the reader's bounce buffers (`read_buffer_bytes` of the largest pack
+        read; 0 without a file tier)."""
+        return read_buffer_bytes(self.largest) if self.file else 0
 
 
 def file_packs(plan: Plan, file: Collection[str], unit: str) -> tuple[str, ...]:
@@ -164,11 +192,17 @@ def read_nbytes(plan: Plan, file: Collection[str], unit: str) -> int:
 
 def host_bytes(plan: Plan, file: Collection[str], staging: Collection[Slot]) -> tuple[int, int]:
     """(host bytes, store bytes) of ``plan`` with ``file`` in the file tier and ``staging`` slots: the
-    store, the slots, the read buffers, and what the plan's `StoreFacts` add (`extra_bytes`)."""
+    store, the slots, the read buffers (sized by the largest slot, or with none by the largest
+    file-tier pack), and what the plan's `StoreFacts` add (`extra_bytes`)."""
     store = sum(page_bytes(pack_bytes(plan, name)) for name, _ in pack_table(plan) if name not in file)
-    slot = max((s.nbytes for s in staging), default=0)
+    slot = max((s.nbytes for s in staging), default=0) or largest_read(plan, file)
     extra = sum(page_bytes(s.nbytes) for s in staging) + (read_buffer_bytes(slot) if file else 0)
     return store + extra + sum(extra_bytes(plan, file)), store
+
+
+def largest_read(plan: Plan, file: Collection[str]) -> int:
+    """The largest pack in the file tier ``file`` (0: none), which sizes staging slots and read buffers."""
+    return max((pack_bytes(plan, name) for name in file), default=0)
 
 
 def kept_bytes(plan: Plan, name: str) -> int:
@@ -318,8 +352,9 @@ def tiers_at(plan: Plan, budget: int | None) -> Tiers:
     # this one did, so it chooses the same tiers.
     floor = 0
     least = _Least(need=whole, store=whole_store, largest=0, extras=extra_bytes(plan, ()))
+    slots = staging_count(plan)
     for largest in sorted({sizes[n] for n in ranked}):
-        fixed = STAGING_SLOTS * page_bytes(largest) + read_buffer_bytes(largest)
+        fixed = slots * page_bytes(largest) + read_buffer_bytes(largest)
         store = whole_store
         kept = strided = 0
         chosen: list[str] = []
@@ -352,7 +387,7 @@ def tiers_at(plan: Plan, budget: int | None) -> Tiers:
             file=tuple(chosen),
             slot=slot,
             host=total
-            - STAGING_SLOTS * (page_bytes(largest) - page_bytes(slot))
+            - slots * (page_bytes(largest) - page_bytes(slot))
             - (read_buffer_bytes(largest) - read_buffer_bytes(slot)),
             store=store,
             read=read,
@@ -362,7 +397,7 @@ def tiers_at(plan: Plan, budget: int | None) -> Tiers:
             best = option
     if best is None:
         raise _too_small(plan, budget, least, barred)
-    staging = tuple(Slot(name=f"t{i}", nbytes=best.slot, kind="staging") for i in range(STAGING_SLOTS))
+    staging = tuple(Slot(name=f"t{i}", nbytes=best.slot, kind="staging") for i in range(slots))
     kept, scratch, transient = best.extras
     return Tiers(
         file=frozenset(best.file),
@@ -371,14 +406,15 @@ def tiers_at(plan: Plan, budget: int | None) -> Tiers:
         store_bytes=best.store,
         budget=budget,
         read_bytes=FrozenMap(tuple(best.read.items())),
-        notes=_notes(best, len(sizes), budget),
+        notes=_notes(best, len(sizes), budget, slots),
         kept_bytes=kept + scratch,
         transient_bytes=transient,
         least_budget=floor,
+        largest=best.slot,
     )
 
 
-def _notes(best: _Option, packs: int, budget: int) -> tuple[str, ...]:
+def _notes(best: _Option, packs: int, budget: int, slots: int) -> tuple[str, ...]:
     def b(n: int) -> str:
         return format_bytes(n, exact=False)
 
@@ -389,9 +425,10 @@ def _notes(best: _Option, packs: int, budget: int) -> tuple[str, ...]:
         "session": "once a session",
     }
     reads = ", ".join(f"{b(best.read[h])} {how[h]}" for h in reversed(HEATS) if best.read[h])
+    staging = f"{slots} staging slots of {b(best.slot)}" if slots else "read straight into device slots"
     return (
-        f"host {b(best.host)} of {b(budget)}: {kept} packs pinned ({b(best.store)}), {STAGING_SLOTS} staging "
-        f"slots of {b(best.slot)}, {b(read_buffer_bytes(best.slot))} read buffers",
+        f"host {b(best.host)} of {b(budget)}: {kept} packs pinned ({b(best.store)}), {staging}, "
+        f"{b(read_buffer_bytes(best.slot))} read buffers",
         f"file tier: {len(best.file)} packs read from the checkpoint, {reads}",
     )
 
@@ -445,7 +482,7 @@ def _too_small(
         minimum=least.need,
         file_tier=filed,
         store=least.store,
-        slots=STAGING_SLOTS,
+        slots=staging_count(plan),
         largest=least.largest,
         bounce=read_buffer_bytes(least.largest),
         kept=kept + scratch,

@@ -35,6 +35,9 @@ class StoreFacts:
       holds one more pack for a moment (counted against a machine budget).
     - ``locked_bytes``: ``RLIMIT_MEMLOCK`` where it bounds the bytes this session pins (``None``: it
       does not, or nothing is pinned).
+    - ``host_device``: the session's device is the CPU, so its slots are host memory the file tier's
+      reader can fill itself: no staging slot sits between the checkpoint and the device
+      (`policies.reads_direct`).
     """
 
     widened: frozenset[str] = frozenset()
@@ -42,6 +45,7 @@ class StoreFacts:
     own: frozenset[str] = frozenset()
     copied: bool = False
     locked_bytes: int | None = None
+    host_device: bool = False
 
 
 def _components(value: Iterable[Component]) -> tuple[Component, ...]:

@@ -20,12 +20,12 @@ from types import MethodType
 import torch
 
 from torchferry._errors import ExecutionError, OffloadWarning
-from torchferry.policies import DEVICE, OP_KINDS, Op
+from torchferry.policies import DEVICE, FILE, OP_KINDS, Op
 from torchferry.runtime.device import Comm, DeviceBuffer, Ledger, SlotPool, StreamContext
 from torchferry.runtime.executor._hooks import GradGuard
 from torchferry.runtime.executor._program import Handler, Program, missed
 from torchferry.runtime.executor._trace import Tracer
-from torchferry.runtime.memory import PackState, Unit, views_into
+from torchferry.runtime.memory import Pack, PackState, Unit, views_into
 from torchferry.runtime.store import HostStore
 from torchferry.topology import Plan
 
@@ -286,10 +286,18 @@ class Mover:
 
     def _load_staged(self, unit: Unit, op: Op) -> None:
         """Copy ``unit``'s bytes from staging slot ``op.src`` (once its read is in) into ``op.slot``: a
-        block slot, or a shard slot for this rank's shard of an all-gathered block."""
+        block slot, or a shard slot for this rank's shard of an all-gathered block; from `FILE`, the
+        reader fills the block slot itself (the device's memory is host memory)."""
         assert op.slot is not None and op.src is not None and self.store.tier is not None
         pack = unit.packs[0]
         slot = self.slots.get(op.slot)
+        if op.src == FILE:
+            self._claim(unit, op)
+            self._leave_first(unit, op)
+            dst, views = pack.views(op.slot, slot.data)
+            self._read_into(unit, pack, dst)
+            self._placed_in(unit, op.slot, slot, views)
+            return
         if pack.shard is not None:
             staging, data = self.store.tier.take(pack, op.src)
             self.streams.copy_staged(slot, pack.shard_bytes(op.slot, slot.data), staging, data)
@@ -301,6 +309,20 @@ class Mover:
         dst, views = pack.views(op.slot, slot.data)
         self.streams.copy_staged(slot, dst, staging, data)
         self._placed_in(unit, op.slot, slot, views)
+
+    def _read_into(self, unit: Unit, pack: Pack, dst: torch.Tensor) -> None:
+        """Read file-tier ``pack`` of ``unit`` straight into ``dst``, device memory that is host memory
+        (a load or stage ``from file``), and wait for it: on a CPU device every copy is done when it
+        returns, and so is this read. Device memory no reader can write is refused, not written."""
+        tier = self.store.tier
+        assert tier is not None
+        if dst.device.type != "cpu":
+            raise ExecutionError(
+                f"{unit.name} is read from the file straight into device memory, and the device is "
+                f"{dst.device}, whose memory no reader thread can write; such a schedule is for a CPU "
+                "device only; elsewhere file-tier units are read into staging slots and loaded from there"
+            )
+        tier.read_into(pack, dst)
 
     def _load_shard(self, unit: Unit, op: Op) -> None:
         """Copy this rank's shard of the block into a shard slot (compile checked it is sharded)."""
@@ -438,14 +460,17 @@ class Mover:
                         )
                     # A unit of several packs goes through its staging slot one pack at a time: the read
                     # op brought the first, each later one is read once the copy before it drained.
-                    if not first:
+                    if op.src != FILE and not first:
                         tier.issue(pack, op.src, self.streams.before_read(tier.slot(op.src).buffer))
                     first = False
-                    read = tier.take(pack, op.src)  # before any device memory is counted: it may fail
+                    if op.src != FILE:
+                        read = tier.take(pack, op.src)  # before any device memory is counted: it may fail
                 transfer = self.streams.transfer(pack.nbytes)
                 self.ledger.add(pack.nbytes)
                 held.append((transfer, pack.nbytes))
-                if read is not None:
+                if pack.in_file and op.src == FILE:
+                    self._read_into(unit, pack, transfer.data.narrow(0, 0, pack.nbytes))
+                elif read is not None:
                     self.streams.copy_staged(transfer, transfer.data, *read)
                 else:
                     self.streams.copy_in(transfer, transfer.data, pack.host)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from torchferry._errors import ExecutionError
-from torchferry.policies import INVARIANTS, Op, Schedule, format_marked, format_schedule
+from torchferry.policies import FILE, INVARIANTS, Op, Schedule, format_marked, format_schedule
 from torchferry.runtime.executor._step_cache import step_name
 from torchferry.runtime.memory import Unit
 from torchferry.topology import Plan
@@ -102,7 +102,7 @@ def compile_program(
             problem = f"slot {op.slot!r} is not in the slot table"
         elif op.kind == "load" and op.src is None and len(unit.packs) != 1:
             problem = f"a load moves one block or remainder, and {op.unit!r} is {len(unit.packs)} buffers"
-        elif op.src is not None and op.src in staging:
+        elif op.src is not None and (op.src in staging or op.src == FILE):
             problem = _staged_problem(unit, op)
         elif op.kind in ("load", "gather") and op.src is not None:
             problem = _shard_problem(unit, op, names, comm)
@@ -134,11 +134,13 @@ def compile_program(
 
 
 def _staged_problem(unit: Unit, op: Op) -> str | None:
-    """Why ``op`` cannot move ``unit`` from a staging slot, or ``None`` when it can."""
+    """Why ``op`` cannot move ``unit`` from a staging slot (or straight from the file, `FILE`), or
+    ``None`` when it can."""
+    where = "the file" if op.src == FILE else f"staging slot {op.src!r}"
     if op.kind not in ("load", "stage"):
-        return f"a {op.kind} cannot read from staging slot {op.src!r}; only a load or a stage can"
+        return f"a {op.kind} cannot read from {where}; only a load or a stage can"
     if not any(p.in_file for p in unit.packs):
-        return f"{op.unit} is in host memory, not the file tier: no read fills staging slot {op.src!r}"
+        return f"{op.unit} is in host memory, not the file tier: no read fills {where}"
     if op.kind == "load" and len(unit.packs) != 1:
         return f"a load moves one block or remainder, and {op.unit!r} is {len(unit.packs)} buffers"
     return None

@@ -12,6 +12,9 @@ staging slot (a pinned host buffer allocated once, `Slot(kind="staging")`); the 
 schedule's ``io`` stream), copies the slot to the device on the copy stream and records the slot's
 drain (``free``), which the next read into the slot waits for before it writes a byte. A unit of
 several packs (a whole component staged) is read and staged one pack at a time through its slot.
+On a CPU device (`policies.reads_direct`) the device's slots are host memory and there is no staging
+slot: a ``load`` or ``stage`` ``from file`` has the reader fill the device slot itself (`read_into`)
+and waits for it, as every copy on a CPU is done when it returns.
 
 Nothing a read does touches the host store or the files, so a failed read loses no weight: its
 `ExecutionError` reaches the step, which aborts as any failed step does, and the session closes.
@@ -33,7 +36,7 @@ import torch
 
 from torchferry import policies
 from torchferry._errors import ExecutionError, PlanError
-from torchferry.policies import Schedule, Tiers, unit_packs
+from torchferry.policies import Schedule, Tiers, pack_bytes, unit_packs
 from torchferry.runtime.device import DeviceBuffer
 from torchferry.runtime.files import CheckpointReader, FileReader, PackRead, Ticket
 from torchferry.runtime.machine import READ_MODE_ENV
@@ -111,6 +114,9 @@ class TierRequest:
     device: torch.device | None = None
     #: The read mode (`TierLayout.read_mode`).
     read_mode: str | None = None
+    #: The largest pack the tier reads (`policies.Tiers.largest`): sizes the reader's bounce buffers
+    #: when there is no staging slot to size them by (the reader fills device slots itself).
+    largest: int = 0
 
 
 def tier_request(
@@ -133,6 +139,9 @@ def tier_request(
     packs = layout.packs
     if not packs:
         return None
+    # The read buffers are sized by the staging slots, or with none (the reader fills device slots
+    # itself) by the largest file-tier pack, as `policies.tiers` counts them.
+    largest = max((n for _, n in layout.staging), default=0) or max(pack_bytes(plan, name) for name in packs)
     source = checkpoint
     if layout.source is not None:
         source = CheckpointReader(layout.source)
@@ -161,6 +170,7 @@ def tier_request(
         prefix_map=prefix_map,
         device=device,
         read_mode=layout.read_mode,
+        largest=largest,
     )
 
 
@@ -238,7 +248,7 @@ class FileTier:
         }
         file_bytes = sum(os.path.getsize(f) for f in files)
         direct = source.files if read_direct(file_bytes, request.cache_bytes, request.read_mode) else ()
-        largest = max((n for _, n in request.staging), default=0)
+        largest = max((n for _, n in request.staging), default=0) or request.largest
         reader = FileReader(
             source, direct=[f for f in direct if f in files], device=request.device,
             bounce_bytes=policies.bounce_bytes(largest), bounces=policies.bounce_count(largest),
@@ -331,6 +341,16 @@ class FileTier:
             ticket, staging.ticket, staging.pack = staging.ticket, None, None
             ticket.wait()
         staging.pack, staging.ticket = pack, self.reader.submit(read, staging.buffer.data, before)
+
+    def read_into(self, pack: Pack, into: torch.Tensor) -> None:
+        """Read ``pack`` straight into ``into`` (its place in a device slot whose memory is host
+        memory: no staging slot between) and wait for it (raises the read's error)."""
+        read = self.reads.get(pack.name)
+        if read is None:
+            raise ExecutionError(
+                f"read of {pack.name}: it is not in this session's file tier (its bytes are in host memory)"
+            )
+        self.reader.submit(read, into).wait()
 
     def take(self, pack: Pack, slot: str) -> tuple[DeviceBuffer, torch.Tensor]:
         """Wait for ``pack``'s read into ``slot``; its buffer and the bytes read (raises the read's error)."""
