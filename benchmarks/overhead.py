@@ -173,7 +173,8 @@ def breakdown(
     Timers wrap every hook torchferry installed (so the sum is all of torchferry's code a forward
     runs, step start and end included), the session's step start and end (`Session.enter`/``leave``),
     the op runs (``Engine.advance``), the copies (``copy_in``), and re-pointing tensors at a slot and
-    back (``Pack.point``). Each figure is the least over ``repeats`` forwards, per block, less the
+    back (``Pack.arrive`` and ``Pack.to_host``, which re-point or dock; ``Pack.point`` in a checkout
+    without them). Each figure is the least over ``repeats`` forwards, per block, less the
     timers nested in it. Torch's own hook dispatch is outside every timer.
     """
     from torchferry.runtime.memory import _pack
@@ -218,7 +219,9 @@ def breakdown(
                 if getattr(hook, "_torchdynamo_disable", False):  # the engine's hooks (see `_opaque`)
                     saved_hooks.append((table, key, hook))
                     table[key] = timed("hooks", hook)
-    pack_methods = {"point": _pack.Pack.point}
+    # Re-pointing (or docking) happens where a pack takes its slot and where it leaves it.
+    moves = ("arrive", "to_host") if hasattr(_pack.Pack, "arrive") else ("point",)
+    pack_methods = {m: getattr(_pack.Pack, m) for m in moves}
     engine.advance = timed("ops", engine.advance)  # the hooks run ops through it (`Mover.advance`)
     engine.streams.copy_in = timed("copy", engine.streams.copy_in)
     enter, leave = session.enter, session.leave
