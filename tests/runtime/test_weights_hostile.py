@@ -11,6 +11,8 @@ wrong behaviour still there: the reason says what happens instead.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import subprocess
 import sys
 import warnings
@@ -488,6 +490,30 @@ def test_a_view_of_a_weight_kept_from_a_forward_reads_its_block_after_the_step()
         for _ in range(2):
             assert torch.equal(run(p, args), run(ref, args))
             assert torch.equal(kept[-1], block(ref).fc1.weight.view(-1))
+
+
+def test_a_weight_kept_past_a_session_dropped_mid_step_holds_its_host_memory() -> None:
+    """A weight kept after its pipeline and session are dropped, without close(), in the middle of a
+    step that left its block docked reads its values from its host memory, not from the freed slot."""
+    p, ref = pair()
+    kept = block(p).fc1.weight
+    expected = block(ref).fc1.weight.detach().clone()
+
+    def stop(m: nn.Module, a: Any) -> None:
+        raise Interrupt  # not an Exception: the step is left as a KeyboardInterrupt leaves it
+
+    block(p).register_forward_pre_hook(stop)
+    s = session(p)
+    with contextlib.suppress(Interrupt):
+        run(p, inputs())
+    slot = slot_addresses(s)
+    assert kept.untyped_storage().data_ptr() in slot  # the interrupted step left its block in a slot
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", OffloadWarning)  # "garbage-collected without close()"
+        del p, s
+        gc.collect()
+    assert kept.untyped_storage().data_ptr() not in slot
+    assert torch.equal(kept.detach(), expected)
 
 
 def test_weights_moved_into_a_new_module_are_read_from_the_slot() -> None:

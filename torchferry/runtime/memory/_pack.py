@@ -52,7 +52,9 @@ moves; ``rest_views`` are the tensors' own views of ``bound``, which `point` tak
 after a staged copy. The storage over the slot holds no memory of its own (`_storage_at`): while
 the pack is docked it holds the host memory, whose owner it is then, and the engine never frees a
 slot a unit occupies; a slot whose memory moved (freed and grown again) is found at the next load,
-by its address. File-tier and sharded packs, and every pack of a CUDA session, are not bound.
+by its address. A pack dropped while docked (a step interrupted, then its session and pipeline
+dropped without close()) undocks as it goes, so a weight kept elsewhere holds the host memory, never
+a freed slot. File-tier and sharded packs, and every pack of a CUDA session, are not bound.
 
 [Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
@@ -67,6 +69,7 @@ resident, and the session's ``close(gather=True)`` re-assembles full host copies
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import operator
 from collections.abc import Iterable, Sequence
@@ -319,6 +322,14 @@ class Pack:
         _SWAP(self.bound, arriving)  # the tensors see the slot, ``arriving`` the host memory
         self.docked = arriving
         self.moves += 1
+
+    def __del__(self) -> None:
+        # A pack dropped while docked (a step interrupted, then its session and pipeline dropped
+        # without close()) gives its storage the host memory back: a weight kept elsewhere then
+        # owns memory that lives, not the slot's, which goes with the session.
+        if self.docked is not None:
+            with contextlib.suppress(Exception):
+                self._undock()
 
     def _undock(self) -> None:
         docked, self.docked = self.docked, None
