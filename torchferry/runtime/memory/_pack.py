@@ -281,7 +281,9 @@ class Pack:
         host = self.host
         storage = host.untyped_storage()
         if (
-            self.in_file
+            _SWAP is None
+            or _FOREIGN is None
+            or self.in_file
             or self.shard is not None
             or self.bound is not None
             or not self.tensors
@@ -442,7 +444,9 @@ class Pack:
 
 
 #: Exchange two storages' memory (and its owner): every tensor viewing either sees the other's bytes.
-_SWAP: Any = vars(torch._C.StorageBase)["_swap_data_ptr_"]
+#: ``None`` in a torch without it (or without storages over foreign memory): packs are re-pointed then.
+_SWAP: Any = vars(torch._C.StorageBase).get("_swap_data_ptr_")
+_FOREIGN: Any = getattr(torch._C, "_construct_storage_from_data_pointer", None)
 #: ``tensor.data = view`` as a function (the setter of ``Tensor.data``), mapped over a pack's tensors
 #: and run to the end by `_consume` (an empty deque's ``extend``): no Python loop per tensor.
 _SET_DATA: Any = vars(torch._C.TensorBase)["data"].__set__
@@ -452,7 +456,7 @@ _consume = collections.deque[Any](maxlen=0).extend
 
 def _storage_at(ptr: int, device: torch.device, nbytes: int) -> torch.UntypedStorage:
     """A storage over ``nbytes`` at address ``ptr`` that owns nothing (the memory is another's)."""
-    storage: torch.UntypedStorage = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)  # type: ignore[assignment]
+    storage: torch.UntypedStorage = _FOREIGN(ptr, device, nbytes)
     return storage
 
 
