@@ -15,7 +15,9 @@ goes on), ``DIR/gpu_check.json`` is rewritten after every row, and one table is 
   buffer pinned (``is_pinned()``, the truth), pinned bytes versus host-store bytes, and, from a
   forward pre hook of a block registered before the session opened (torchferry's own runs first,
   so the probe sees the block after its wait), that its parameters are CUDA views inside a slot,
-  256-byte aligned; the row fails if the probe never fired;
+  256-byte aligned, and that every streamed block is re-pointed tensor by tensor there (CUDA) or
+  docked (the CPU: one storage exchange per move, see [Note: docking] in
+  ``torchferry/runtime/memory/_pack.py``); the row fails if the probe never fired;
 - per variant (``resident``, ``torchferry layerwise d1``/``d2``, ``torchferry model_level``,
   ``torchferry resident set``): bit identity with resident (max abs diff otherwise), ms/step and
   overhead, from `Session.trace` the stall time, copy busy time and per-block stalls, achieved H2D
@@ -637,7 +639,8 @@ class Check:
 
     def cuda_path(self) -> dict[str, Any]:
         """The CUDA path ran (on the CPU: the same checks of the CPU path): the stream context's type,
-        distinct copy and comm streams, every host buffer pinned, and, from a forward pre hook of a
+        distinct copy and comm streams, every host buffer pinned, every streamed block re-pointed
+        tensor by tensor on CUDA and docked on the CPU (``blocks_docked``), and, from a forward pre hook of a
         block a step loads, registered before the session opened as a user's would be (it runs after
         torchferry's own, so after the block's wait), that the block's parameters are device views
         inside a slot, 256-byte aligned. The probe must fire, or the row fails."""
@@ -648,7 +651,9 @@ class Check:
             if seen or not engines:
                 return
             engine = engines[0]
-            slots = {t.data.untyped_storage().data_ptr() for _, t in engine.slots.slots.values()}
+            # A re-pointed block views a slot's storage; a docked one (CPU) one from the slot's bytes on.
+            buffers = [t.data for _, t in engine.slots.slots.values()]
+            slots = {t.untyped_storage().data_ptr() for t in buffers} | {t.data_ptr() for t in buffers}
             params = list(module.parameters())
             seen["block_params_on_device"] = all(same_device(p.device, engine.device) for p in params)
             seen["block_params_in_a_slot"] = all(p.untyped_storage().data_ptr() in slots for p in params)
@@ -665,8 +670,16 @@ class Check:
                 streams: Any = session.engine.streams
                 store = session.engine.store
                 buffers = [g.host for g in store.packs.values() if g.nbytes]
+                # How a streamed block reaches its slot: docked (one storage exchange, host and slot
+                # one kind of memory: the CPU) or re-pointed tensor by tensor (CUDA: a CPU tensor
+                # cannot read device memory). See [Note: docking] in torchferry/runtime/memory/_pack.py.
+                blocks = [g for name, g in store.packs.items() if ".blocks." in f".{name}"]
+                docked = sum(g.bound is not None for g in blocks)
                 result = {
                     "stream_context": type(streams).__name__,
+                    "blocks_docked": docked,
+                    "blocks_repointed": len(blocks) - docked,
+                    "blocks_move_as_expected": docked == (0 if self.cuda else len(blocks)) and bool(blocks),
                     "probe_fired": bool(seen),
                     "pinned_bytes": store.pinned_bytes,
                     "host_store_bytes": store.nbytes,
@@ -884,10 +897,12 @@ class Check:
             "calls_per_block": count.calls / blocks,
             "c_calls_per_block": count.c_calls / blocks,
             "instructions_per_block": count.instructions / blocks,
+            "tensor_ops_per_block": count.tensor_ops / blocks,
             "verdict": (
                 f"torchferry adds {host * 1e6:.1f} us of host time per block ({min(resident) * 1e6:.1f} -> "
                 f"{min(ours) * 1e6:.1f}, least of 3 rounds{'' if self.cuda else ', the copy included'}); "
-                f"{count.calls / blocks:.1f} calls, {count.instructions / blocks:.0f} instructions per block"
+                f"{count.calls / blocks:.1f} calls, {count.instructions / blocks:.0f} instructions, "
+                f"{count.tensor_ops / blocks:.1f} tensor ops per block"
             ),
         }
 
@@ -1196,6 +1211,8 @@ _FIGURES: dict[str, Callable[[Any], str]] = {
     "d2_block_reads_exact": lambda v: f"d2 block reads exact {v}",
     "probe_fired": lambda v: f"probe fired {v}",
     "block_params_in_a_slot": lambda v: f"params in a slot {v}",
+    "blocks_docked": lambda v: f"blocks docked {v}",
+    "blocks_repointed": lambda v: f"re-pointed {v}",
     "weights_identical": lambda v: f"weights identical {v}",
     "gpu": str,
     "pcie.link.gen.current": lambda v: f"PCIe gen {v}",

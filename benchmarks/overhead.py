@@ -24,8 +24,8 @@ less the cost of the timers nested in it), and a cProfile listing of torchferry'
 Targets: layerwise at most 0.05 x diffusers block_level per block; torchferry's own code, the copy
 left out, at most 5 us per block. Beside the timings, the deterministic count of torchferry's work
 per block (`torchferry.testing._calls.count_calls`: its Python calls, the C functions they call, the
-instructions they execute), the same on every machine, which tests/test_hot_path.py budgets.
-Prints a table and writes ``benchmarks/results/overhead.json``.
+instructions they execute, the tensor operations they issue), the same on every machine, which
+tests/test_hot_path.py budgets. Prints a table and writes ``benchmarks/results/overhead.json``.
 
     python benchmarks/overhead.py [--repeats 30] [--blocks 40] [--threads 1] [--profile] [--quick]
 """
@@ -173,7 +173,8 @@ def breakdown(
     Timers wrap every hook torchferry installed (so the sum is all of torchferry's code a forward
     runs, step start and end included), the session's step start and end (`Session.enter`/``leave``),
     the op runs (``Engine.advance``), the copies (``copy_in``), and re-pointing tensors at a slot and
-    back (``Pack.point``). Each figure is the least over ``repeats`` forwards, per block, less the
+    back (``Pack.arrive`` and ``Pack.to_host``, which re-point or dock; ``Pack.point`` in a checkout
+    without them). Each figure is the least over ``repeats`` forwards, per block, less the
     timers nested in it. Torch's own hook dispatch is outside every timer.
     """
     from torchferry.runtime.memory import _pack
@@ -218,7 +219,9 @@ def breakdown(
                 if getattr(hook, "_torchdynamo_disable", False):  # the engine's hooks (see `_opaque`)
                     saved_hooks.append((table, key, hook))
                     table[key] = timed("hooks", hook)
-    pack_methods = {"point": _pack.Pack.point}
+    # Re-pointing (or docking) happens where a pack takes its slot and where it leaves it.
+    moves = ("arrive", "to_host") if hasattr(_pack.Pack, "arrive") else ("point",)
+    pack_methods = {m: getattr(_pack.Pack, m) for m in moves}
     engine.advance = timed("ops", engine.advance)  # the hooks run ops through it (`Mover.advance`)
     engine.streams.copy_in = timed("copy", engine.streams.copy_in)
     enter, leave = session.enter, session.leave
@@ -282,6 +285,8 @@ def counts(sessions: dict[str, Any], forwards: dict[str, Forward], blocks: int) 
             "calls_per_block": c.calls / blocks,
             "c_calls_per_block": c.c_calls / blocks,
             "instructions_per_block": c.instructions / blocks,
+            # (an older checkout, run beside this one, counts no tensor operations)
+            "tensor_ops_per_block": getattr(c, "tensor_ops", float("nan")) / blocks,
         }
     return found
 
@@ -469,7 +474,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, c in extra["counts"].items():
         print(
             f"{name}: {c['calls_per_block']:.1f} Python calls, {c['c_calls_per_block']:.1f} C calls, "
-            f"{c['instructions_per_block']:.0f} instructions of torchferry's per block (counted, any machine)"
+            f"{c['instructions_per_block']:.0f} instructions, {c['tensor_ops_per_block']:.1f} tensor ops of "
+            "torchferry's per block (counted, any machine)"
         )
     for note in notes:
         print(note)

@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "calls_per_block": c.calls / blocks,
                     "c_calls_per_block": c.c_calls / blocks,
                     "instructions_per_block": c.instructions / blocks,
+                    "tensor_ops_per_block": c.tensor_ops / blocks,
                 }
         load_before = common.load_average()
         stats = common.round_robin(calls, args.repeats)
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "per",
                 "calls",
                 "instructions",
+                "tensor ops",
                 "same",
             ],
             [
@@ -135,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     None if name == "resident" else r["per"],
                     None if name == "resident" else round(r["calls_per_block"], 1),
                     None if name == "resident" else round(r["instructions_per_block"]),
+                    None if name == "resident" else round(r["tensor_ops_per_block"], 1),
                     "yes" if r["identical"] else "NO",
                 ]
                 for name, r in rows.items()

@@ -42,10 +42,18 @@ def test_next_is_what_followed_the_same_step_last_time() -> None:
     assert [s.next for s in second] == ["transformer", None, "vae", "text_encoder"]
     assert dict(state.follows) == {
         ("text_encoder", 0): "transformer",
-        ("transformer", 0): None,
         ("transformer", 1): "vae",
         ("vae", 0): "text_encoder",
     }
+
+
+def test_a_component_called_in_a_loop_stores_no_follow_ups() -> None:
+    """Steps followed by their own component store nothing (a missing key reads as ``None``), and a
+    step whose follower became itself drops its entry: a DiT run in a loop copies no table per step."""
+    _, state = _walk(["transformer"] * (3 * 512))
+    assert len(state.follows) == 0
+    _, state = _walk(["transformer", "vae", "transformer", "transformer"])
+    assert dict(state.follows) == {("vae", 0): "transformer"}
 
 
 def test_index_free_names_every_forward_index_zero_but_keeps_the_run_index() -> None:

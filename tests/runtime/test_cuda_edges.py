@@ -299,7 +299,9 @@ def test_a_user_pre_hook_registered_before_opening_sees_the_weights_its_block_ru
     looked: list[torch.Tensor] = []
 
     def look(module: torch.nn.Module, args: object) -> None:
-        slots = {b.data.untyped_storage().data_ptr() for _, b in engines[0].slots.slots.values()}
+        # A re-pointed weight views a slot's storage; a docked one (CPU) a storage from the slot's bytes on.
+        buffers = [b.data for _, b in engines[0].slots.slots.values()]
+        slots = {t.untyped_storage().data_ptr() for t in buffers} | {t.data_ptr() for t in buffers}
         seen.append(module.q.weight.untyped_storage().data_ptr() in slots)
         looked.append(module.q.weight.detach().clone())
 

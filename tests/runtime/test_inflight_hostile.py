@@ -324,18 +324,14 @@ def test_a_hook_reading_an_in_flight_blocks_weights_reads_the_plain_values(confi
 
 
 # ------------------------------------------------------------------------------- .data edits
-@pytest.mark.xfail(
-    strict=True,
-    reason="w.data = w * 2 from a transformer pre hook (during the step) on in-flight block 0 is lost: the "
-    "wait re-points w at block 0's slot over the stray tensor, and the slot holds the host copy, which "
-    "never saw the assignment (it bumps no version), so no step and nothing after close has it (rule 5 "
-    "puts writes around the version counter outside the contract). Same before ef3114e, in another "
-    "shape: the load had re-pointed w at the slot first, the step read the stray tensor, and the evict "
-    "re-pointed w at the stale host copy",
-)
 def test_a_data_assignment_from_a_transformer_pre_hook_on_block_0_is_kept() -> None:
     """``w.data = w * 2`` from a transformer pre hook (registered after opening) on in-flight block
-    0 at every step is in every call and after close, as in the plain run."""
+    0 at every step is in every call and after close, as in the plain run.
+
+    On a CPU session block 0's pack is docked at its wait ([Note: docking] in
+    `torchferry.runtime.memory._pack`), which moves the tensors still on its storage and leaves ``w``
+    on the stray tensor, whose pointer the next step start finds and adopts. (Re-pointed, as on
+    CUDA, the wait puts ``w`` back on the slot and the assignment is lost: rule 5 of the contract.)"""
     p, ref = pair()
     with session(p, "layerwise"):
         for pipe in (p, ref):

@@ -28,9 +28,7 @@ from torchferry.testing._sanitizer import op_line
 def _unwaited(engine: Engine, unit: Unit, op: Op) -> None:
     """A broken wait: the block's tensors take its slot, but compute is never ordered after its load."""
     for pack in unit.packs:
-        if pack.arriving is not None:
-            pack.point(pack.arriving)
-            pack.arriving = None
+        pack.arrive()
         pack.where = PackState.READY
 
 
@@ -85,8 +83,7 @@ def _early_load(engine: Engine, unit: Unit, op: Op) -> None:
     """The load before tensors waited for their copy: they take the slot as soon as it is issued."""
     _handlers.Mover._load(engine, unit, op)
     for pack in unit.packs:
-        if pack.arriving is not None:
-            pack.point(pack.arriving)
+        pack.arrive()
 
 
 def test_tensors_pointing_at_a_copy_in_flight_are_reported() -> None:

@@ -24,7 +24,8 @@ MAX_FOLLOWS = 512
 @attrs.frozen(kw_only=True, slots=True)
 class StepState:
     """The step that ran last (``(component, run index)``; ``None``: a run starts with the next
-    forward) and what followed each ``(component, run index)`` last time (``None``: itself)."""
+    forward) and what followed each ``(component, run index)`` last time when that was another
+    component (a step absent from ``follows`` was followed by its own component, or never ran)."""
 
     last: tuple[str, int] | None = None
     follows: FrozenMap[tuple[str, int], str | None] = attrs.field(factory=FrozenMap)
@@ -57,11 +58,16 @@ def next_step(
     index = last[1] + 1 if last is not None and last[0] == component else 0
     follows = state.follows
     after = None if last is None or last[0] == component else component
-    if last is not None and (last not in follows or follows[last] != after):
+    # A step followed by its own component (``None``) is not stored: a missing key reads as ``None``,
+    # so a component called in a loop (a DiT per denoising step) copies no table at its steps.
+    if last is not None and follows.get(last) != after:
         table = dict(follows.items())  # in C (`FrozenMap.items` is the dict's view)
-        if last not in table and len(table) >= MAX_FOLLOWS:
-            table.pop(next(iter(table)))
-        table[last] = after
+        if after is None:
+            del table[last]
+        else:
+            if last not in table and len(table) >= MAX_FOLLOWS:
+                table.pop(next(iter(table)))
+            table[last] = after
         follows = FrozenMap(table)
     key = (component, index)
     step = Step(component=component, index=0 if index_free else index, entry=entry, next=follows.get(key))

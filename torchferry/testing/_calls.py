@@ -4,11 +4,14 @@ Timings of the per-block hot path change with the machine and its load (the same
 33 us one day and 60 us the next on a shared 2-core box), so they cannot guard it in a test. What
 torchferry's code *does* per block can: `count_calls` runs a callable under `sys.setprofile` and
 counts the Python functions of the package that run (``calls``), the functions implemented in C
-they call (``c_calls``: ``copy_``, ``data_ptr``, a dict's ``get``) and the bytecode instructions
+they call (``c_calls``: ``copy_``, ``data_ptr``, a dict's ``get``), the bytecode instructions
 they execute (``instructions``: an attribute store such as ``tensor.data = view`` calls nothing a
-profiler sees, but it is an instruction). The counts are deterministic for a given model, schedule,
-Python and torch, so a test can assert a budget per streamed block and fail when a change puts work
-back on the hot path (tests/test_hot_path.py); benchmarks/overhead.py and paths.py print the same
+profiler sees, but it is an instruction) and the tensor operations they issue (``tensor_ops``: every
+call torch offers to a ``TorchFunctionMode``, such as ``tensor.data = view``, ``data_ptr()``,
+``_version`` or ``copy_``, whose caller is the package's, those a C ``map`` runs over a pack's
+tensors included, which the profiler sees as one C call). The counts are deterministic for a given
+model, schedule, Python and torch, so a test can assert a budget per streamed block and fail when a change
+puts work back on the hot path (tests/test_hot_path.py); benchmarks/overhead.py and paths.py print the same
 counts beside their timings. A resumed generator counts as a call, as the profiler reports it.
 """
 
@@ -23,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 import attrs
+from torch.overrides import TorchFunctionMode
 
 import torchferry
 
@@ -38,14 +42,15 @@ class CallCount:
     """What torchferry's code ran during one call: its Python functions, the C functions they called
     and the instructions they executed.
 
-    ``by_function`` counts the calls of each Python function (``module:line(name)``) and each C
-    function (``C name``), ``instructions_by_function`` the instructions each Python function
-    executed, for a reader hunting what grew.
+    ``by_function`` counts the calls of each Python function (``module:line(name)``), each C
+    function (``C name``) and each tensor operation (``T name``), ``instructions_by_function`` the
+    instructions each Python function executed, for a reader hunting what grew.
     """
 
     calls: int
     c_calls: int
     instructions: int
+    tensor_ops: int
     by_function: dict[str, int] = attrs.field(eq=False, repr=False)
     instructions_by_function: dict[str, int] = attrs.field(eq=False, repr=False)
 
@@ -57,6 +62,23 @@ class CallCount:
 
 def _ours(filename: str, package: str) -> bool:
     return filename.startswith(package) and not filename.startswith(os.path.join(package, "testing", ""))
+
+
+class _TensorOps(TorchFunctionMode):
+    """Counts the tensor operations whose Python caller is the package's (see `count_calls`)."""
+
+    def __init__(self, package: str, seen: Counter[str]) -> None:
+        super().__init__()
+        self.package, self.seen, self.count = package, seen, 0
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if _ours(sys._getframe(1).f_code.co_filename, self.package):
+            self.count += 1
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            self.seen[f"T {name}"] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def count_calls(fn: Callable[[], Any], *, package: str = PACKAGE) -> CallCount:
@@ -97,11 +119,13 @@ def count_calls(fn: Callable[[], Any], *, package: str = PACKAGE) -> CallCount:
         frame.f_trace_opcodes = True
         return step
 
+    ops = _TensorOps(package, seen)
     profiler, tracer = sys.getprofile(), sys.gettrace()
     sys.setprofile(profile)
     sys.settrace(trace)
     try:
-        fn()
+        with ops:
+            fn()
     finally:
         sys.settrace(tracer)
         sys.setprofile(profiler)
@@ -109,6 +133,7 @@ def count_calls(fn: Callable[[], Any], *, package: str = PACKAGE) -> CallCount:
         calls=calls,
         c_calls=c_calls,
         instructions=instructions,
+        tensor_ops=ops.count,
         by_function=dict(seen),
         instructions_by_function=dict(executed),
     )

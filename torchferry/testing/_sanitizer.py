@@ -244,12 +244,14 @@ class StreamSanitizer:
             history = self._history.get(buffer)
             if history is None or history.write is None or _ordered(clock, history.write):
                 continue
-            base = buffer.data.untyped_storage().data_ptr()
+            # A pack re-pointed at the slot views its storage; a docked one ([Note: docking] in
+            # `torchferry.runtime.memory._pack`) a storage that starts where the slot's bytes do.
+            bases = (buffer.data.untyped_storage().data_ptr(), buffer.data.data_ptr())
             for pack in engine.store.units[name].packs:
                 if pack.where is PackState.READY:
                     continue
                 tensor = self._first(pack.tensors)
-                if tensor is not None and tensor.untyped_storage().data_ptr() == base:
+                if tensor is not None and tensor.untyped_storage().data_ptr() in bases:
                     self._fail(
                         f"{when}, the tensors of {pack.name} point at a slot that {history.write.what} "
                         f"writes on the {history.write.stream} stream, and compute is not ordered after "
@@ -388,6 +390,7 @@ class StreamSanitizer:
             storage = buffer.data.untyped_storage()
             if storage.nbytes():
                 found[storage.data_ptr()] = buffer
+                found[buffer.data.data_ptr()] = buffer  # where a docked pack's storage starts
         return found
 
 

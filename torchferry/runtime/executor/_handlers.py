@@ -25,7 +25,7 @@ from torchferry.runtime.device import Comm, DeviceBuffer, Ledger, SlotPool, Stre
 from torchferry.runtime.executor._hooks import GradGuard
 from torchferry.runtime.executor._program import Handler, Program, missed
 from torchferry.runtime.executor._trace import Tracer
-from torchferry.runtime.memory import Pack, PackState, Unit, views_into
+from torchferry.runtime.memory import Arriving, Pack, PackState, Unit, views_into
 from torchferry.runtime.store import HostStore
 from torchferry.topology import Plan
 
@@ -225,14 +225,19 @@ class Mover:
             raise self._unloadable(unit)
         if unit.name in self.transfers:
             self._leave_first(unit, op)
-        # The views into this slot are cached per slot (`Pack.views`): a steady load builds nothing.
-        cached = pack.device_views.get(name)
-        if cached is not None and cached[0] is slot.data:
-            _, dst, views = cached
+        # The views into this slot are cached per slot (`Pack.views`, `Pack.dock_at` for a pack that
+        # docks): a steady load builds nothing.
+        arriving: Arriving
+        if pack.bound is not None:
+            dst, arriving = pack.dock_at(name, slot.data)
         else:
-            dst, views = pack.views(name, slot.data)
+            cached = pack.device_views.get(name)
+            if cached is not None and cached[0] is slot.data:
+                _, dst, arriving = cached
+            else:
+                dst, arriving = pack.views(name, slot.data)
         self.streams.copy_in(slot, dst, pack.host)
-        self._placed_in(unit, name, slot, views)
+        self._placed_in(unit, name, slot, arriving)
 
     def _unloadable(self, unit: Unit) -> ExecutionError:
         """Why ``unit`` cannot be loaded from host memory (it is in the file tier, or a shard)."""
@@ -265,7 +270,7 @@ class Mover:
         if unit.name in self.transfers:
             self._evict(unit, op)
 
-    def _placed_in(self, unit: Unit, name: str, slot: DeviceBuffer, views: tuple[torch.Tensor, ...]) -> None:
+    def _placed_in(self, unit: Unit, name: str, slot: DeviceBuffer, views: Arriving) -> None:
         # The tensors move to ``views`` at the wait, once compute is ordered after the copy: until
         # then anything that reads them (a hook, a tied weight, the caller between steps) reads the
         # host copy, not bytes still being written on another stream. What is written in place
@@ -370,10 +375,8 @@ class Mover:
         if pack.watched and pack.stale():
             self._reload(unit, transfer)
         self.streams.wait(transfer)
-        views = pack.arriving
-        if views is not None:
-            pack.arriving = None
-            pack.point(views)
+        if pack.arriving is not None:
+            pack.arrive()  # re-pointed, or docked (see [Note: docking] in `_pack`)
             if pack.buffers:
                 pack.arrived()
         pack.where = _READY

@@ -477,7 +477,7 @@ class SessionGuard:
         with torch.no_grad():
             for r, problem in checked:
                 if problem is None and _write_back(r) and r.pack.where is not PackState.READY:
-                    r.tensor.data = r.pack.host_views[r.index]
+                    r.tensor.data = (r.pack.rest_views or r.pack.host_views)[r.index]
         self.engine.abort()
         self.snapshot()
 

@@ -27,8 +27,9 @@ tests/runtime/test_weights_hostile.py keeps those cases, all exact with re-point
 block to its ring slot once for the session (a fixed ring puts block i in slot i mod R), so a load
 is only the copy and an evict nothing, fails the same cases and one more: between steps a weight
 must read its own values (the contract's rule 2 adopts edits made then), and R slots cannot hold
-them. Re-pointing a whole pack by swapping its storage's data pointer (one call instead of 27)
-works only where host and slot memory are one device: a CPU tensor cannot read device memory. The tensors
+them. Where host and slot memory are one kind of device (a CPU session), a pack is *docked*
+instead (see [Note: docking]); on CUDA a CPU tensor cannot read device memory, so each tensor is
+re-pointed as above. The tensors
 move at the wait, not at the load: until compute is ordered after the copy they read the host copy,
 so nothing that reads them then (a hook, a tied weight, the caller between steps) races the copy
 stream on a GPU; an in-place write to them meanwhile is caught at the wait, which copies again
@@ -36,6 +37,26 @@ stream on a GPU; an in-place write to them meanwhile is caught at the wait, whic
 bumped their versions, which hides a write from the session guard, and all of them once a step ends
 with it in flight; `Pack.recopy`: a write the guard finds at the step's end). An all-gathered
 block in flight points at its empty placeholders: a write then raises at the wait.
+
+[Note: docking]
+On a CPU session every tensor of a pack views one storage, the host buffer's own (``bound``), and
+moving the pack is one call instead of one per tensor: at the wait the data pointer of ``bound`` is
+exchanged with that of a storage over the pack's bytes in its slot (``torch.UntypedStorage.
+_swap_data_ptr_``, about 0.1-0.25 us; `arrive`), and at the evict exchanged back (`to_host`): on
+benchmarks/overhead.py the two moves of a Wan block cost 4-6 us against 34-48 us re-pointed. Each
+tensor keeps its object, storage, offset and strides; only the memory under the storage changes,
+so a view of a weight anyone took (a hook's, autograd's) follows it too, and no weight gets a
+second identity (what took binding out, above). A pack that is not docked points at its host
+memory, so a read of an evicted block's weights (a hook of another block, the caller between steps)
+sees its true values, as re-pointing gives. The host copy itself (``host``, ``host_views``: what
+loads copy from and edits are written back to) is a second storage over the same memory that never
+moves; ``rest_views`` are the tensors' own views of ``bound``, which `point` takes them back to
+after a staged copy. The storage over the slot holds no memory of its own (`_storage_at`): while
+the pack is docked it holds the host memory, whose owner it is then, and the engine never frees a
+slot a unit occupies; a slot whose memory moved (freed and grown again) is found at the next load,
+by its address. A pack dropped while docked (a step interrupted, then its session and pipeline
+dropped without close()) undocks as it goes, so a weight kept elsewhere holds the host memory, never
+a freed slot. File-tier and sharded packs, and every pack of a CUDA session, are not bound.
 
 [Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
@@ -50,6 +71,7 @@ resident, and the session's ``close(gather=True)`` re-assembles full host copies
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import operator
 from collections.abc import Iterable, Sequence
@@ -73,6 +95,11 @@ __all__ = [
     "shard_span",
     "views_into",
 ]
+
+
+#: What a load leaves for its wait: the views the tensors take (re-pointing), or the storage over the
+#: slot's bytes that their storage exchanges memory with (docking, see [Note: docking]).
+Arriving = tuple[torch.Tensor, ...] | torch.UntypedStorage
 
 
 class PackState(enum.Enum):
@@ -200,7 +227,7 @@ class Pack:
     _arrival: tuple[int, ...] = ()
     # Why: per shard slot name, (the slot's buffer, this rank's shard bytes of it).
     shard_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
-    arriving: tuple[torch.Tensor, ...] | None = None
+    arriving: Arriving | None = None
     #: While the pack's copy is in flight, the tensors watched for in-place writes (its buffers from
     #: the load on, all of them from the load on after `rewatch` and once a step ends): index ->
     #: version counter when the watch began, -1 for one known written (see `carry`, `recopy`).
@@ -215,6 +242,15 @@ class Pack:
     #: The pack is in the file tier: no host buffer (``host`` is empty), ``host_views`` are views of
     #: the checkpoint, and its bytes reach the device through a staging slot (see `_tiers`).
     in_file: bool = False
+    #: The storage every tensor of the pack views when it is docked, not re-pointed ([Note: docking]).
+    bound: torch.UntypedStorage | None = None
+    #: The views of ``bound`` the tensors take at host memory (``host_views`` when not bound).
+    rest_views: tuple[torch.Tensor, ...] = ()
+    # Why: while docked, the slot's storage exchanged with ``bound`` (it holds the host memory now).
+    docked: torch.UntypedStorage | None = None
+    # Why: per slot name, (the slot's buffer, its address, the pack's bytes of it, a storage over
+    # them) (see `dock_at`).
+    docks: dict[str, tuple[torch.Tensor, int, torch.Tensor, torch.UntypedStorage]] = attrs.field(factory=dict)
 
     @property
     def held_bytes(self) -> int:
@@ -240,9 +276,76 @@ class Pack:
         self.device_views[key] = (flat, dst, views)
         return dst, views
 
+    def bind(self) -> None:
+        """Dock this pack from now on instead of re-pointing its tensors ([Note: docking]): its host
+        copy becomes a storage of its own over the same memory, and its tensors keep the buffer's.
+        A pack whose tensors do not all view its host buffer, whole, is left as it is."""
+        host = self.host
+        storage = host.untyped_storage()
+        if (
+            _SWAP is None
+            or _FOREIGN is None
+            or self.in_file
+            or self.shard is not None
+            or self.bound is not None
+            or not self.tensors
+            or host.device.type != "cpu"
+            or host.storage_offset() != 0
+            or storage.nbytes() != self.nbytes
+            or any(t.untyped_storage()._cdata != storage._cdata for t in self.tensors)
+        ):
+            return
+        alias = _storage_at(storage.data_ptr(), host.device, self.nbytes)
+        copy = torch.empty(0, dtype=torch.uint8).set_(alias, 0, (self.nbytes,), (1,))
+        self.rest_views = self.host_views
+        self.host = copy
+        self.host_views = views_into(self.pieces, copy)
+        self.bound = storage
+
+    def dock_at(self, key: str, flat: torch.Tensor) -> tuple[torch.Tensor, torch.UntypedStorage]:
+        """The pack's bytes of ``flat`` (slot ``key``'s buffer), and the storage over them that
+        `arrive` docks, cached per slot while the slot's memory stays where it is (a slot freed and
+        grown again may start elsewhere: its address is compared at every load)."""
+        at = flat.data_ptr()
+        cached = self.docks.get(key)
+        if cached is None or cached[0] is not flat or cached[1] != at:
+            cached = (flat, at, flat.narrow(0, 0, self.nbytes), _storage_at(at, flat.device, self.nbytes))
+            self.docks[key] = cached
+        return cached[2], cached[3]
+
+    def arrive(self) -> None:
+        """The copy issued into a slot is waited for: the tensors take it (``arriving``)."""
+        arriving = self.arriving
+        if arriving is None:
+            return
+        self.arriving = None
+        if isinstance(arriving, tuple):
+            self.point(arriving)
+            return
+        assert self.bound is not None
+        _SWAP(self.bound, arriving)  # the tensors see the slot, ``arriving`` the host memory
+        self.docked = arriving
+        self.moves += 1
+
+    def __del__(self) -> None:
+        # A pack dropped while docked (a step interrupted, then its session and pipeline dropped
+        # without close()) gives its storage the host memory back: a weight kept elsewhere then
+        # owns memory that lives, not the slot's, which goes with the session.
+        if self.docked is not None:
+            with contextlib.suppress(Exception):
+                self._undock()
+
+    def _undock(self) -> None:
+        docked, self.docked = self.docked, None
+        assert self.bound is not None and docked is not None
+        _SWAP(self.bound, docked)
+        self.moves += 1
+
     def point(self, views: Sequence[torch.Tensor]) -> None:
         """Re-point every tensor of the pack at ``views`` (all on one device, so it is checked once), and
         give its wrapper tensors that device."""
+        if self.docked is not None:
+            self._undock()
         tensors = self.tensors
         if len(views) != len(tensors):
             raise ValueError(f"pack {self.name}: {len(views)} views for {len(tensors)} tensors")
@@ -265,7 +368,10 @@ class Pack:
         pack whose copy is still in flight points there already."""
         where = self.where
         if where is PackState.READY:  # the wait took `arriving` and the watch (`stale`)
-            self.point(self.host_views)
+            if self.docked is not None:
+                self._undock()
+            else:
+                self.point(self.rest_views or self.host_views)
         elif where is PackState.IN_FLIGHT:
             self.arriving = None
             self.watched.clear()
@@ -322,6 +428,13 @@ class Pack:
         """Drop every cached view of device memory (the slots may be freed)."""
         self.device_views.clear()
         self.shard_views.clear()
+        self.docks.clear()
+
+    def unbind(self) -> None:
+        """Stop docking (the pack is given back): drop the storages it holds."""
+        self.bound = None
+        self.rest_views = ()
+        self.docks.clear()
 
     def unshard(self, full: torch.Tensor) -> None:
         """Adopt ``full`` (the whole pack, at least ``nbytes`` bytes) as the host buffer."""
@@ -332,11 +445,21 @@ class Pack:
         self.where = PackState.HOST
 
 
+#: Exchange two storages' memory (and its owner): every tensor viewing either sees the other's bytes.
+#: ``None`` in a torch without it (or without storages over foreign memory): packs are re-pointed then.
+_SWAP: Any = vars(torch._C.StorageBase).get("_swap_data_ptr_")
+_FOREIGN: Any = getattr(torch._C, "_construct_storage_from_data_pointer", None)
 #: ``tensor.data = view`` as a function (the setter of ``Tensor.data``), mapped over a pack's tensors
 #: and run to the end by `_consume` (an empty deque's ``extend``): no Python loop per tensor.
 _SET_DATA: Any = vars(torch._C.TensorBase)["data"].__set__
 _VERSION = operator.attrgetter("_version")
 _consume = collections.deque[Any](maxlen=0).extend
+
+
+def _storage_at(ptr: int, device: torch.device, nbytes: int) -> torch.UntypedStorage:
+    """A storage over ``nbytes`` at address ``ptr`` that owns nothing (the memory is another's)."""
+    storage: torch.UntypedStorage = _FOREIGN(ptr, device, nbytes)
+    return storage
 
 
 def _swap_in(t: torch.Tensor, v: torch.Tensor) -> None:

@@ -292,6 +292,12 @@ class HostStore:
             wrappers={k: v for k, v in wrappers.items() if v},
         )
 
+    def bind(self) -> None:
+        """Dock every pack that can be docked from now on, rather than re-point its tensors (a session
+        whose device is the CPU: see [Note: docking] in `torchferry.runtime.memory._pack`)."""
+        for pack in self.packs.values():
+            pack.bind()
+
     def reset(self) -> None:
         """Point every tensor back at host memory (error recovery; host bytes are never lost)."""
         for pack in self.packs.values():
@@ -352,6 +358,7 @@ class HostStore:
             t.copy_(view)
             fresh.append(t)
         pack.point(fresh)
+        pack.unbind()
         # Each tensor is its own host view now: no second tensor object is left on its storage (one
         # would read as a view taken elsewhere when a session opens on the pipeline again).
         pack.host_views = pack.tensors
