@@ -35,7 +35,7 @@ import torch
 
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.runtime.files._converted import bytes_of, conversion_problems, converted
-from torchferry.runtime.files._identity import changed
+from torchferry.runtime.files._identity import SpanDigests, changed, crc32
 from torchferry.runtime.files._spans import FileSpan, Source, merge_runs
 from torchferry.topology import SAFETENSORS_DTYPES as _HEADER_DTYPES
 from torchferry.topology import (
@@ -172,6 +172,16 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             self.close()
             raise
         self.files: tuple[str, ...] = found.files
+        #: The CRC-32 of each file's header and of every span read from it (see `SpanDigests`).
+        self.digests = SpanDigests(self.stats)
+        for file in self.files:
+            ends = [e.data_start for e in found.entries.values() if e.file == file]
+            handle = self._handles.get(file)
+            if handle is None or not ends or max(ends) <= 0:
+                continue
+            if (problem := self.digests.header(file, handle.fileno(), max(ends))) is not None:
+                self.close()
+                raise ExecutionError(f"{file} {problem}; do not rewrite a checkpoint while it is opened")
         #: For a pipeline folder, each component's name prefix (``"transformer."``); else empty.
         self.components: tuple[str, ...] = found.components
         self.entries: FrozenMap[str, HeaderEntry] = FrozenMap(found.entries)
@@ -548,11 +558,6 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         handle = self._handles[file]
         fd = handle.fileno()
         length = dst.numel()
-        if (change := changed(self.stats[file], os.fstat(fd))) is not None:
-            raise ExecutionError(
-                f"{file} {change} since it was opened, so bytes [{src}, {src + length}) are not what its "
-                "header said; do not rewrite a checkpoint while it is being read, and open it again"
-            )
         pos = 0
         while pos < length:
             n = min(length - pos, WINDOW_BYTES)
@@ -565,6 +570,16 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                 dst[pos : pos + n].copy_(view)
                 del view  # releases the buffer export so the window can be unmapped
             pos += n
+        # Why: the bytes are checked after the copy (see [Note: the file's identity and the span digests]).
+        now = os.fstat(fd)
+        change = changed(self.stats[file], now, mtime=False) or self.digests.confirm(
+            file, fd, src, length, now=now, digest=lambda: crc32([dst.numpy().data])
+        )
+        if change is not None:
+            raise ExecutionError(
+                f"{file} {change} since it was opened, so bytes [{src}, {src + length}) cannot be read as "
+                "its header said; do not rewrite a checkpoint while it is being read, and open it again"
+            )
 
     def descriptor(self, file: str) -> int:
         """The open descriptor of ``file`` (one of `files`), the one its header was read from."""
