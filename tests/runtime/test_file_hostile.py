@@ -95,9 +95,9 @@ def test_a_checkpoint_rewritten_with_its_time_set_back_fails_the_step(
 
 def test_the_checkpoint_reader_refuses_a_file_rewritten_in_place(tmp_path: Path) -> None:
     """A CheckpointReader whose file is rewritten in place at the same size after a tensor was read (as
-    the host store fills from it) raises an ExecutionError at the next copy, naming the bytes read
-    before that differ, instead of returning the other model's bytes; it still reads the file it opened
-    when the name is replaced by another."""
+    the host store fills from it, a file tier watching) raises an ExecutionError at the next copy,
+    naming the bytes read before that differ, instead of returning the other model's bytes; it still
+    reads the file it opened when the name is replaced by another."""
     path = tmp_path / "toy.safetensors"
     toy.save_checkpoint(toy.build(0), path)
     other = tmp_path / "other.safetensors"
@@ -110,6 +110,7 @@ def test_the_checkpoint_reader_refuses_a_file_rewritten_in_place(tmp_path: Path)
         os.replace(third, path)
         assert torch.equal(reader.read_tensor(name), first)  # the open file, renamed over: still read
     with CheckpointReader(path) as reader:
+        reader.digests.watching = True  # as under a file tier: the reads are digested
         names = list(reader)
         reader.read_tensor(names[0])
         time.sleep(0.05)  # past the file system's timestamp granularity

@@ -107,6 +107,9 @@ class SpanDigests:
         self._headers: dict[str, tuple[int, int]] = {}
         # Why: settling re-reads every span; one thread settles a file while the others wait.
         self._lock = threading.RLock()
+        #: Whether a file tier reads these files after the open (a `FileReader` sets it): only then are
+        #: the host store's reads digested too (without later reads nothing could mix old and new).
+        self.watching = False
         #: CRC-32s of first reads, for tests and reports.
         self.computed = 0
         #: Moved identities settled (each one re-read of every recorded span), for tests and reports.

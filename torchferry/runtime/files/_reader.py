@@ -236,6 +236,7 @@ class FileReader:
         #: The CRC-32 of each span read (the checkpoint's: its header and the host store's reads too),
         #: for a file whose identity moves (see `SpanDigests`).
         self.digests = checkpoint.digests
+        self.digests.watching = True
         self._bounces: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self.bounce_bytes = 0
         if any(o.direct is not None for o in self._opened.values()):
