@@ -28,10 +28,10 @@ Every read goes through the descriptors the checkpoint opened (its file names ma
 so a later ``os.chdir`` changes nothing). Before each chunk the file is checked against what it was
 when opened: its name must still name the same inode (not replaced, deleted or moved), and the open
 file must keep its size (`changed`: not truncated or rewritten in place), and once more after the
-chunk is read; a moved modification or inode change time (a rewrite, even with its time set back, or
-only ``touch``, an extended attribute, a rename or a chmod) is settled by comparing the chunk's
-bytes with the digest of its first read (see [Note: the inode change time and the span digests] in
-`torchferry.runtime.files._identity`). A folder on the way made unsearchable hides the
+chunk is read; a moved identity (a rewrite, even with its time set back, or only ``touch``, an
+extended attribute, a rename, a chmod, a copy renamed over the name) is settled by comparing the
+header and every span read so far with their digests (see [Note: the file's identity and the span
+digests] in `torchferry.runtime.files._identity`). A folder on the way made unsearchable hides the
 name, not the file: the read goes on through the descriptor. A failed system call, a short read or
 a changed file is an `ExecutionError` naming the file, the byte range, the tensors and what to do;
 nothing of the host store is written by a read, so no weight is lost and the session stays
@@ -452,7 +452,7 @@ class FileReader:
     def _confirm(self, chunk: Chunk, digest: Callable[[], int]) -> None:
         """`_Changed` unless the bytes of ``chunk`` just read may be used: the file is looked at again
         after the read (a rewrite during it), and a moved inode change time is settled by the span's
-        digest (see [Note: the inode change time and the span digests])."""
+        digest (see [Note: the file's identity and the span digests])."""
         fd = self._opened[chunk.file].fd
         held = os.fstat(fd)
         if (change := changed(self._opened[chunk.file].stat, held, mtime=False)) is not None:
