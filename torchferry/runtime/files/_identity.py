@@ -2,23 +2,24 @@
 the comparisons the checkpoint reader and the file tier's reader make around each read (see [Note:
 how a pack is read] in `torchferry.runtime.files._reader`).
 
-[Note: the file's identity and the span digests] A rewrite in place moves the size or the
-modification time, unless the writer sets the time back (``os.utime``, ``touch -r``, ``rsync -t``);
-the inode change time finds that one, since only the kernel sets it. But the kernel also moves it
-when nothing about the bytes changed: an extended attribute set (backup tools, indexers, an SELinux
-relabel), a rename (the file moved and a symlink put at its old name), a permission, owner or link
-change, even one undone before anyone looks; and ``touch`` (a cleaner of old files kept off) moves
-the modification time alone; a copy of the file renamed over it (``cp --preserve`` and
-``os.replace``, a reflink copy, a re-download of the same file) puts another inode at its name with
-the same bytes. So a moved identity (inode, size, modification or inode change time) is a question,
-not an answer, and what is asked is whether the bytes the session depends on changed: the file's
-header (the plan was made from it) and every span read so far (the file tier's packs read since the
-open and, when there is a file tier, the host store's tensors read at open: without one nothing is
-read later, so nothing can mix old and new). `SpanDigests` keeps a CRC-32 of each, taken at its
-first read while the identity was the one confirmed last. When the identity moves, every recorded
-span is read again and compared once (`SpanDigests.settle`): all equal, the new identity is adopted
-and reading goes on; one differs, the file was rewritten, and the read is refused, naming the bytes.
-A change of size is a rewrite, asked nothing.
+[Note: the file's identity and the span digests]
+A rewrite in place moves the size or the modification time, unless the writer sets the time back
+(``os.utime``, ``touch -r``, ``rsync -t``); the inode change time finds that one, since only the
+kernel sets it. But the kernel also moves it when nothing about the bytes changed: an extended
+attribute set (backup tools, indexers, an SELinux relabel), a rename (the file moved and a symlink
+put at its old name), a permission, owner or link change, even one undone before anyone looks; and
+``touch`` (a cleaner of old files kept off) moves the modification time alone; a copy of the file
+renamed over it (``cp --preserve`` and ``os.replace``, a reflink copy, a re-download of the same
+file) puts another inode at its name with the same bytes. So a moved identity (inode, size,
+modification or inode change time) is a question, not an answer, and what is asked is whether the
+bytes the session depends on changed: the file's header (the plan was made from it) and every span
+read so far (the file tier's packs read since the open and, when there is a file tier, the host
+store's tensors read at open: without one nothing is read later, so nothing can mix old and new).
+`SpanDigests` keeps a CRC-32 of each, taken at its first read while the identity was the one
+confirmed last. When the identity moves, every recorded span is read again and compared once
+(`SpanDigests.settle`): all equal, the new identity is adopted and reading goes on; one differs, the
+file was rewritten, and the read is refused, naming the bytes. A change of size is a rewrite, asked
+nothing.
 
 A span first read after the identity moved and never read before is read as the file holds it
 then, once the header and every recorded span were found unchanged: what the session serves is then
