@@ -41,3 +41,11 @@ def test_a_deep_profile_is_a_plan_error(tmp_path: Path) -> None:
     where.write_text(DEEP)
     with pytest.raises(torchferry.PlanError, match=re.escape(f"profile {where} cannot be read (it nests")):
         runtime.load_profile(where)
+
+
+def test_deep_torchao_metadata_is_not_torchaos() -> None:
+    """A safetensors header whose torchao ``tensor_names`` (or one tensor's description) nests 100,000
+    deep is read as metadata that is not torchao's (no renames), never a RecursionError."""
+    assert topology.flattened_names({"tensor_names": DEEP}) == {}
+    described = {"tensor_names": '["blocks.0.weight"]', "blocks.0.weight": DEEP}
+    assert topology.flattened_names(described) == {}
