@@ -7,6 +7,7 @@ is unaffected by the first's checks."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -200,3 +201,42 @@ def test_two_processes_read_one_checkpoint_touched_between(
             assert torch.equal(pipe("a cat", steps=2), want)
     assert child.wait(timeout=120) == 0
     assert all(torch.equal(out, want) for out in torch.load(tmp_path / "outs.pt"))
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.write(data)
+
+
+def test_a_touch_while_the_header_is_parsed_is_not_a_rewrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint touched, or linked, right after its header was parsed opens and reads as parsed
+    (the header parsed again reads the same); a header rewritten there, the size kept, is refused."""
+    from safetensors.torch import save_file
+
+    from torchferry.runtime.files import _checkpoint_reader as module
+    from torchferry.topology._safetensors import parse_header
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.arange(6, dtype=torch.float32)}, str(path))
+    parse = parse_header
+    change: list[Callable[[], None]] = []
+
+    def parse_then_change(file: str, handle: object) -> object:
+        found = parse(file, handle)  # type: ignore[arg-type]
+        while change:
+            change.pop()()
+        return found
+
+    monkeypatch.setattr(module, "parse_header", parse_then_change)
+    for touch in (_touch, _hard_link):
+        change.append(functools.partial(touch, path))
+        with module.CheckpointReader(path) as reader:
+            assert torch.equal(reader.read_tensor("a"), torch.arange(6, dtype=torch.float32))
+    renamed = bytearray(path.read_bytes())
+    renamed[renamed.index(b'"a"') + 1] = ord("b")  # the header names "b": same size, other header
+    time.sleep(0.02)  # past the file system's timestamp granularity
+    change.append(functools.partial(_write, path, bytes(renamed)))
+    with pytest.raises(ExecutionError, match="was rewritten while its header was read"):
+        module.CheckpointReader(path)

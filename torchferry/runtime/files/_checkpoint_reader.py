@@ -25,6 +25,7 @@ files too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
@@ -162,6 +163,8 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         #: Model tensor names held in float32 that may be read from a 16-bit float (see above).
         self.widen: frozenset[str] = frozenset(widen)
         self._handles: dict[str, BinaryIO] = {}
+        # Why: each file's header as parsed at open (`_reads_as_parsed`).
+        self._parsed: dict[str, object] = {}
         #: ``os.fstat`` of each file when its header was read, for `changed` (a rewrite since then).
         self.stats: dict[str, os.stat_result] = {}
         self._closed = False
@@ -179,9 +182,11 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             handle = self._handles.get(file)
             if handle is None or not ends or max(ends) <= 0:
                 continue
-            if (problem := self.digests.header(file, handle.fileno(), max(ends))) is not None:
+            same = functools.partial(self._reads_as_parsed, file, handle)
+            if (problem := self.digests.header(file, handle.fileno(), max(ends), same)) is not None:
                 self.close()
                 raise ExecutionError(f"{file} {problem}; do not rewrite a checkpoint while it is opened")
+            self.stats[file] = os.fstat(handle.fileno())  # as confirmed: a touch while parsing is no change
         #: For a pipeline folder, each component's name prefix (``"transformer."``); else empty.
         self.components: tuple[str, ...] = found.components
         self.entries: FrozenMap[str, HeaderEntry] = FrozenMap(found.entries)
@@ -190,6 +195,14 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         #: Files whose header could not be read (their tensors are unknown).
         self.unreadable: tuple[str, ...] = found.unreadable
         self._broken = dict(found.broken)
+
+    def _reads_as_parsed(self, file: str, handle: BinaryIO) -> bool:
+        """Whether ``file``'s header, parsed again, gives the entries it gave at open."""
+        try:  # a buffer of its own: the handle's may still hold the bytes parsed at open
+            with open(os.dup(handle.fileno()), "rb") as fresh:
+                return parse_header(file, fresh) == self._parsed.get(file)
+        except PlanError:
+            return False
 
     def _headers(self, path: str, variant: str | None) -> Headers:
         """Open the checkpoint's files (each into ``_handles`` and ``stats``) and read their headers:
@@ -235,7 +248,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             self.stats[file] = os.fstat(handle.fileno())
             try:
                 # The header comes from the descriptor the data is later mapped from (no reopen).
-                found = parse_header(file, handle)
+                found = self._parsed[file] = parse_header(file, handle)
                 # torchao's names for a wrapper's parts are discovery's (topology/_quantized.py).
                 found, index = quantized_names(file, handle, found, index, prefixes.get(file, ""))
                 if prefixes:

@@ -117,20 +117,27 @@ class SpanDigests:
         #: Moved identities settled (each one re-read of every recorded span), for tests and reports.
         self.settled = 0
 
-    def header(self, file: str, fd: int, length: int) -> str | None:
-        """Record the CRC-32 of the first ``length`` bytes of ``file`` (its header, just parsed);
-        ``None``, or how the file changed while it was parsed."""
-        value = crc32_at(fd, 0, length)
-        now = _stamp(os.fstat(fd))
-        if value is None or now[2:4] != self._stamp[file][2:4]:
-            return "changed while its header was read"
-        with self._lock:
-            # Why: the inode change time alone (a rename over it, a link, an attribute) moved since the
-            # open; the bytes just parsed are these, and their identity is adopted with them.
-            self._stamp[file] = self._named[file] = now
-            self._spans[file][(0, length)] = value
-            self._headers[file] = (0, length)
-        return None
+    def header(self, file: str, fd: int, length: int, same: Callable[[], bool]) -> str | None:
+        """Record the CRC-32 of the first ``length`` bytes of ``file`` (its header, just parsed through
+        ``fd``); ``same`` parses it again and says whether it reads as it did. ``None``, or how the
+        file changed while it was opened."""
+        for _ in range(_SETTLE_TRIES):
+            before = _stamp(os.fstat(fd))
+            value = crc32_at(fd, 0, length)
+            if value is None or before[2] != self._stamp[file][2]:
+                return "changed its size while its header was read"
+            if before != self._stamp[file] and not same():
+                return "was rewritten while its header was read (it no longer reads as it did)"
+            if _stamp(os.fstat(fd)) != before:
+                continue  # moved again while it was compared: once more
+            with self._lock:
+                # Why: only the identity moved since the parse (a touch, a rename over it, a link),
+                # and the header reads as parsed: these bytes and this identity are the ones planned.
+                self._stamp[file] = self._named[file] = before
+                self._spans[file][(0, length)] = value
+                self._headers[file] = (0, length)
+            return None
+        return "kept changing while its header was read"
 
     def confirm(
         self, file: str, fd: int, offset: int, length: int, *, now: os.stat_result, digest: Callable[[], int]
@@ -201,11 +208,15 @@ class SpanDigests:
                 why = exc.strerror or type(exc).__name__
                 return f"was replaced on disk (another file now has its name, and it cannot be read: {why})"
             try:
-                for key, value in self._spans[file].items():
-                    if crc32_at(fd, *key) != value:
-                        where = _span(*key, header=key == self._headers.get(file))
-                        return f"was replaced on disk (another file now has its name, and its {where} differ)"
-                if _stamp(os.fstat(fd)) != stamp:
+                for _ in range(_SETTLE_TRIES):
+                    stamp = _stamp(os.fstat(fd))
+                    for key, value in self._spans[file].items():
+                        if crc32_at(fd, *key) != value:
+                            where = _span(*key, header=key == self._headers.get(file))
+                            return f"was replaced on disk (another file has its name, and its {where} differ)"
+                    if _stamp(os.fstat(fd)) == stamp:
+                        break
+                else:
                     return "was replaced on disk (another file now has its name, and it is being written)"
             finally:
                 os.close(fd)
