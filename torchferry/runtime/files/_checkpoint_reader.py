@@ -29,25 +29,25 @@ import functools
 import mmap
 import os
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import BinaryIO, NoReturn, TypeAlias
+from typing import BinaryIO, NoReturn
 
 import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.runtime.files._converted import bytes_of, conversion_problems, converted
+from torchferry.runtime.files._expected import Expected
+from torchferry.runtime.files._expected import expected_specs as _expected_specs
+from torchferry.runtime.files._expected import plural as _plural
+from torchferry.runtime.files._expected import shape_text as _shape_text
 from torchferry.runtime.files._identity import SpanDigests, changed, crc32
 from torchferry.runtime.files._spans import FileSpan, Source, merge_runs
 from torchferry.topology import SAFETENSORS_DTYPES as _HEADER_DTYPES
 from torchferry.topology import (
-    Block,
-    Component,
     FrozenMap,
     HeaderEntry,
     KeyMap,
-    Plan,
     TensorSpec,
-    Topology,
     locate,
     open_regular,
     parse_header,
@@ -75,42 +75,6 @@ WIDENED_FROM = ("float16", "bfloat16")
 MAX_LISTED = 20
 
 _RESAVE = "re-save or re-download the file"
-
-Expected: TypeAlias = Plan | Topology | Component | Block | Iterable[TensorSpec]
-
-
-def _shape_text(shape: Iterable[int]) -> str:
-    return str(list(shape))
-
-
-def _expected_specs(expected: Expected) -> list[TensorSpec]:
-    """The tensors a checkpoint must hold: persistent ones, each owner once, in a stable order."""
-    if isinstance(expected, Plan):
-        expected = expected.topology
-    specs: Iterable[TensorSpec]
-    if isinstance(expected, Topology):
-        specs = (t for c in expected.components for t in c.all_tensors())
-    elif isinstance(expected, Component):
-        specs = expected.all_tensors()
-    elif isinstance(expected, Block):
-        specs = expected.tensors
-    else:
-        specs = expected
-    seen: set[str] = set()
-    kept: list[TensorSpec] = []
-    for spec in specs:
-        if spec.buffer and not spec.persistent:
-            continue
-        if spec.name in seen:
-            continue
-        seen.add(spec.name)
-        seen.update(spec.aliases)
-        kept.append(spec)
-    return kept
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 @attrs.frozen(kw_only=True)
