@@ -232,7 +232,8 @@ def test_plan_reads_a_gguf_folder_from_its_header(
     (folder / "config.json").write_text("{not json")
     assert main(["plan", str(folder / "wan.gguf"), "--device-memory", "2MiB"]) == 2
     assert capsys.readouterr().err.endswith(
-        "the config.json beside it cannot be read (JSONDecodeError); put the model's config.json (from "
+        f"{folder / 'config.json'}: the config.json beside wan.gguf cannot be read (Expecting property name "
+        "enclosed in double quotes: line 1 column 2 (char 1)); put the model's config.json (from "
         "its diffusers folder, e.g. transformer/config.json) beside it, or remove it to infer the class and "
         "configuration from the file\n"
     )
@@ -301,7 +302,8 @@ def test_a_config_the_file_does_not_fill_is_refused_naming_tensor_shapes_and_fie
 ) -> None:
     """from_single_file with a config whose ffn_dim (512) is not the file's (256) is refused at open,
     naming each tensor, the two shapes and the field (no GGUFLinear built around the wrong rows), and
-    a config of more layers than the file's blocks names the missing blocks and num_layers."""
+    a config of more layers than the file's blocks names num_layers and the file's count, before the
+    model is built."""
     path, _, _ = small
     wider = {**gguf_files.WAN_GGUF, "ffn_dim": 512}
     first = (
@@ -317,6 +319,10 @@ def test_a_config_the_file_does_not_fill_is_refused_naming_tensor_shapes_and_fie
     )
     deeper = {**gguf_files.WAN_GGUF, "num_layers": 5}
     with pytest.raises(
-        torchferry.PlanError, match=re.escape("(1 problem; nothing was read):\n  - blocks.3 to ")
+        torchferry.PlanError,
+        match=re.escape(
+            "(nothing was built or read): config field num_layers gives 5 blocks, and the file's longest "
+            "numbered list, blocks, holds 3\n"
+        ),
     ):
         torchferry.from_single_file(diffusers.WanTransformer3DModel, path, config=deeper, device="cpu")

@@ -243,7 +243,11 @@ def test_hostile_shapes_and_indices_are_refused_naming_them() -> None:
         infer_gguf_model("x.gguf", _header(far))
     flat = {**base, "patch_embedding.weight": (256, 16)}
     with pytest.raises(
-        torchferry.PlanError, match=r"patch_embedding\.weight has shape \[256, 16\], not a 3-d"
+        torchferry.PlanError,
+        match=re.escape(
+            "(tensor 'patch_embedding.weight' has shape [256, 16], and 5 dimensions were expected (a 3-d "
+            "convolution's weight))"
+        ),
     ):
         infer_gguf_model("x.gguf", _header(flat))
 

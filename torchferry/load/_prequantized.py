@@ -38,6 +38,7 @@ from torchferry.topology import (
     find_attr,
     flattened_names,
     header_metadata,
+    load_json,
     locate,
     open_regular,
     parse_header,
@@ -74,7 +75,7 @@ def quantization_method(comp: FolderComponent) -> str | None:
     """The ``quant_method`` of the component's ``config.json``, or ``None`` for a plain model."""
     file = comp.folder / "config.json"
     try:
-        config = json.loads(file.read_text())
+        config = load_json(file.read_bytes())
     except (OSError, ValueError):
         return None  # building the model reports a missing or broken config
     quant = config.get("quantization_config") if isinstance(config, dict) else None
@@ -170,7 +171,16 @@ def _torchao_wrappers(model: nn.Module, comp: FolderComponent, entries: Mapping[
         with open_regular(file) as handle:
             found = header_metadata(file, handle)
         metadata.update(found)
-        listed.extend(json.loads(found.get("tensor_names", "[]")))
+        try:
+            names = load_json(found.get("tensor_names", "[]"))
+        except ValueError as exc:
+            names = exc
+        if not isinstance(names, list):
+            raise PlanError(
+                f"{file}: its 'tensor_names' metadata is not a JSON list ({names}); re-save the "
+                "checkpoint with torchao's save_pretrained"
+            )
+        listed.extend(names)
     flat = {v: k for k, v in flattened_names(metadata).items()}  # discovery's name -> the file's
     wrappers = [n for n in dict.fromkeys(listed) if "." in n and any(k.startswith(n + ".") for k in flat)]
     parts = {flat[k]: _meta(e) for k, e in entries.items() if k in flat}

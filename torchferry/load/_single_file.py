@@ -16,7 +16,6 @@ budget keeps every pack there.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,11 +32,13 @@ from torchferry.topology import (
     GIVE_CONFIG,
     GGUFEntry,
     InferredModel,
+    check_gguf_counts,
     check_gguf_fits,
     infer_gguf_model,
     is_gguf,
     kept_modules,
     read_gguf,
+    read_json_object,
     under_kept,
 )
 
@@ -47,6 +48,12 @@ __all__ = ["from_single_file", "gguf_source", "model_on_meta"]
 def _config(model_class: Any, config: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(config, Mapping):
         return dict(config)
+    where = Path(os.fspath(config))
+    file = where / "config.json" if where.is_dir() else where
+    if file.exists():  # read in torchferry's words first: a list, a deep nesting, not JSON at all
+        read_json_object(
+            file, "configuration given", "pass the model's folder (its config.json) or a dict as config="
+        )
     try:
         loaded: dict[str, Any] = model_class.load_config(os.fspath(config))
     except Exception as exc:
@@ -106,15 +113,10 @@ def gguf_source(path: str | os.PathLike[str]) -> tuple[str, Any, dict[str, Any] 
     if not config_file.exists() and not config_file.is_symlink():
         model_class, _, _ = _inferred(str(file), read_gguf(file), None)
         return str(file), model_class, None
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise PlanError(
-            f"{file}: the config.json beside it cannot be read ({type(exc).__name__}); {fix}"
-        ) from None
+    config = read_json_object(config_file, f"config.json beside {file.name}", fix)
     import diffusers
 
-    named = config.get("_class_name") if isinstance(config, dict) else None
+    named = config.get("_class_name")
     model_class = getattr(diffusers, named, None) if isinstance(named, str) else None
     if not isinstance(model_class, type):
         raise PlanError(f"{config_file}: names no diffusers model class ('_class_name' is {named!r}); {fix}")
@@ -152,6 +154,7 @@ def model_on_meta(
         model_class, values, inferred = _inferred(file, found, model_class)
     else:
         values = _config(model_class, config)
+        check_gguf_counts(file, model_class.__name__, found, values)
     try:
         with meta_parameters():
             model: nn.Module = model_class.from_config(values)

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Literal
 from torchferry._errors import ScheduleError
 from torchferry.policies._ir import OP_KINDS, Op, Placement, Schedule, Slot, Step, op_columns
 from torchferry.policies._tokens import NUMBER, UNIT_NAMES, format_bytes, format_name
+from torchferry.topology import load_json
 
 if TYPE_CHECKING:
     from torchferry.policies._ir import SlotKind, StreamName, When
@@ -116,8 +117,8 @@ def _parse_placement(line: _Line, token: str) -> Placement:
     if token.startswith('"'):
         try:
             unit, end = json.JSONDecoder().raw_decode(token)
-            where = json.loads(token[end + 1 :]) if token[end : end + 1] == "@" else None
-        except json.JSONDecodeError:
+            where = load_json(token[end + 1 :]) if token[end : end + 1] == "@" else None
+        except ValueError:
             where = None
         if not isinstance(unit, str) or not isinstance(where, str):
             raise line.error(f"placement {token} is not of the form unit@where")
@@ -222,8 +223,8 @@ class _Line:
 def _untoken(line: _Line, token: str) -> str:
     if token.startswith('"'):
         try:
-            value = json.loads(token)
-        except json.JSONDecodeError:
+            value = load_json(token)
+        except ValueError:
             raise line.error(f"bad quoted name {token}") from None
         if not isinstance(value, str):
             raise line.error(f"bad quoted name {token}")

@@ -37,11 +37,14 @@ from torchferry.topology._gguf import is_gguf as is_gguf
 from torchferry.topology._gguf import parse_gguf as parse_gguf
 from torchferry.topology._gguf import read_gguf as read_gguf
 from torchferry.topology._gguf_fit import GGUF_CONFIG_FIX as GGUF_CONFIG_FIX
+from torchferry.topology._gguf_fit import check_gguf_counts as check_gguf_counts
 from torchferry.topology._gguf_fit import check_gguf_fits as check_gguf_fits
 from torchferry.topology._gguf_layouts import GGUF_LAYOUTS as GGUF_LAYOUTS
 from torchferry.topology._gguf_layouts import GIVE_CONFIG as GIVE_CONFIG
 from torchferry.topology._gguf_layouts import InferredModel as InferredModel
 from torchferry.topology._gguf_layouts import infer_gguf_model as infer_gguf_model
+from torchferry.topology._json import load_json as load_json
+from torchferry.topology._json import read_json_object as read_json_object
 from torchferry.topology._keep_fp32 import kept_modules as kept_modules
 from torchferry.topology._keep_fp32 import under_kept as under_kept
 from torchferry.topology._keymap import Conversion as Conversion

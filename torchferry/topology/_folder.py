@@ -17,7 +17,6 @@ shapes. The runtime's `CheckpointReader` opens the same sources through `pipelin
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -27,6 +26,7 @@ import attrs
 
 from torchferry._errors import PlanError
 from torchferry.topology._grouping import by_kind, component_from_entries
+from torchferry.topology._json import load_json
 from torchferry.topology._locate import locate
 from torchferry.topology._model import ComponentKind, Declaration, Topology
 from torchferry.topology._registry import (
@@ -125,8 +125,8 @@ def is_pipeline_folder(path: str | os.PathLike[str]) -> bool:
 
 def _read_json(file: Path, what: str) -> dict[str, object]:
     try:
-        doc = json.loads(file.read_text("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = load_json(file.read_bytes())
+    except (OSError, ValueError) as exc:
         raise PlanError(
             f"{file}: cannot read the {what} ({exc}); re-save or re-download the pipeline"
         ) from None

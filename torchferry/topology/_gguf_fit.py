@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torchferry._errors import Flag, PlanError
-from torchferry.topology._gguf_layouts import GIVE_CONFIG
+from torchferry.topology._gguf import GGUFEntry
+from torchferry.topology._gguf_layouts import GIVE_CONFIG, infer_gguf_model
 
-__all__ = ["GGUF_CONFIG_FIX", "check_gguf_fits"]
+__all__ = ["GGUF_CONFIG_FIX", "check_gguf_counts", "check_gguf_fits"]
 
 #: What to do about a configuration the file does not fill, in the API's words (``config=``) and the
 #: command line's (the ``config.json`` beside the file).
@@ -105,6 +106,49 @@ def _whole_blocks(
             said = f"{span} {are} not in the file, which holds {count} of {prefix}"
             problems.append(said + _blame(config, len(indices), count, count=True))
     return whole
+
+
+def check_gguf_counts(
+    file: str, class_name: str, entries: Iterable[GGUFEntry], config: Mapping[str, Any]
+) -> None:
+    """Raise a `PlanError` when the GGUF ``file`` (its header ``entries``) is recognisably of another
+    class than ``class_name`` (`infer_gguf_model`), or when a count field of ``config`` (one named for
+    layers or blocks) asks for more blocks than any numbered list of the file holds.
+
+    Checked before the model is built: `check_gguf_fits` would refuse such a configuration too, but
+    only after building it, and ``"num_layers": 1e9`` builds a billion blocks first (on meta, for
+    hours). The file fixes the count; a configuration asking for more is refused by its field.
+    """
+    found = list(entries)
+    head = f"{file} does not fill the {class_name} its configuration builds (nothing was built or read): "
+    try:
+        inferred = infer_gguf_model(file, found)
+    except PlanError:
+        inferred = None  # no layout torchferry knows: the counts below, and check_gguf_fits, decide
+    if inferred is not None and inferred.class_name != class_name:
+        raise PlanError.worded(
+            f"{head}it holds none of its tensors: they are named as {inferred.layout} files are\n",
+            GGUF_CONFIG_FIX,
+        )
+    held = {prefix: len(indices) for prefix, indices in _blocks([e.name for e in found]).items()}
+    most = max(held.values(), default=0)
+    fields = {
+        k: v
+        for k, v in config.items()
+        if ("layer" in k or "block" in k) and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    over = [f"config field {k} gives {v!r}" for k, v in fields.items() if not v <= most]  # NaN too
+    if not over:
+        return
+    if held:
+        widest = max(held, key=lambda p: held[p])
+        holds = f"the file's longest numbered list, {widest}, holds {most}"
+    else:
+        holds = "the file holds no numbered blocks"
+    raise PlanError.worded(
+        f"{head}{' and '.join(over)} blocks, and {holds}\n",
+        GGUF_CONFIG_FIX,
+    )
 
 
 def check_gguf_fits(

@@ -84,6 +84,22 @@ def _count(shapes: Shapes, prefix: str) -> int:
     return len(found)
 
 
+#: What each rank of tensor read by a layout is, for the words of a refusal.
+_RANKS = {1: "a vector", 2: "a linear layer's weight", 3: "a table", 5: "a 3-d convolution's weight"}
+
+
+def _shape(shapes: Shapes, name: str, rank: int) -> tuple[int, ...]:
+    """The shape of tensor ``name``, which must have ``rank`` dimensions; else a ``ValueError`` naming
+    the tensor, its shape and what was expected (an index out of range here would say neither)."""
+    shape = tuple(shapes[name])
+    if len(shape) != rank:
+        raise ValueError(
+            f"tensor {name!r} has shape {list(shape)}, and {rank} dimension{'s' if rank > 1 else ''} "
+            f"were expected ({_RANKS[rank]})"
+        )
+    return shape
+
+
 def _positive(config: dict[str, Any]) -> dict[str, Any]:
     """``config``, once every width and count read from a shape is positive (a zero dimension reads as
     an empty model that fails at its first forward, not here)."""
@@ -110,25 +126,24 @@ def _wan(names: Mapping[str, str]) -> Callable[[Shapes], dict[str, Any]]:
     """The Wan configuration from shapes, the roles named as ``names`` gives them."""
 
     def infer(shapes: Shapes) -> dict[str, Any]:
-        patching = shapes["patch_embedding.weight"]
-        if len(patching) != 5:
-            raise ValueError(f"patch_embedding.weight has shape {list(patching)}, not a 3-d convolution's")
-        inner, in_channels, *patch = patching
+        inner, in_channels, *patch = _shape(shapes, "patch_embedding.weight", 5)
         cells = 1
         for p in patch:
             cells *= p
-        image = shapes.get(names["image"])
-        added = shapes.get(names["added_k"])
-        position = shapes.get(names["position"])
+        image = _shape(shapes, names["image"], 1) if names["image"] in shapes else None
+        added = _shape(shapes, names["added_k"], 2) if names["added_k"] in shapes else None
+        position = _shape(shapes, names["position"], 3) if names["position"] in shapes else None
         return {
             "patch_size": tuple(patch),
             "num_attention_heads": _divide(inner, _WAN_HEAD_DIM, "the width over Wan's head width"),
             "attention_head_dim": _WAN_HEAD_DIM,
             "in_channels": in_channels,
-            "out_channels": _divide(shapes[names["out"]][0], cells, "the head's rows over the patch"),
-            "text_dim": shapes[names["text"]][1],
-            "freq_dim": shapes[names["time"]][1],
-            "ffn_dim": shapes[names["ffn"]][0],
+            "out_channels": _divide(
+                _shape(shapes, names["out"], 2)[0], cells, "the head's rows over the patch"
+            ),
+            "text_dim": _shape(shapes, names["text"], 2)[1],
+            "freq_dim": _shape(shapes, names["time"], 2)[1],
+            "ffn_dim": _shape(shapes, names["ffn"], 2)[0],
             "num_layers": _count(shapes, "blocks"),
             "cross_attn_norm": names["cross_norm"] in shapes,
             "qk_norm": "rms_norm_across_heads" if names["qk_norm"] in shapes else None,
@@ -149,11 +164,11 @@ def _flux(names: Mapping[str, str]) -> Callable[[Shapes], dict[str, Any]]:
     """The FLUX configuration from shapes, the roles named as ``names`` gives them."""
 
     def infer(shapes: Shapes) -> dict[str, Any]:
-        inner, in_channels = shapes[names["image_in"]]
-        head = shapes[names["query_norm"]][0]
+        inner, in_channels = _shape(shapes, names["image_in"], 2)
+        (head,) = _shape(shapes, names["query_norm"], 1)
         if head not in _FLUX_AXES:
             raise ValueError(f"a head width of {head}, for which no known FLUX model has rotary axes")
-        out = shapes[names["out"]][0]
+        out = _shape(shapes, names["out"], 2)[0]
         return {
             "patch_size": 1,
             "in_channels": in_channels,
@@ -162,8 +177,8 @@ def _flux(names: Mapping[str, str]) -> Callable[[Shapes], dict[str, Any]]:
             "num_single_layers": _count(shapes, names["single"]),
             "attention_head_dim": head,
             "num_attention_heads": _divide(inner, head, "the width over the head width"),
-            "joint_attention_dim": shapes[names["text_in"]][1],
-            "pooled_projection_dim": shapes[names["pooled_in"]][1],
+            "joint_attention_dim": _shape(shapes, names["text_in"], 2)[1],
+            "pooled_projection_dim": _shape(shapes, names["pooled_in"], 2)[1],
             "guidance_embeds": names["guidance"] in shapes,
             "axes_dims_rope": _FLUX_AXES[head],
         }

@@ -15,13 +15,13 @@ the plan and the file, and each inner tensor is read from the file as its stored
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import BinaryIO
 
 import attrs
 
+from torchferry.topology._json import load_json
 from torchferry.topology._safetensors import MAX_HEADER_BYTES, HeaderEntry, strict_json
 
 __all__ = ["flattened_names", "header_metadata", "quantized_names"]
@@ -60,8 +60,8 @@ def flattened_names(metadata: Mapping[str, str]) -> dict[str, str]:
     torchao's gives ``{}``.
     """
     try:
-        names = json.loads(metadata.get(_TENSOR_NAMES, "[]"))
-    except json.JSONDecodeError:
+        names = load_json(metadata.get(_TENSOR_NAMES, "[]"))
+    except ValueError:
         return {}
     if not isinstance(names, list):
         return {}
@@ -70,8 +70,8 @@ def flattened_names(metadata: Mapping[str, str]) -> dict[str, str]:
         if not isinstance(name, str) or "." not in name or name not in metadata:
             continue
         try:
-            described = json.loads(metadata[name])
-        except json.JSONDecodeError:
+            described = load_json(metadata[name])
+        except ValueError:
             continue
         parts = described.get("_tensor_data_names") if isinstance(described, dict) else None
         if not isinstance(parts, list):

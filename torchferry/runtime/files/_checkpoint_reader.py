@@ -25,28 +25,29 @@ files too.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import BinaryIO, NoReturn, TypeAlias
+from typing import BinaryIO, NoReturn
 
 import attrs
 import torch
 
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.runtime.files._converted import bytes_of, conversion_problems, converted
-from torchferry.runtime.files._identity import changed
+from torchferry.runtime.files._expected import Expected
+from torchferry.runtime.files._expected import expected_specs as _expected_specs
+from torchferry.runtime.files._expected import plural as _plural
+from torchferry.runtime.files._expected import shape_text as _shape_text
+from torchferry.runtime.files._identity import SpanDigests, changed, crc32
 from torchferry.runtime.files._spans import FileSpan, Source, merge_runs
 from torchferry.topology import SAFETENSORS_DTYPES as _HEADER_DTYPES
 from torchferry.topology import (
-    Block,
-    Component,
     FrozenMap,
     HeaderEntry,
     KeyMap,
-    Plan,
     TensorSpec,
-    Topology,
     locate,
     open_regular,
     parse_header,
@@ -74,42 +75,6 @@ WIDENED_FROM = ("float16", "bfloat16")
 MAX_LISTED = 20
 
 _RESAVE = "re-save or re-download the file"
-
-Expected: TypeAlias = Plan | Topology | Component | Block | Iterable[TensorSpec]
-
-
-def _shape_text(shape: Iterable[int]) -> str:
-    return str(list(shape))
-
-
-def _expected_specs(expected: Expected) -> list[TensorSpec]:
-    """The tensors a checkpoint must hold: persistent ones, each owner once, in a stable order."""
-    if isinstance(expected, Plan):
-        expected = expected.topology
-    specs: Iterable[TensorSpec]
-    if isinstance(expected, Topology):
-        specs = (t for c in expected.components for t in c.all_tensors())
-    elif isinstance(expected, Component):
-        specs = expected.all_tensors()
-    elif isinstance(expected, Block):
-        specs = expected.tensors
-    else:
-        specs = expected
-    seen: set[str] = set()
-    kept: list[TensorSpec] = []
-    for spec in specs:
-        if spec.buffer and not spec.persistent:
-            continue
-        if spec.name in seen:
-            continue
-        seen.add(spec.name)
-        seen.update(spec.aliases)
-        kept.append(spec)
-    return kept
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 @attrs.frozen(kw_only=True)
@@ -162,6 +127,8 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         #: Model tensor names held in float32 that may be read from a 16-bit float (see above).
         self.widen: frozenset[str] = frozenset(widen)
         self._handles: dict[str, BinaryIO] = {}
+        # Why: each file's header as parsed at open (`_reads_as_parsed`).
+        self._parsed: dict[str, object] = {}
         #: ``os.fstat`` of each file when its header was read, for `changed` (a rewrite since then).
         self.stats: dict[str, os.stat_result] = {}
         self._closed = False
@@ -172,6 +139,18 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             self.close()
             raise
         self.files: tuple[str, ...] = found.files
+        #: The CRC-32 of each file's header and of every span read from it (see `SpanDigests`).
+        self.digests = SpanDigests(self.stats)
+        for file in self.files:
+            ends = [e.data_start for e in found.entries.values() if e.file == file]
+            handle = self._handles.get(file)
+            if handle is None or not ends or max(ends) <= 0:
+                continue
+            same = functools.partial(self._reads_as_parsed, file, handle)
+            if (problem := self.digests.header(file, handle.fileno(), max(ends), same)) is not None:
+                self.close()
+                raise ExecutionError(f"{file} {problem}; do not rewrite a checkpoint while it is opened")
+            self.stats[file] = os.fstat(handle.fileno())  # as confirmed: a touch while parsing is no change
         #: For a pipeline folder, each component's name prefix (``"transformer."``); else empty.
         self.components: tuple[str, ...] = found.components
         self.entries: FrozenMap[str, HeaderEntry] = FrozenMap(found.entries)
@@ -180,6 +159,14 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         #: Files whose header could not be read (their tensors are unknown).
         self.unreadable: tuple[str, ...] = found.unreadable
         self._broken = dict(found.broken)
+
+    def _reads_as_parsed(self, file: str, handle: BinaryIO) -> bool:
+        """Whether ``file``'s header, parsed again, gives the entries it gave at open."""
+        try:  # a buffer of its own: the handle's may still hold the bytes parsed at open
+            with open(os.dup(handle.fileno()), "rb") as fresh:
+                return parse_header(file, fresh) == self._parsed.get(file)
+        except PlanError:
+            return False
 
     def _headers(self, path: str, variant: str | None) -> Headers:
         """Open the checkpoint's files (each into ``_handles`` and ``stats``) and read their headers:
@@ -225,7 +212,7 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
             self.stats[file] = os.fstat(handle.fileno())
             try:
                 # The header comes from the descriptor the data is later mapped from (no reopen).
-                found = parse_header(file, handle)
+                found = self._parsed[file] = parse_header(file, handle)
                 # torchao's names for a wrapper's parts are discovery's (topology/_quantized.py).
                 found, index = quantized_names(file, handle, found, index, prefixes.get(file, ""))
                 if prefixes:
@@ -548,11 +535,6 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         handle = self._handles[file]
         fd = handle.fileno()
         length = dst.numel()
-        if (change := changed(self.stats[file], os.fstat(fd))) is not None:
-            raise ExecutionError(
-                f"{file} {change} since it was opened, so bytes [{src}, {src + length}) are not what its "
-                "header said; do not rewrite a checkpoint while it is being read, and open it again"
-            )
         pos = 0
         while pos < length:
             n = min(length - pos, WINDOW_BYTES)
@@ -565,6 +547,19 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
                 dst[pos : pos + n].copy_(view)
                 del view  # releases the buffer export so the window can be unmapped
             pos += n
+        # Why: the bytes are checked after the copy (see [Note: the file's identity and the span digests]).
+        now = os.fstat(fd)
+        if self.digests.watching:
+            change = changed(self.stats[file], now, mtime=False) or self.digests.confirm(
+                file, fd, src, length, now=now, digest=lambda: crc32([dst.numpy().data])
+            )
+        else:  # read once, at open, with no file tier after it: any visible change is refused
+            change = changed(self.stats[file], now)
+        if change is not None:
+            raise ExecutionError(
+                f"{file} {change} since it was opened, so bytes [{src}, {src + length}) cannot be read as "
+                "its header said; do not rewrite a checkpoint while it is being read, and open it again"
+            )
 
     def descriptor(self, file: str) -> int:
         """The open descriptor of ``file`` (one of `files`), the one its header was read from."""

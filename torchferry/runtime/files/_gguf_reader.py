@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 import attrs
 import torch
@@ -246,6 +246,14 @@ class GGUFCheckpointReader(CheckpointReader):
             self.close()
             raise
 
+    def _reads_as_parsed(self, file: str, handle: BinaryIO) -> bool:
+        """Whether the GGUF header, parsed again, gives the entries it gave at open."""
+        try:  # a buffer of its own: the handle's may still hold the bytes parsed at open
+            with open(os.dup(handle.fileno()), "rb") as fresh:
+                return parse_gguf(file, fresh) == self._parsed.get(file)
+        except PlanError:
+            return False
+
     def _headers(self, path: str, variant: str | None) -> Headers:
         """The one GGUF file's entries under the model's names (see the Note at the top)."""
         module = self._module
@@ -253,7 +261,7 @@ class GGUFCheckpointReader(CheckpointReader):
         handle = open_regular(path)
         self._handles[path] = handle  # the header's descriptor is the one the data is read from
         self.stats[path] = os.fstat(handle.fileno())
-        found = parse_gguf(path, handle)
+        found = self._parsed[path] = parse_gguf(path, handle)
         config = getattr(module, "config", None)
         entries = model_entries(
             path, found, None if module is None else type(module), list(state),

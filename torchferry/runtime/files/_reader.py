@@ -28,10 +28,10 @@ Every read goes through the descriptors the checkpoint opened (its file names ma
 so a later ``os.chdir`` changes nothing). Before each chunk the file is checked against what it was
 when opened: its name must still name the same inode (not replaced, deleted or moved), and the open
 file must keep its size (`changed`: not truncated or rewritten in place), and once more after the
-chunk is read; a moved modification or inode change time (a rewrite, even with its time set back, or
-only ``touch``, an extended attribute, a rename or a chmod) is settled by comparing the chunk's
-bytes with the digest of its first read (see [Note: the inode change time and the span digests] in
-`torchferry.runtime.files._identity`). A folder on the way made unsearchable hides the
+chunk is read; a moved identity (a rewrite, even with its time set back, or only ``touch``, an
+extended attribute, a rename, a chmod, a copy renamed over the name) is settled by comparing the
+header and every span read so far with their digests (see [Note: the file's identity and the span
+digests] in `torchferry.runtime.files._identity`). A folder on the way made unsearchable hides the
 name, not the file: the read goes on through the descriptor. A failed system call, a short read or
 a changed file is an `ExecutionError` naming the file, the byte range, the tensors and what to do;
 nothing of the host store is written by a read, so no weight is lost and the session stays
@@ -58,7 +58,7 @@ from torchferry import policies
 from torchferry._errors import ExecutionError, PlanError
 from torchferry.runtime.files._checkpoint_reader import CheckpointReader
 from torchferry.runtime.files._chunks import Chunk, Fixup, PackRead, chunked
-from torchferry.runtime.files._identity import SpanDigests, changed, crc32
+from torchferry.runtime.files._identity import changed, crc32
 from torchferry.runtime.files._spans import FileSpan
 from torchferry.runtime.memory import PAGE, Piece, page_bytes
 from torchferry.topology import TensorSpec
@@ -233,8 +233,10 @@ class FileReader:
             self._opened[file] = _Opened(fd, raw, info)
             if raw is None and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        #: The CRC-32 of each span read, for a file whose inode change time moves (see `SpanDigests`).
-        self.digests = SpanDigests({f: o.stat for f, o in self._opened.items()})
+        #: The CRC-32 of each span read (the checkpoint's: its header and the host store's reads too),
+        #: for a file whose identity moves (see `SpanDigests`).
+        self.digests = checkpoint.digests
+        self.digests.watching = True
         self._bounces: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self.bounce_bytes = 0
         if any(o.direct is not None for o in self._opened.values()):
@@ -437,19 +439,27 @@ class FileReader:
             ) from None
         except OSError as exc:
             raise OSError(exc.errno, f"looking the file up failed ({error_reason(exc)})") from None
-        if now is not None and (now.st_dev, now.st_ino) != (opened.stat.st_dev, opened.stat.st_ino):
-            raise _Changed("was replaced on disk (another file now has its name)")
+        # a copy renamed over it reads on through the descriptor opened; another file is refused
+        if (
+            now is not None
+            and (now.st_dev, now.st_ino) != (opened.stat.st_dev, opened.stat.st_ino)
+            and (change := self.digests.renamed_over(file, file, now)) is not None
+        ):
+            raise _Changed(change)
         if (change := changed(opened.stat, os.fstat(opened.fd), mtime=False)) is not None:
             raise _Changed(change)
 
     def _confirm(self, chunk: Chunk, digest: Callable[[], int]) -> None:
         """`_Changed` unless the bytes of ``chunk`` just read may be used: the file is looked at again
         after the read (a rewrite during it), and a moved inode change time is settled by the span's
-        digest (see [Note: the inode change time and the span digests])."""
-        held = os.fstat(self._opened[chunk.file].fd)
+        digest (see [Note: the file's identity and the span digests])."""
+        fd = self._opened[chunk.file].fd
+        held = os.fstat(fd)
         if (change := changed(self._opened[chunk.file].stat, held, mtime=False)) is not None:
             raise _Changed(change)
-        if change := self.digests.confirm(chunk.file, chunk.offset, chunk.length, held, digest):
+        if change := self.digests.confirm(
+            chunk.file, fd, chunk.offset, chunk.length, now=held, digest=digest
+        ):
             raise _Changed(change)
 
     def _buffered(self, fd: int, chunk: Chunk, into: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from torchferry._errors import PlanError
 from torchferry.policies import DeviceProfile, format_bytes, match_device_class
+from torchferry.topology import load_json
 
 __all__ = [
     "READ_PROBE_BYTES",
@@ -208,7 +209,7 @@ def load_profile(path: str | os.PathLike[str] | None = None) -> DeviceProfile | 
     if not where.exists():
         return None
     try:
-        doc = json.loads(where.read_text())
+        doc = load_json(where.read_bytes())
     except (OSError, ValueError) as exc:
         raise PlanError(
             f"profile {where} cannot be read ({exc}); write a new one with `torchferry probe`"
