@@ -37,6 +37,8 @@ def saved(tmp_path: Path) -> Path:
 def streams(request: pytest.FixtureRequest) -> Iterator[str]:
     """Engines on the stream sanitizer (the runtime tests' default), or on the CPU's own streams."""
     if request.param == "sanitizer":
+        if request.config.getoption("--no-stream-sanitizer"):
+            pytest.skip("the stream sanitizer is off (--no-stream-sanitizer)")
         yield "sanitizer"
         return
     before = runtime.stream_factory(None)
@@ -324,11 +326,13 @@ def _unclaimed_wait(self: StreamSanitizer, transfer: Any) -> None:
     ],
 )
 def test_sanitizer_orders_reads_into_device_slots(
-    saved: Path, monkeypatch: pytest.MonkeyPatch, fault: object, message: str
+    saved: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, fault: object, message: str
 ) -> None:
     """The stream sanitizer covers reads straight into device slots: a block run from a slot compute
     is not ordered after the read filling it, or a slot read into again before its last read was
     waited for, is a StreamOrderError."""
+    if request.config.getoption("--no-stream-sanitizer"):
+        pytest.skip("the stream sanitizer is off (--no-stream-sanitizer)")
     p, plan, engine, _ = _engine(saved)
     try:
         assert isinstance(engine.streams, StreamSanitizer)
