@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torchferry.runtime.device import Comm as Comm
 from torchferry.runtime.device import DeviceBuffer as DeviceBuffer
+from torchferry.runtime.device import Reading as Reading
 from torchferry.runtime.device import StreamContext as StreamContext
 from torchferry.runtime.device import Timer as Timer
 from torchferry.runtime.device import aligned_empty as aligned_empty

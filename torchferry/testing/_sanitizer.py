@@ -6,8 +6,9 @@ outputs are unchanged) and, beside it, keeps the happens-before order the CUDA s
 give, with one vector clock per stream:
 
 - every copy (copy stream), collective (comm stream), block forward (compute stream) and read of
-  the file tier into a staging buffer (io stream: the reader threads) is an access that advances
-  its stream's own entry; a load or stage from a staging buffer reads it on the copy stream;
+  the file tier into a staging buffer or, on a CPU device, straight into a device buffer (``fill``;
+  io stream: the reader threads) is an access that advances its stream's own entry; a load or stage
+  from a staging buffer reads it on the copy stream;
 - the compute stream is the caller's: ``compute`` unless a test runs the pipeline inside
   `caller_stream` (a second compute stream, as a caller's ``torch.cuda.stream(s)``), adopted at
   each step's start as the CUDA context adopts the current stream;
@@ -49,7 +50,7 @@ from torchferry.topology import find_attr
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from torchferry.runtime import Engine, Timer
+    from torchferry.runtime import Engine, Reading, Timer
 
 __all__ = ["StreamOrderError", "StreamSanitizer", "caller_stream", "sanitize"]
 
@@ -306,6 +307,23 @@ class StreamSanitizer:
         self.copy_in(dst, dst_bytes, src)
         staging.free = self._record(staging.free, "copy")
 
+    def fill(self, dst: DeviceBuffer, read: Callable[[], Reading]) -> None:
+        # The reader threads write the device buffer on the io stream, after compute's last read of
+        # it; each read has threads of its own, so two reads into one buffer are never ordered by the
+        # io stream: the last must have been waited for.
+        if dst.filling is not None:
+            self._fail(
+                f"{self._where()} reads into a device buffer that a read not yet waited for still fills "
+                "(write after write)"
+            )
+        if dst.free is None:
+            self._wait_stream("io", self.compute)
+        else:
+            self._wait_event("io", dst.free)
+        self._write(dst, "io", self._where())
+        dst.ready = self._record(dst.ready, "io")
+        dst.filling = read()
+
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         self._wait_event("comm", src.ready)
         if dst.free is None:
@@ -325,6 +343,10 @@ class StreamSanitizer:
 
     def wait(self, transfer: DeviceBuffer) -> None:
         self._wait_event(self.compute, transfer.ready)
+        filling = transfer.filling
+        if filling is not None:  # the host waits for the read, as `CpuStreams.wait` does
+            transfer.filling = None
+            filling.wait()
 
     def release(self, transfer: DeviceBuffer) -> None:
         transfer.free = self._record(transfer.free, self.compute)

@@ -29,12 +29,17 @@ Nothing on the host ever waits for the device: ordering is expressed only with e
   buffer; it first waits, on its thread, for the buffer's ``free`` event, recorded on the copy stream
   by the last copy from it (write-after-read). The load or stage from the buffer waits for the read
   on the host, copies on the copy stream and records ``free`` again.
+- Where the device's memory is host memory (a CPU device) the reader threads write the device
+  buffer itself (a load or stage ``from file``: `fill`), and the read in flight is the buffer's
+  ``filling``: a `wait` blocks the host on it (the compute thread is the compute stream), so the
+  read of block N+1 runs while block N computes. A buffer is filled again only once its last read
+  was waited for (the evict of a unit never waited for waits first, as above).
 
 So while block N computes, block N+1 (or N+d with prefetch depth d) is in flight on the copy stream,
 and the only serialisation is the one the schedule's slots force. Events are created once per slot
 and per staged unit, never per op. On a machine without CUDA the same calls run synchronously on the
 CPU: copies complete before they return and events are ``None``, so everything above this module is
-one code path.
+one code path; a read straight into a device buffer (`fill`) is the one thing a CPU waits for.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from typing import Any, Protocol, final
 import attrs
 import torch
 
+from torchferry._errors import ExecutionError
 from torchferry.policies import StreamName
 from torchferry.topology import PACK_ALIGN
 
@@ -52,6 +58,7 @@ __all__ = [
     "CpuStreams",
     "CudaStreams",
     "DeviceBuffer",
+    "Reading",
     "StreamContext",
     "Timer",
     "aligned_empty",
@@ -97,16 +104,32 @@ def regrow(buffer: DeviceBuffer, nbytes: int) -> None:
         buffer.data = fresh.set_(storage, skip, (nbytes,), (1,))
 
 
+class Reading(Protocol):
+    """A read of the file tier in flight on the reader threads (`torchferry.runtime.files.Ticket`)."""
+
+    @property
+    def done(self) -> bool:
+        """Whether the read has finished (or failed)."""
+        ...
+
+    def wait(self) -> None:
+        """Block until the read has finished; raise its `ExecutionError` if it failed."""
+        ...
+
+
 @attrs.define(slots=True, eq=False)
 class DeviceBuffer:
     """Device bytes and the events that say when they are written (``ready``) and free (``free``).
 
-    On the CPU both events are ``None``: every copy has completed when it returns.
+    On the CPU both events are ``None``: every copy has completed when it returns. What it has not is
+    a read of the file tier the reader threads are writing straight into the buffer (`fill`): that is
+    ``filling`` until a `StreamContext.wait` takes it.
     """
 
     data: torch.Tensor
     ready: Any = None
     free: Any = None
+    filling: Reading | None = None
 
 
 class Timer(Protocol):
@@ -167,6 +190,13 @@ class StreamContext(Protocol):
         record ``staging.free`` (its drain) after the copy."""
         ...
 
+    def fill(self, dst: DeviceBuffer, read: Callable[[], Reading]) -> None:
+        """Start ``read()``, a read of the file tier by the reader threads straight into ``dst`` (device
+        memory that is host memory: a CPU device only), once ``dst``'s last read is in; `wait` on
+        ``dst`` then blocks until it is in too. A device whose memory no reader thread can write
+        refuses it."""
+        ...
+
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         """Run ``run`` (a collective reading ``src`` and writing ``dst``) on the comm stream.
 
@@ -176,7 +206,8 @@ class StreamContext(Protocol):
         ...
 
     def wait(self, transfer: DeviceBuffer) -> None:
-        """Make the compute stream wait until ``transfer`` is written."""
+        """Make the compute stream wait until ``transfer`` is written (the host, for a read that
+        fills it: ``transfer.filling``, whose error it raises)."""
         ...
 
     def release(self, transfer: DeviceBuffer) -> None:
@@ -226,6 +257,13 @@ class CpuStreams:
     ) -> None:
         self.copy_in(dst, dst_bytes, src)
 
+    def fill(self, dst: DeviceBuffer, read: Callable[[], Reading]) -> None:
+        last = dst.filling
+        if last is not None:  # never waited for (the engine waits at the evict): in before a write
+            dst.filling = None
+            last.wait()
+        dst.filling = read()
+
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         tracer = self.tracer
         if tracer is None:
@@ -235,8 +273,21 @@ class CpuStreams:
         run()
         tracer.span("comm", begin, tracer.mark())
 
+    def wait(self, transfer: DeviceBuffer) -> None:
+        # Every copy and collective has completed when it returns; a read into the buffer may not.
+        filling = transfer.filling
+        if filling is None:
+            return
+        transfer.filling = None
+        tracer = self.tracer
+        if tracer is None:
+            filling.wait()
+            return
+        begin = tracer.mark()
+        filling.wait()
+        tracer.span("compute", begin, tracer.mark(), kind="stall")
+
     # On the CPU every copy and collective has completed when it returns: there is nothing to order.
-    def wait(self, transfer: DeviceBuffer) -> None: ...
     def release(self, transfer: DeviceBuffer) -> None: ...
     def fence(self) -> None: ...
     def settle(self) -> None: ...
@@ -311,6 +362,13 @@ class CudaStreams:
         # A fresh event per drain: a reader still holding the last one waits for what it was told.
         staging.free = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
         staging.free.record(self.copy)
+
+    def fill(self, dst: DeviceBuffer, read: Callable[[], Reading]) -> None:
+        raise ExecutionError(
+            f"a read of the file tier straight into device memory, and the device is {self.device}, whose "
+            "memory no reader thread can write: such a schedule (load or stage 'from file') is for a CPU "
+            "device only; on CUDA file-tier units are read into staging slots and loaded from there"
+        )
 
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         self.comm.wait_event(src.ready)

@@ -148,8 +148,9 @@ class Mover:
     def _drop_all(self, *, wait: bool = True) -> None:
         """Release every acquired module, drop every staged copy and point every weight at host memory.
 
-        Reads in flight finish first (their staging slots are free again; ``wait=False``, after a
-        failed collective, they are given up instead: see `FileTier.settle`). Recovery cannot stop
+        Reads in flight finish first, into staging slots or straight into device slots (those slots
+        are free again; ``wait=False``, after a failed collective, they are given up instead: see
+        `FileTier.settle`), and no device buffer is left waiting for one. Recovery cannot stop
         half-way: a component's own ``offload_to_cpu`` that raises here (while a failed step is
         abandoned, or the session closes) is an `OffloadWarning`, and everything else is dropped all
         the same, so the next step starts from an empty device; whatever else raises, host memory is
@@ -157,6 +158,8 @@ class Mover:
         """
         if self.store.tier is not None:
             self.store.tier.settle(wait=wait)
+        for buffer in self.buffers():
+            buffer.filling = None  # settled above: a later wait on the buffer has nothing to take
         try:
             self.guard.leaving_all()
             for path in list(self.acquired):
@@ -300,7 +303,7 @@ class Mover:
             self._claim(unit, op)
             self._leave_first(unit, op)
             dst, views = pack.views(op.slot, slot.data)
-            self._read_into(unit, pack, dst)
+            self._read_into(unit, pack, slot, dst)
             self._placed_in(unit, op.slot, slot, views)
             return
         if pack.shard is not None:
@@ -315,10 +318,11 @@ class Mover:
         self.streams.copy_staged(slot, dst, staging, data)
         self._placed_in(unit, op.slot, slot, views)
 
-    def _read_into(self, unit: Unit, pack: Pack, dst: torch.Tensor) -> None:
-        """Read file-tier ``pack`` of ``unit`` straight into ``dst``, device memory that is host memory
-        (a load or stage ``from file``), and wait for it: on a CPU device every copy is done when it
-        returns, and so is this read. Device memory no reader can write is refused, not written."""
+    def _read_into(self, unit: Unit, pack: Pack, buffer: DeviceBuffer, dst: torch.Tensor) -> None:
+        """Start reading file-tier ``pack`` of ``unit`` straight into ``dst``, its place in device
+        ``buffer`` whose memory is host memory (a load or stage ``from file``); the wait on ``buffer``
+        waits for it (`StreamContext.fill`), so it runs while the blocks before compute. Device memory
+        no reader can write is refused, not written."""
         tier = self.store.tier
         assert tier is not None
         if dst.device.type != "cpu":
@@ -327,7 +331,7 @@ class Mover:
                 f"{dst.device}, whose memory no reader thread can write; such a schedule is for a CPU "
                 "device only; elsewhere file-tier units are read into staging slots and loaded from there"
             )
-        tier.read_into(pack, dst)
+        self.streams.fill(buffer, lambda: tier.read_into(pack, dst))
 
     def _load_shard(self, unit: Unit, op: Op) -> None:
         """Copy this rank's shard of the block into a shard slot (compile checked it is sharded)."""
@@ -472,7 +476,7 @@ class Mover:
                 self.ledger.add(pack.nbytes)
                 held.append((transfer, pack.nbytes))
                 if pack.in_file and op.src == FILE:
-                    self._read_into(unit, pack, transfer.data.narrow(0, 0, pack.nbytes))
+                    self._read_into(unit, pack, transfer, transfer.data.narrow(0, 0, pack.nbytes))
                 elif read is not None:
                     self.streams.copy_staged(transfer, transfer.data, *read)
                 else:

@@ -15,8 +15,9 @@ and the engine's block hooks timestamp each block's forward on the compute strea
 block's ``before`` ops, before its ``after`` ops), and an ``acquire`` on the compute stream. On CUDA
 a timestamp is an event with timing enabled recorded on that stream; the events are read once,
 after one synchronize when the step finishes. On the CPU it is ``time.perf_counter()``: copies and
-collectives are synchronous there, so the figures are host time and no two spans overlap, and a
-stall is never seen (the copy itself ran on the compute thread).
+collectives are synchronous there, so the figures are host time and no two spans overlap, and the
+one stall seen is a ``wait`` for a read of the file tier straight into its slot (the reader threads
+fill it while compute runs; a copy runs on the compute thread).
 
 Untraced, the engine pays one ``is not None`` check per op (and the stream call an op makes one more)
 and one per block hook, and nothing is allocated.

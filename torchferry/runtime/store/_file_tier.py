@@ -13,8 +13,10 @@ schedule's ``io`` stream), copies the slot to the device on the copy stream and 
 drain (``free``), which the next read into the slot waits for before it writes a byte. A unit of
 several packs (a whole component staged) is read and staged one pack at a time through its slot.
 On a CPU device (`policies.reads_direct`) the device's slots are host memory and there is no staging
-slot: a ``load`` or ``stage`` ``from file`` has the reader fill the device slot itself (`read_into`)
-and waits for it, as every copy on a CPU is done when it returns.
+slot: a ``load`` or ``stage`` ``from file`` has the reader fill the device slot itself (`read_into`,
+through `StreamContext.fill`) and returns; the block's ``wait`` waits for the read, so the reads of
+the blocks ahead run while the blocks before compute, as reads into staging slots do. A slot is
+filled again only once its last read is in (the evict of a unit never waited for waits for it).
 
 Nothing a read does touches the host store or the files, so a failed read loses no weight: its
 `ExecutionError` reaches the step, which aborts as any failed step does, and the session closes.
@@ -59,6 +61,9 @@ __all__ = [
     "read_direct",
     "tier_request",
 ]
+
+#: Reads straight into device memory kept in `FileTier.direct` before the finished ones are dropped.
+_DIRECT_KEPT = 16
 
 #: A failure `check` makes unreachable ([9]: file-tier reads and staging slots) is not the caller's.
 _MISSED = "a torchferry bug, or a custom policy that check missed ([9])"
@@ -213,6 +218,9 @@ class FileTier:
         self.kept_bytes = kept
         #: Reads given up while the weight-shard group was broken (`settle` with ``wait=False``).
         self.abandoned: list[Ticket] = []
+        #: Reads straight into device memory (`read_into`) not yet seen finished: an abort or a close
+        #: waits for them (`settle`) before the slots they write are used again or freed.
+        self.direct: list[Ticket] = []
 
     @property
     def packs(self) -> frozenset[str]:
@@ -342,15 +350,20 @@ class FileTier:
             ticket.wait()
         staging.pack, staging.ticket = pack, self.reader.submit(read, staging.buffer.data, before)
 
-    def read_into(self, pack: Pack, into: torch.Tensor) -> None:
-        """Read ``pack`` straight into ``into`` (its place in a device slot whose memory is host
-        memory: no staging slot between) and wait for it (raises the read's error)."""
+    def read_into(self, pack: Pack, into: torch.Tensor) -> Ticket:
+        """Start reading ``pack`` straight into ``into`` (its place in a device slot whose memory is
+        host memory: no staging slot between); its ticket, which the block's wait waits for (and
+        `settle`, when the step is abandoned first)."""
         read = self.reads.get(pack.name)
         if read is None:
             raise ExecutionError(
                 f"read of {pack.name}: it is not in this session's file tier (its bytes are in host memory)"
             )
-        self.reader.submit(read, into).wait()
+        if len(self.direct) >= _DIRECT_KEPT:  # now and then, not per read: the hot path of a step
+            self.direct = [t for t in self.direct if not t.done]
+        ticket = self.reader.submit(read, into)
+        self.direct.append(ticket)
+        return ticket
 
     def take(self, pack: Pack, slot: str) -> tuple[DeviceBuffer, torch.Tensor]:
         """Wait for ``pack``'s read into ``slot``; its buffer and the bytes read (raises the read's error)."""
@@ -366,14 +379,18 @@ class FileTier:
         return staging.buffer, staging.buffer.data.narrow(0, 0, ticket.read.nbytes)
 
     def settle(self, *, wait: bool = True) -> None:
-        """Wait for every read in flight and forget it (a step aborted: the slots are free again).
+        """Wait for every read in flight, into a staging slot or straight into device memory, and
+        forget it (a step aborted: the slots are free again).
 
         ``wait=False`` (the weight-shard group is broken): a read may be blocked for good on the drain
         of a copy queued behind a collective that never completes, so nothing is waited for; reads
         not yet started are cancelled, and those running are left to `abandoned`.
         """
+        tickets = [staging.ticket for staging in self.staging.values()] + self.direct
         for staging in self.staging.values():
-            ticket, staging.ticket, staging.pack = staging.ticket, None, None
+            staging.ticket = staging.pack = None
+        self.direct = []
+        for ticket in tickets:
             if ticket is None:
                 continue
             if not wait:
