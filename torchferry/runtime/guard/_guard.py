@@ -84,6 +84,8 @@ __all__ = ["SessionGuard"]
 
 _VERSION = operator.attrgetter("_version")
 _DATA_PTR = torch.Tensor.data_ptr
+_MOVES = operator.attrgetter("moves")
+_BUMPS = operator.attrgetter("bumps")
 
 
 @attrs.define(slots=True, eq=False)
@@ -204,8 +206,11 @@ class SessionGuard:
         # Why: what the last step left: every tensor's version and data pointer, and each pack's moves.
         self._versions: list[int] = []
         self._pointers: list[int] = []
-        self._moves: dict[Pack, int] = {}
-        self._bumps: dict[Pack, int] = {}
+        # Why: the packs in `_spans` order, and their ``moves`` and ``bumps`` as the last step left
+        # them (lists, so the step's end compares them in C: see `_refresh`).
+        self._packs = list(self._spans)
+        self._moves: list[int] = []
+        self._bumps: list[int] = []
         # Why: per pack, (its host buffer, its tensors' data pointers when they point at it).
         self._at_host: dict[Pack, tuple[torch.Tensor, list[int]]] = {}
         # Why: per pack, the host buffer whose pointers `_pointers` holds for it, set by `_refresh`
@@ -343,8 +348,8 @@ class SessionGuard:
         self._versions = list(map(_VERSION, self._tensors))
         self._pointers = list(map(_DATA_PTR, self._tensors))
         self._hosted.clear()
-        self._moves = {pack: pack.moves for pack in self._spans}
-        self._bumps = {pack: pack.bumps for pack in self._spans}
+        self._moves = list(map(_MOVES, self._packs))
+        self._bumps = list(map(_BUMPS, self._packs))
 
     def _in_place(self) -> bool:
         """Whether every managed tensor is still the object in each module slot it had."""
@@ -355,10 +360,20 @@ class SessionGuard:
         """`snapshot`, for what the engine changed since: the pointers of packs it re-pointed (a pack
         back at host memory points at its host views, known without reading a tensor), the versions
         of packs whose counters it bumped."""
-        tensors, moves, bumps, hosted = self._tensors, self._moves, self._bumps, self._hosted
-        for pack, (start, end) in self._spans.items():
-            if pack.moves != moves[pack]:
-                moves[pack] = pack.moves
+        packs = self._packs
+        moves, bumps = list(map(_MOVES, packs)), list(map(_BUMPS, packs))
+        if moves != self._moves or bumps != self._bumps:  # else nothing moved (docked blocks undock)
+            self._refresh_packs(moves, bumps)
+        self._keep_resident_writes()
+
+    def _refresh_packs(self, moves: list[int], bumps: list[int]) -> None:
+        """`_refresh` for the packs whose ``moves`` or ``bumps`` are not what was remembered."""
+        tensors, hosted, spans = self._tensors, self._hosted, self._spans
+        for pack, move, bump, move_then, bump_then in zip(
+            self._packs, moves, bumps, self._moves, self._bumps, strict=True
+        ):
+            start, end = spans[pack]
+            if move != move_then:
                 if pack.where is not PackState.READY:  # at host memory (a copy in flight, or none)
                     if hosted.get(pack) is not pack.host:  # else they are remembered there already
                         self._pointers[start:end] = self._host_pointers(pack)
@@ -366,10 +381,9 @@ class SessionGuard:
                 else:
                     self._pointers[start:end] = map(_DATA_PTR, tensors[start:end])
                     hosted.pop(pack, None)
-            if pack.bumps != bumps[pack]:
-                bumps[pack] = pack.bumps
+            if bump != bump_then:
                 self._versions[start:end] = map(_VERSION, tensors[start:end])
-        self._keep_resident_writes()
+        self._moves, self._bumps = moves, bumps
 
     def _keep_resident_writes(self) -> None:
         """A step ended: what its forwards wrote in place into the device copies of the units the

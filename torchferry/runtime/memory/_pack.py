@@ -56,7 +56,9 @@ the pack is docked it holds the host memory, whose owner it is then, and the eng
 slot a unit occupies; a slot whose memory moved (freed and grown again) is found at the next load,
 by its address. A pack dropped while docked (a step interrupted, then its session and pipeline
 dropped without close()) undocks as it goes, so a weight kept elsewhere holds the host memory, never
-a freed slot. File-tier and sharded packs, and every pack of a CUDA session, are not bound.
+a freed slot. A dock and the undock that follows it leave the pack's ``moves`` as they found it (the
+tensors point where they did), so the session guard's step end reads nothing of a block that came
+and went. File-tier and sharded packs, and every pack of a CUDA session, are not bound.
 
 [Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
@@ -204,8 +206,11 @@ class Pack:
     ``arriving`` holds the views a load or gather issued, which the tensors take at the wait.
     ``shard`` is the byte range ``[start, end)`` of the pack this rank holds when it holds
     only a shard (then ``host`` is those bytes and ``host_views`` are placeholders); else ``None``.
-    ``moves`` counts re-pointings and ``bumps`` version bumps the engine made (see `GradGuard`), so
-    the session guard refreshes what it remembers of a pack only when they change.
+    ``moves`` changes whenever the pack's tensors point somewhere new (a re-pointing counts it up; a
+    dock gives it a fresh negative value, and the undock that follows gives back the value from
+    before, as the tensors point where they did), and ``bumps`` counts version bumps the engine made
+    (see `GradGuard`), so the session guard refreshes what it remembers of a pack only when they
+    change: a block docked and undocked within a step costs it nothing.
     """
 
     name: str
@@ -251,6 +256,10 @@ class Pack:
     # Why: per slot name, (the slot's buffer, its address, the pack's bytes of it, a storage over
     # them) (see `dock_at`).
     docks: dict[str, tuple[torch.Tensor, int, torch.Tensor, torch.UntypedStorage]] = attrs.field(factory=dict)
+    # Why: ``moves`` before the pack docked (its undock gives it back), and how many times it docked
+    # (each dock's ``moves`` is minus that count: never a value seen before).
+    _home: int = 0
+    _dockings: int = 0
 
     @property
     def held_bytes(self) -> int:
@@ -322,10 +331,11 @@ class Pack:
         if isinstance(arriving, tuple):
             self.point(arriving)
             return
-        assert self.bound is not None
         _SWAP(self.bound, arriving)  # the tensors see the slot, ``arriving`` the host memory
         self.docked = arriving
-        self.moves += 1
+        self._home = self.moves
+        self._dockings = docks = self._dockings + 1
+        self.moves = -docks
 
     def __del__(self) -> None:
         # A pack dropped while docked (a step interrupted, then its session and pipeline dropped
@@ -337,9 +347,8 @@ class Pack:
 
     def _undock(self) -> None:
         docked, self.docked = self.docked, None
-        assert self.bound is not None and docked is not None
         _SWAP(self.bound, docked)
-        self.moves += 1
+        self.moves = self._home  # the tensors point where they did before the dock
 
     def point(self, views: Sequence[torch.Tensor]) -> None:
         """Re-point every tensor of the pack at ``views`` (all on one device, so it is checked once), and
