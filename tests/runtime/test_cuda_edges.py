@@ -22,7 +22,7 @@ import torchferry
 from torchferry import ExecutionError, OffloadWarning, policies, runtime, topology
 from torchferry.policies import Op, Schedule, Slot
 from torchferry.runtime import PackState, Tracer, resolved, same_device, stream_factory
-from torchferry.runtime.device._streams import CpuStreams, regrow
+from torchferry.runtime.device._streams import CpuStreams, DeviceBuffer, aligned_empty, regrow
 from torchferry.runtime.memory._pinning import (
     PAGE,
     BookPinner,
@@ -187,6 +187,30 @@ def test_slots_start_on_a_256_byte_boundary_on_the_cpu_too() -> None:
             assert buffer.data.data_ptr() % PACK_ALIGN == 0 and buffer.data.numel() == 1000
     assert torch.equal(out, ref("a cat"))
     assert seen and set(seen) == {0}
+
+
+def test_a_docked_block_follows_its_slot_to_memory_grown_back_elsewhere() -> None:
+    """A slot whose memory moved while its buffer stayed the same tensor (`regrow` counts it in
+    ``grown``) gives a docked block a storage over its new memory at the next load, never the old."""
+    p = toy.build(0)
+    with torch.no_grad(), torchferry.offload(p, strategy="layerwise", device="cpu") as session:
+        pack = session.engine.store.units["transformer.blocks.1"].packs[0]
+        assert pack.bound is not None  # a CPU session docks its blocks
+        buffer = DeviceBuffer(data=aligned_empty(pack.nbytes, torch.device("cpu")))
+        data, at = buffer.data, buffer.data.data_ptr()
+        _, before = pack.dock_at("s9", buffer)
+        assert before.data_ptr() == at
+        storage = data.untyped_storage()
+        storage.resize_(storage.nbytes() + 4096)  # new memory, taken while the old is held: elsewhere
+        buffer.grown += 1  # as `regrow` counts it
+        assert buffer.data is data and data.data_ptr() != at
+        dst, after = pack.dock_at("s9", buffer)
+        assert after.data_ptr() == dst.data_ptr() == data.data_ptr()
+        grown = buffer.grown
+        storage.resize_(0)  # parked, then grown back as a slot pool does
+        regrow(buffer, pack.nbytes)
+        assert buffer.grown == grown + 1
+        pack.forget_device()
 
 
 # ---------------------------------------------------------------------- 3. a device that died

@@ -8,6 +8,7 @@ from torchferry.runtime.device._devices import resolved as resolved
 from torchferry.runtime.device._devices import same_device as same_device
 from torchferry.runtime.device._slots import Ledger as Ledger
 from torchferry.runtime.device._slots import SlotPool as SlotPool
+from torchferry.runtime.device._streams import CpuStreams as CpuStreams
 from torchferry.runtime.device._streams import DeviceBuffer as DeviceBuffer
 from torchferry.runtime.device._streams import Reading as Reading
 from torchferry.runtime.device._streams import StreamContext as StreamContext

@@ -99,6 +99,7 @@ def regrow(buffer: DeviceBuffer, nbytes: int) -> None:
     storage = data.untyped_storage()
     storage.resize_(nbytes + _pad(data.device))
     skip = -storage.data_ptr() % PACK_ALIGN
+    buffer.grown += 1
     if data.storage_offset() != skip or data.numel() != nbytes:
         fresh = torch.empty(0, dtype=torch.uint8, device=data.device)
         buffer.data = fresh.set_(storage, skip, (nbytes,), (1,))
@@ -130,6 +131,9 @@ class DeviceBuffer:
     ready: Any = None
     free: Any = None
     filling: Reading | None = None
+    #: How many times `regrow` gave the buffer memory again (which may start at another address), so
+    #: what was made for its old address (a docked pack's storage over it) is made again.
+    grown: int = 0
 
 
 class Timer(Protocol):

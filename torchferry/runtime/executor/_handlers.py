@@ -21,7 +21,7 @@ import torch
 
 from torchferry._errors import ExecutionError, OffloadWarning
 from torchferry.policies import DEVICE, FILE, OP_KINDS, Op
-from torchferry.runtime.device import Comm, DeviceBuffer, Ledger, SlotPool, StreamContext
+from torchferry.runtime.device import Comm, CpuStreams, DeviceBuffer, Ledger, SlotPool, StreamContext
 from torchferry.runtime.executor._hooks import GradGuard
 from torchferry.runtime.executor._program import Handler, Program, missed
 from torchferry.runtime.executor._trace import Tracer
@@ -77,6 +77,10 @@ class Mover:
         # Why: the tracer of the step running now; checked once per op and per block hook.
         self.tracer: Tracer | None = None
         self.guard = GradGuard(self.placed, self.store.units)
+        # Why: on `CpuStreams` every copy has completed when it returns, so a wait or release orders
+        # nothing unless a read of the file tier is filling the buffer (``filling``): the hot path
+        # skips the call otherwise (a test stream context of another class always gets it).
+        self._synchronous = type(self.streams) is CpuStreams
 
     def _missed(self, what: str, invariant: int) -> ExecutionError:
         """`missed` at the op running now, with the step's listing marked there."""
@@ -99,17 +103,14 @@ class Mover:
         if self.tracer is not None or _profiling():
             self._run_observed(program, stop)
             return
-        # `run`'s loop, inline: this is the hot path of every block.
+        # `run`'s loop, inline: this is the hot path of every block. An op that raises leaves ``pc``
+        # at itself, as `run` does.
         calls = program.calls
-        i = program.pc
-        try:
-            while i < stop:
-                handler, unit, op = calls[i]
-                program.pc = i
-                handler(unit, op)
-                i += 1
-        finally:
+        for i in range(program.pc, stop):
             program.pc = i
+            handler, unit, op = calls[i]
+            handler(unit, op)
+        program.pc = stop
 
     def run(self, program: Program, stop: int) -> None:
         """Run ``program``'s ops up to (not including) op ``stop``."""
@@ -226,13 +227,18 @@ class Mover:
         pack = unit.packs[0]
         if pack.in_file or pack.shard is not None:
             raise self._unloadable(unit)
-        if unit.name in self.transfers:
+        transfers = self.transfers
+        if unit.name in transfers:
             self._leave_first(unit, op)
         # The views into this slot are cached per slot (`Pack.views`, `Pack.dock_at` for a pack that
         # docks): a steady load builds nothing.
         arriving: Arriving
         if pack.bound is not None:
-            dst, arriving = pack.dock_at(name, slot.data)
+            docked = pack.docks.get(name)  # `Pack.dock_at`, inline for a slot whose memory stayed
+            if docked is not None and docked[0] is slot.data and docked[1] == slot.grown:
+                _, _, dst, arriving = docked
+            else:
+                dst, arriving = pack.dock_at(name, slot)
         else:
             cached = pack.device_views.get(name)
             if cached is not None and cached[0] is slot.data:
@@ -240,7 +246,17 @@ class Mover:
             else:
                 dst, arriving = pack.views(name, slot.data)
         self.streams.copy_in(slot, dst, pack.host)
-        self._placed_in(unit, name, slot, arriving)
+        # `_placed_in`, inline (see there)
+        pack.arriving = arriving
+        if pack.rewatch:
+            pack.rewatch = False
+            pack.carry(range(len(pack.tensors)))
+        elif pack.buffers:
+            pack.carry(pack.buffers)
+        pack.where = _IN_FLIGHT
+        transfers[unit.name] = slot
+        self.occupants[name] = unit
+        self.placed[unit.name] = name
 
     def _unloadable(self, unit: Unit) -> ExecutionError:
         """Why ``unit`` cannot be loaded from host memory (it is in the file tier, or a shard)."""
@@ -378,7 +394,8 @@ class Mover:
         pack = unit.packs[0]  # a unit with a transfer streams through a slot: one pack
         if pack.watched and pack.stale():
             self._reload(unit, transfer)
-        self.streams.wait(transfer)
+        if not self._synchronous or transfer.filling is not None:
+            self.streams.wait(transfer)
         if pack.arriving is not None:
             pack.arrive()  # re-pointed, or docked (see [Note: docking] in `_pack`)
             if pack.buffers:
@@ -409,8 +426,8 @@ class Mover:
 
     def _evict(self, unit: Unit, op: Op) -> None:
         packs = unit.packs
+        pack = packs[0]
         if len(packs) == 1:  # a block or a remainder in its slot: `_leaving`, inline
-            pack = packs[0]
             if pack.buffers and pack.where is _READY:
                 pack.keep_written()
             if self.guard.graded:
@@ -419,8 +436,8 @@ class Mover:
             self._leaving(unit)
         name = unit.name
         transfer = self.transfers.pop(name, None)
-        if transfer is not None:
-            if packs[0].where is _IN_FLIGHT:
+        if transfer is not None and (not self._synchronous or transfer.filling is not None):
+            if pack.where is _IN_FLIGHT:
                 # A prefetch compute never waited for (a stale one, which `check` allows): the slot's
                 # next writer waits only on ``free``, so compute must first be ordered after this
                 # unit's load or gather, which may still be writing the slot on another stream.
@@ -429,6 +446,9 @@ class Mover:
         where = self.placed.pop(name, None)
         if where is not None and self.occupants.get(where) is unit:
             del self.occupants[where]
+        if len(packs) == 1:
+            pack.to_host()
+            return
         for pack in packs:
             pack.to_host()
 

@@ -54,11 +54,12 @@ moves; ``rest_views`` are the tensors' own views of ``bound``, which `point` tak
 after a staged copy. The storage over the slot holds no memory of its own (`_storage_at`): while
 the pack is docked it holds the host memory, whose owner it is then, and the engine never frees a
 slot a unit occupies; a slot whose memory moved (freed and grown again) is found at the next load,
-by its address. A pack dropped while docked (a step interrupted, then its session and pipeline
-dropped without close()) undocks as it goes, so a weight kept elsewhere holds the host memory, never
-a freed slot. A dock and the undock that follows it leave the pack's ``moves`` as they found it (the
-tensors point where they did), so the session guard's step end reads nothing of a block that came
-and went. File-tier and sharded packs, and every pack of a CUDA session, are not bound.
+by the count of its regrowths (`DeviceBuffer.grown`). A pack dropped while docked (a step
+interrupted, then its session and pipeline dropped without close()) undocks as it goes, so a weight
+kept elsewhere holds the host memory, never a freed slot. A dock and the undock that follows it
+leave the pack's ``moves`` as they found it (the tensors point where they did), so the session
+guard's step end reads nothing of a block that came and went. File-tier and sharded packs, and
+every pack of a CUDA session, are not bound.
 
 [Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
@@ -83,6 +84,7 @@ import attrs
 import torch
 
 from torchferry.policies import shard_nbytes
+from torchferry.runtime.device import DeviceBuffer
 from torchferry.runtime.memory._layouts import dense
 from torchferry.runtime.memory._wrappers import Wrapper
 
@@ -253,8 +255,8 @@ class Pack:
     rest_views: tuple[torch.Tensor, ...] = ()
     # Why: while docked, the slot's storage exchanged with ``bound`` (it holds the host memory now).
     docked: torch.UntypedStorage | None = None
-    # Why: per slot name, (the slot's buffer, its address, the pack's bytes of it, a storage over
-    # them) (see `dock_at`).
+    # Why: per slot name, (the slot's buffer, its ``grown`` count, the pack's bytes of it, a storage
+    # over them) (see `dock_at`).
     docks: dict[str, tuple[torch.Tensor, int, torch.Tensor, torch.UntypedStorage]] = attrs.field(factory=dict)
     # Why: ``moves`` before the pack docked (its undock gives it back), and how many times it docked
     # (each dock's ``moves`` is minus that count: never a value seen before).
@@ -311,14 +313,16 @@ class Pack:
         self.host_views = views_into(self.pieces, copy)
         self.bound = storage
 
-    def dock_at(self, key: str, flat: torch.Tensor) -> tuple[torch.Tensor, torch.UntypedStorage]:
-        """The pack's bytes of ``flat`` (slot ``key``'s buffer), and the storage over them that
+    def dock_at(self, key: str, slot: DeviceBuffer) -> tuple[torch.Tensor, torch.UntypedStorage]:
+        """The pack's bytes of slot ``key`` (its buffer ``slot``), and the storage over them that
         `arrive` docks, cached per slot while the slot's memory stays where it is (a slot freed and
-        grown again may start elsewhere: its address is compared at every load)."""
-        at = flat.data_ptr()
+        grown again may start elsewhere: its ``grown`` count is compared at every load)."""
+        flat = slot.data
         cached = self.docks.get(key)
-        if cached is None or cached[0] is not flat or cached[1] != at:
-            cached = (flat, at, flat.narrow(0, 0, self.nbytes), _storage_at(at, flat.device, self.nbytes))
+        if cached is None or cached[0] is not flat or cached[1] != slot.grown:
+            at = flat.data_ptr()
+            view = flat.narrow(0, 0, self.nbytes)
+            cached = (flat, slot.grown, view, _storage_at(at, flat.device, self.nbytes))
             self.docks[key] = cached
         return cached[2], cached[3]
 
@@ -377,8 +381,11 @@ class Pack:
         pack whose copy is still in flight points there already."""
         where = self.where
         if where is PackState.READY:  # the wait took `arriving` and the watch (`stale`)
-            if self.docked is not None:
-                self._undock()
+            docked = self.docked
+            if docked is not None:  # `_undock`, inline
+                self.docked = None
+                _SWAP(self.bound, docked)
+                self.moves = self._home
             else:
                 self.point(self.rest_views or self.host_views)
         elif where is PackState.IN_FLIGHT:
