@@ -426,10 +426,10 @@ class Mover:
 
     def _evict(self, unit: Unit, op: Op) -> None:
         packs = unit.packs
-        pack = packs[0]
-        if len(packs) == 1:  # a block or a remainder in its slot: `_leaving`, inline
-            if pack.buffers and pack.where is _READY:
-                pack.keep_written()
+        single = packs[0] if len(packs) == 1 else None
+        if single is not None:  # a block or a remainder in its slot: `_leaving`, inline
+            if single.buffers and single.where is _READY:
+                single.keep_written()
             if self.guard.graded:
                 self.guard.leaving(unit)
         else:
@@ -437,7 +437,7 @@ class Mover:
         name = unit.name
         transfer = self.transfers.pop(name, None)
         if transfer is not None and (not self._synchronous or transfer.filling is not None):
-            if pack.where is _IN_FLIGHT:
+            if packs[0].where is _IN_FLIGHT:
                 # A prefetch compute never waited for (a stale one, which `check` allows): the slot's
                 # next writer waits only on ``free``, so compute must first be ordered after this
                 # unit's load or gather, which may still be writing the slot on another stream.
@@ -446,8 +446,8 @@ class Mover:
         where = self.placed.pop(name, None)
         if where is not None and self.occupants.get(where) is unit:
             del self.occupants[where]
-        if len(packs) == 1:
-            pack.to_host()
+        if single is not None:
+            single.to_host()
             return
         for pack in packs:
             pack.to_host()
