@@ -34,24 +34,24 @@ STEPS = 2  # denoising steps of a whole toy pipeline call
 #: blocks and the ops were streamlined ("docked"); with blocks re-pointed tensor by tensor, before
 #: docking on a CPU session; those before the first hot-path trims of issue 40 last).
 BUDGETS: dict[str, tuple[float, float, float, float]] = {
-    # 20.9 calls, 26.9 C calls, 838 instructions, 37.0 tensor ops per block (docked: 25.9, 29.0, 958,
+    # 20.9 calls, 26.9 C calls, 844 instructions, 37.0 tensor ops per block (docked: 25.9, 29.0, 958,
     # 38.0; re-pointed: 25.9, 32.0, 1004, 77.0: 36 of them ``tensor.data = view``; first: 37.8, 27.6,
     # 1256, and no steady figure: the table of what follows each step grew by one entry a forward,
     # and was copied in Python)
     "dit layerwise": (23.0, 29.5, 925.0, 41.0),
     # a call of the toy pipeline (encoder, two DiT steps, decoder) over its 18 streamed blocks:
-    # 27.5, 33.8, 996, 63.9 (docked: 31.9, 34.9, 1134, 64.1; re-pointed: 31.9, 37.9, 1180, 100.4;
+    # 27.5, 33.8, 1002, 63.9 (docked: 31.9, 34.9, 1134, 64.1; re-pointed: 31.9, 37.9, 1180, 100.4;
     # first: 43.4, 32.7, 1635)
     "pipeline layerwise": (30.5, 37.0, 1100.0, 70.5),
     # the same with part of the blocks in the file tier (read from the checkpoint at every use; a
-    # file-tier pack is re-pointed): 35.2, 40.7, 1241, 132.0 (docked: 37.9, 41.4, 1300, 132.2 measured
+    # file-tier pack is re-pointed): 37.2, 42.1, 1291, 132.0 (docked: 37.9, 41.4, 1300, 132.2 measured
     # beside it, 47.9, 48.9, 1525, 157.7 when set; re-pointed: 47.9, 49.3, 1530, 162.1; first: 56.7,
     # 44.2, 2476)
     # (its margin is about 18%: a slot grown back off the 256-byte boundary makes a re-pointed pack
     # build its 27 views again, by chance, and three calls can all meet it)
     "pipeline file_tier": (41.5, 48.0, 1450.0, 152.0),
     # model_level streams no block: per component forward (4 a call; a staged component is
-    # re-pointed): 72.0, 104.8, 3355, 615.8 (docked: 71.5, 105.8, 3370, 615.8; first: 161.5, 183.0,
+    # re-pointed): 72.0, 104.8, 3357, 615.8 (docked: 71.5, 105.8, 3370, 615.8; first: 161.5, 183.0,
     # 6212: three tensor calls a tensor to view a staged component)
     "pipeline model_level": (78.5, 116.5, 3710.0, 677.5),
 }
