@@ -136,6 +136,7 @@ from torchferry.policies._tiers import host_bytes as host_bytes
 from torchferry.policies._tiers import pack_heats as pack_heats
 from torchferry.policies._tiers import page_bytes as page_bytes
 from torchferry.policies._tiers import read_nbytes as read_nbytes
+from torchferry.policies._tiers import read_size as read_size
 from torchferry.policies._tiers import reads_direct as reads_direct
 from torchferry.policies._tiers import staging_count as staging_count
 from torchferry.policies._tokens import format_bytes

@@ -11,10 +11,10 @@ from torchferry.policies._layout import layout, pack_bytes, pack_table
 from torchferry.policies._tiers import (
     file_packs,
     host_bytes,
-    largest_read,
     page_bytes,
     read_buffer_bytes,
     read_nbytes,
+    read_size,
     reads_direct,
 )
 from torchferry.policies._tokens import format_bytes
@@ -49,7 +49,7 @@ class FileTierCheck:
         budget = self.plan.config.host_memory_bytes
         staging = [self.slots[n] for n in sorted(self.staging)]
         total, store = host_bytes(self.plan, self.file, staging)
-        largest = max((sl.nbytes for sl in staging), default=0) or largest_read(self.plan, self.file)
+        largest = read_size(self.plan, self.file, (sl.nbytes for sl in staging))
         buffers = read_buffer_bytes(largest) if self.file else 0
         self.locked(line, store + sum(page_bytes(sl.nbytes) for sl in staging) + buffers)
         if budget is None or total <= budget:

@@ -29,7 +29,7 @@ beside the store (`DIRECT_DEVICES`). A CUDA device keeps its pinned staging slot
 from __future__ import annotations
 
 import mmap
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from functools import lru_cache
 from typing import Literal
 
@@ -195,7 +195,7 @@ def host_bytes(plan: Plan, file: Collection[str], staging: Collection[Slot]) -> 
     store, the slots, the read buffers (sized by the largest slot, or with none by the largest
     file-tier pack), and what the plan's `StoreFacts` add (`extra_bytes`)."""
     store = sum(page_bytes(pack_bytes(plan, name)) for name, _ in pack_table(plan) if name not in file)
-    slot = max((s.nbytes for s in staging), default=0) or largest_read(plan, file)
+    slot = read_size(plan, file, (s.nbytes for s in staging))
     extra = sum(page_bytes(s.nbytes) for s in staging) + (read_buffer_bytes(slot) if file else 0)
     return store + extra + sum(extra_bytes(plan, file)), store
 
@@ -203,6 +203,12 @@ def host_bytes(plan: Plan, file: Collection[str], staging: Collection[Slot]) -> 
 def largest_read(plan: Plan, file: Collection[str]) -> int:
     """The largest pack in the file tier ``file`` (0: none), which sizes staging slots and read buffers."""
     return max((pack_bytes(plan, name) for name in file), default=0)
+
+
+def read_size(plan: Plan, file: Collection[str], staging: Iterable[int]) -> int:
+    """The read the reader's buffers are cut for: the largest staging slot (``staging``: their bytes),
+    or with none (the reader fills device slots itself, `reads_direct`) the largest file-tier pack."""
+    return max(staging, default=0) or largest_read(plan, file)
 
 
 def kept_bytes(plan: Plan, name: str) -> int:

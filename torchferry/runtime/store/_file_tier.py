@@ -38,7 +38,7 @@ import torch
 
 from torchferry import policies
 from torchferry._errors import ExecutionError, PlanError
-from torchferry.policies import Schedule, Tiers, pack_bytes, unit_packs
+from torchferry.policies import Schedule, Tiers, unit_packs
 from torchferry.runtime.device import DeviceBuffer
 from torchferry.runtime.files import CheckpointReader, FileReader, PackRead, Ticket
 from torchferry.runtime.machine import READ_MODE_ENV
@@ -146,7 +146,7 @@ def tier_request(
         return None
     # The read buffers are sized by the staging slots, or with none (the reader fills device slots
     # itself) by the largest file-tier pack, as `policies.tiers` counts them.
-    largest = max((n for _, n in layout.staging), default=0) or max(pack_bytes(plan, name) for name in packs)
+    largest = policies.read_size(plan, packs, (n for _, n in layout.staging))
     source = checkpoint
     if layout.source is not None:
         source = CheckpointReader(layout.source)
