@@ -160,11 +160,14 @@ class CheckpointReader(contextlib.AbstractContextManager["CheckpointReader"]):
         self.unreadable: tuple[str, ...] = found.unreadable
         self._broken = dict(found.broken)
 
+    #: The header parser of this format (`GGUFCheckpointReader` has its own).
+    _parse = staticmethod(parse_header)
+
     def _reads_as_parsed(self, file: str, handle: BinaryIO) -> bool:
         """Whether ``file``'s header, parsed again, gives the entries it gave at open."""
         try:  # a buffer of its own: the handle's may still hold the bytes parsed at open
             with open(os.dup(handle.fileno()), "rb") as fresh:
-                return parse_header(file, fresh) == self._parsed.get(file)
+                return bool(self._parse(file, fresh) == self._parsed.get(file))
         except PlanError:
             return False
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any, BinaryIO
+from typing import Any
 
 import attrs
 import torch
@@ -215,6 +215,8 @@ class GGUFCheckpointReader(CheckpointReader):
     way in). Quantized and BF16 tensors are copied as the file's bytes.
     """
 
+    _parse = staticmethod(parse_gguf)
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -245,14 +247,6 @@ class GGUFCheckpointReader(CheckpointReader):
         except BaseException:
             self.close()
             raise
-
-    def _reads_as_parsed(self, file: str, handle: BinaryIO) -> bool:
-        """Whether the GGUF header, parsed again, gives the entries it gave at open."""
-        try:  # a buffer of its own: the handle's may still hold the bytes parsed at open
-            with open(os.dup(handle.fileno()), "rb") as fresh:
-                return parse_gguf(file, fresh) == self._parsed.get(file)
-        except PlanError:
-            return False
 
     def _headers(self, path: str, variant: str | None) -> Headers:
         """The one GGUF file's entries under the model's names (see the Note at the top)."""
