@@ -462,28 +462,16 @@ def test_an_in_place_edit_from_a_hook_during_a_step_then_one_between_steps_is_ke
     assert same_state(p, ref)
 
 
-_NOT_ADOPTED = pytest.mark.xfail(
-    strict=True,
-    reason="w.data = w * 2 from a hook during a step is not adopted: the step's end reads the moved "
-    "pack's pointers as the engine's own (a staged unit's re-pointing at the step's end), so w keeps the "
-    "stray tensor until close() re-points it at the stale host copy (model_level: steps exact, weight "
-    "after close half the plain one; rule 5 may put this outside the contract; same at d2f5962). A "
-    "streamed block on a CPU session keeps it (layerwise-6: its pack is docked, and docking moves only "
-    "the tensors still on its storage; re-pointed, as before docking, its wait later in the step "
-    "re-pointed w at the slot over the stray tensor)",
-)
-
-
 @pytest.mark.parametrize(
     ("config", "target"),
-    [
-        ("layerwise", 6),
-        pytest.param("model_level", 6, marks=_NOT_ADOPTED),
-        pytest.param("resident2", 0, marks=_NOT_ADOPTED),
-    ],
+    [("layerwise", 6), ("model_level", 6), ("resident2", 0)],
 )
 def test_a_data_assignment_from_a_hook_during_a_step_is_kept(config: str, target: int) -> None:
-    """``w.data = w * 2`` from a hook during a step is in every later step and after close, as in plain."""
+    """``w.data = w * 2`` from a hook during a step is in every later step and after close, as in plain.
+
+    On a CPU session every pack docks, staged ones too ([Note: docking]): no op of a step re-points
+    ``w`` over the stray tensor, and close adopts it. (Re-pointed, on CUDA, a staged unit's step end
+    read ``w``'s pointer as the engine's own and close put the stale host copy back.)"""
     p, ref = pair(_hooked("data", target))
     args = inputs()
     with session(p, config):
@@ -518,18 +506,15 @@ def test_a_view_of_a_streamed_block_edited_between_steps_is_adopted(how: str, i:
     assert same_state(p, ref)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a view (or detach, or row) of a weight taken while its block is at host memory aliases the "
-    "host copy; edited in place once the block sits on the device between steps, it writes the host "
-    "copy and bumps the shared version counter, so the next step's adopt() copies the stale device copy "
-    "over it: the edit is gone from every later step and after close (same at d2f5962)",
-)
 @pytest.mark.parametrize("how", list(_HANDLES))
 @pytest.mark.parametrize(("config", "i"), [("resident2", 0), ("model_level", 3)])
 def test_a_view_edited_while_its_block_is_on_the_device_is_adopted(config: str, i: int, how: str) -> None:
     """A view of a weight taken at host memory and edited in place while its block is on the device
-    between steps is in the next steps and after close."""
+    between steps is in the next steps and after close.
+
+    On a CPU session the staged block docks: the view follows its storage onto the device copy, so the
+    edit writes the copy the step runs and the next step start keeps it. (Re-pointed, on CUDA, the view
+    kept aliasing the host copy and the next step start copied the stale device copy over the edit.)"""
     p, ref = pair()
     args = inputs()
     with session(p, config):
@@ -542,15 +527,13 @@ def test_a_view_edited_while_its_block_is_on_the_device_is_adopted(config: str, 
     assert same_state(p, ref)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="after p.data = t between steps the plain weight shares t's storage; the session copies t "
-    "into its host copy and re-points p, so a later t.mul_(2) changes the plain weight only (outputs "
-    "differ in the next step and after close; same at d2f5962)",
-)
 @pytest.mark.parametrize(("config", "i"), [("layerwise", 3), ("model_level", 0)])
 def test_a_tensor_assigned_through_data_stays_the_weights_storage(config: str, i: int) -> None:
-    """After ``w.data = t`` between steps, an in-place edit of ``t`` changes the weight, as in plain."""
+    """After ``w.data = t`` between steps, an in-place edit of ``t`` changes the weight, as in plain.
+
+    On a CPU session the weight's pack docks, so no step re-points it: it keeps viewing ``t`` until
+    close adopts it (rule 2 of the session contract). (Re-pointed, on CUDA, the next step start copies
+    ``t`` into the host copy and re-points the weight: a later edit of ``t`` is not seen.)"""
     p, ref = pair()
     args = inputs()
     with session(p, config):
@@ -564,6 +547,36 @@ def test_a_tensor_assigned_through_data_stays_the_weights_storage(config: str, i
         for t in assigned:
             t.mul_(2)
         assert torch.equal(run(p, args), run(ref, args))
+    assert same_state(p, ref)
+
+
+@pytest.mark.parametrize("i", [0, 3])
+@pytest.mark.parametrize("config", ["layerwise", "resident2", "model_level"])
+def test_a_tensor_assigned_after_an_interrupted_step_is_kept(config: str, i: int) -> None:
+    """A step interrupted mid-forward (a BaseException, as a KeyboardInterrupt) leaves blocks docked;
+    ``w.data = t`` then, and the next call starts clean (undocks, remembers what the abort left): the
+    weight runs with ``t`` in every later call and the pipeline after close holds it, as in plain (an
+    edit of a docked weight is never taken for the engine's own move)."""
+    p, ref = pair()
+    args = inputs()
+    state = {"armed": True}
+
+    def interrupt(module: nn.Module, inputs: Any) -> None:
+        if state["armed"]:
+            state["armed"] = False
+            raise Interrupt()
+
+    with session(p, config):
+        run(p, args)
+        handle = block(p, 5).register_forward_pre_hook(interrupt)
+        with pytest.raises(Interrupt):
+            run(p, args)
+        handle.remove()
+        for pipe in (p, ref):
+            t = block(pipe, i).fc1.weight.detach() * 2
+            block(pipe, i).fc1.weight.data = t
+        for _ in range(2):
+            assert torch.equal(run(p, args), run(ref, args))
     assert same_state(p, ref)
 
 

@@ -176,9 +176,9 @@ class Mover:
                         stacklevel=2,
                     )
         finally:
+            self.store.reset()  # before the staged copies go: no pack stays docked at freed memory
             for name in list(self.staged):
                 self._drop_staged(name)
-            self.store.reset()
             self.shards.clear()
             self.transfers.clear()
             self.occupants.clear()
@@ -471,6 +471,8 @@ class Mover:
                 6,
             )
         if unit.name in self.staged:
+            for pack in unit.packs:
+                pack.to_host()  # undocked before its staged copy goes
             self._drop_staged(unit.name)
         tier = self.store.tier
         held: list[tuple[DeviceBuffer, int]] = []
@@ -502,7 +504,10 @@ class Mover:
                 else:
                     self.streams.copy_in(transfer, transfer.data, pack.host)
                 self.streams.wait(transfer)
-                pack.point(views_into(pack.pieces, transfer.data))
+                if pack.bound is not None:
+                    pack.dock(transfer.data)  # see [Note: docking] in `_pack`
+                else:
+                    pack.point(views_into(pack.pieces, transfer.data))
                 if pack.buffers:
                     pack.arrived()
                 pack.where = PackState.READY
@@ -517,9 +522,9 @@ class Mover:
 
     def _unstage(self, unit: Unit, op: Op) -> None:
         self._leaving(unit)
-        self._drop_staged(unit.name)
         for pack in unit.packs:
             pack.to_host()
+        self._drop_staged(unit.name)
         self.placed.pop(unit.name, None)
 
     def _drop_staged(self, name: str) -> None:

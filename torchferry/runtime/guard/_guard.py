@@ -16,20 +16,26 @@ docs/contract.md.
    ``p.mul_(2)``, ``p.copy_(...)``, ``p.data = other`` of the same shape and dtype) made between
    steps is adopted at the next step start (and at close): its values are written to the host copy,
    device copies are dropped, and every later step and the pipeline after ``close()`` hold the new
-   values. The check compares with what the last step left each managed tensor's data pointer (a
-   ``.data =`` edit), the version counter of each tensor the device holds a copy of between steps (an
-   in-place edit of a tensor at host memory needs nothing: the next load copies its new bytes), and,
-   when any module registered a parameter, buffer or submodule since the last check (torch's global
-   registration hooks count them), each tensor's module slots (another object there): one pass per
-   step, about 0.1-0.15 us per tensor (1,097 tensors of a 40-block Wan transformer: 0.13-0.2 ms per
-   step on a 2-core CPU box). At a step's end nothing is read again but the tensors still on the
-   device: a pack the engine re-pointed back to host memory points at its known host views.
-   Anything else (a tensor of another shape, dtype or device, or another object in the module), and
-   any edit of a tensor in the file tier (which has no host copy to take it), raises
-   `ExecutionError` at the next step start, naming the tensor. A tensor written straight
-   into a module's ``_parameters`` or ``_buffers`` dict (no ``setattr``, no ``register_*``, so no
-   registration hook) is seen only at a step after some registration, and at close: replace
-   weights through ``setattr`` or ``load_state_dict`` during a session.
+   values. The check compares with what the last step left the data pointer of each tensor the
+   engine re-points (a ``.data =`` edit), the version counter of each tensor the device holds a copy
+   of between steps (an in-place edit of a tensor at host memory needs nothing: the next load copies
+   its new bytes), and, when any module registered a parameter, buffer or submodule since the last
+   check (torch's global registration hooks count them), each tensor's module slots (another object
+   there): one pass per step, about 0.1-0.15 us per tensor (1,097 tensors of a 40-block Wan
+   transformer: 0.13-0.2 ms per step on a 2-core CPU box). A pack that docks (every host-memory pack
+   of a CPU session, [Note: docking] in `torchferry.runtime.memory._pack`) is never re-pointed by a
+   step, so a ``.data =`` edit of its tensor is not looked for at step starts: the tensor runs with
+   what it was given, shares its memory and keeps it, as in a plain run; ``everything`` checks
+   (close, the end of a write-through) compare each such tensor with its place in its pack's storage
+   (`_docked_pointers`), adopt what the host copy can take and leave the rest as given
+   (`HostStore.give_back` keeps them too). At a step's end nothing is read again but the tensors
+   still on the device: a pack the engine re-pointed back to host memory points at its known host
+   views. Anything else (a tensor of another shape, dtype or device, or another object in the
+   module), and any edit of a tensor in the file tier (which has no host copy to take it), raises
+   `ExecutionError` at the next step start, naming the tensor. A tensor written straight into a
+   module's ``_parameters`` or ``_buffers`` dict (no ``setattr``, no ``register_*``, so no
+   registration hook) is seen only at a step after some registration, and at close: replace weights
+   through ``setattr`` or ``load_state_dict`` during a session.
    2b. A replacement made *during* a step (a forward's own ``self.inv_freq = ...``, as OmniGen's
    rotary embedding does on every call) is the model's state, as in a plain run: when a step that
    registered or assigned anything ends, its module slots are looked at, and a slot holding another
@@ -182,7 +188,9 @@ class SessionGuard:
                         if t is not None and (id(t) in managed or id(t) in wrapped):
                             places.setdefault(id(t), []).append((f"{path}.{key}".lstrip("."), table, key))
         self._records: list[_Record] = []
-        for pack in engine.store.packs.values():
+        # Packs that dock come last (a stable sort): their tensors' pointers are read only when the
+        # session looks at everything (rule 2 of the Note), the others' at every step start.
+        for pack in sorted(engine.store.packs.values(), key=lambda g: g.bound is not None):
             for i, t in enumerate(pack.tensors):
                 held = holder.get(id(t), t)
                 where = places.get(id(held), [])
@@ -197,13 +205,23 @@ class SessionGuard:
         for i, r in enumerate(self._records):
             start, _ = self._spans.get(r.pack, (i, i))
             self._spans[r.pack] = (start, i + 1)
+        # Why: the tensors of packs the engine re-points (whose data pointers each step start reads),
+        # and, per pack that docks, where in its storage each of its tensors starts (`_docked_pointers`).
+        self._free = [r.tensor for r in self._records if r.pack.bound is None]
+        self._docks = self._tensors[len(self._free) :]
+        self._docking = [
+            (pack, [_pointer(t) - pack.bound.data_ptr() if _pointer(t) else None for t in pack.tensors])
+            for pack in self._spans
+            if pack.bound is not None
+        ]
         slots = [(table, key, r.holder) for r in self._records for table, key in r.places]
         # Why: every module slot of a managed tensor as three parallel lists, so the per-step check
         # runs as C-level maps.
         self._place_tables = [table for table, _, _ in slots]
         self._place_keys = [key for _, key, _ in slots]
         self._place_tensors = [t for _, _, t in slots]
-        # Why: what the last step left: every tensor's version and data pointer, and each pack's moves.
+        # Why: what the last step left: every tensor's version, the data pointer of each in `_free`,
+        # and each pack's moves.
         self._versions: list[int] = []
         self._pointers: list[int] = []
         # Why: the packs in `_spans` order, and their ``moves`` and ``bumps`` as the last step left
@@ -346,7 +364,7 @@ class SessionGuard:
     def snapshot(self) -> None:
         """Remember each managed tensor's version and data pointer as the engine leaves them now."""
         self._versions = list(map(_VERSION, self._tensors))
-        self._pointers = list(map(_DATA_PTR, self._tensors))
+        self._pointers = list(map(_DATA_PTR, self._free))
         self._hosted.clear()
         self._moves = list(map(_MOVES, self._packs))
         self._bumps = list(map(_BUMPS, self._packs))
@@ -373,7 +391,7 @@ class SessionGuard:
             self._packs, moves, bumps, self._moves, self._bumps, strict=True
         ):
             start, end = spans[pack]
-            if move != move_then:
+            if move != move_then and pack.bound is None:  # a pack that docks: see `_docked_pointers`
                 if pack.where is not PackState.READY:  # at host memory (a copy in flight, or none)
                     if hosted.get(pack) is not pack.host:  # else they are remembered there already
                         self._pointers[start:end] = self._host_pointers(pack)
@@ -449,23 +467,40 @@ class SessionGuard:
         # version bump matters only where a device copy would go stale (a tensor at host memory was
         # written in place: the next load copies the new bytes), so only those records' versions are
         # read when nothing else changed.
-        pointers = list(map(_DATA_PTR, self._tensors))
+        # The tensors of packs that dock are read only with ``everything`` (see rule 2 of the Note).
         indices, tensors = self._on_device()
         then = self._versions
         registered = REGISTRATIONS.count
+        free = self._free
         if (
-            pointers == self._pointers
+            list(map(_DATA_PTR, free)) == self._pointers
             and list(map(_VERSION, tensors)) == list(map(then.__getitem__, indices))
             and ((registered == self._registered and not everything) or self._in_place())
+            and not (everything and list(map(_DATA_PTR, self._docks)) != self._docked_pointers())
         ):
             self._registered = registered
             return []
+        pointers = list(map(_DATA_PTR, self._tensors))
+        expected = self._pointers + (self._docked_pointers() if everything else pointers[len(free) :])
         versions = list(map(_VERSION, self._tensors))
         return [
             r
-            for r, v, p, tv, tp in zip(self._records, versions, pointers, then, self._pointers, strict=True)
+            for r, v, p, tv, tp in zip(self._records, versions, pointers, then, expected, strict=True)
             if v != tv or p != tp or any(table.get(key) is not r.holder for table, key in r.places)
         ]
+
+    def _docked_pointers(self) -> list[int]:
+        """Where each tensor of the packs that dock points while no edit moved it: inside its pack's
+        storage, wherever that storage's memory is now (host memory, or a slot it is docked at)."""
+        found: list[int] = []
+        for pack, offsets in self._docking:
+            bound = pack.bound
+            if bound is None:  # given back (close): its tensors own their memory now
+                found.extend(map(_pointer, pack.tensors))
+                continue
+            base = bound.data_ptr()
+            found.extend(0 if at is None else base + at for at in offsets)
+        return found
 
     def adopt(self, *, strict: bool = True) -> None:
         """Write edits made since the last step into the host copy and drop device copies.
@@ -490,7 +525,10 @@ class SessionGuard:
             raise ExecutionError(self._refusal)
         with torch.no_grad():
             for r, problem in checked:
-                if problem is None and _write_back(r) and r.pack.where is not PackState.READY:
+                # A docked pack's tensor goes back into its pack's storage even on the device: the
+                # abort below undocks that storage to host memory, which holds the edit now.
+                ready = r.pack.where is PackState.READY and r.pack.bound is None
+                if problem is None and _write_back(r) and not ready:
                     r.tensor.data = (r.pack.rest_views or r.pack.host_views)[r.index]
         self.engine.abort()
         self.snapshot()

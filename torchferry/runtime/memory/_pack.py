@@ -44,22 +44,24 @@ moving the pack is one call instead of one per tensor: at the wait the data poin
 exchanged with that of a storage over the pack's bytes in its slot (``torch.UntypedStorage.
 _swap_data_ptr_``, about 0.1-0.25 us; `arrive`), and at the evict exchanged back (`to_host`): on
 benchmarks/overhead.py the two moves of a Wan block cost 4-6 us against 34-48 us re-pointed. Each
-tensor keeps its object, storage, offset and strides; only the memory under the storage changes,
-so a view of a weight anyone took (a hook's, autograd's) follows it too, and no weight gets a
-second identity (what took binding out, above). A pack that is not docked points at its host
-memory, so a read of an evicted block's weights (a hook of another block, the caller between steps)
-sees its true values, as re-pointing gives. The host copy itself (``host``, ``host_views``: what
-loads copy from and edits are written back to) is a second storage over the same memory that never
-moves; ``rest_views`` are the tensors' own views of ``bound``, which `point` takes them back to
-after a staged copy. The storage over the slot holds no memory of its own (`_storage_at`): while
-the pack is docked it holds the host memory, whose owner it is then, and the engine never frees a
-slot a unit occupies; a slot whose memory moved (freed and grown again) is found at the next load,
-by the count of its regrowths (`DeviceBuffer.grown`). A pack dropped while docked (a step
-interrupted, then its session and pipeline dropped without close()) undocks as it goes, so a weight
-kept elsewhere holds the host memory, never a freed slot. A dock and the undock that follows it
-leave the pack's ``moves`` as they found it (the tensors point where they did), so the session
-guard's step end reads nothing of a block that came and went. File-tier and sharded packs, and
-every pack of a CUDA session, are not bound.
+tensor keeps its object, storage, offset and strides; only the memory under the storage changes, so
+a view of a weight anyone took (a hook's, autograd's) follows it too, and no weight gets a second
+identity (what took binding out, above). A pack that is not docked points at its host memory, so a
+read of an evicted block's weights (a hook of another block, the caller between steps) sees its true
+values, as re-pointing gives. The host copy itself (``host``, ``host_views``: what loads copy from
+and edits are written back to) is a second storage over the same memory that never moves;
+``rest_views`` are the tensors' own views of ``bound``, which `point` takes them back to after a
+copy re-pointed them. A staged copy docks too (`dock`), so no op of a step ever re-points a tensor
+of a pack that docks (what lets the session guard leave their pointers alone at step starts: rule 2
+of [Note: the session contract]). The storage over the slot holds no memory of its own
+(`_storage_at`): while the pack is docked it holds the host memory, whose owner it is then, and the
+engine never frees a slot a unit occupies; a slot whose memory moved (freed and grown again) is
+found at the next load, by the count of its regrowths (`DeviceBuffer.grown`). A pack dropped while
+docked (a step interrupted, then its session and pipeline dropped without close()) undocks as it
+goes, so a weight kept elsewhere holds the host memory, never a freed slot. A dock and the undock
+that follows it leave the pack's ``moves`` as they found it (the tensors point where they did), so
+the session guard's step end reads nothing of a block that came and went. File-tier and sharded
+packs, and every pack of a CUDA session, are not bound.
 
 [Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
@@ -340,6 +342,14 @@ class Pack:
         self._home = self.moves
         self._dockings = docks = self._dockings + 1
         self.moves = -docks
+
+    def dock(self, flat: torch.Tensor) -> None:
+        """Dock the pack at ``flat``, a copy of its bytes on the device (a staged one), as `arrive`
+        docks it at a slot: its tensors see ``flat``'s memory, not one re-pointed at a time."""
+        if self.docked is not None:
+            self._undock()
+        self.arriving = _storage_at(flat.data_ptr(), flat.device, self.nbytes)
+        self.arrive()
 
     def __del__(self) -> None:
         # A pack dropped while docked (a step interrupted, then its session and pipeline dropped

@@ -357,7 +357,16 @@ class HostStore:
             t = torch.empty_strided(piece.shape, piece.stride, dtype=piece.given or piece.dtype)
             t.copy_(view)
             fresh.append(t)
-        pack.point(fresh)
+        bound = pack.bound
+        if bound is None:
+            pack.point(fresh)
+        else:
+            # A weight a user gave another tensor its host copy cannot take (another shape, dtype or
+            # device: close adopts the rest) keeps it, as in a plain run: its pack docks, so no step
+            # re-pointed it (rule 2 of [Note: the session contract]).
+            mine = bound._cdata
+            given = [t.untyped_storage()._cdata != mine for t in pack.tensors]
+            pack.point([t.data if g else f for t, f, g in zip(pack.tensors, fresh, given, strict=True)])
         pack.unbind()
         # Each tensor is its own host view now: no second tensor object is left on its storage (one
         # would read as a view taken elsewhere when a session opens on the pipeline again).
