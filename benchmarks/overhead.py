@@ -172,9 +172,10 @@ def breakdown(
 
     Timers wrap every hook torchferry installed (so the sum is all of torchferry's code a forward
     runs, step start and end included), the session's step start and end (`Session.enter`/``leave``),
-    the op runs (``Engine.advance``), the copies (``copy_in``), and re-pointing tensors at a slot and
-    back (``Pack.arrive`` and ``Pack.to_host``, which re-point or dock; ``Pack.point`` in a checkout
-    without them). Each figure is the least over ``repeats`` forwards, per block, less the
+    the op runs (``Engine.advance``), the copies (``copy_in``, or a replayed step's ``load_docked``),
+    and re-pointing tensors at a slot and back (``Pack.arrive`` and ``Pack.to_host``, which re-point
+    or dock, or a replayed step's ``land`` and ``lift``; ``Pack.point`` in a checkout without them).
+    Each figure is the least over ``repeats`` forwards, per block, less the
     timers nested in it. Torch's own hook dispatch is outside every timer.
     """
     from torchferry.runtime.memory import _pack
@@ -228,6 +229,24 @@ def breakdown(
     session.enter, session.leave = timed("step", enter), timed("step", leave)
     for m, fn in pack_methods.items():
         setattr(_pack.Pack, m, timed("repoint", fn))
+    # A replayed step ([Note: replay]) calls the packs' moves from its recorded segments: the load's
+    # copy (with the two attributes it sets, about 0.05 us) is timed as the copy, a dock and an
+    # undock as re-pointing.
+    replayed = {
+        getattr(_pack, "load_docked", None): "copy",
+        getattr(_pack, "land", None): "repoint",
+        getattr(_pack, "lift", None): "repoint",
+    }
+    replayed.pop(None, None)
+    saved_segments: list[tuple[dict[int, Any], int, Any]] = []
+    for program in getattr(engine, "_programs", {}).values():
+        replay = getattr(program, "replay", None)
+        if replay is None:
+            continue
+        for key, segment in list(replay.segments.items()):
+            saved_segments.append((replay.segments, key, segment))
+            fns = tuple(timed(replayed[f], f) if f in replayed else f for f in segment[1])
+            replay.segments[key] = (segment[0], fns, *segment[2:])
     per_forward: list[dict[str, float]] = []
     schedules = len(session.schedules)
     try:
@@ -255,6 +274,8 @@ def breakdown(
     finally:
         for table, key, hook in saved_hooks:
             table[key] = hook
+        for segments, key, segment in saved_segments:
+            segments[key] = segment
         del engine.advance, engine.streams.copy_in, session.enter, session.leave
         for m, fn in pack_methods.items():
             setattr(_pack.Pack, m, fn)

@@ -49,7 +49,7 @@ import torch
 from torchferry._errors import ExecutionError, OffloadWarning, PlanError
 from torchferry.policies import Placement, Schedule, layout, store_pins
 from torchferry.runtime.device import Comm, Ledger, StreamContext, resolved, stream_context
-from torchferry.runtime.executor._handlers import Mover
+from torchferry.runtime.executor._handlers import Mover, profiling
 from torchferry.runtime.executor._hooks import Driver, Hooks
 from torchferry.runtime.executor._program import (
     MAX_PROGRAMS,
@@ -58,6 +58,7 @@ from torchferry.runtime.executor._program import (
     listing,
     schedule_text,
 )
+from torchferry.runtime.executor._replay import build_replay
 from torchferry.runtime.executor._step_cache import step_name
 from torchferry.runtime.executor._trace import Tracer
 from torchferry.runtime.files import CheckpointReader, open_checkpoint
@@ -333,6 +334,19 @@ class Engine(Mover):
         self.ledger.mark()
         program.pc = 0
         self.program = program
+        self._replay = self._recording = None
+        if (
+            program.primitive is not None
+            and self._synchronous
+            and self._tracing is None
+            and not self.guard.graded
+            and not torch.is_grad_enabled()
+            and not profiling()
+        ):  # [Note: replay] in `_replay`
+            if program.replay is not None and program.replay.ready(self.slots):
+                self._replay = program.replay
+            elif program.recorded < 2:  # a program whose slots move at every run is not replayed
+                self._recording = {0: self.tables()}
         self.gather_slot = program.gather
         self.hooks.ran.clear()
         if self._tracing is not None and self._tracing.wants(schedule.step):
@@ -346,6 +360,8 @@ class Engine(Mover):
         program = self.program
         if program is None:
             return
+        self.unreplay()  # the tables as the first run left them here
+        recording, self._recording = self._recording, None
         self.program = None
         self._casts.step_ends()
         schedule = program.schedule
@@ -372,6 +388,9 @@ class Engine(Mover):
                     # next step start, but a hook there may edit after that check, and `execute`
                     # checks nothing): the wait copies again if one was.
                     pack.carry(range(len(pack.tensors)))
+        if recording is not None:  # a whole run of a program a step can replay ([Note: replay])
+            program.replay = build_replay(program.calls, program.primitive, program.entry, recording)
+            program.recorded += 1
         self._residency = schedule.exit
         self.last = schedule
         tracer = self.tracer
@@ -410,6 +429,7 @@ class Engine(Mover):
 
     def _abort(self) -> None:
         self.program = None
+        self._replay = self._recording = None  # the packs' own state is exact: `_drop_all` clears the tables
         self._casts.step_ends()
         tracer = self.tracer
         if tracer is not None:

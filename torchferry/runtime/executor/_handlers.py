@@ -12,10 +12,11 @@ how loads of shards and gathers meet).
 
 from __future__ import annotations
 
-import inspect
+import collections
 import warnings
 from collections.abc import Callable, Iterator
 from types import MethodType
+from typing import Any
 
 import torch
 
@@ -23,25 +24,29 @@ from torchferry._errors import ExecutionError, OffloadWarning
 from torchferry.policies import DEVICE, FILE, OP_KINDS, Op
 from torchferry.runtime.device import Comm, CpuStreams, DeviceBuffer, Ledger, SlotPool, StreamContext
 from torchferry.runtime.executor._hooks import GradGuard
+from torchferry.runtime.executor._on_demand import OnDemand
 from torchferry.runtime.executor._program import Handler, Program, missed
+from torchferry.runtime.executor._replay import Replay, Tables, call
 from torchferry.runtime.executor._trace import Tracer
 from torchferry.runtime.memory import Arriving, Pack, PackState, Unit, views_into
 from torchferry.runtime.store import HostStore
 from torchferry.topology import Plan
 
-__all__ = ["RANGES", "Mover"]
+__all__ = ["RANGES", "Mover", "profiling"]
 
 #: The `torch.profiler` range each op runs in, by kind (``torchferry::load``, ``torchferry::gather``...),
 #: so a user's profiler trace shows torchferry's loads, gathers, waits and evicts by name. Opened only
 #: while a profiler is recording: one cheap check per `Mover.run` otherwise.
 RANGES: dict[str, str] = {kind: f"torchferry::{kind}" for kind in OP_KINDS}
 
-_profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
+#: Whether a profiler is recording (ops then run inside their ranges, and no step is replayed).
+profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 _inference = torch.is_inference_mode_enabled
+_consume = collections.deque[Any](maxlen=0).extend  # runs an iterator to its end, in C
 _READY, _IN_FLIGHT = PackState.READY, PackState.IN_FLIGHT
 
 
-class Mover:
+class Mover(OnDemand):
     """Moves units between the host store and the device, one handler per op kind, and keeps the tables.
 
     `Engine` is the one kind of mover: it sets the attributes declared here (what the handlers read
@@ -81,6 +86,10 @@ class Mover:
         # nothing unless a read of the file tier is filling the buffer (``filling``): the hot path
         # skips the call otherwise (a test stream context of another class always gets it).
         self._synchronous = type(self.streams) is CpuStreams
+        # Why: the replay the running step follows, or the tables its first run records at each stop
+        # for one ([Note: replay] in `_replay`); at most one of them, ``None`` both between steps.
+        self._replay: Replay | None = None
+        self._recording: dict[int, Tables] | None = None
 
     def _missed(self, what: str, invariant: int) -> ExecutionError:
         """`missed` at the op running now, with the step's listing marked there."""
@@ -96,27 +105,61 @@ class Mover:
     # ---------------------------------------------------------------------------------- running
     def advance(self, program: Program, stop: int) -> None:
         """Run ``program``'s ops up to op ``stop``, as ordinary tensors whatever the caller's mode."""
+        replay = self._replay
+        if replay is not None:
+            segment = replay.segments.get(program.pc)
+            if segment is not None and segment[0] == stop:  # the hot path of a steady step
+                if _inference():
+                    with torch.inference_mode(False), torch.no_grad():
+                        _consume(map(call, segment[1], segment[2], segment[3]))
+                else:
+                    _consume(map(call, segment[1], segment[2], segment[3]))  # ``fn(a, b)`` each, in C
+                program.pc = stop
+                return
+            self.unreplay()  # stopped elsewhere than its first run did: the handlers take over
         if _inference():
             with torch.inference_mode(False), torch.no_grad():
                 self.run(program, stop)
-            return
-        if self.tracer is not None or _profiling():
+        elif self.tracer is not None or profiling():
             self._run_observed(program, stop)
+        else:
+            # `run`'s loop, inline. An op that raises leaves ``pc`` at itself, as `run` does.
+            calls = program.calls
+            for i in range(program.pc, stop):
+                program.pc = i
+                handler, unit, op = calls[i]
+                handler(unit, op)
+            program.pc = stop
+        if self._recording is not None:
+            self._recording[stop] = self.tables()
+
+    def tables(self) -> Tables:
+        """Copies of the tables of what is where (``placed``, ``transfers``, ``occupants``)."""
+        return dict(self.placed), dict(self.transfers), dict(self.occupants)
+
+    def unreplay(self) -> None:
+        """Stop replaying the running step: the tables become what its first run had at this stop,
+        and the handlers run the rest ([Note: replay] in `_replay`). Nothing when not replaying."""
+        replay, self._replay = self._replay, None
+        program = self.program
+        if replay is None or program is None:
             return
-        # `run`'s loop, inline: this is the hot path of every block. An op that raises leaves ``pc``
-        # at itself, as `run` does.
-        calls = program.calls
-        for i in range(program.pc, stop):
-            program.pc = i
-            handler, unit, op = calls[i]
-            handler(unit, op)
-        program.pc = stop
+        found = replay.tables.get(program.pc)
+        if found is None:
+            raise self._missed(f"a replayed step stopped at op {program.pc}, where its first run did not", 2)
+        placed, transfers, occupants = found
+        self.placed.clear()  # in place: the grad guard holds this table
+        self.placed.update(placed)
+        self.transfers.clear()
+        self.transfers.update(transfers)
+        self.occupants.clear()
+        self.occupants.update(occupants)
 
     def run(self, program: Program, stop: int) -> None:
         """Run ``program``'s ops up to (not including) op ``stop``."""
         calls = program.calls
         i = program.pc
-        if self.tracer is not None or _profiling():
+        if self.tracer is not None or profiling():
             self._run_observed(program, stop)
             return
         try:
@@ -133,12 +176,12 @@ class Mover:
         calls = program.calls
         i = program.pc
         tracer = self.tracer
-        profiling = _profiling()
+        recorded = profiling()
         while i < stop:
             handler, unit, op = calls[i]
             if tracer is not None:
                 tracer.at(i, op)
-            if profiling:
+            if recorded:
                 with torch.profiler.record_function(RANGES[op.kind]):
                     handler(unit, op)
             else:
@@ -531,43 +574,6 @@ class Mover:
         for _, nbytes in self.staged.pop(name, ()):
             self.ledger.sub(nbytes)
 
-    def _acquire(self, unit: Unit, op: Op) -> None:
-        module = unit.module
-        load = getattr(module, "load_to_device", None)
-        if load is None:
-            raise ExecutionError(f"acquire {unit.name}: the module defines no load_to_device()")
-        takes = self._load_takes_device.get(unit.name)
-        if takes is None:
-            takes = bool(inspect.signature(load).parameters)
-            self._load_takes_device[unit.name] = takes
-        tracer = self.tracer
-        begin = None if tracer is None else tracer.compute_mark()
-        if takes:
-            load(self.device)
-        else:
-            load()
-        if tracer is not None:
-            tracer.span("compute", begin, tracer.compute_mark())
-        nbytes = op.nbytes or self.plan.topology.component(unit.name).nbytes
-        self.acquired[unit.name] = nbytes
-        self.ledger.add(nbytes)
-        self.placed[unit.name] = DEVICE
-
-    def _release(self, unit: Unit, op: Op) -> None:
-        self._release_module(unit.name)
-        self.placed.pop(unit.name, None)
-
-    def _release_module(self, name: str) -> None:
-        nbytes = self.acquired.pop(name, None)
-        if nbytes is None:
-            return
-        self.ledger.sub(nbytes)
-        offload = getattr(self.store.units[name].module, "offload_to_cpu", None)
-        if offload is None:
-            raise ExecutionError(f"release {name}: the module defines no offload_to_cpu()")
-        offload()
-
-
 #: One short handler per op kind; a program binds each op to its handler once, when compiled.
 _HANDLERS: dict[str, Callable[[Mover, Unit, Op], None]] = {
     "read": Mover._read,
@@ -577,6 +583,6 @@ _HANDLERS: dict[str, Callable[[Mover, Unit, Op], None]] = {
     "evict": Mover._evict,
     "stage": Mover._stage,
     "unstage": Mover._unstage,
-    "acquire": Mover._acquire,
-    "release": Mover._release,
+    "acquire": OnDemand._acquire,
+    "release": OnDemand._release,
 }

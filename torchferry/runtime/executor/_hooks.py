@@ -98,6 +98,9 @@ class Runner(Protocol):
     def advance(self, program: Program, stop: int) -> None:
         """Run ``program``'s ops up to op ``stop``."""
 
+    def unreplay(self) -> None:
+        """Stop replaying the running step: the tables the grad guard reads are exact from here on."""
+
 
 class GradGuard:
     """Remembers units that ran with grad in a shared slot, and spoils them when they leave it.
@@ -186,10 +189,30 @@ def _opaque(body: _Hook) -> _Hook:
             return
         body(*args)
 
+    return _marked(hook)
+
+
+def _marked(hook: _Hook) -> _Hook:
+    """``hook`` with Dynamo's ``_torchdynamo_disable`` mark and its code skipped (see `_opaque`)."""
     hook._torchdynamo_disable = True  # type: ignore[attr-defined]
     _HOOK_CODES.add(hook.__code__)
     _skip_in_dynamo()
     return hook
+
+
+def _compiled_call(hook: _Hook, *args: Any) -> None:
+    """Run ``hook`` from a compiled caller, as `_opaque`'s hook does (for a hook that checks
+    `torch.compiler.is_compiling` itself, the block hook: one Python frame less per block)."""
+    disabled = getattr(hook, "_torchferry_disabled", None)
+    if disabled is None:
+
+        def eager(*inner: Any) -> None:
+            _skip_in_dynamo()
+            hook(*inner)
+
+        disabled = torch.compiler.disable(eager, recursive=True)  # type: ignore[no-untyped-call]
+        hook._torchferry_disabled = disabled  # type: ignore[attr-defined]
+    disabled(*args)
 
 
 #: The code objects of the hook functions (shared by every closure made from one ``def``).
@@ -277,8 +300,8 @@ class Hooks:
             # or after, then sees the weights the module runs with (its wait has run), not its host copy
             # while a copy is still in flight.
             if path in self._blocks and not top:
-                pre = self._block_hook(path, pack)
-                handles.append(module.register_forward_pre_hook(_opaque(pre), prepend=True))
+                pre = _marked(self._block_hook(path, pack))  # opaque itself (`_compiled_call`)
+                handles.append(module.register_forward_pre_hook(pre, prepend=True))
             else:
                 pre, post = self._component_hooks(path, top)
                 handles.append(module.register_forward_pre_hook(_opaque(pre), prepend=True))
@@ -316,6 +339,9 @@ class Hooks:
         engine, plan, guard, ran = self.engine, self._plan, self._guard, self.ran
 
         def pre(module: torch.nn.Module, args: Any) -> None:
+            if _compiling():
+                _compiled_call(pre, module, args)
+                return
             program = engine.program
             if program is None:
                 if pack is not None and pack.where is not _READY:
@@ -333,6 +359,7 @@ class Hooks:
                 if tracer is not None:
                     tracer.block_begin(path)
             if _grad_enabled():
+                engine.unreplay()  # grad switched on inside a forward ([Note: replay] in `_replay`)
                 guard.ran(path, True)
 
         return pre
@@ -371,12 +398,14 @@ class Hooks:
                 if stop > program.pc:
                     engine.advance(program, stop)
             if _grad_enabled():
+                engine.unreplay()
                 guard.ran(path, False)
 
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
             if top:
                 done[path] = True
             if _grad_enabled():
+                engine.unreplay()
                 guard.ran(path, False)
             program = engine.program
             if program is not None:

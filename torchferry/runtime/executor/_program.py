@@ -15,6 +15,7 @@ import attrs
 
 from torchferry._errors import ExecutionError
 from torchferry.policies import FILE, INVARIANTS, Op, Schedule, format_marked, format_schedule
+from torchferry.runtime.executor._replay import Replay, plan_replay
 from torchferry.runtime.executor._step_cache import step_name
 from torchferry.runtime.memory import Unit
 from torchferry.topology import Plan
@@ -78,6 +79,12 @@ class Program:
     gather: str | None = None
     #: The schedule's text the ranks agree on before every run (made at the first; see `Engine.begin`).
     agreed: str | None = None
+    #: Per op, whether a replay runs it as a pack's move; ``None``: never replayed ([Note: replay]).
+    primitive: tuple[bool, ...] | None = None
+    #: The replay its first whole run recorded (``None`` until then, or when it cannot be made), and
+    #: how many runs recorded one (a second is recorded when the slots moved; no third).
+    replay: Replay | None = None
+    recorded: int = 0
     pc: int = 0
 
 
@@ -121,15 +128,17 @@ def compile_program(
     # block left pending runs there.
     stops[f"after {schedule.step.component}"] = len(calls)
     used = {gather} if chunked and gather is not None else set()
+    bound = tuple(calls)
     return Program(
         schedule=schedule,
-        calls=tuple(calls),
+        calls=bound,
         stops=stops,
         entry={p.unit: p.where for p in schedule.entry},
         exit={p.unit: p.where for p in schedule.exit},
         slots=frozenset(op.slot for op in schedule.ops if op.slot is not None) | used,
         collective=any(op.kind == "gather" for op in schedule.ops),
         gather=gather if chunked else None,
+        primitive=plan_replay(schedule, bound),
     )
 
 

@@ -14,6 +14,9 @@ from torchferry.runtime.memory._pack import Sharding as Sharding
 from torchferry.runtime.memory._pack import Unit as Unit
 from torchferry.runtime.memory._pack import contiguous_strides as contiguous_strides
 from torchferry.runtime.memory._pack import dense_strides as dense_strides
+from torchferry.runtime.memory._pack import land as land
+from torchferry.runtime.memory._pack import lift as lift
+from torchferry.runtime.memory._pack import load_docked as load_docked
 from torchferry.runtime.memory._pack import shard_span as shard_span
 from torchferry.runtime.memory._pack import views_into as views_into
 from torchferry.runtime.memory._pinning import PAGE as PAGE

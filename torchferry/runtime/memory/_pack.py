@@ -58,10 +58,12 @@ of [Note: the session contract]). The storage over the slot holds no memory of i
 engine never frees a slot a unit occupies; a slot whose memory moved (freed and grown again) is
 found at the next load, by the count of its regrowths (`DeviceBuffer.grown`). A pack dropped while
 docked (a step interrupted, then its session and pipeline dropped without close()) undocks as it
-goes, so a weight kept elsewhere holds the host memory, never a freed slot. A dock and the undock
-that follows it leave the pack's ``moves`` as they found it (the tensors point where they did), so
-the session guard's step end reads nothing of a block that came and went. File-tier and sharded
-packs, and every pack of a CUDA session, are not bound.
+goes, so a weight kept elsewhere holds the host memory, never a freed slot. Docking leaves the
+pack's ``moves`` alone (the tensors point where they did: the session guard reads no pointer of a
+pack that docks). The three moves of a pack that docks are functions of the pack and one argument
+(`load_docked`, `land`, `lift`), so a steady step can be replayed as a list of them (`Replay` in
+`torchferry.runtime.executor`). File-tier and sharded packs, and every pack of a CUDA session, are
+not bound.
 
 [Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
@@ -210,9 +212,8 @@ class Pack:
     ``arriving`` holds the views a load or gather issued, which the tensors take at the wait.
     ``shard`` is the byte range ``[start, end)`` of the pack this rank holds when it holds
     only a shard (then ``host`` is those bytes and ``host_views`` are placeholders); else ``None``.
-    ``moves`` changes whenever the pack's tensors point somewhere new (a re-pointing counts it up; a
-    dock gives it a fresh negative value, and the undock that follows gives back the value from
-    before, as the tensors point where they did), and ``bumps`` counts version bumps the engine made
+    ``moves`` changes whenever the pack's tensors are re-pointed (docking leaves it: the tensors
+    keep their storage), and ``bumps`` counts version bumps the engine made
     (see `GradGuard`), so the session guard refreshes what it remembers of a pack only when they
     change: a block docked and undocked within a step costs it nothing.
     """
@@ -260,10 +261,6 @@ class Pack:
     # Why: per slot name, (the slot's buffer, its ``grown`` count, the pack's bytes of it, a storage
     # over them) (see `dock_at`).
     docks: dict[str, tuple[torch.Tensor, int, torch.Tensor, torch.UntypedStorage]] = attrs.field(factory=dict)
-    # Why: ``moves`` before the pack docked (its undock gives it back), and how many times it docked
-    # (each dock's ``moves`` is minus that count: never a value seen before).
-    _home: int = 0
-    _dockings: int = 0
 
     @property
     def held_bytes(self) -> int:
@@ -339,9 +336,6 @@ class Pack:
             return
         _SWAP(self.bound, arriving)  # the tensors see the slot, ``arriving`` the host memory
         self.docked = arriving
-        self._home = self.moves
-        self._dockings = docks = self._dockings + 1
-        self.moves = -docks
 
     def dock(self, flat: torch.Tensor) -> None:
         """Dock the pack at ``flat``, a copy of its bytes on the device (a staged one), as `arrive`
@@ -360,9 +354,9 @@ class Pack:
                 self._undock()
 
     def _undock(self) -> None:
-        docked, self.docked = self.docked, None
-        _SWAP(self.bound, docked)
-        self.moves = self._home  # the tensors point where they did before the dock
+        docked = self.docked
+        assert docked is not None
+        lift(self, docked)
 
     def point(self, views: Sequence[torch.Tensor]) -> None:
         """Re-point every tensor of the pack at ``views`` (all on one device, so it is checked once), and
@@ -392,10 +386,8 @@ class Pack:
         where = self.where
         if where is PackState.READY:  # the wait took `arriving` and the watch (`stale`)
             docked = self.docked
-            if docked is not None:  # `_undock`, inline
-                self.docked = None
-                _SWAP(self.bound, docked)
-                self.moves = self._home
+            if docked is not None:
+                lift(self, docked)
             else:
                 self.point(self.rest_views or self.host_views)
         elif where is PackState.IN_FLIGHT:
@@ -480,6 +472,32 @@ _FOREIGN: Any = getattr(torch._C, "_construct_storage_from_data_pointer", None)
 _SET_DATA: Any = vars(torch._C.TensorBase)["data"].__set__
 _VERSION = operator.attrgetter("_version")
 _consume = collections.deque[Any](maxlen=0).extend
+
+
+def load_docked(pack: Pack, at: tuple[torch.Tensor, torch.UntypedStorage]) -> None:
+    """Copy ``pack``'s host bytes into ``at``'s bytes of a slot (a copy that completes as it is
+    issued) and leave the storage over them for the wait to dock (`land`): a load of a pack that
+    docks, less the checks and tables a replayed step has settled already."""
+    at[0].copy_(pack.host)
+    pack.arriving = at[1]
+    pack.where = PackState.IN_FLIGHT
+
+
+def land(pack: Pack, arriving: torch.UntypedStorage) -> None:
+    """The wait of a pack that docks: `Pack.arrive` at ``arriving`` (a storage over its bytes in a
+    slot), and the pack is ready. One Python call, so no signal lands between the exchange and the
+    record of it."""
+    _SWAP(pack.bound, arriving)
+    pack.docked = arriving
+    pack.arriving = None
+    pack.where = PackState.READY
+
+
+def lift(pack: Pack, docked: torch.UntypedStorage) -> None:
+    """Undock ``pack`` from ``docked`` (what `land` exchanged): its tensors see the host memory again."""
+    _SWAP(pack.bound, docked)
+    pack.docked = None
+    pack.where = PackState.HOST
 
 
 def _storage_at(ptr: int, device: torch.device, nbytes: int) -> torch.UntypedStorage:

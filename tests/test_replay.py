@@ -1,0 +1,118 @@
+"""Replayed steps ([Note: replay] in `torchferry.runtime.executor._replay`): a steady layerwise step
+on a CPU session runs as a list of pack moves, exact as the handlers, and hands over to them
+wherever its first run did not go."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchferry
+from torchferry import OffloadWarning
+from torchferry.testing import toy
+from torchferry.testing._calls import count_calls
+
+# (Not under tests/runtime, whose engines all run on the stream sanitizer, which is never replayed.)
+
+
+class Interrupt(BaseException):
+    """A BaseException that is not an Exception (as KeyboardInterrupt is)."""
+
+
+def pair() -> tuple[toy.ToyPipeline, toy.ToyPipeline]:
+    return toy.build(0), toy.build(0)
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(1, 16, 16, generator=g), torch.tensor([0.5]), torch.randn(1, 8, 32, generator=g)
+
+
+def run(p: toy.ToyPipeline, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = p.transformer(*args)
+    return out
+
+
+def block(p: toy.ToyPipeline, i: int) -> nn.Module:
+    module: nn.Module = p.transformer.blocks[i]
+    return module
+
+
+def same_state(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _replays(session: torchferry.Session) -> int:
+    return sum(p.replay is not None for p in session.engine._programs.values())
+
+
+def test_a_steady_step_is_replayed_exact_without_the_handlers() -> None:
+    """From the second step on, the transformer's step is replayed: no load handler runs in it, and
+    every step's output is the plain one, bit for bit."""
+    p, ref = pair()
+    args = inputs()
+    with torch.no_grad(), torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session:
+        for _ in range(3):
+            assert torch.equal(run(p, args), run(ref, args))
+        assert _replays(session) >= 1
+        counted = count_calls(lambda: run(p, args))
+        assert not [name for name in counted.by_function if name.endswith("(_load)")]
+        assert torch.equal(run(p, args), run(ref, args))
+    assert same_state(p, ref)
+
+
+def test_a_replayed_step_interrupted_mid_way_leaves_every_weight_exact() -> None:
+    """A BaseException from a block's hook in a replayed step: the abort finds each pack where the
+    replay left it, and the next calls (recorded again, then replayed) and the state after close are
+    the plain ones."""
+    p, ref = pair()
+    args = inputs()
+    armed = {"on": False}
+
+    def interrupt(module: nn.Module, inputs: Any) -> None:
+        if armed["on"]:
+            armed["on"] = False
+            raise Interrupt()
+
+    with torch.no_grad(), torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session:
+        for _ in range(3):
+            run(p, args)
+        assert _replays(session) >= 1
+        block(p, 5).register_forward_pre_hook(interrupt)
+        armed["on"] = True
+        with pytest.raises(Interrupt):
+            run(p, args)
+        for _ in range(3):
+            assert torch.equal(run(p, args), run(ref, args))
+    assert same_state(p, ref)
+
+
+def test_grad_switched_on_inside_a_replayed_step_hands_over_to_the_handlers() -> None:
+    """A hook that turns grad on inside the forward of a replayed step: from that block on the
+    handlers run with the tables the first run had there (the grad guard reads them), and the
+    outputs, with their gradients, are the plain ones."""
+    p, ref = pair()
+    args = inputs()
+
+    def grad_on(module: nn.Module, inputs: Any) -> None:
+        torch.set_grad_enabled(True)
+
+    for pipe in (p, ref):
+        block(pipe, 3).register_forward_pre_hook(grad_on)
+    with (
+        warnings.catch_warnings(),
+        torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session,
+    ):
+        warnings.simplefilter("ignore", OffloadWarning)  # blocks run with grad in a shared slot
+        for _ in range(4):
+            with torch.no_grad():
+                outs = [run(pipe, args) for pipe in (p, ref)]
+            assert torch.equal(outs[0], outs[1])
+        assert _replays(session) >= 1
+    assert same_state(p, ref)

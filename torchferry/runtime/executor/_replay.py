@@ -1,0 +1,223 @@
+"""Replaying a steady step: the moves of a step that ran once, as a list of calls.
+
+[Note: replay]
+On a CPU session a streamed block's pack docks ([Note: docking] in `torchferry.runtime.memory._pack`),
+so each op of a layerwise step over such packs comes down to one call on the pack: a load copies its
+host bytes into its slot (`load_docked`), a wait docks it there (`land`), an evict undocks it (`lift`).
+Everything else a handler does per op is bookkeeping whose outcome is the same at every run of the
+same program from the same start: the checks that `check` proved and the first run confirmed, the
+slot and the dock cache it looks up, and the engine's tables (``placed``, ``transfers``,
+``occupants``). So the first run of a program whose every op is such a move (`plan_replay`) runs the
+handlers and records the tables at each point the hooks stopped (``Mover._recording``); at its end
+`build_replay` turns it into a `Replay`: per stop, the calls to the next stop, and the tables there.
+A later step of that program replays it when nothing it settled has changed (`Replay.ready`: the
+slots hold the same memory, the packs it moves are at host memory with nothing pending, no tracer,
+profiler or grad guard is watching), keeps the tables as the step found them, and puts the recorded
+ones in place at its end, or at the stop where it must hand over to the handlers (a hook reached out
+of order, grad switched on in a forward: ``Mover.unreplay``). A step that fails mid-way is aborted as
+any: the packs' own state (``where``, ``docked``, ``arriving``) is exact after every call, and the
+abort clears the tables. Units the step finds in a slot (loaded by the step before) keep their
+handlers, which read the tables the step began with, as they would. Each call is one Python function
+of the pack, so a signal cannot land between a dock's exchange and its record.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from torchferry.policies import DEVICE, Schedule
+from torchferry.runtime.memory import Pack, PackState, Unit, land, lift, load_docked
+
+if TYPE_CHECKING:
+    from torchferry.runtime.device import DeviceBuffer, SlotPool
+
+__all__ = ["Call", "Replay", "Segment", "Tables", "build_replay", "call", "plan_replay"]
+
+#: The engine's tables at a stop: ``placed``, ``transfers``, ``occupants``.
+Tables = tuple[dict[str, str], dict[str, "DeviceBuffer"], dict[str, Unit]]
+#: One call of a replayed step: ``fn(a, b)`` (a handler with its unit and op, or a pack's move).
+Call = tuple[Callable[[Any, Any], None], Any, Any]
+#: The calls from one stop to the next: (the next stop, functions, first arguments, second arguments).
+Segment = tuple[int, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]
+#: ``fn(a, b)`` as a C function `map` can call (``operator.call`` from Python 3.11).
+call: Callable[..., Any] = getattr(operator, "call", lambda fn, *args: fn(*args))
+
+_HOST = PackState.HOST
+_STATE = operator.attrgetter("where", "docked", "arriving", "rewatch")
+_WATCHED = operator.attrgetter("watched")
+_REWATCH = operator.attrgetter("rewatch")
+
+
+def plan_replay(schedule: Schedule, calls: tuple[tuple[Any, Unit, Any], ...]) -> tuple[bool, ...] | None:
+    """Per op of ``schedule``, whether a replay runs it as a pack's move (else as its handler); ``None``
+    when the step cannot be replayed: an op that is not a load, a wait or an evict, a load that is not
+    of one pack that docks from host memory, a unit
+    loaded again while a slot holds it, waited for twice, or evicted before its wait. The waits and
+    evicts of units the step finds on the device run their handlers, which read only what those units
+    left in the tables."""
+    in_slot = {p.unit for p in schedule.entry if p.where != DEVICE}
+    mine: set[str] = set()
+    waited: set[str] = set()
+    flags: list[bool] = []
+    for _, unit, op in calls:
+        packs = unit.packs
+        name = op.unit
+        if op.kind == "load":
+            if op.src is not None or name in in_slot:
+                return None
+            if len(packs) != 1 or packs[0].bound is None:
+                return None
+            in_slot.add(name)
+            mine.add(name)
+            flags.append(True)
+        elif op.kind == "wait":
+            if name in waited:
+                return None
+            if name in mine:
+                waited.add(name)
+            flags.append(name in mine)
+        elif op.kind == "evict":
+            in_slot.discard(name)
+            moved = name in mine
+            if moved:
+                if name not in waited:
+                    return None
+                mine.discard(name)
+                waited.discard(name)
+            flags.append(moved)
+        else:
+            return None
+    return tuple(flags)
+
+
+def _columns(calls: list[Call]) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
+    """``calls`` as three columns (functions, first arguments, second arguments), which
+    `Replay.run` maps in C."""
+    return tuple(c[0] for c in calls), tuple(c[1] for c in calls), tuple(c[2] for c in calls)
+
+
+def _load_watched(pack: Pack, at: tuple[torch.Tensor, torch.UntypedStorage]) -> None:
+    """`load_docked` of a pack with buffers: they are watched while the copy is in flight (all of
+    its tensors when the engine bumped their versions since), as `Mover._load` watches them."""
+    load_docked(pack, at)
+    if pack.rewatch:
+        pack.rewatch = False
+        pack.carry(range(len(pack.tensors)))
+    else:
+        pack.carry(pack.buffers)
+
+
+def _land_watched(pack: Pack, at: tuple[torch.Tensor, torch.UntypedStorage]) -> None:
+    """`land` of a pack with buffers, as `Mover._wait`: copied again if a watched tensor was written
+    while its copy was in flight, and its buffers' versions remembered."""
+    if pack.watched and pack.stale():
+        at[0].copy_(pack.host)
+    land(pack, at[1])
+    pack.arrived()
+
+
+def _lift_kept(pack: Pack, docked: torch.UntypedStorage) -> None:
+    """`lift` of a pack with buffers, as `Mover._evict`: what a forward wrote to them is kept first."""
+    pack.keep_written()
+    lift(pack, docked)
+
+
+@attrs.define(slots=True, eq=False, repr=False)
+class Replay:
+    """A program's steady step as calls: ``segments`` per stop (the next stop, the calls to it),
+    ``tables`` the engine's tables at each stop, ``slots`` the slot memory the calls write
+    (name, buffer tensor, regrowth count), ``fresh`` the packs it loads (at host memory at the start)."""
+
+    segments: dict[int, Segment]
+    tables: dict[int, Tables]
+    slots: tuple[tuple[str, torch.Tensor, int], ...]
+    fresh: tuple[Pack, ...]
+    #: The packs it loads after evicting them first (the step found them in a slot): their evict's
+    #: handler leaves them at host memory; only a re-watch the engine asked for must not be pending.
+    again: tuple[Pack, ...] = ()
+    #: What `_STATE` reads of each of ``fresh`` at host memory with nothing pending.
+    rested: list[tuple[Any, ...]] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.rested = [(_HOST, None, None, False)] * len(self.fresh)
+
+    def __repr__(self) -> str:
+        return f"Replay({len(self.segments)} stops, {len(self.fresh) + len(self.again)} packs moved)"
+
+    def ready(self, pool: SlotPool) -> bool:
+        """Whether a step can replay now: every slot holds the memory it did, and every pack it loads
+        is at host memory with nothing pending (no copy in flight, no watch, no re-watch)."""
+        held = pool.slots
+        for name, data, grown in self.slots:
+            entry = held.get(name)
+            if entry is None or entry[1].data is not data or entry[1].grown != grown:
+                return False
+        fresh = self.fresh  # in C: the packs' states compared as one list, their watches as one pass
+        return (
+            list(map(_STATE, fresh)) == self.rested
+            and not any(map(_WATCHED, fresh))
+            and not any(map(_REWATCH, self.again))
+        )
+
+
+def build_replay(
+    calls: tuple[tuple[Any, Unit, Any], ...],
+    flags: tuple[bool, ...] | None,
+    entry: Mapping[str, str],
+    recording: dict[int, Tables],
+) -> Replay | None:
+    """The `Replay` of a program (its ``calls``, `plan_replay`'s ``flags`` for them, its ``entry``
+    residency) from a whole run's ``recording`` (the tables at each stop the hooks reached), or
+    ``None`` when that run did not stop at its end or a move's slot view is gone."""
+    if flags is None or len(calls) not in recording:
+        return None
+    storages: dict[str, torch.UntypedStorage] = {}
+    docks: dict[str, torch.Tensor] = {}
+    slots: dict[str, tuple[str, torch.Tensor, int]] = {}
+    fresh: dict[int, Pack] = {}
+    again: dict[int, Pack] = {}
+    made: list[Call] = []
+    for (handler, unit, op), moved in zip(calls, flags, strict=True):
+        if not moved:
+            made.append((handler, unit, op))
+            continue
+        pack = unit.packs[0]
+        if op.kind == "load":
+            slot = op.slot
+            cached = None if slot is None else pack.docks.get(slot)
+            if slot is None or cached is None:
+                return None
+            flat, grown, dst, storage = cached
+            storages[op.unit] = storage
+            docks[op.unit] = dst
+            slots[slot] = (slot, flat, grown)
+            (again if op.unit in entry else fresh).setdefault(id(pack), pack)
+            if pack.buffers:
+                made.append((_load_watched, pack, (dst, storage)))
+            else:
+                made.append((load_docked, pack, (dst, storage)))
+        elif op.kind == "wait":
+            storage = storages[op.unit]
+            if pack.buffers:
+                made.append((_land_watched, pack, (docks[op.unit], storage)))
+            else:
+                made.append((land, pack, storage))
+        elif pack.buffers:
+            made.append((_lift_kept, pack, storages[op.unit]))
+        else:
+            made.append((lift, pack, storages[op.unit]))
+    stops = sorted(recording)
+    segments = {a: (b, *_columns(made[a:b])) for a, b in itertools.pairwise(stops)}
+    return Replay(
+        segments=segments,
+        tables=recording,
+        slots=tuple(slots.values()),
+        fresh=tuple(fresh.values()),
+        again=tuple(again.values()),
+    )
