@@ -34,25 +34,27 @@ STEPS = 2  # denoising steps of a whole toy pipeline call
 #: step was replayed and staged copies docked, "docked" before the step end stopped re-reading
 #: docked blocks, "re-pointed" before docking, "first" before the first hot-path trims of issue 40).
 BUDGETS: dict[str, tuple[float, float, float, float]] = {
-    # replayed ([Note: replay] in torchferry/runtime/executor/_replay.py): 21.4, 20.2, 629, 17.4
-    # (steady: 20.9, 26.9, 844, 37.0, its step start reading 1,097 pointers; docked: 25.9, 29.0,
-    # 958, 38.0; re-pointed: 25.9, 32.0, 1004, 77.0; first: 37.8, 27.6, 1256)
-    "dit layerwise": (23.5, 22.5, 695.0, 19.5),
+    # replayed ([Note: replay] in torchferry/runtime/executor/_replay.py): 20.2, 21.5, 594, 17.4 (its
+    # blocks have a buffer each, watched as the handlers watch it; steady: 20.9, 26.9, 844, 37.0, its
+    # step start reading every tensor's pointer; docked: 25.9, 29.0, 958, 38.0; re-pointed: 25.9,
+    # 32.0, 1004, 77.0; first: 37.8, 27.6, 1256)
+    "dit layerwise": (22.5, 23.5, 655.0, 19.5),
     # a call of the toy pipeline (encoder, two DiT steps, decoder) over its 18 streamed blocks, whose
-    # slots move between components, so its steps are not replayed: 29.9, 34.8, 1045, 24.6 (steady:
+    # slots move between components, so its steps are not replayed: 27.9, 34.9, 1023, 24.6 (steady:
     # 27.5, 33.8, 1002, 63.9; docked: 31.9, 34.9, 1134, 64.1; re-pointed: 31.9, 37.9, 1180, 100.4;
     # first: 43.4, 32.7, 1635)
-    "pipeline layerwise": (33.0, 38.5, 1150.0, 27.5),
+    "pipeline layerwise": (31.0, 38.5, 1125.0, 27.5),
     # the same with part of the blocks in the file tier (read from the checkpoint at every use; a
-    # file-tier pack is re-pointed): 38.1, 42.1, 1316, 120.0 (steady: 37.2, 42.1, 1291, 132.0;
+    # file-tier pack is re-pointed): 38.1, 42.1, 1316, 120.0 (37.4, 46.8, 1453, 125.6 in another
+    # run: a slot grown back elsewhere; steady: 37.2, 42.1, 1291, 132.0;
     # docked: 37.9, 41.4, 1300, 132.2; re-pointed: 47.9, 49.3, 1530, 162.1; first: 56.7, 44.2, 2476)
     # (its margin is about 18%: a slot grown back off the 256-byte boundary makes a re-pointed pack
     # build its 27 views again, by chance, and three calls can all meet it)
     "pipeline file_tier": (45.0, 49.5, 1550.0, 141.5),
     # model_level streams no block: per component forward (4 a call; a staged component docks now):
-    # 72.5, 62.8, 1723, 261.0 (steady: 72.0, 104.8, 3357, 615.8, re-pointed tensor by tensor;
+    # 72.0, 63.2, 1715, 261.0 (steady: 72.0, 104.8, 3357, 615.8, re-pointed tensor by tensor;
     # first: 161.5, 183.0, 6212)
-    "pipeline model_level": (80.0, 69.0, 1900.0, 287.0),
+    "pipeline model_level": (79.5, 69.5, 1890.0, 287.0),
 }
 
 

@@ -18,7 +18,9 @@ of order, grad switched on in a forward: ``Mover.unreplay``). A step that fails 
 any: the packs' own state (``where``, ``docked``, ``arriving``) is exact after every call, and the
 abort clears the tables. Units the step finds in a slot (loaded by the step before) keep their
 handlers, which read the tables the step began with, as they would. Each call is one Python function
-of the pack, so a signal cannot land between a dock's exchange and its record.
+of the pack, so a signal cannot land between a dock's exchange and its record. A program whose slots
+hold other memory at each run (components of a pipeline sharing slots of different sizes) records
+twice, then leaves its steps to the handlers (``Program.recorded``).
 """
 
 from __future__ import annotations
@@ -57,10 +59,9 @@ _REWATCH = operator.attrgetter("rewatch")
 def plan_replay(schedule: Schedule, calls: tuple[tuple[Any, Unit, Any], ...]) -> tuple[bool, ...] | None:
     """Per op of ``schedule``, whether a replay runs it as a pack's move (else as its handler); ``None``
     when the step cannot be replayed: an op that is not a load, a wait or an evict, a load that is not
-    of one pack that docks from host memory, a unit
-    loaded again while a slot holds it, waited for twice, or evicted before its wait. The waits and
-    evicts of units the step finds on the device run their handlers, which read only what those units
-    left in the tables."""
+    of one pack that docks from host memory, a unit loaded again while a slot holds it, waited for
+    twice, or evicted before its wait. The waits and evicts of units the step finds on the device run
+    their handlers, which read only what those units left in the tables."""
     in_slot = {p.unit for p in schedule.entry if p.where != DEVICE}
     mine: set[str] = set()
     waited: set[str] = set()
