@@ -62,7 +62,8 @@ def test_a_steady_step_is_replayed_exact_without_the_handlers() -> None:
             assert torch.equal(run(p, args), run(ref, args))
         assert _replays(session) >= 1
         counted = count_calls(lambda: run(p, args))
-        assert not [name for name in counted.by_function if name.endswith("(_load)")]
+        handled = [n for n in counted.by_function if "executor/_handlers.py" in n and n.endswith("(_load)")]
+        assert not handled
         assert torch.equal(run(p, args), run(ref, args))
     assert same_state(p, ref)
 
@@ -115,4 +116,20 @@ def test_grad_switched_on_inside_a_replayed_step_hands_over_to_the_handlers() ->
                 outs = [run(pipe, args) for pipe in (p, ref)]
             assert torch.equal(outs[0], outs[1])
         assert _replays(session) >= 1
+    assert same_state(p, ref)
+
+
+def test_a_denoising_loop_replays_its_later_steps_at_every_call() -> None:
+    """The components of a pipeline share slots of different sizes, so the DiT's slots hold other
+    memory at each call: its steady program is recorded again at the call's second step and replayed
+    from the third, call after call (every block load of the last three steps a pack's move, no
+    handler), every output the plain one."""
+    p, ref = pair()
+    with torch.no_grad(), torchferry.offload(p, strategy="layerwise", device="cpu"):
+        out: list[torch.Tensor] = []
+        for _ in range(3):
+            counted = count_calls(lambda: out.append(p("a cat", steps=5)))
+            assert torch.equal(out[-1], ref("a cat", steps=5))
+            moved = sum(n for name, n in counted.by_function.items() if name.endswith("(load_docked)"))
+            assert moved >= 3 * len(p.transformer.blocks)
     assert same_state(p, ref)

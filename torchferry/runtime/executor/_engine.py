@@ -344,9 +344,13 @@ class Engine(Mover):
             and not torch.is_grad_enabled()
             and not profiling()
         ):  # [Note: replay] in `_replay`
-            if program.replay is not None and program.replay.ready(self.slots):
-                self._replay = program.replay
-            elif program.recorded < 2:  # a program whose slots move at every run is not replayed
+            replay = program.replay
+            if replay is not None and replay.ready(self.slots):
+                replay.used += 1
+                self._replay = replay
+            elif program.recorded < 2 or (replay is not None and replay.used):
+                # Recorded again when its slots moved, while the replays pay for it: a program whose
+                # slots move before every run (never replayed between) stops after two recordings.
                 self._recording = {0: self.tables()}
         self.gather_slot = program.gather
         self.hooks.ran.clear()

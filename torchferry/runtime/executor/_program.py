@@ -81,8 +81,8 @@ class Program:
     agreed: str | None = None
     #: Per op, whether a replay runs it as a pack's move; ``None``: never replayed ([Note: replay]).
     primitive: tuple[bool, ...] | None = None
-    #: The replay its first whole run recorded (``None`` until then, or when it cannot be made), and
-    #: how many runs recorded one (a second is recorded when the slots moved; no third).
+    #: The replay its last recorded run made (``None`` until then, or when it cannot be made), and
+    #: how many runs recorded one (see `Engine.begin`).
     replay: Replay | None = None
     recorded: int = 0
     pc: int = 0

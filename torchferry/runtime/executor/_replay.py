@@ -19,8 +19,10 @@ any: the packs' own state (``where``, ``docked``, ``arriving``) is exact after e
 abort clears the tables. Units the step finds in a slot (loaded by the step before) keep their
 handlers, which read the tables the step began with, as they would. Each call is one Python function
 of the pack, so a signal cannot land between a dock's exchange and its record. A program whose slots
-hold other memory at each run (components of a pipeline sharing slots of different sizes) records
-twice, then leaves its steps to the handlers (``Program.recorded``).
+hold other memory at a run (the components of a pipeline share slots of different sizes) is
+recorded again there, and its later steps replay the new recording: a denoising loop replays all
+but its first steps at every call. One whose slots move before every run of it (never replayed in
+between) stops after two recordings (``Program.recorded``).
 """
 
 from __future__ import annotations
@@ -144,6 +146,8 @@ class Replay:
     again: tuple[Pack, ...] = ()
     #: What `_STATE` reads of each of ``fresh`` at host memory with nothing pending.
     rested: list[tuple[Any, ...]] = attrs.field(init=False)
+    #: Steps that replayed it (a replay never used is not recorded again: see `Engine.begin`).
+    used: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self.rested = [(_HOST, None, None, False)] * len(self.fresh)
