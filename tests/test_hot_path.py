@@ -40,10 +40,11 @@ BUDGETS: dict[str, tuple[float, float, float, float]] = {
     # 32.0, 1004, 77.0; first: 37.8, 27.6, 1256)
     "dit layerwise": (22.5, 23.5, 655.0, 19.5),
     # a call of the toy pipeline (encoder, two DiT steps, decoder) over its 18 streamed blocks, whose
-    # slots move between components, so its steps are not replayed: 27.9, 34.9, 1023, 24.6 (steady:
+    # slots move between components: the DiT's second step is replayed over views made anew at each
+    # call, which two steps barely pay for: 30.2, 37.3, 1052, 24.6 (steady:
     # 27.5, 33.8, 1002, 63.9; docked: 31.9, 34.9, 1134, 64.1; re-pointed: 31.9, 37.9, 1180, 100.4;
     # first: 43.4, 32.7, 1635)
-    "pipeline layerwise": (31.0, 38.5, 1125.0, 27.5),
+    "pipeline layerwise": (33.5, 41.0, 1160.0, 27.5),
     # the same with part of the blocks in the file tier (read from the checkpoint at every use; a
     # file-tier pack is re-pointed): 38.1, 42.1, 1316, 120.0 (37.4, 46.8, 1453, 125.6 in another
     # run: a slot grown back elsewhere; steady: 37.2, 42.1, 1291, 132.0;

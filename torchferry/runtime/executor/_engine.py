@@ -58,7 +58,7 @@ from torchferry.runtime.executor._program import (
     listing,
     schedule_text,
 )
-from torchferry.runtime.executor._replay import build_replay
+from torchferry.runtime.executor._replay import Replay, Tables, build_replay
 from torchferry.runtime.executor._step_cache import step_name
 from torchferry.runtime.executor._trace import Tracer
 from torchferry.runtime.files import CheckpointReader, open_checkpoint
@@ -345,7 +345,16 @@ class Engine(Mover):
             and not profiling()
         ):  # [Note: replay] in `_replay`
             replay = program.replay
-            if replay is not None and replay.ready(self.slots):
+            ready = replay is not None and replay.ready(self.slots)
+            if replay is not None and not ready and replay.moved(self.slots):
+                # The same slots, grown again elsewhere (another component used them between): the
+                # recorded tables hold, the views over the slots are made anew.
+                rebuilt = self._replay_of(program, replay.tables)
+                if rebuilt is not None:
+                    rebuilt.used = replay.used
+                program.replay = replay = rebuilt
+                ready = replay is not None and replay.ready(self.slots)
+            if ready and replay is not None:
                 replay.used += 1
                 self._replay = replay
             elif program.recorded < 2 or (replay is not None and replay.used):
@@ -394,7 +403,7 @@ class Engine(Mover):
                     # checks nothing): the wait copies again if one was.
                     pack.carry(range(len(pack.tensors)))
         if recording is not None:  # a whole run of a program a step can replay ([Note: replay])
-            program.replay = build_replay(program.calls, program.primitive, program.entry, recording)
+            program.replay = self._replay_of(program, recording)
             program.recorded += 1
         self._residency = schedule.exit
         self.last = schedule
@@ -402,6 +411,10 @@ class Engine(Mover):
         if tracer is not None:
             self._untrace()
             tracer.stop()
+
+    def _replay_of(self, program: Program, tables: dict[int, Tables]) -> Replay | None:
+        """``program``'s `Replay` from the ``tables`` a run of it recorded, over the slots now."""
+        return build_replay(program.calls, program.primitive, program.entry, tables, self.slots)
 
     def _untrace(self) -> None:
         """The traced step is over: nothing is timed from here on, and the tracer is disarmed."""

@@ -18,11 +18,13 @@ of order, grad switched on in a forward: ``Mover.unreplay``). A step that fails 
 any: the packs' own state (``where``, ``docked``, ``arriving``) is exact after every call, and the
 abort clears the tables. Units the step finds in a slot (loaded by the step before) keep their
 handlers, which read the tables the step began with, as they would. Each call is one Python function
-of the pack, so a signal cannot land between a dock's exchange and its record. A program whose slots
-hold other memory at a run (the components of a pipeline share slots of different sizes) is
-recorded again there, and its later steps replay the new recording: a denoising loop replays all
-but its first steps at every call. One whose slots move before every run of it (never replayed in
-between) stops after two recordings (``Program.recorded``).
+of the pack, so a signal cannot land between a dock's exchange and its record. When a program's
+slots are the same buffers grown again elsewhere (the components of a pipeline share slots of
+different sizes, so each call frees and grows them), the recorded tables still hold and only the
+views over the slots are made anew (`Replay.moved`): a denoising loop replays every step but its
+first at every call. Slots that are other buffers need a recording run again, made while the
+replays pay for it; a program recorded twice and never replayed in between is left to the handlers
+(``Program.recorded``).
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def plan_replay(schedule: Schedule, calls: tuple[tuple[Any, Unit, Any], ...]) ->
 def _columns(calls: list[Call]) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
     """``calls`` as three columns (functions, first arguments, second arguments), which
     `Replay.run` maps in C."""
-    return tuple(c[0] for c in calls), tuple(c[1] for c in calls), tuple(c[2] for c in calls)
+    fns, firsts, seconds = zip(*calls, strict=True)  # in C
+    return fns, firsts, seconds
 
 
 def _load_watched(pack: Pack, at: tuple[torch.Tensor, torch.UntypedStorage]) -> None:
@@ -134,12 +137,12 @@ def _lift_kept(pack: Pack, docked: torch.UntypedStorage) -> None:
 @attrs.define(slots=True, eq=False, repr=False)
 class Replay:
     """A program's steady step as calls: ``segments`` per stop (the next stop, the calls to it),
-    ``tables`` the engine's tables at each stop, ``slots`` the slot memory the calls write
-    (name, buffer tensor, regrowth count), ``fresh`` the packs it loads (at host memory at the start)."""
+    ``tables`` the engine's tables at each stop, ``slots`` the slot memory the calls write (name,
+    buffer, its tensor, its regrowth count), ``fresh`` the packs it loads (at host memory at the start)."""
 
     segments: dict[int, Segment]
     tables: dict[int, Tables]
-    slots: tuple[tuple[str, torch.Tensor, int], ...]
+    slots: tuple[tuple[str, DeviceBuffer, torch.Tensor, int], ...]
     fresh: tuple[Pack, ...]
     #: The packs it loads after evicting them first (the step found them in a slot): their evict's
     #: handler leaves them at host memory; only a re-watch the engine asked for must not be pending.
@@ -159,9 +162,9 @@ class Replay:
         """Whether a step can replay now: every slot holds the memory it did, and every pack it loads
         is at host memory with nothing pending (no copy in flight, no watch, no re-watch)."""
         held = pool.slots
-        for name, data, grown in self.slots:
+        for name, buffer, data, grown in self.slots:
             entry = held.get(name)
-            if entry is None or entry[1].data is not data or entry[1].grown != grown:
+            if entry is None or entry[1] is not buffer or buffer.data is not data or buffer.grown != grown:
                 return False
         fresh = self.fresh  # in C: the packs' states compared as one list, their watches as one pass
         return (
@@ -171,20 +174,30 @@ class Replay:
         )
 
 
+    def moved(self, pool: SlotPool) -> bool:
+        """Whether its slots are the same buffers and some hold other memory now (freed and grown
+        again, as when another component used the slot between): the recorded tables still hold,
+        and `build_replay` over them makes the views anew, with no recording run."""
+        held = pool.slots
+        same = all(held.get(name, (None, None))[1] is buffer for name, buffer, _, _ in self.slots)
+        return same and not all(b.data is d and b.grown == g for _, b, d, g in self.slots)
+
+
 def build_replay(
     calls: tuple[tuple[Any, Unit, Any], ...],
     flags: tuple[bool, ...] | None,
     entry: Mapping[str, str],
     recording: dict[int, Tables],
+    pool: SlotPool,
 ) -> Replay | None:
     """The `Replay` of a program (its ``calls``, `plan_replay`'s ``flags`` for them, its ``entry``
-    residency) from a whole run's ``recording`` (the tables at each stop the hooks reached), or
-    ``None`` when that run did not stop at its end or a move's slot view is gone."""
+    residency) from a whole run's ``recording`` (the tables at each stop the hooks reached) over the
+    slots of ``pool``, or ``None`` when that run did not stop at its end or a slot is gone."""
     if flags is None or len(calls) not in recording:
         return None
     storages: dict[str, torch.UntypedStorage] = {}
     docks: dict[str, torch.Tensor] = {}
-    slots: dict[str, tuple[str, torch.Tensor, int]] = {}
+    slots: dict[str, tuple[str, DeviceBuffer, torch.Tensor, int]] = {}
     fresh: dict[int, Pack] = {}
     again: dict[int, Pack] = {}
     made: list[Call] = []
@@ -195,13 +208,14 @@ def build_replay(
         pack = unit.packs[0]
         if op.kind == "load":
             slot = op.slot
-            cached = None if slot is None else pack.docks.get(slot)
-            if slot is None or cached is None:
+            held = None if slot is None else pool.slots.get(slot)
+            if slot is None or held is None:
                 return None
-            flat, grown, dst, storage = cached
+            buffer = held[1]
+            dst, storage = pack.dock_at(slot, buffer)  # the views the run made, or new ones if it moved
             storages[op.unit] = storage
             docks[op.unit] = dst
-            slots[slot] = (slot, flat, grown)
+            slots[slot] = (slot, buffer, buffer.data, buffer.grown)
             (again if op.unit in entry else fresh).setdefault(id(pack), pack)
             if pack.buffers:
                 made.append((_load_watched, pack, (dst, storage)))
