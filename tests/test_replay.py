@@ -4,6 +4,7 @@ wherever its first run did not go."""
 
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch import nn
 
 import torchferry
 from torchferry import OffloadWarning
+from torchferry.runtime.memory import Pack
 from torchferry.testing import toy
 from torchferry.testing._calls import count_calls
 
@@ -134,4 +136,114 @@ def test_a_denoising_loop_replays_its_later_steps_at_every_call() -> None:
             # the first call records the steady step, the second the last step (it prefetches the
             # decoder, known from the first call on): from the third, four steps of five replay
             assert moved >= (3, 3, 4)[call] * len(p.transformer.blocks)
+    assert same_state(p, ref)
+
+
+def test_an_edit_after_a_step_interrupted_mid_replay_reaches_close() -> None:
+    """A step interrupted while it replays (its tables as the step found them) and an in-place edit of
+    a block it left docked: close finds the edit (it puts the recorded tables in place first) and the
+    pipeline after close holds it, as the plain one does."""
+    p, ref = pair()
+    args = inputs()
+
+    def interrupt(module: nn.Module, inputs: Any) -> None:
+        raise Interrupt()
+
+    session = torchferry.offload(p.transformer, strategy="layerwise", device="cpu")
+    with torch.no_grad():
+        for _ in range(3):
+            run(p, args)
+        assert _replays(session) >= 1
+        handle = block(p, 3).register_forward_pre_hook(interrupt)
+        with pytest.raises(Interrupt):
+            run(p, args)
+        handle.remove()
+        for pipe in (p, ref):
+            block(pipe, 3).fc1.weight.mul_(2)
+    session.close()
+    assert same_state(p, ref)
+
+
+def test_a_failure_inside_a_replayed_segment_leaves_no_block_in_another_blocks_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A move of a replayed segment raises after others of the segment ran, and the model catches it
+    and calls the block again: the step was abandoned at the failure, so the second call is refused
+    loudly (its weights are at host memory, no step runs), every weight is its own between steps, and
+    the next calls are exact. (Continuing the segment from its start would undock a block twice and
+    leave it reading another block's bytes.)"""
+    p, ref = pair()
+    args = inputs()
+    armed = {"on": False}
+    stale = Pack.stale
+
+    def failing(pack: Pack) -> bool:
+        if armed["on"] and pack.name.endswith("blocks.4"):
+            armed["on"] = False
+            raise RuntimeError("boom")
+        return stale(pack)
+
+    def retrying(self: Any, latents: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        angles = t.float()[:, None] * 1000.0 * self.freqs[None]
+        temb = self.time_out(
+            torch.nn.functional.silu(self.time_in(torch.cat([angles.sin(), angles.cos()], -1)))
+        )
+        h, ctx = self.patch_in(latents), self.context_proj(context)
+        for module in self.blocks:
+            try:
+                h = module(h, temb, ctx)
+            except RuntimeError as exc:
+                if "boom" not in str(exc):
+                    raise
+                h = module(h, temb, ctx)
+        out: torch.Tensor = self.proj_out(self.norm_out(h))
+        return out
+
+    monkeypatch.setattr(Pack, "stale", failing)
+    p.transformer.forward = types.MethodType(retrying, p.transformer)
+    with torch.no_grad(), torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session:
+        for _ in range(3):
+            assert torch.equal(run(p, args), run(ref, args))
+        assert _replays(session) >= 1
+        armed["on"] = True
+        with pytest.raises(torchferry.ExecutionError, match=r"blocks\.4"):
+            run(p, args)
+        assert not armed["on"]
+        assert same_state(p, ref)  # between steps: every weight reads its own host bytes
+        for _ in range(3):
+            assert torch.equal(run(p, args), run(ref, args))
+    assert same_state(p, ref)
+
+
+def test_a_stage_interrupted_after_its_dock_leaves_no_weight_at_freed_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """model_level stages whole components, docking each: an interrupt between the dock and the end of
+    the stage (simulated in `Pack.arrived`) undocks the unit before its staged copy is freed, so the
+    weights between calls are the plain ones and the next calls are exact."""
+    p, ref = pair()
+    armed = {"on": True}
+    arrived = Pack.arrived
+
+    def failing(pack: Pack) -> None:
+        if armed["on"] and pack.docked is not None:
+            armed["on"] = False
+            raise Interrupt()
+        arrived(pack)
+
+    monkeypatch.setattr(Pack, "arrived", failing)
+    with (
+        torch.no_grad(),
+        warnings.catch_warnings(),
+        torchferry.offload(p, strategy="model_level", device="cpu"),
+    ):
+        warnings.simplefilter("ignore", OffloadWarning)
+        with pytest.raises(Interrupt):
+            p("a cat", steps=2)
+        assert not armed["on"]
+        junk = [torch.full((1 << 14,), 7.0) for _ in range(64)]  # reuse what a freed copy held
+        assert same_state(p, ref)
+        del junk
+        for seed in range(2):
+            assert torch.equal(p("a cat", steps=2, seed=seed), ref("a cat", steps=2, seed=seed))
     assert same_state(p, ref)

@@ -26,7 +26,7 @@ from torchferry.runtime.device import Comm, CpuStreams, DeviceBuffer, Ledger, Sl
 from torchferry.runtime.executor._hooks import GradGuard
 from torchferry.runtime.executor._on_demand import OnDemand
 from torchferry.runtime.executor._program import Handler, Program, missed
-from torchferry.runtime.executor._replay import Replay, Tables, call
+from torchferry.runtime.executor._replay import Replay, Tables, call, restore
 from torchferry.runtime.executor._trace import Tracer
 from torchferry.runtime.memory import Arriving, Pack, PackState, Unit, views_into
 from torchferry.runtime.store import HostStore
@@ -109,11 +109,18 @@ class Mover(OnDemand):
         if replay is not None:
             segment = replay.segments.get(program.pc)
             if segment is not None and segment[0] == stop:  # the hot path of a steady step
-                if _inference():
-                    with torch.inference_mode(False), torch.no_grad():
-                        _consume(map(call, segment[1], segment[2], segment[3]))
-                else:
-                    _consume(map(call, segment[1], segment[2], segment[3]))  # ``fn(a, b)`` each, in C
+                try:
+                    if _inference():
+                        with torch.inference_mode(False), torch.no_grad():
+                            _consume(map(call, segment[1], segment[2], segment[3]))
+                    else:
+                        _consume(map(call, segment[1], segment[2], segment[3]))  # ``fn(a, b)`` each, in C
+                except BaseException:
+                    # Some of the segment's moves ran: the packs are exact, ``pc`` and the tables are
+                    # not, so nothing of the step may run on (a caller that catches this and calls
+                    # the block again gets a clear error, not another block's bytes).
+                    self.abort()
+                    raise
                 program.pc = stop
                 return
             self.unreplay()  # stopped elsewhere than its first run did: the handlers take over
@@ -133,6 +140,10 @@ class Mover(OnDemand):
         if self._recording is not None:
             self._recording[stop] = self.tables()
 
+    def abort(self) -> None:
+        """Drop every device copy and point all weights at host memory (`Engine.abort`)."""
+        raise NotImplementedError
+
     def tables(self) -> Tables:
         """Copies of the tables of what is where (``placed``, ``transfers``, ``occupants``)."""
         return dict(self.placed), dict(self.transfers), dict(self.occupants)
@@ -147,13 +158,7 @@ class Mover(OnDemand):
         found = replay.tables.get(program.pc)
         if found is None:
             raise self._missed(f"a replayed step stopped at op {program.pc}, where its first run did not", 2)
-        placed, transfers, occupants = found
-        self.placed.clear()  # in place: the grad guard holds this table
-        self.placed.update(placed)
-        self.transfers.clear()
-        self.transfers.update(transfers)
-        self.occupants.clear()
-        self.occupants.update(occupants)
+        restore(found, self.placed, self.transfers, self.occupants)
 
     def run(self, program: Program, stop: int) -> None:
         """Run ``program``'s ops up to (not including) op ``stop``."""
@@ -555,8 +560,11 @@ class Mover(OnDemand):
                     pack.arrived()
                 pack.where = PackState.READY
         except BaseException:
-            # Nothing of the unit is staged: the copies made so far go (the abort that follows points
-            # their packs back at the host), and so do their bytes on the ledger.
+            # Nothing of the unit is staged: the copies made so far go, and so do their bytes on the
+            # ledger; its packs point at the host first (the abort that follows does it again), so
+            # none stays docked at a copy about to be freed.
+            for pack in unit.packs:
+                pack.to_host()
             for _, nbytes in held:
                 self.ledger.sub(nbytes)
             raise

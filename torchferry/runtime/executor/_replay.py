@@ -43,7 +43,7 @@ from torchferry.runtime.memory import Pack, PackState, Unit, land, lift, load_do
 if TYPE_CHECKING:
     from torchferry.runtime.device import DeviceBuffer, SlotPool
 
-__all__ = ["Call", "Replay", "Segment", "Tables", "build_replay", "call", "plan_replay"]
+__all__ = ["Call", "Replay", "Segment", "Tables", "build_replay", "call", "plan_replay", "restore"]
 
 #: The engine's tables at a stop: ``placed``, ``transfers``, ``occupants``.
 Tables = tuple[dict[str, str], dict[str, "DeviceBuffer"], dict[str, Unit]]
@@ -99,6 +99,19 @@ def plan_replay(schedule: Schedule, calls: tuple[tuple[Any, Unit, Any], ...]) ->
         else:
             return None
     return tuple(flags)
+
+
+def restore(
+    found: Tables, placed: dict[str, str], transfers: dict[str, DeviceBuffer], occupants: dict[str, Unit]
+) -> None:
+    """Put the recorded tables ``found`` in place, in the engine's own dicts (the grad guard holds
+    ``placed``)."""
+    placed.clear()
+    placed.update(found[0])
+    transfers.clear()
+    transfers.update(found[1])
+    occupants.clear()
+    occupants.update(found[2])
 
 
 def _columns(calls: list[Call]) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:

@@ -448,6 +448,7 @@ class SessionGuard:
         the units the device holds between steps, and those of packs this rank holds only a shard of
         (their tensors are placeholders between steps, so an in-place edit changes nothing but the
         counter, and must be refused)."""
+        self.engine.unreplay()  # a step that never ended (a KeyboardInterrupt) left its tables behind
         key = tuple(self.engine.placed)
         found = self._resident.get(key)
         if found is None:
@@ -494,12 +495,10 @@ class SessionGuard:
         storage, wherever that storage's memory is now (host memory, or a slot it is docked at)."""
         found: list[int] = []
         for pack, offsets in self._docking:
-            bound = pack.bound
-            if bound is None:  # given back (close): its tensors own their memory now
+            if pack.bound is None:  # given back (close): its tensors own their memory now
                 found.extend(map(_pointer, pack.tensors))
-                continue
-            base = bound.data_ptr()
-            found.extend(0 if at is None else base + at for at in offsets)
+            else:
+                found.extend(0 if at is None else pack.bound.data_ptr() + at for at in offsets)
         return found
 
     def adopt(self, *, strict: bool = True) -> None:

@@ -334,6 +334,8 @@ class Pack:
         if isinstance(arriving, tuple):
             self.point(arriving)
             return
+        if self.docked is not None:  # docked already: ``docked`` owns the host memory until undocked
+            self._undock()
         _SWAP(self.bound, arriving)  # the tensors see the slot, ``arriving`` the host memory
         self.docked = arriving
 
@@ -384,12 +386,11 @@ class Pack:
         """Point the pack back at its host buffer (nothing is copied: host bytes are the truth); a
         pack whose copy is still in flight points there already."""
         where = self.where
-        if where is PackState.READY:  # the wait took `arriving` and the watch (`stale`)
-            docked = self.docked
-            if docked is not None:
-                lift(self, docked)
-            else:
-                self.point(self.rest_views or self.host_views)
+        docked = self.docked
+        if docked is not None:  # whatever ``where`` says (a dock that raised before it was set)
+            lift(self, docked)
+        elif where is PackState.READY:  # the wait took `arriving` and the watch (`stale`)
+            self.point(self.rest_views or self.host_views)
         elif where is PackState.IN_FLIGHT:
             self.arriving = None
             self.watched.clear()
