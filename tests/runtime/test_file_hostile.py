@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import torchferry
 from torchferry import ExecutionError, policies, topology
 from torchferry.runtime.files._checkpoint_reader import CheckpointReader
+from torchferry.runtime.memory import Pack, PackState
 from torchferry.testing import toy
 
 HIDDEN, BLOCKS = 256, 16  # 45 MiB: a file tier pays beside its 16 MiB of bounce buffers
@@ -526,6 +527,43 @@ def test_a_signal_during_reads_loses_nothing(model: tuple[Path, torch.Tensor, in
             assert landed > 0
     finally:
         signal.signal(signal.SIGALRM, previous)
+
+
+# torch reports the second signal, raised in the component's always-called hook, as a warning.
+@pytest.mark.filterwarnings("ignore:module forward hook with:UserWarning")
+def test_a_signal_inside_the_recovery_of_a_failed_step_loses_nothing(
+    model: tuple[Path, torch.Tensor, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block raises, and while the session drops that step's device copies a second signal lands
+    (the abort's first re-point of a unit still on the device raises): the abort was cut short, so
+    the next call starts clean instead of finding units where no step left them; every later call is
+    bit-identical."""
+    path, want, budget = model
+    pipe, s = _open(path, budget)
+    armed = {"block": False, "abort": False}
+    to_host = Pack.to_host
+
+    def cut(pack: Pack) -> None:
+        if armed["abort"] and pack.where is PackState.READY:
+            armed["abort"] = False
+            raise _Alarm
+        to_host(pack)
+
+    def failing(module: torch.nn.Module, args: object) -> None:
+        if armed["block"]:
+            armed["block"], armed["abort"] = False, True
+            raise _Alarm
+
+    monkeypatch.setattr(Pack, "to_host", cut)
+    with s:
+        assert torch.equal(pipe("a cat", steps=2), want)
+        pipe.transformer.blocks[12].register_forward_pre_hook(failing)
+        armed["block"] = True
+        with pytest.raises(_Alarm):
+            pipe("a cat", steps=2)
+        assert not armed["abort"]
+        for _ in range(2):
+            assert torch.equal(pipe("a cat", steps=2), want)
 
 
 def test_sessions_on_one_checkpoint_at_once_are_each_exact(model: tuple[Path, torch.Tensor, int]) -> None:

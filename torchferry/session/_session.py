@@ -297,6 +297,8 @@ class Session:
         self._chooser = chooser
         # Why: the chooser's tracer of the running step, handed to it when the step finishes.
         self._measuring: Tracer | None = None
+        # Why: a step's end that did not run to its end (see `leave`).
+        self._ending = False
         # Why: the most host bytes the store held, for `report` (the store is filled once, at open).
         self._peak_host = 0
         inputs: Inputs | None = None
@@ -339,9 +341,11 @@ class Session:
         self._watch.check(component)
         engine = self.engine
         self._guard.entering(component)  # another thread's step runs: refused
-        if engine.running:
-            # A step that never finished (a KeyboardInterrupt skips forward hooks): start clean.
+        if engine.running or self._ending:
+            # A step that never finished (a KeyboardInterrupt skips forward hooks), or whose end was
+            # cut short by a signal: start clean.
             self._guard.restart()
+            self._ending = False
         self._guard.adopt()  # weight edits since the last step reach the host copy, or are refused
         chooser = self._chooser
         if chooser is not None:
@@ -366,18 +370,25 @@ class Session:
         if not self._guard.owns():
             return  # this thread's step was refused at its start; another thread's step runs on
         measuring, self._measuring = self._measuring, None
+        # Why: a signal may land anywhere in here (the step's end, its recovery, the guard's record):
+        # until all of it ran, the next step starts clean, as after a step that never finished.
+        self._ending = True
+        ended = False
         try:
             self._guard.drain()  # a step that failed or ended early still owes the other ranks its gathers
             if failing:
                 self._guard.keep_device_writes()  # what the failed step wrote in place is kept
                 self.engine.abort()
                 self._steps.interrupted()
+                ended = True
                 return
             self.engine.finish()
             if self._step is not None:
                 self._steps.finished(self._step, self.engine.ledger.step_peak)
+            ended = True
         finally:
             self._guard.left()
+            self._ending = not ended
         chooser = self._chooser
         if measuring is not None and measuring.done and chooser is not None:
             rechosen = chooser.traced(measuring.result)
