@@ -122,6 +122,11 @@ def _pointer(t: torch.Tensor) -> int:
     return int(t.data_ptr())  # 0 on the meta device
 
 
+def _offsets(pack: Pack) -> list[int | None]:
+    base = 0 if pack.bound is None else int(pack.bound.data_ptr())
+    return [_pointer(t) - base if _pointer(t) else None for t in pack.tensors]
+
+
 def _write_back(r: _Record) -> bool:
     """Copy ``r``'s tensor into its host copy when it points elsewhere (a device copy, or the object
     a ``.data =`` gave it); whether it copied."""
@@ -199,33 +204,25 @@ class SessionGuard:
                     _Record(name, t, pack, i, tuple((table, key) for _, table, key in where), held)
                 )
         self._tensors = [r.tensor for r in self._records]
-        # Why: each pack's records are one run of the lists (records are made pack by pack), so a
-        # pack whose tensors moved is re-read alone when a step ends.
+        # Why: each pack's records are one run of the lists, so a pack that moved is re-read alone.
         self._spans: dict[Pack, tuple[int, int]] = {}
         for i, r in enumerate(self._records):
             start, _ = self._spans.get(r.pack, (i, i))
             self._spans[r.pack] = (start, i + 1)
-        # Why: the tensors of packs the engine re-points (whose data pointers each step start reads),
-        # and, per pack that docks, where in its storage each of its tensors starts (`_docked_pointers`).
+        # Why: the tensors the engine re-points (each step start reads them), offsets of those that dock.
         self._free = [r.tensor for r in self._records if r.pack.bound is None]
+        self._free_packs = [pack for pack in self._spans if pack.bound is None]
         self._docks = self._tensors[len(self._free) :]
-        self._docking = [
-            (pack, [_pointer(t) - pack.bound.data_ptr() if _pointer(t) else None for t in pack.tensors])
-            for pack in self._spans
-            if pack.bound is not None
-        ]
+        self._docking = [(pack, _offsets(pack)) for pack in self._spans if pack.bound is not None]
         slots = [(table, key, r.holder) for r in self._records for table, key in r.places]
-        # Why: every module slot of a managed tensor as three parallel lists, so the per-step check
-        # runs as C-level maps.
+        # Why: every module slot of a managed tensor as three parallel lists (C-level maps per step).
         self._place_tables = [table for table, _, _ in slots]
         self._place_keys = [key for _, key, _ in slots]
         self._place_tensors = [t for _, _, t in slots]
-        # Why: what the last step left: every tensor's version, the data pointer of each in `_free`,
-        # and each pack's moves.
+        # Why: what the last step left: every tensor's version, the pointer of each in `_free`.
         self._versions: list[int] = []
         self._pointers: list[int] = []
-        # Why: the packs in `_spans` order, and their ``moves`` and ``bumps`` as the last step left
-        # them (lists, so the step's end compares them in C: see `_refresh`).
+        # Why: the packs, with their ``moves`` and ``bumps`` as the last step left them (`_refresh`).
         self._packs = list(self._spans)
         self._moves: list[int] = []
         self._bumps: list[int] = []
@@ -482,6 +479,10 @@ class SessionGuard:
             self._registered = registered
             return []
         pointers = list(map(_DATA_PTR, self._tensors))
+        for pack in self._free_packs:  # a tensor at its own host view is no edit (a step end cut short)
+            start, end = self._spans[pack]
+            if pointers[start:end] == self._host_pointers(pack):
+                self._pointers[start:end] = pointers[start:end]
         expected = self._pointers + (self._docked_pointers() if everything else pointers[len(free) :])
         versions = list(map(_VERSION, self._tensors))
         return [
