@@ -241,6 +241,8 @@ def breakdown(
         getattr(_pack, "land", None): "repoint",
         getattr(_pack, "lift", None): "repoint",
     }
+    if hasattr(_pack, "SWAP"):  # replayed moves as C calls: the copy, and the exchange of storages
+        replayed = {torch.Tensor.copy_: "copy", _pack.SWAP: "repoint"}
     replayed.pop(None, None)
     saved_segments: list[tuple[dict[int, Any], int, Any]] = []
     for program in getattr(engine, "_programs", {}).values():

@@ -271,6 +271,19 @@ def build(
     return pipeline.eval()
 
 
+def without_block_buffers(pipeline: ToyPipeline) -> ToyPipeline:
+    """``pipeline`` with each DiT block's buffer made a frozen parameter of the same values: its blocks
+    have no buffer, as most diffusers transformers' blocks have none (a replayed step moves such a
+    block by C calls alone, [Note: replay])."""
+    dits = [pipeline.transformer, getattr(pipeline, "transformer_2", None)]
+    for dit in dits:
+        for block in [] if dit is None else dit.blocks:
+            scale = block._buffers.pop("scale")
+            assert scale is not None
+            block.scale = nn.Parameter(scale, requires_grad=False)
+    return pipeline
+
+
 def build_empty(
     *, two_experts: bool = False, blocks: int = 8, encoder_blocks: int = 2, hidden: int = 32
 ) -> ToyPipeline:

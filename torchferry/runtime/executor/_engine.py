@@ -447,7 +447,9 @@ class Engine(Mover):
 
     def _abort(self) -> None:
         self.program = None
-        self._replay = self._recording = None  # the packs' own state is exact: `_drop_all` clears the tables
+        replay, self._replay, self._recording = self._replay, None, None
+        if replay is not None:
+            replay.recover()  # the packs' record, read from their memory, for `_drop_all`
         self._casts.step_ends()
         tracer = self.tracer
         if tracer is not None:

@@ -103,8 +103,9 @@ class Mover(OnDemand):
         return {kind: MethodType(handler, self) for kind, handler in _HANDLERS.items()}
 
     # ---------------------------------------------------------------------------------- running
-    def advance(self, program: Program, stop: int) -> None:
-        """Run ``program``'s ops up to op ``stop``, as ordinary tensors whatever the caller's mode."""
+    def advance(self, program: Program, stop: int) -> bool:
+        """Run ``program``'s ops up to op ``stop``, as ordinary tensors whatever the caller's mode;
+        whether a replay ran them ([Note: replay] in `_replay`)."""
         replay = self._replay
         if replay is not None:
             segment = replay.segments.get(program.pc)
@@ -115,14 +116,14 @@ class Mover(OnDemand):
                             _consume(map(call, segment[1], segment[2], segment[3]))
                     else:
                         _consume(map(call, segment[1], segment[2], segment[3]))  # ``fn(a, b)`` each, in C
+                    program.pc = stop
                 except BaseException:
-                    # Some of the segment's moves ran: the packs are exact, ``pc`` and the tables are
-                    # not, so nothing of the step may run on (a caller that catches this and calls
-                    # the block again gets a clear error, not another block's bytes).
+                    # Some of the segment's moves ran: the abort reads where the packs are from their
+                    # memory (`Replay.recover`), and nothing of the step may run on (a caller that
+                    # catches this and calls the block again gets a clear error, not another block's).
                     self.abort()
                     raise
-                program.pc = stop
-                return
+                return True
             self.unreplay()  # stopped elsewhere than its first run did: the handlers take over
         if _inference():
             with torch.inference_mode(False), torch.no_grad():
@@ -139,6 +140,7 @@ class Mover(OnDemand):
             program.pc = stop
         if self._recording is not None:
             self._recording[stop] = self.tables()
+        return False
 
     def abort(self) -> None:
         """Drop every device copy and point all weights at host memory (`Engine.abort`)."""
@@ -155,6 +157,7 @@ class Mover(OnDemand):
         program = self.program
         if replay is None or program is None:
             return
+        replay.settle(program.pc)  # the packs' record: the replay's moves left it as the step found it
         found = replay.tables.get(program.pc)
         if found is None:
             raise self._missed(f"a replayed step stopped at op {program.pc}, where its first run did not", 2)

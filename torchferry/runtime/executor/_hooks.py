@@ -95,8 +95,9 @@ class Runner(Protocol):
     def tracer(self) -> Tracer | None:
         """The tracer of the step running now, when it is traced."""
 
-    def advance(self, program: Program, stop: int) -> None:
-        """Run ``program``'s ops up to op ``stop``."""
+    def advance(self, program: Program, stop: int) -> bool:
+        """Run ``program``'s ops up to op ``stop``; whether a replay ran them (the packs it moved
+        keep the record the step found: a block's own is read only when a handler ran)."""
 
     def unreplay(self) -> None:
         """Stop replaying the running step: the tables the grad guard reads are exact from here on."""
@@ -353,9 +354,13 @@ class Hooks:
                     tracer.block_end()
                 stop = program.stops.get(key, 0)
                 if stop > program.pc:
-                    engine.advance(program, stop)
-                if pack is not None and pack.where is not _READY:
-                    self._not_resident(path, pack, program)
+                    # A replay brought the block where its first run had it, ready ([Note: replay]).
+                    if not engine.advance(program, stop) and pack is not None and pack.where is not _READY:
+                        self._not_resident(path, pack, program)
+                elif pack is not None:
+                    engine.unreplay()  # the packs' record, exact from here on
+                    if pack.where is not _READY:
+                        self._not_resident(path, pack, program)
                 if tracer is not None:
                     tracer.block_begin(path)
             if _grad_enabled():

@@ -1,30 +1,35 @@
 """Replaying a steady step: the moves of a step that ran once, as a list of calls.
 
 [Note: replay]
-On a CPU session a streamed block's pack docks ([Note: docking] in `torchferry.runtime.memory._pack`),
-so each op of a layerwise step over such packs comes down to one call on the pack: a load copies its
-host bytes into its slot (`load_docked`), a wait docks it there (`land`), an evict undocks it (`lift`).
-Everything else a handler does per op is bookkeeping whose outcome is the same at every run of the
-same program from the same start: the checks that `check` proved and the first run confirmed, the
-slot and the dock cache it looks up, and the engine's tables (``placed``, ``transfers``,
-``occupants``). So the first run of a program whose every op is such a move (`plan_replay`) runs the
-handlers and records the tables at each point the hooks stopped (``Mover._recording``); at its end
-`build_replay` turns it into a `Replay`: per stop, the calls to the next stop, and the tables there.
-A later step of that program replays it when nothing it settled has changed (`Replay.ready`: the
-slots hold the same memory, the packs it moves are at host memory with nothing pending, no tracer,
-profiler or grad guard is watching), keeps the tables as the step found them, and puts the recorded
-ones in place at its end, or at the stop where it must hand over to the handlers (a hook reached out
-of order, grad switched on in a forward: ``Mover.unreplay``). A step that fails mid-way is aborted as
-any: the packs' own state (``where``, ``docked``, ``arriving``) is exact after every call, and the
-abort clears the tables. Units the step finds in a slot (loaded by the step before) keep their
-handlers, which read the tables the step began with, as they would. Each call is one Python function
-of the pack, so a signal cannot land between a dock's exchange and its record. When a program's
-slots are the same buffers grown again elsewhere (the components of a pipeline share slots of
-different sizes, so each call frees and grows them), the recorded tables still hold and only the
-views over the slots are made anew (`Replay.moved`): a denoising loop replays every step but its
-first at every call. Slots that are other buffers need a recording run again, made while the
-replays pay for it; a program recorded twice and never replayed in between is left to the handlers
-(``Program.recorded``).
+On a CPU session a streamed block's pack docks ([Note: docking] in
+`torchferry.runtime.memory._pack`), so each op of a layerwise step over such packs comes down to one
+call on the pack: a load copies its host bytes into its slot (`load_docked`), a wait docks it there
+(`land`), an evict undocks it (`lift`). Everything else a handler does per op is bookkeeping whose
+outcome is the same at every run of the same program from the same start: the checks that `check`
+proved and the first run confirmed, the slot and the dock cache it looks up, and the engine's tables
+(``placed``, ``transfers``, ``occupants``). So the first run of a program whose every op is such a
+move (`plan_replay`) runs the handlers and records the tables at each point the hooks stopped
+(``Mover._recording``); at its end `build_replay` turns it into a `Replay`: per stop, the calls to
+the next stop, and the tables there. A later step of that program replays it when nothing it settled
+has changed (`Replay.ready`: the slots hold the same memory, the packs it moves are at host memory
+with nothing pending, no tracer, profiler or grad guard is watching), keeps the tables as the step
+found them, and puts the recorded ones in place at its end, or at the stop where it must hand over
+to the handlers (a hook reached out of order, grad switched on in a forward: ``Mover.unreplay``).
+Each move is one C call on the pack's memory, mapped in C per stop (a load is the copy into the slot
+from ``Pack.source``, a wait and an evict the exchange of the pack's storage with the slot's,
+`SWAP`), so no signal lands inside a stop's moves, and the packs' own record of where they are
+(``where``, ``docked``, ``arriving``) is left as the step found it: it is written where the replay
+hands over (`Replay.settle`: what the moves up to that stop leave, a few packs at the end) and, when
+a step fails mid-way, read back from the memory itself before the abort (`Replay.recover`: a pack
+whose storage is not at its host memory is docked at its slot). A block's hook that a replay brought
+to its stop does not read its pack's record: the first run found it ready there, and the replay made
+the same moves from the same start. Units the step finds in a slot (loaded by the step before) keep
+their handlers, which read the tables the step began with, as they would. When a program's slots are
+the same buffers grown again elsewhere (the components of a pipeline share slots of different sizes,
+so each call frees and grows them), the recorded tables still hold and only the views over the slots
+are made anew (`Replay.moved`): a denoising loop replays every step but its first at every call.
+Slots that are other buffers need a recording run again, made while the replays pay for it; a
+program recorded twice and never replayed in between is left to the handlers (``Program.recorded``).
 """
 
 from __future__ import annotations
@@ -38,26 +43,35 @@ import attrs
 import torch
 
 from torchferry.policies import DEVICE, Schedule
-from torchferry.runtime.memory import Pack, PackState, Unit, land, lift, load_docked
+from torchferry.runtime.memory import SWAP, Pack, PackState, Unit, land, lift, load_docked
 
 if TYPE_CHECKING:
     from torchferry.runtime.device import DeviceBuffer, SlotPool
 
-__all__ = ["Call", "Replay", "Segment", "Tables", "build_replay", "call", "plan_replay", "restore"]
+__all__ = ["Call", "Move", "Replay", "Segment", "Tables", "build_replay", "call", "plan_replay", "restore"]
 
 #: The engine's tables at a stop: ``placed``, ``transfers``, ``occupants``.
 Tables = tuple[dict[str, str], dict[str, "DeviceBuffer"], dict[str, Unit]]
 #: One call of a replayed step: ``fn(a, b)`` (a handler with its unit and op, or a pack's move).
-Call = tuple[Callable[[Any, Any], None], Any, Any]
+Call = tuple[Callable[[Any, Any], Any], Any, Any]
 #: The calls from one stop to the next: (the next stop, functions, first arguments, second arguments).
 Segment = tuple[int, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]
 #: ``fn(a, b)`` as a C function `map` can call (``operator.call`` from Python 3.11).
 call: Callable[..., Any] = getattr(operator, "call", lambda fn, *args: fn(*args))
 
 _HOST = PackState.HOST
-_STATE = operator.attrgetter("where", "docked", "arriving", "rewatch")
+_IN_FLIGHT = PackState.IN_FLIGHT
+_READY = PackState.READY
+#: What `Replay.ready` reads of each pack it loads: the storage its moves exchange is among it.
+_STATE = operator.attrgetter("where", "docked", "arriving", "rewatch", "bound")
 _WATCHED = operator.attrgetter("watched")
-_REWATCH = operator.attrgetter("rewatch")
+_AGAIN = operator.attrgetter("rewatch", "bound")
+#: The moves as C functions of two arguments: a load's copy into the slot, a dock's or undock's exchange.
+_COPY: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.Tensor.copy_
+#: One move of a replayed step, for `Replay.settle`: its op's index, its kind (`_LOAD`, `_WAIT`,
+#: `_EVICT`), the pack and the storage over its bytes of the slot.
+Move = tuple[int, int, Pack, torch.UntypedStorage]
+_LOAD, _WAIT, _EVICT = 0, 1, 2
 
 
 def plan_replay(schedule: Schedule, calls: tuple[tuple[Any, Unit, Any], ...]) -> tuple[bool, ...] | None:
@@ -151,29 +165,39 @@ def _lift_kept(pack: Pack, docked: torch.UntypedStorage) -> None:
 class Replay:
     """A program's steady step as calls: ``segments`` per stop (the next stop, the calls to it),
     ``tables`` the engine's tables at each stop, ``slots`` the slot memory the calls write (name,
-    buffer, its tensor, its regrowth count), ``fresh`` the packs it loads (at host memory at the start)."""
+    buffer, its tensor, its regrowth count), ``fresh`` the packs it loads (at host memory at the start),
+    ``moves`` its moves in order and ``end`` the index past its last op."""
 
     segments: dict[int, Segment]
     tables: dict[int, Tables]
     slots: tuple[tuple[str, DeviceBuffer, torch.Tensor, int], ...]
     fresh: tuple[Pack, ...]
+    moves: tuple[Move, ...]
+    end: int
     #: The packs it loads after evicting them first (the step found them in a slot): their evict's
     #: handler leaves them at host memory; only a re-watch the engine asked for must not be pending.
     again: tuple[Pack, ...] = ()
-    #: What `_STATE` reads of each of ``fresh`` at host memory with nothing pending.
+    #: What `_STATE` reads of each of ``fresh`` at host memory with nothing pending (and ``again``'s
+    #: `_AGAIN`): the storages its moves exchange are among it.
     rested: list[tuple[Any, ...]] = attrs.field(init=False)
+    rested_again: list[tuple[Any, ...]] = attrs.field(init=False)
+    #: The packs its whole run leaves other than at host memory (the next step's first block, loaded):
+    #: (pack, where, docked, arriving), what `settle` writes at the end.
+    final: list[tuple[Pack, PackState, Any, Any]] = attrs.field(factory=list)
     #: Steps that replayed it (a replay never used is not recorded again: see `Engine.begin`).
     used: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
-        self.rested = [(_HOST, None, None, False)] * len(self.fresh)
+        self.rested = [(_HOST, None, None, False, p.bound) for p in self.fresh]
+        self.rested_again = [(False, p.bound) for p in self.again]
 
     def __repr__(self) -> str:
         return f"Replay({len(self.segments)} stops, {len(self.fresh) + len(self.again)} packs moved)"
 
     def ready(self, pool: SlotPool) -> bool:
         """Whether a step can replay now: every slot holds the memory it did, and every pack it loads
-        is at host memory with nothing pending (no copy in flight, no watch, no re-watch)."""
+        is at host memory with nothing pending (no copy in flight, no watch, no re-watch), over the
+        storage its moves exchange."""
         held = pool.slots
         for name, buffer, data, grown in self.slots:
             entry = held.get(name)
@@ -183,9 +207,8 @@ class Replay:
         return (
             list(map(_STATE, fresh)) == self.rested
             and not any(map(_WATCHED, fresh))
-            and not any(map(_REWATCH, self.again))
+            and list(map(_AGAIN, self.again)) == self.rested_again
         )
-
 
     def moved(self, pool: SlotPool) -> bool:
         """Whether its slots are the same buffers and some hold other memory now (freed and grown
@@ -194,6 +217,39 @@ class Replay:
         held = pool.slots
         same = all(held.get(name, (None, None))[1] is buffer for name, buffer, _, _ in self.slots)
         return same and not all(b.data is d and b.grown == g for _, b, d, g in self.slots)
+
+    def settle(self, pc: int) -> None:
+        """Write into the packs it moved where its moves up to op ``pc`` (a stop it reached) left them."""
+        states = self.final if pc >= self.end else _walk(self.moves, pc)
+        for pack, where, docked, arriving in states:
+            pack.where, pack.docked, pack.arriving = where, docked, arriving
+
+    def recover(self) -> None:
+        """A step failed mid-way (anywhere, a signal inside a stop's moves included): write into each
+        pack it moved what its memory says, a pack whose storage is not at its host memory docked at
+        its slot, before the abort reads them. A pack recorded ready (a handler's wait, its entry's
+        dock) is exact already; the others' record says host memory."""
+        for _, _, pack, storage in self.moves:
+            if pack.where is not _HOST or pack.bound is None:
+                continue
+            at = pack.host.data_ptr()
+            if pack.bound.data_ptr() != at and storage.data_ptr() == at:  # exchanged with this slot's
+                pack.where, pack.docked, pack.arriving = _READY, storage, None
+
+
+def _walk(moves: tuple[Move, ...], pc: int) -> list[tuple[Pack, PackState, Any, Any]]:
+    """Where ``moves`` up to op ``pc`` leave each pack they moved: (pack, where, docked, arriving)."""
+    found: dict[int, tuple[Pack, PackState, Any, Any]] = {}
+    for index, kind, pack, storage in moves:
+        if index >= pc:
+            break
+        if kind == _LOAD:
+            found[id(pack)] = (pack, _IN_FLIGHT, None, storage)
+        elif kind == _WAIT:
+            found[id(pack)] = (pack, _READY, storage, None)
+        else:
+            found[id(pack)] = (pack, _HOST, None, None)
+    return list(found.values())
 
 
 def build_replay(
@@ -214,15 +270,19 @@ def build_replay(
     fresh: dict[int, Pack] = {}
     again: dict[int, Pack] = {}
     made: list[Call] = []
-    for (handler, unit, op), moved in zip(calls, flags, strict=True):
+    moves: list[Move] = []
+    left: dict[str, tuple[Pack, PackState, Any, Any]] = {}  # where the whole run leaves them
+    for index, ((handler, unit, op), moved) in enumerate(zip(calls, flags, strict=True)):
         if not moved:
             made.append((handler, unit, op))
             continue
         pack = unit.packs[0]
+        bound = pack.bound
         if op.kind == "load":
             slot = op.slot
             held = None if slot is None else pool.slots.get(slot)
-            if slot is None or held is None:
+            source = pack.source
+            if slot is None or held is None or source is None:
                 return None
             buffer = held[1]
             dst, storage = pack.dock_at(slot, buffer)  # the views the run made, or new ones if it moved
@@ -230,20 +290,28 @@ def build_replay(
             docks[op.unit] = dst
             slots[slot] = (slot, buffer, buffer.data, buffer.grown)
             (again if op.unit in entry else fresh).setdefault(id(pack), pack)
+            moves.append((index, _LOAD, pack, storage))
+            left[op.unit] = (pack, _IN_FLIGHT, None, storage)
             if pack.buffers:
                 made.append((_load_watched, pack, (dst, storage)))
             else:
-                made.append((load_docked, pack, (dst, storage)))
+                made.append((_COPY, dst, source))  # ``bound``'s bytes: at host memory when a load runs
         elif op.kind == "wait":
             storage = storages[op.unit]
+            moves.append((index, _WAIT, pack, storage))
+            left[op.unit] = (pack, _READY, storage, None)
             if pack.buffers:
                 made.append((_land_watched, pack, (docks[op.unit], storage)))
             else:
-                made.append((land, pack, storage))
-        elif pack.buffers:
-            made.append((_lift_kept, pack, storages[op.unit]))
+                made.append((SWAP, bound, storage))
         else:
-            made.append((lift, pack, storages[op.unit]))
+            storage = storages[op.unit]
+            moves.append((index, _EVICT, pack, storage))
+            del left[op.unit]
+            if pack.buffers:
+                made.append((_lift_kept, pack, storage))
+            else:
+                made.append((SWAP, bound, storage))
     stops = sorted(recording)
     segments = {a: (b, *_columns(made[a:b])) for a, b in itertools.pairwise(stops)}
     return Replay(
@@ -251,5 +319,8 @@ def build_replay(
         tables=recording,
         slots=tuple(slots.values()),
         fresh=tuple(fresh.values()),
+        moves=tuple(moves),
+        end=len(calls),
         again=tuple(again.values()),
+        final=list(left.values()),
     )

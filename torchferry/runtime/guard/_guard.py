@@ -343,7 +343,7 @@ class SessionGuard:
     def keep_device_writes(self) -> None:
         """Copy into the host copy every tensor that points at device memory and was written in
         place since the last step (a step ends abnormally: its device copies are about to go)."""
-        engine = self.engine
+        (engine := self.engine).unreplay()  # the packs' record, exact ([Note: replay])
         if engine.broken:
             return  # a failed collective may still write the slots: nothing in them is trusted
         versions = map(_VERSION, self._tensors)

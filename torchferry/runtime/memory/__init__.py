@@ -6,6 +6,7 @@ from __future__ import annotations
 from torchferry.runtime.memory._layouts import Layouts as Layouts
 from torchferry.runtime.memory._layouts import aliased as aliased
 from torchferry.runtime.memory._layouts import shared_elsewhere as shared_elsewhere
+from torchferry.runtime.memory._pack import SWAP as SWAP
 from torchferry.runtime.memory._pack import Arriving as Arriving
 from torchferry.runtime.memory._pack import Pack as Pack
 from torchferry.runtime.memory._pack import PackState as PackState

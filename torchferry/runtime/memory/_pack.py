@@ -61,9 +61,10 @@ docked (a step interrupted, then its session and pipeline dropped without close(
 goes, so a weight kept elsewhere holds the host memory, never a freed slot. Docking leaves the
 pack's ``moves`` alone (the tensors point where they did: the session guard reads no pointer of a
 pack that docks). The three moves of a pack that docks are functions of the pack and one argument
-(`load_docked`, `land`, `lift`), so a steady step can be replayed as a list of them (`Replay` in
-`torchferry.runtime.executor`). File-tier and sharded packs, and every pack of a CUDA session, are
-not bound.
+(`load_docked`, `land`, `lift`); at their core each is one C call on memory (a copy from ``source``,
+``bound``'s bytes, into the slot; an exchange, `SWAP`, of ``bound`` with the slot's storage), so a
+steady step can be replayed as a list of those calls (`Replay` in `torchferry.runtime.executor`).
+File-tier and sharded packs, and every pack of a CUDA session, are not bound.
 
 [Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
@@ -256,6 +257,8 @@ class Pack:
     bound: torch.UntypedStorage | None = None
     #: The views of ``bound`` the tensors take at host memory (``host_views`` when not bound).
     rest_views: tuple[torch.Tensor, ...] = ()
+    #: ``bound``'s bytes as one tensor, wherever it is docked (a replayed load copies from it).
+    source: torch.Tensor | None = None
     # Why: while docked, the slot's storage exchanged with ``bound`` (it holds the host memory now).
     docked: torch.UntypedStorage | None = None
     # Why: per slot name, (the slot's buffer, its ``grown`` count, the pack's bytes of it, a storage
@@ -308,6 +311,7 @@ class Pack:
         alias = _storage_at(storage.data_ptr(), host.device, self.nbytes)
         copy = torch.empty(0, dtype=torch.uint8).set_(alias, 0, (self.nbytes,), (1,))
         self.rest_views = self.host_views
+        self.source = host
         self.host = copy
         self.host_views = views_into(self.pieces, copy)
         self.bound = storage
@@ -451,7 +455,7 @@ class Pack:
 
     def unbind(self) -> None:
         """Stop docking (the pack is given back): drop the storages it holds."""
-        self.bound = None
+        self.bound = self.source = None
         self.rest_views = ()
         self.docks.clear()
 
@@ -467,6 +471,7 @@ class Pack:
 #: Exchange two storages' memory (and its owner): every tensor viewing either sees the other's bytes.
 #: ``None`` in a torch without it (or without storages over foreign memory): packs are re-pointed then.
 _SWAP: Any = vars(torch._C.StorageBase).get("_swap_data_ptr_")
+SWAP = _SWAP
 _FOREIGN: Any = getattr(torch._C, "_construct_storage_from_data_pointer", None)
 #: ``tensor.data = view`` as a function (the setter of ``Tensor.data``), mapped over a pack's tensors
 #: and run to the end by `_consume` (an empty deque's ``extend``): no Python loop per tensor.

@@ -1,0 +1,263 @@
+"""Replayed steps over blocks without buffers ([Note: replay] in `torchferry.runtime.executor._replay`):
+each move is one C call (the copy into the slot, the exchange of a pack's storage with the slot's), the
+packs' record of where they are is left as the step found it, and is written where the replay hands
+over or read back from memory when a step fails anywhere inside it."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchferry
+from torchferry.testing import toy
+from torchferry.testing._calls import count_calls
+
+# (Not under tests/runtime, whose engines all run on the stream sanitizer, which is never replayed.)
+
+
+class Interrupt(BaseException):
+    """A BaseException that is not an Exception (as KeyboardInterrupt is)."""
+
+
+def bare(seed: int = 0) -> toy.ToyPipeline:
+    """The toy pipeline with no buffer in its DiT blocks: every move of a replayed step is a C call."""
+    p = toy.without_block_buffers(toy.build(seed))
+    assert not any(True for b in p.transformer.blocks for _ in b.buffers())
+    return p
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(1, 16, 16, generator=g), torch.tensor([0.5]), torch.randn(1, 8, 32, generator=g)
+
+
+def run(p: toy.ToyPipeline, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    with torch.no_grad():
+        out: torch.Tensor = p.transformer(*args)
+    return out
+
+
+def same_state(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def replays(session: torchferry.Session) -> list[Any]:
+    return [p.replay for p in session.engine._programs.values() if p.replay is not None]
+
+
+def spoil_slots(session: torchferry.Session) -> Iterator[torch.Tensor]:
+    """Write junk over every slot's memory (and fill freed memory with junk): a weight left docked at
+    a slot reads it."""
+    for entry in session.engine.slots.slots.values():
+        data = entry[1].data
+        if data is not None and data.numel():
+            data.fill_(7)
+    yield from (torch.full((1 << 14,), 7.0) for _ in range(64))
+
+
+def test_a_steady_step_is_copies_and_exchanges_only() -> None:
+    """From the third call on, a step of the transformer runs no Python function of a pack: one copy
+    per block and two exchanges, and every output is the plain one, bit for bit."""
+    p, ref = bare(), bare()
+    args = inputs()
+    with torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session:
+        for _ in range(3):
+            assert torch.equal(run(p, args), run(ref, args))
+        assert replays(session)
+        counted = count_calls(lambda: run(p, args))
+        # Only the unit the step finds in its slot (block 0) meets its handlers: its wait and evict.
+        handled = [n for n in counted.by_function if n.endswith(("(_load)", "(load_docked)", "(land)"))]
+        assert not handled, handled
+        packs = sum(n for name, n in counted.by_function.items() if "memory/_pack.py" in name)
+        assert packs <= 8, counted.by_function
+        blocks = len(p.transformer.blocks)
+        assert counted.by_function["T TensorBase.copy_"] == blocks  # block 0's for the next step too
+        assert torch.equal(run(p, args), run(ref, args))
+    assert same_state(p, ref)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_failure_anywhere_inside_a_replayed_stop_is_recovered_from_memory(where: str) -> None:
+    """A call of a replayed stop raises (a BaseException) before, between or after the stop's moves (the
+    first stop with moves also runs the evict handler of the unit the step found in its slot): the
+    abort reads where each pack is from its memory, so between steps every weight reads its own host
+    bytes (junk written over the slots reaches none), and the next calls and close are exact."""
+    p, ref = bare(), bare()
+    args = inputs()
+
+    def boom(a: Any, b: Any) -> None:
+        raise Interrupt()
+
+    with torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session:
+        stops = None
+        for cut in range(8):
+            for _ in range(3):
+                assert torch.equal(run(p, args), run(ref, args))
+            (replay,) = replays(session)
+            starts = sorted(replay.segments)
+            start = {"first": starts[2], "middle": starts[len(starts) // 2], "last": starts[-1]}[where]
+            stop, fns, firsts, seconds = replay.segments[start]
+            stops = len(fns)
+            if cut > stops:
+                break
+            replay.segments[start] = (
+                stop,
+                (*fns[:cut], boom, *fns[cut:]),
+                (*firsts[:cut], None, *firsts[cut:]),
+                (*seconds[:cut], None, *seconds[cut:]),
+            )
+            with pytest.raises(Interrupt):
+                run(p, args)
+            replay.segments[start] = (stop, fns, firsts, seconds)
+            junk = list(spoil_slots(session))
+            assert same_state(p, ref), f"cut after {cut} of the stop's {stops} calls"
+            del junk
+        assert stops is not None and stops >= 1
+        for _ in range(2):
+            assert torch.equal(run(p, args), run(ref, args))
+    assert same_state(p, ref)
+
+
+def test_an_interrupt_between_replayed_blocks_hands_over_exactly() -> None:
+    """A BaseException from a user's hook between blocks of a replayed step (forward hooks are skipped,
+    as for a KeyboardInterrupt): the next step starts from where the replay's moves left the packs, and
+    the next calls, an in-place edit made meanwhile, and close are exact."""
+    p, ref = bare(), bare()
+    args = inputs()
+    armed = {"on": False}
+
+    def interrupt(module: nn.Module, inputs: Any) -> None:
+        if armed["on"]:
+            armed["on"] = False
+            raise Interrupt()
+
+    session = torchferry.offload(p.transformer, strategy="layerwise", device="cpu")
+    for _ in range(3):
+        run(p, args)
+    assert replays(session)
+    p.transformer.blocks[5].register_forward_pre_hook(interrupt)
+    armed["on"] = True
+    with pytest.raises(Interrupt):
+        run(p, args)
+    with torch.no_grad():
+        for pipe in (p, ref):
+            pipe.transformer.blocks[5].fc1.weight.mul_(2)  # docked when the step stopped
+    for _ in range(3):
+        assert torch.equal(run(p, args), run(ref, args))
+    session.close()
+    assert same_state(p, ref)
+
+
+@pytest.mark.parametrize("again", [3, 2])
+def test_a_block_called_again_in_a_replayed_step_is_checked_on_an_exact_record(again: int) -> None:
+    """A forward calls a block a second time once its stop is behind (after block 3: block 3 again,
+    still docked, or block 2, evicted): the hook reads the pack's record only after the replay has
+    written it, so the first runs as the plain model does and the second is refused loudly, as in a
+    step the handlers run, with every weight its own after."""
+    p, ref = bare(), bare()
+    args = inputs()
+
+    def twice(self: Any, latents: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        angles = t.float()[:, None] * 1000.0 * self.freqs[None]
+        temb = self.time_out(
+            torch.nn.functional.silu(self.time_in(torch.cat([angles.sin(), angles.cos()], -1)))
+        )
+        h, ctx = self.patch_in(latents), self.context_proj(context)
+        for i, module in enumerate(self.blocks):
+            h = module(h, temb, ctx)
+            if i == 3 and self.again:
+                h = self.blocks[again](h, temb, ctx)
+        out: torch.Tensor = self.proj_out(self.norm_out(h))
+        return out
+
+    for pipe in (p, ref):
+        pipe.transformer.forward = types.MethodType(twice, pipe.transformer)
+        pipe.transformer.again = False
+    with torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session:
+        for _ in range(3):
+            assert torch.equal(run(p, args), run(ref, args))
+        assert replays(session)
+        for pipe in (p, ref):
+            pipe.transformer.again = True
+        if again == 3:
+            for _ in range(2):
+                assert torch.equal(run(p, args), run(ref, args))
+        else:
+            with pytest.raises(torchferry.ExecutionError, match=r"blocks\.2 was reached"):
+                run(p, args)
+            assert same_state(p, ref)
+        for pipe in (p, ref):
+            pipe.transformer.again = False
+        for _ in range(3):
+            assert torch.equal(run(p, args), run(ref, args))
+    assert same_state(p, ref)
+
+
+def test_grad_switched_on_inside_a_replayed_step_hands_over_exactly() -> None:
+    """Grad switched on by a hook inside a replayed step: the handlers take over with the record the
+    replay wrote, and the outputs are the plain ones."""
+    p, ref = bare(), bare()
+    args = inputs()
+
+    def grad_on(module: nn.Module, inputs: Any) -> None:
+        torch.set_grad_enabled(True)
+
+    for pipe in (p, ref):
+        pipe.transformer.blocks[4].register_forward_pre_hook(grad_on)
+    with (
+        pytest.warns(torchferry.OffloadWarning),
+        torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session,
+    ):
+        for _ in range(4):
+            with torch.no_grad():
+                outs = [pipe.transformer(*args) for pipe in (p, ref)]
+            assert torch.equal(outs[0], outs[1])
+        assert replays(session)
+    assert same_state(p, ref)
+
+
+def test_an_in_place_edit_inside_a_replayed_step_that_then_fails_is_kept() -> None:
+    """A hook edits a weight the device keeps (the transformer's own layers) in place inside a replayed
+    step, and a later block raises: the failed step keeps what it wrote, as plain torch does, and every
+    streamed block is its own after (docs/contract.md: a step that fails keeps its in-place writes)."""
+    p, ref = bare(), bare()
+    args = inputs()
+    armed = {"on": False}
+
+    def hooks(pipe: toy.ToyPipeline) -> tuple[Any, Any]:
+        def edit(module: nn.Module, inputs: Any) -> None:
+            if armed["on"]:
+                with torch.no_grad():
+                    pipe.transformer.proj_out.weight.mul_(2)
+
+        def fail(module: nn.Module, inputs: Any) -> None:
+            if armed["on"]:
+                armed["on"] = False
+                raise RuntimeError("a later block fails")
+
+        return edit, fail
+
+    for pipe in (p, ref):
+        edit, fail = hooks(pipe)
+        pipe.transformer.blocks[5].register_forward_pre_hook(edit)
+        pipe.transformer.blocks[6].register_forward_pre_hook(fail)
+    with torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session:
+        for _ in range(3):
+            assert torch.equal(run(p, args), run(ref, args))
+        assert replays(session)
+        for pipe in (p, ref):
+            armed["on"] = True
+            with pytest.raises(RuntimeError, match="a later block fails"):
+                run(pipe, args)
+        junk = list(spoil_slots(session))
+        assert same_state(p, ref)
+        del junk
+        for _ in range(2):
+            assert torch.equal(run(p, args), run(ref, args))
+    assert same_state(p, ref)
