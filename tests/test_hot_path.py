@@ -41,12 +41,13 @@ BUDGETS: dict[str, tuple[float, float, float, float]] = {
     "dit layerwise": (22.5, 23.5, 655.0, 19.5),
     # the same DiT with no buffer in its blocks (as most diffusers transformers): a replayed step
     # moves each block by C calls alone, and its pack's record is left as the step found it
-    # ([Note: replay]): 11.4, 16.1, 366, 13.6 (by a Python function per move: 14.0, 19.0, 418, 13.6;
-    # the 40-block Wan transformer of benchmarks/overhead.py: 3.9, 8.1, 153 against 6.8, 11.1, 212)
-    "dit layerwise bare": (12.5, 17.5, 400.0, 15.0),
+    # ([Note: replay]), the next step's first block copied at its wait, unwatched between steps:
+    # 11.9, 16.2, 380, 4.8 (watched: 11.4, 16.1, 366, 13.6; by a Python function per move: 14.0, 19.0,
+    # 418, 13.6)
+    "dit layerwise bare": (13.0, 18.0, 420.0, 5.5),
     # a call of the toy pipeline (encoder, two DiT steps, decoder) over its 18 streamed blocks, whose
     # slots move between components: the DiT's second step is replayed over views made anew at each
-    # call, which two steps barely pay for: 31.2, 39.7, 1137, 24.6, the replay's moves listed for the
+    # call, which two steps barely pay for: 31.5, 39.8, 1155, 23.3, the replay's moves listed for the
     # record it writes where it hands over (30.2, 37.3, 1052, 24.6 before; steady:
     # 27.5, 33.8, 1002, 63.9; docked: 31.9, 34.9, 1134, 64.1; re-pointed: 31.9, 37.9, 1180, 100.4;
     # first: 43.4, 32.7, 1635)

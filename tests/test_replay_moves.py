@@ -6,6 +6,7 @@ over or read back from memory when a step fails anywhere inside it."""
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -259,5 +260,79 @@ def test_an_in_place_edit_inside_a_replayed_step_that_then_fails_is_kept() -> No
         assert same_state(p, ref)
         del junk
         for _ in range(2):
+            assert torch.equal(run(p, args), run(ref, args))
+    assert same_state(p, ref)
+
+
+@pytest.mark.parametrize("when", ["between calls", "in a hook after the step starts"])
+def test_the_next_steps_first_block_is_copied_at_its_wait(when: str) -> None:
+    """A replayed step loads the next step's first block without copying it (its wait copies it, and
+    the session guard does not watch it between steps): an in-place edit of that block between calls,
+    or from a transformer hook registered after opening (it runs after the step's start), reaches its
+    forward and the weights after close, as in the plain run; junk in the slot it will use reaches
+    nothing."""
+    p, ref = bare(), bare()
+    args = inputs()
+    armed = {"on": False}
+
+    def edit(pipe: toy.ToyPipeline) -> None:
+        with torch.no_grad():
+            pipe.transformer.blocks[0].fc1.weight.add_(0.5)
+
+    with torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session:
+        if when != "between calls":
+            for pipe in (p, ref):
+                pipe.transformer.register_forward_pre_hook(
+                    lambda module, inputs, pipe=pipe: edit(pipe) if armed["on"] else None
+                )
+        for _ in range(3):
+            assert torch.equal(run(p, args), run(ref, args))
+        (replay,) = replays(session)
+        assert replay.later == {"blocks.0"}, replay.later
+        assert session.engine.deferred == {"blocks.0"}
+        for _ in range(2):
+            junk = list(spoil_slots(session))  # what the slot holds before the wait copies
+            del junk
+            armed["on"] = True
+            if when == "between calls":
+                edit(p)
+                edit(ref)
+            out, expected = run(p, args), run(ref, args)
+            armed["on"] = False
+            assert torch.equal(out, expected)
+        assert replays(session)
+    assert same_state(p, ref)
+
+
+def test_grad_switched_on_after_the_deferred_load_hands_over_exactly() -> None:
+    """Grad switched on in the last block's forward, after the replay loaded the next step's first
+    block without copying it: the hand-over records that its wait must copy it, and the next calls
+    are exact."""
+    p, ref = bare(), bare()
+    args = inputs()
+    armed = {"on": False}
+
+    def grad_on(module: nn.Module, inputs: Any) -> None:
+        if armed["on"]:
+            torch.set_grad_enabled(True)
+
+    with torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session:
+        for pipe in (p, ref):  # registered after opening: runs after the session's own hook
+            pipe.transformer.blocks[-1].register_forward_pre_hook(grad_on)
+        for _ in range(3):
+            assert torch.equal(run(p, args), run(ref, args))
+        assert replays(session)
+        armed["on"] = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torchferry.OffloadWarning)  # a block run with grad
+            outs = [run(pipe, args) for pipe in (p, ref)]
+        armed["on"] = False
+        assert torch.equal(outs[0], outs[1])
+        # The handlers ended the step: the load's copy is left to the wait, as recorded on the pack.
+        assert session.engine.deferred == frozenset()
+        assert session.engine.store.units["blocks.0"].packs[0].watched == {0: -1}
+        junk = list(spoil_slots(session))
+        del junk
+        for _ in range(3):
             assert torch.equal(run(p, args), run(ref, args))
     assert same_state(p, ref)

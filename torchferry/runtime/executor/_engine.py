@@ -335,6 +335,7 @@ class Engine(Mover):
         program.pc = 0
         self.program = program
         self._replay = self._recording = None
+        self.deferred = frozenset()
         if (
             program.primitive is not None
             and self._synchronous
@@ -374,7 +375,9 @@ class Engine(Mover):
         program = self.program
         if program is None:
             return
+        replayed = self._replay
         self.unreplay()  # the tables as the first run left them here
+        self.deferred = frozenset() if replayed is None else replayed.later
         recording, self._recording = self._recording, None
         self.program = None
         self._casts.step_ends()
@@ -448,6 +451,7 @@ class Engine(Mover):
     def _abort(self) -> None:
         self.program = None
         replay, self._replay, self._recording = self._replay, None, None
+        self.deferred = frozenset()
         if replay is not None:
             replay.recover()  # the packs' record, read from their memory, for `_drop_all`
         self._casts.step_ends()

@@ -82,14 +82,15 @@ class Mover(OnDemand):
         # Why: the tracer of the step running now; checked once per op and per block hook.
         self.tracer: Tracer | None = None
         self.guard = GradGuard(self.placed, self.store.units)
-        # Why: on `CpuStreams` every copy has completed when it returns, so a wait or release orders
-        # nothing unless a read of the file tier is filling the buffer (``filling``): the hot path
-        # skips the call otherwise (a test stream context of another class always gets it).
+        # Why: on `CpuStreams` a copy has completed when it returns: a wait or release orders nothing unless
+        # a file-tier read fills the buffer (``filling``), else the hot path skips it (not on test streams).
         self._synchronous = type(self.streams) is CpuStreams
-        # Why: the replay the running step follows, or the tables its first run records at each stop
-        # for one ([Note: replay] in `_replay`); at most one of them, ``None`` both between steps.
+        # Why: the replay the running step follows, or the tables its first run records at each stop for
+        # one ([Note: replay] in `_replay`); at most one of them, ``None`` both between steps.
         self._replay: Replay | None = None
         self._recording: dict[int, Tables] | None = None
+        #: Units a replayed step loaded for a later one, their copy left to their wait (`Replay.later`).
+        self.deferred: frozenset[str] = frozenset()
 
     def _missed(self, what: str, invariant: int) -> ExecutionError:
         """`missed` at the op running now, with the step's listing marked there."""
@@ -454,8 +455,7 @@ class Mover(OnDemand):
         pack.where = _READY
 
     def _reload(self, unit: Unit, slot: DeviceBuffer) -> None:
-        """Copy ``unit``'s host bytes into its slot again: some of its tensors were written in place
-        while the copy was in flight (see `Pack.carry`); for an all-gathered block, raise."""
+        """Copy ``unit``'s host bytes into its slot (again: see `Pack.carry`); all-gathered: raise."""
         pack = unit.packs[0]
         if pack.in_file:
             raise ExecutionError(
@@ -472,7 +472,8 @@ class Mover(OnDemand):
                 "cannot reach the gathered copy; edit an all-gathered block's weights only between "
                 "sessions (close(gather=True), edit, open again)"
             )
-        dst, _ = pack.views(self.placed[unit.name], slot.data)
+        key = self.placed[unit.name]  # a pack that docks: its bytes of the slot, cached (`dock_at`)
+        dst = pack.views(key, slot.data)[0] if pack.bound is None else pack.dock_at(key, slot)[0]
         self.streams.copy_in(slot, dst, pack.host)
 
     def _evict(self, unit: Unit, op: Op) -> None:

@@ -24,12 +24,17 @@ a step fails mid-way, read back from the memory itself before the abort (`Replay
 whose storage is not at its host memory is docked at its slot). A block's hook that a replay brought
 to its stop does not read its pack's record: the first run found it ready there, and the replay made
 the same moves from the same start. Units the step finds in a slot (loaded by the step before) keep
-their handlers, which read the tables the step began with, as they would. When a program's slots are
-the same buffers grown again elsewhere (the components of a pipeline share slots of different sizes,
-so each call frees and grows them), the recorded tables still hold and only the views over the slots
-are made anew (`Replay.moved`): a denoising loop replays every step but its first at every call.
-Slots that are other buffers need a recording run again, made while the replays pay for it; a
-program recorded twice and never replayed in between is left to the handlers (``Program.recorded``).
+their handlers, which read the tables the step began with, as they would. A load for a later step
+(the next step's first block, prefetched) copies nothing: on a CPU session a copy completes as it is
+issued, so the wait, in that step, copies it (`Replay.later`, ``Mover.deferred``) from host bytes
+any edit made meanwhile has reached, and neither the step's end nor the session guard reads its
+tensors' version counters between steps (that read, of caches the forward left cold, was the largest
+part of a step's end). When a program's slots are the same buffers grown again elsewhere (the
+components of a pipeline share slots of different sizes, so each call frees and grows them), the
+recorded tables still hold and only the views over the slots are made anew (`Replay.moved`): a
+denoising loop replays every step but its first at every call. Slots that are other buffers need a
+recording run again, made while the replays pay for it; a program recorded twice and never replayed
+in between is left to the handlers (``Program.recorded``).
 """
 
 from __future__ import annotations
@@ -63,15 +68,19 @@ _HOST = PackState.HOST
 _IN_FLIGHT = PackState.IN_FLIGHT
 _READY = PackState.READY
 #: What `Replay.ready` reads of each pack it loads: the storage its moves exchange is among it.
-_STATE = operator.attrgetter("where", "docked", "arriving", "rewatch", "bound")
-_WATCHED = operator.attrgetter("watched")
+_STATE = operator.attrgetter("where", "docked", "arriving", "rewatch", "bound", "watched")
 _AGAIN = operator.attrgetter("rewatch", "bound")
 #: The moves as C functions of two arguments: a load's copy into the slot, a dock's or undock's exchange.
 _COPY: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.Tensor.copy_
 #: One move of a replayed step, for `Replay.settle`: its op's index, its kind (`_LOAD`, `_WAIT`,
-#: `_EVICT`), the pack and the storage over its bytes of the slot.
+#: `_EVICT`, or `_LATER`: a load whose copy waits for its wait), the pack and the storage over its
+#: bytes of the slot.
 Move = tuple[int, int, Pack, torch.UntypedStorage]
-_LOAD, _WAIT, _EVICT = 0, 1, 2
+_LOAD, _WAIT, _EVICT, _LATER = 0, 1, 2, 3
+#: Where a replay leaves a pack: (pack, where, docked, arriving, whether its wait must copy it).
+Left = tuple[Pack, PackState, Any, Any, bool]
+#: A call of two arguments that does nothing (in C): a load whose copy waits for its wait.
+_NOTHING: Callable[[Any, Any], Any] = operator.is_
 
 
 def plan_replay(schedule: Schedule, calls: tuple[tuple[Any, Unit, Any], ...]) -> tuple[bool, ...] | None:
@@ -182,13 +191,16 @@ class Replay:
     rested: list[tuple[Any, ...]] = attrs.field(init=False)
     rested_again: list[tuple[Any, ...]] = attrs.field(init=False)
     #: The packs its whole run leaves other than at host memory (the next step's first block, loaded):
-    #: (pack, where, docked, arriving), what `settle` writes at the end.
-    final: list[tuple[Pack, PackState, Any, Any]] = attrs.field(factory=list)
+    #: what `settle` writes at the end.
+    final: list[Left] = attrs.field(factory=list)
+    #: The units it loads for a later step without copying them: their wait, in that step, copies
+    #: (the session guard need not watch them between steps: `Mover.deferred`).
+    later: frozenset[str] = frozenset()
     #: Steps that replayed it (a replay never used is not recorded again: see `Engine.begin`).
     used: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
-        self.rested = [(_HOST, None, None, False, p.bound) for p in self.fresh]
+        self.rested = [(_HOST, None, None, False, p.bound, {}) for p in self.fresh]
         self.rested_again = [(False, p.bound) for p in self.again]
 
     def __repr__(self) -> str:
@@ -203,12 +215,8 @@ class Replay:
             entry = held.get(name)
             if entry is None or entry[1] is not buffer or buffer.data is not data or buffer.grown != grown:
                 return False
-        fresh = self.fresh  # in C: the packs' states compared as one list, their watches as one pass
-        return (
-            list(map(_STATE, fresh)) == self.rested
-            and not any(map(_WATCHED, fresh))
-            and list(map(_AGAIN, self.again)) == self.rested_again
-        )
+        rested, again = self.rested, self.rested_again  # in C: the states (watches too) as one list
+        return list(map(_STATE, self.fresh)) == rested and list(map(_AGAIN, self.again)) == again
 
     def moved(self, pool: SlotPool) -> bool:
         """Whether its slots are the same buffers and some hold other memory now (freed and grown
@@ -221,8 +229,10 @@ class Replay:
     def settle(self, pc: int) -> None:
         """Write into the packs it moved where its moves up to op ``pc`` (a stop it reached) left them."""
         states = self.final if pc >= self.end else _walk(self.moves, pc)
-        for pack, where, docked, arriving in states:
+        for pack, where, docked, arriving, later in states:
             pack.where, pack.docked, pack.arriving = where, docked, arriving
+            if later:
+                pack.recopy(0)  # its slot holds no copy of it yet: its wait copies it
 
     def recover(self) -> None:
         """A step failed mid-way (anywhere, a signal inside a stop's moves included): write into each
@@ -237,18 +247,18 @@ class Replay:
                 pack.where, pack.docked, pack.arriving = _READY, storage, None
 
 
-def _walk(moves: tuple[Move, ...], pc: int) -> list[tuple[Pack, PackState, Any, Any]]:
-    """Where ``moves`` up to op ``pc`` leave each pack they moved: (pack, where, docked, arriving)."""
-    found: dict[int, tuple[Pack, PackState, Any, Any]] = {}
+def _walk(moves: tuple[Move, ...], pc: int) -> list[Left]:
+    """Where ``moves`` up to op ``pc`` leave each pack they moved."""
+    found: dict[int, Left] = {}
     for index, kind, pack, storage in moves:
         if index >= pc:
             break
-        if kind == _LOAD:
-            found[id(pack)] = (pack, _IN_FLIGHT, None, storage)
+        if kind in (_LOAD, _LATER):
+            found[id(pack)] = (pack, _IN_FLIGHT, None, storage, kind == _LATER)
         elif kind == _WAIT:
-            found[id(pack)] = (pack, _READY, storage, None)
+            found[id(pack)] = (pack, _READY, storage, None, False)
         else:
-            found[id(pack)] = (pack, _HOST, None, None)
+            found[id(pack)] = (pack, _HOST, None, None, False)
     return list(found.values())
 
 
@@ -271,7 +281,8 @@ def build_replay(
     again: dict[int, Pack] = {}
     made: list[Call] = []
     moves: list[Move] = []
-    left: dict[str, tuple[Pack, PackState, Any, Any]] = {}  # where the whole run leaves them
+    left: dict[str, Left] = {}  # where the whole run leaves them
+    copies: dict[str, int] = {}  # per unit, its load's place in ``made`` and ``moves``
     for index, ((handler, unit, op), moved) in enumerate(zip(calls, flags, strict=True)):
         if not moved:
             made.append((handler, unit, op))
@@ -291,15 +302,16 @@ def build_replay(
             slots[slot] = (slot, buffer, buffer.data, buffer.grown)
             (again if op.unit in entry else fresh).setdefault(id(pack), pack)
             moves.append((index, _LOAD, pack, storage))
-            left[op.unit] = (pack, _IN_FLIGHT, None, storage)
+            left[op.unit] = (pack, _IN_FLIGHT, None, storage, False)
             if pack.buffers:
                 made.append((_load_watched, pack, (dst, storage)))
             else:
+                copies[op.unit] = index
                 made.append((_COPY, dst, source))  # ``bound``'s bytes: at host memory when a load runs
         elif op.kind == "wait":
             storage = storages[op.unit]
             moves.append((index, _WAIT, pack, storage))
-            left[op.unit] = (pack, _READY, storage, None)
+            left[op.unit] = (pack, _READY, storage, None, False)
             if pack.buffers:
                 made.append((_land_watched, pack, (docks[op.unit], storage)))
             else:
@@ -312,6 +324,16 @@ def build_replay(
                 made.append((_lift_kept, pack, storage))
             else:
                 made.append((SWAP, bound, storage))
+    # A load for a later step (the next step's first block) copies nothing: on a CPU session the copy
+    # completes as it is issued, so its wait, in that step, copies as early as any could run, from
+    # host bytes any edit made meanwhile reached (no watch of its tensors between steps).
+    later = frozenset(u for u, state in left.items() if state[1] is _IN_FLIGHT and u in copies)
+    for u in later:
+        index = copies[u]
+        made[index] = (_NOTHING, None, None)
+        at = next(i for i, m in enumerate(moves) if m[0] == index)
+        moves[at] = (index, _LATER, *moves[at][2:])
+        left[u] = (*left[u][:4], True)
     stops = sorted(recording)
     segments = {a: (b, *_columns(made[a:b])) for a, b in itertools.pairwise(stops)}
     return Replay(
@@ -323,4 +345,5 @@ def build_replay(
         end=len(calls),
         again=tuple(again.values()),
         final=list(left.values()),
+        later=later,
     )

@@ -240,7 +240,7 @@ class SessionGuard:
         # Why: the module slots a forward gave an object of its own (`_follow`), moved to host at close.
         self._followed: list[tuple[dict[str, Any], str]] = []
         # Why: per residency (the units on the device between steps), their records' indices and tensors.
-        self._resident: dict[tuple[str, ...], tuple[list[int], list[torch.Tensor]]] = {}
+        self._resident: dict[Any, tuple[list[int], list[torch.Tensor]]] = {}
         # Why: what the session set on the objects it serves (rules 3-5), taken off at close.
         casting = Casting(pipeline, plan, [m for _, m in modules])  # layerwise casts (`_casting`)
         self._overrides = Overrides(engine.device, self.write_through, casting)
@@ -446,11 +446,11 @@ class SessionGuard:
         (their tensors are placeholders between steps, so an in-place edit changes nothing but the
         counter, and must be refused)."""
         self.engine.unreplay()  # a step that never ended (a KeyboardInterrupt) left its tables behind
-        key = tuple(self.engine.placed)
+        key = (tuple(self.engine.placed), self.engine.deferred)  # a deferred unit's wait copies it
         found = self._resident.get(key)
         if found is None:
             units = self.engine.store.units
-            packs = {pack for name in key for pack in units[name].packs}
+            packs = {pack for name in key[0] if name not in key[1] for pack in units[name].packs}
             # Sharded and file-tier packs: an in-place edit there can reach no host copy (refused).
             packs.update(pack for pack in self._spans if pack.shard is not None or pack.in_file)
             indices = [i for pack in packs for i in range(*self._spans.get(pack, (0, 0)))]

@@ -409,6 +409,8 @@ class Pack:
             indices = tuple(indices)
             watched.update(zip(indices, map(_VERSION, map(tensors.__getitem__, indices)), strict=True))
             return
+        if -1 in watched.values():
+            return  # its wait copies it again whatever is written (`recopy`)
         for i in indices:
             if i not in watched:
                 watched[i] = tensors[i]._version
