@@ -282,7 +282,7 @@ def build_replay(
     made: list[Call] = []
     moves: list[Move] = []
     left: dict[str, Left] = {}  # where the whole run leaves them
-    copies: dict[str, int] = {}  # per unit, its load's place in ``made`` and ``moves``
+    copies: dict[str, tuple[int, int]] = {}  # per unit, its load's place in ``made`` and ``moves``
     for index, ((handler, unit, op), moved) in enumerate(zip(calls, flags, strict=True)):
         if not moved:
             made.append((handler, unit, op))
@@ -306,7 +306,7 @@ def build_replay(
             if pack.buffers:
                 made.append((_load_watched, pack, (dst, storage)))
             else:
-                copies[op.unit] = index
+                copies[op.unit] = (index, len(moves) - 1)
                 made.append((_COPY, dst, source))  # ``bound``'s bytes: at host memory when a load runs
         elif op.kind == "wait":
             storage = storages[op.unit]
@@ -329,9 +329,8 @@ def build_replay(
     # host bytes any edit made meanwhile reached (no watch of its tensors between steps).
     later = frozenset(u for u, state in left.items() if state[1] is _IN_FLIGHT and u in copies)
     for u in later:
-        index = copies[u]
+        index, at = copies[u]
         made[index] = (_NOTHING, None, None)
-        at = next(i for i, m in enumerate(moves) if m[0] == index)
         moves[at] = (index, _LATER, *moves[at][2:])
         left[u] = (*left[u][:4], True)
     stops = sorted(recording)
