@@ -449,11 +449,12 @@ class Engine(Mover):
             self._abort()
 
     def _abort(self) -> None:
-        self.program = None
-        replay, self._replay, self._recording = self._replay, None, None
-        self.deferred = frozenset()
-        if replay is not None:
+        replay = self._replay
+        if replay is not None:  # (before it is dropped: a signal in it leaves it to recover again)
             replay.recover()  # the packs' record, read from their memory, for `_drop_all`
+        self.program = None
+        self._replay = self._recording = None
+        self.deferred = frozenset()
         self._casts.step_ends()
         tracer = self.tracer
         if tracer is not None:

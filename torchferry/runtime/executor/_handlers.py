@@ -152,17 +152,17 @@ class Mover(OnDemand):
         return dict(self.placed), dict(self.transfers), dict(self.occupants)
 
     def unreplay(self) -> None:
-        """Stop replaying the running step: the tables become what its first run had at this stop,
-        and the handlers run the rest ([Note: replay] in `_replay`). Nothing when not replaying."""
-        replay, self._replay = self._replay, None
-        program = self.program
+        """Hand a replayed step over to the handlers here: its record and tables as at this stop."""
+        replay, program = self._replay, self.program
         if replay is None or program is None:
+            self._replay = None
             return
-        replay.settle(program.pc)  # the packs' record: the replay's moves left it as the step found it
+        replay.settle(program.pc)  # the packs' record; a signal in it leaves the replay to settle again
         found = replay.tables.get(program.pc)
         if found is None:
             raise self._missed(f"a replayed step stopped at op {program.pc}, where its first run did not", 2)
         restore(found, self.placed, self.transfers, self.occupants)
+        self._replay = None
 
     def run(self, program: Program, stop: int) -> None:
         """Run ``program``'s ops up to (not including) op ``stop``."""

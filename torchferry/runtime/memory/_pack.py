@@ -354,10 +354,23 @@ class Pack:
     def __del__(self) -> None:
         # A pack dropped while docked (a step interrupted, then its session and pipeline dropped
         # without close()) gives its storage the host memory back: a weight kept elsewhere then
-        # owns memory that lives, not the slot's, which goes with the session.
-        if self.docked is not None:
-            with contextlib.suppress(Exception):
-                self._undock()
+        # owns memory that lives, not the slot's, which goes with the session. Where it is docked is
+        # read from memory: a replayed step leaves the record behind, a signal may cut one short.
+        with contextlib.suppress(Exception):
+            holder = self._holder()
+            if holder is not None:
+                lift(self, holder)
+
+    def _holder(self) -> torch.UntypedStorage | None:
+        """The storage holding this pack's host memory while ``bound`` is docked elsewhere, found by
+        address among those it docks at (``None`` when ``bound`` is at its host memory)."""
+        bound = self.bound
+        if bound is None or bound.data_ptr() == (at := self.host.data_ptr()):
+            return None
+        for storage in (self.docked, self.arriving, *(cached[3] for cached in self.docks.values())):
+            if isinstance(storage, torch.UntypedStorage) and storage.data_ptr() == at:
+                return storage
+        return None
 
     def _undock(self) -> None:
         docked = self.docked
@@ -390,14 +403,15 @@ class Pack:
         """Point the pack back at its host buffer (nothing is copied: host bytes are the truth); a
         pack whose copy is still in flight points there already."""
         where = self.where
-        docked = self.docked
-        if docked is not None:  # whatever ``where`` says (a dock that raised before it was set)
-            lift(self, docked)
-        elif where is PackState.READY:  # the wait took `arriving` and the watch (`stale`)
+        holder = self._holder()  # from memory, whatever the record says (it may lag a signal)
+        if holder is not None:
+            lift(self, holder)
+        elif where is PackState.READY and self.bound is None:  # the wait took `arriving` and the watch
             self.point(self.rest_views or self.host_views)
-        elif where is PackState.IN_FLIGHT:
+        if where is PackState.IN_FLIGHT:
             self.arriving = None
             self.watched.clear()
+        self.docked = None
         self.where = PackState.HOST
 
     def carry(self, indices: Iterable[int]) -> None:
@@ -493,8 +507,8 @@ def load_docked(pack: Pack, at: tuple[torch.Tensor, torch.UntypedStorage]) -> No
 
 def land(pack: Pack, arriving: torch.UntypedStorage) -> None:
     """The wait of a pack that docks: `Pack.arrive` at ``arriving`` (a storage over its bytes in a
-    slot), and the pack is ready. One Python call, so no signal lands between the exchange and the
-    record of it."""
+    slot), and the pack is ready. A signal handled as the exchange returns leaves the record behind
+    it: `Pack.to_host` reads where the pack is from memory."""
     _SWAP(pack.bound, arriving)
     pack.docked = arriving
     pack.arriving = None
