@@ -64,7 +64,12 @@ pack that docks). The three moves of a pack that docks are functions of the pack
 (`load_docked`, `land`, `lift`); at their core each is one C call on memory (a copy from ``source``,
 ``bound``'s bytes, into the slot; an exchange, `SWAP`, of ``bound`` with the slot's storage), so a
 steady step can be replayed as a list of those calls (`Replay` in `torchferry.runtime.executor`).
-File-tier and sharded packs, and every pack of a CUDA session, are not bound.
+The record of where a pack is (``where``, ``docked``, ``arriving``) may lag its memory (a replayed
+step writes it only where it hands over; CPython handles a signal as a C call returns, between an
+exchange and its record), so what must be right whatever happened, undocking at `to_host` (every
+recovery goes through it) and as a dropped pack goes, reads it from memory: ``bound`` away from the
+host memory is docked at whichever of its storages holds that memory (`_holder`). File-tier and
+sharded packs, and every pack of a CUDA session, are not bound.
 
 [Note: sharded packs]
 Under the distributed strategy each rank keeps only its shard of an all-gathered block: bytes
