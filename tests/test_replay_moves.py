@@ -15,17 +15,16 @@ from typing import Any
 
 import pytest
 import torch
+from test_replay import Interrupt, inputs, run, same_state
 from torch import nn
 
 import torchferry
+from torchferry.runtime.memory import Pack
 from torchferry.testing import toy
 from torchferry.testing._calls import count_calls
 
-# (Not under tests/runtime, whose engines all run on the stream sanitizer, which is never replayed.)
-
-
-class Interrupt(BaseException):
-    """A BaseException that is not an Exception (as KeyboardInterrupt is)."""
+# (Not under tests/runtime, whose engines all run on the stream sanitizer, which is never replayed;
+# the helpers are test_replay's.)
 
 
 def bare(seed: int = 0) -> toy.ToyPipeline:
@@ -33,22 +32,6 @@ def bare(seed: int = 0) -> toy.ToyPipeline:
     p = toy.without_block_buffers(toy.build(seed))
     assert not any(True for b in p.transformer.blocks for _ in b.buffers())
     return p
-
-
-def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(1, 16, 16, generator=g), torch.tensor([0.5]), torch.randn(1, 8, 32, generator=g)
-
-
-def run(p: toy.ToyPipeline, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    with torch.no_grad():
-        out: torch.Tensor = p.transformer(*args)
-    return out
-
-
-def same_state(a: nn.Module, b: nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def replays(session: torchferry.Session) -> list[Any]:
@@ -63,6 +46,16 @@ def spoil_slots(session: torchferry.Session) -> Iterator[torch.Tensor]:
         if data is not None and data.numel():
             data.fill_(7)
     yield from (torch.full((1 << 14,), 7.0) for _ in range(64))
+
+
+def exact_from_here(p: toy.ToyPipeline, ref: toy.ToyPipeline, args: Any, session: torchferry.Session) -> None:
+    """The next calls are the plain ones, and between calls every weight reads its own host bytes
+    (junk written over the slots reaches none)."""
+    for _ in range(3):
+        assert torch.equal(run(p, args), run(ref, args))
+    junk = list(spoil_slots(session))
+    assert same_state(p, ref)
+    del junk
 
 
 def test_a_steady_step_is_copies_and_exchanges_only() -> None:
@@ -341,10 +334,14 @@ def test_grad_switched_on_after_the_deferred_load_hands_over_exactly() -> None:
     assert same_state(p, ref)
 
 
-def test_a_session_dropped_after_an_interrupted_replay_leaves_kept_weights_at_host_memory() -> None:
+@pytest.mark.parametrize("failed_before", [False, True])
+def test_a_session_dropped_after_an_interrupted_replay_leaves_kept_weights_at_host_memory(
+    failed_before: bool,
+) -> None:
     """A replayed step interrupted inside a block (its record of the packs left behind), then the
     session and pipeline dropped without close(): a weight kept elsewhere owns its host memory (the
-    pack undocks by what its memory says), not a slot freed with the session."""
+    pack undocks by what its memory says), not a slot freed with the session; also when an earlier
+    replayed step failed and was aborted (the replay runs on over the storages it was built with)."""
     p, ref = bare(), bare()
     args = inputs()
     kept = p.transformer.blocks[3].fc1.weight
@@ -359,6 +356,22 @@ def test_a_session_dropped_after_an_interrupted_replay_leaves_kept_weights_at_ho
     session = torchferry.offload(p.transformer, strategy="layerwise", device="cpu")
     for _ in range(3):
         run(p, args)
+    if failed_before:
+        (replay,) = replays(session)
+        start = sorted(replay.segments)[-1]
+        stop, fns, firsts, seconds = replay.segments[start]
+
+        def boom(a: Any, b: Any) -> None:
+            raise RuntimeError("a failed stop")
+
+        replay.segments[start] = (stop, (*fns, boom), (*firsts, None), (*seconds, None))
+        with pytest.raises(RuntimeError, match="a failed stop"):
+            run(p, args)
+        replay.segments[start] = (stop, fns, firsts, seconds)
+        for _ in range(3):
+            run(p, args)
+        assert replays(session) == [replay]
+        del replay, fns, firsts, seconds  # (they hold the slots' memory)
     assert replays(session)
     armed["on"] = True
     with pytest.raises(Interrupt):
@@ -373,22 +386,23 @@ def test_a_session_dropped_after_an_interrupted_replay_leaves_kept_weights_at_ho
     del junk
 
 
-@pytest.mark.parametrize("where", ["settle", "recover"])
+@pytest.mark.parametrize("where", ["settle", "to_host"])
 def test_a_second_signal_while_the_record_is_written_loses_nothing(
     where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A signal landing as a replay writes the packs' record (a hand-over at a skipped block, then
-    `settle`; an abort after a failed stop, then `recover`): the replay stays to write it again, and
-    where each pack is docked is read from memory when the step is abandoned, so every weight is its
-    own between calls and the next calls are exact."""
+    `settle`), or as the abort after a failed stop undocks the packs (its first `Pack.to_host`): the
+    replay stays to write the record again, and where each pack is docked is read from memory when
+    the step is abandoned, so every weight is its own between calls and the next calls are exact."""
     p, ref = bare(), bare()
     args = inputs()
     with torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session:
         for _ in range(3):
             assert torch.equal(run(p, args), run(ref, args))
         (replay,) = replays(session)
-        once = {"armed": True}
-        method = getattr(type(replay), where)
+        once = {"armed": where == "settle"}
+        owner: Any = type(replay) if where == "settle" else Pack
+        method = getattr(owner, where)
 
         def cut(self: Any, *rest: Any) -> Any:
             if once["armed"]:
@@ -396,7 +410,7 @@ def test_a_second_signal_while_the_record_is_written_loses_nothing(
                 raise Interrupt()
             return method(self, *rest)
 
-        monkeypatch.setattr(type(replay), where, cut)
+        monkeypatch.setattr(owner, where, cut)
         if where == "settle":  # a forward that skips block 4 hands over at block 5
             with pytest.raises(Interrupt), torch.no_grad():
                 p.transformer(*args, skip=(4,))
@@ -405,6 +419,7 @@ def test_a_second_signal_while_the_record_is_written_loses_nothing(
             stop, fns, firsts, seconds = replay.segments[start]
 
             def boom(a: Any, b: Any) -> None:
+                once["armed"] = True  # the abort's first undock is cut short
                 raise Interrupt()
 
             replay.segments[start] = (stop, (*fns, boom), (*firsts, None), (*seconds, None))
@@ -412,11 +427,7 @@ def test_a_second_signal_while_the_record_is_written_loses_nothing(
                 run(p, args)
             replay.segments[start] = (stop, fns, firsts, seconds)
         assert not once["armed"]
-        for _ in range(3):
-            assert torch.equal(run(p, args), run(ref, args))
-        junk = list(spoil_slots(session))
-        assert same_state(p, ref)
-        del junk
+        exact_from_here(p, ref, args, session)
     assert same_state(p, ref)
 
 
@@ -452,11 +463,7 @@ def test_a_signal_as_an_exchange_returns_leaves_every_weight_its_own(replayed: b
                     run(p, args)
             finally:
                 sys.setprofile(None)
-            for _ in range(3):
-                assert torch.equal(run(p, args), run(ref, args))
-            junk = list(spoil_slots(session))
-            assert same_state(p, ref)
-            del junk
+            exact_from_here(p, ref, args, session)
         assert same_state(p, ref)
     finally:
         signal.signal(signal.SIGINT, before)

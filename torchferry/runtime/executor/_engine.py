@@ -105,6 +105,10 @@ class Engine(Mover):
     ``None``: no file tier).
     """
 
+    #: An abort is under way, or was cut short by a signal: the engine counts as running, so the next
+    #: step start aborts again rather than starting from half-dropped tables.
+    _aborting = False
+
     def __init__(
         self,
         pipeline: Any,
@@ -240,8 +244,9 @@ class Engine(Mover):
 
     @property
     def running(self) -> bool:
-        """Whether a step has begun and not yet finished or been aborted."""
-        return self.program is not None
+        """Whether a step has begun and not yet finished or been aborted (an abort cut short by a
+        signal leaves it running: the next step start aborts again)."""
+        return self.program is not None or self._aborting
 
     @property
     def residency(self) -> tuple[Placement, ...]:
@@ -449,6 +454,7 @@ class Engine(Mover):
             self._abort()
 
     def _abort(self) -> None:
+        self._aborting = True
         replay = self._replay
         if replay is not None:  # (before it is dropped: a signal in it leaves it to recover again)
             replay.recover()  # the packs' record, read from their memory, for `_drop_all`
@@ -464,6 +470,7 @@ class Engine(Mover):
             self.synchronize()
         self._drop_all(wait=not self.broken)
         self._residency = ()
+        self._aborting = False
 
     def close(self, *, gather: bool = False) -> None:
         """Remove every hook, free device memory and give each tensor host storage of its own again.

@@ -469,10 +469,11 @@ class Pack:
                 self.rewatch = True
 
     def forget_device(self) -> None:
-        """Drop every cached view of device memory (the slots may be freed)."""
+        """Drop every cached view of device memory (the slots may be freed). The storages a pack
+        docks at stay until `unbind`: a replay built over them may run again, and where a pack is
+        docked is found among them (`_holder`); each is checked against its slot at every use."""
         self.device_views.clear()
         self.shard_views.clear()
-        self.docks.clear()
 
     def unbind(self) -> None:
         """Stop docking (the pack is given back): drop the storages it holds."""
