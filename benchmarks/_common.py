@@ -89,11 +89,19 @@ CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time
 
 
 def round_robin(
-    calls: Mapping[str, Callable[[], object]], repeats: int, *, warmup: int = 3, clock: str = "wall"
+    calls: Mapping[str, Callable[[], object]],
+    repeats: int,
+    *,
+    warmup: int = 3,
+    clock: str = "wall",
+    samples: dict[str, list[float]] | None = None,
 ) -> dict[str, Stats]:
-    """Time each call once per round, in turn, so machine noise falls on all of them alike."""
+    """Time each call once per round, in turn, so machine noise falls on all of them alike; each
+    call's timings, round by round, go into ``samples`` when given (for differences per round)."""
     now = CLOCKS[clock]
-    samples: dict[str, list[float]] = {name: [] for name in calls}
+    if samples is None:
+        samples = {}
+    samples.update({name: [] for name in calls})
     for round_ in range(warmup + repeats):
         for name, call in calls.items():
             start = now()

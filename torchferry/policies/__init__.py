@@ -121,6 +121,7 @@ from torchferry.policies._steps import StepState as StepState
 from torchferry.policies._steps import init_steps as init_steps
 from torchferry.policies._steps import next_step as next_step
 from torchferry.policies._steps import step_failed as step_failed
+from torchferry.policies._steps import step_fields as step_fields
 from torchferry.policies._steps import step_name as step_name
 from torchferry.policies._text import Mark, format_marked, parse_schedule
 from torchferry.policies._tiers import BOUNCE_MAX as BOUNCE_MAX

@@ -15,7 +15,7 @@ import attrs
 from torchferry.policies._ir import Placement, Step
 from torchferry.topology import FrozenMap
 
-__all__ = ["MAX_FOLLOWS", "StepState", "init_steps", "next_step", "step_failed", "step_name"]
+__all__ = ["MAX_FOLLOWS", "StepState", "init_steps", "next_step", "step_failed", "step_fields", "step_name"]
 
 #: Follow-ups remembered (oldest dropped first): a model called in a loop counts forwards without end.
 MAX_FOLLOWS = 512
@@ -54,6 +54,14 @@ def next_step(
     Its run index is one past the last step's when that was of the same component, else 0; the last
     step learns that ``component`` followed it.
     """
+    index, after, state = step_fields(state, component, index_free=index_free)
+    return Step(component=component, index=index, entry=entry, next=after), state
+
+
+def step_fields(state: StepState, component: str, *, index_free: bool) -> tuple[int, str | None, StepState]:
+    """`next_step`'s ``Step.index`` and ``Step.next`` (the step has ``component`` and its entry
+    besides), and the state after it: a caller that keeps the `Step` objects it made finds a steady
+    step's among them without building one (which costs more than this whole function)."""
     last = state.last
     index = last[1] + 1 if last is not None and last[0] == component else 0
     follows = state.follows
@@ -70,8 +78,7 @@ def next_step(
             table[last] = after
         follows = FrozenMap(table)
     key = (component, index)
-    step = Step(component=component, index=0 if index_free else index, entry=entry, next=follows.get(key))
-    return step, StepState(last=key, follows=follows)
+    return 0 if index_free else index, follows.get(key), StepState(last=key, follows=follows)
 
 
 def step_failed(state: StepState) -> StepState:

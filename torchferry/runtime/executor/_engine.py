@@ -339,7 +339,7 @@ class Engine(Mover):
         self.ledger.mark()
         program.pc = 0
         self.program = program
-        self._replay = self._recording = None
+        self._replay = self.replaying = self._recording = None
         self.deferred = frozenset()
         if (
             program.primitive is not None
@@ -362,7 +362,7 @@ class Engine(Mover):
                 ready = replay is not None and replay.ready(self.slots)
             if ready and replay is not None:
                 replay.used += 1
-                self._replay = replay
+                self._replay, self.replaying = replay, replay.segments
             elif program.recorded < 2 or (replay is not None and replay.used):
                 # Recorded again when its slots moved, while the replays pay for it: a program whose
                 # slots move before every run (never replayed between) stops after two recordings.
@@ -459,7 +459,7 @@ class Engine(Mover):
         if replay is not None:  # (before it is dropped: a signal in it leaves it to recover again)
             replay.recover()  # the packs' record, read from their memory, for `_drop_all`
         self.program = None
-        self._replay = self._recording = None
+        self._replay = self.replaying = self._recording = None
         self.deferred = frozenset()
         self._casts.step_ends()
         tracer = self.tracer

@@ -12,11 +12,9 @@ how loads of shards and gathers meet).
 
 from __future__ import annotations
 
-import collections
 import warnings
 from collections.abc import Callable, Iterator
 from types import MethodType
-from typing import Any
 
 import torch
 
@@ -26,7 +24,7 @@ from torchferry.runtime.device import Comm, CpuStreams, DeviceBuffer, Ledger, Sl
 from torchferry.runtime.executor._hooks import GradGuard
 from torchferry.runtime.executor._on_demand import OnDemand
 from torchferry.runtime.executor._program import Handler, Program, missed
-from torchferry.runtime.executor._replay import Replay, Tables, call, restore
+from torchferry.runtime.executor._replay import Replay, Segment, Tables, call, consume, restore
 from torchferry.runtime.executor._trace import Tracer
 from torchferry.runtime.memory import Arriving, Pack, PackState, Unit, views_into
 from torchferry.runtime.store import HostStore
@@ -42,7 +40,6 @@ RANGES: dict[str, str] = {kind: f"torchferry::{kind}" for kind in OP_KINDS}
 #: Whether a profiler is recording (ops then run inside their ranges, and no step is replayed).
 profiling: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 _inference = torch.is_inference_mode_enabled
-_consume = collections.deque[Any](maxlen=0).extend  # runs an iterator to its end, in C
 _READY, _IN_FLIGHT = PackState.READY, PackState.IN_FLIGHT
 
 
@@ -88,6 +85,7 @@ class Mover(OnDemand):
         # Why: the replay the running step follows, or the tables its first run records at each stop for
         # one ([Note: replay] in `_replay`); at most one of them, ``None`` both between steps.
         self._replay: Replay | None = None
+        self.replaying: dict[int, Segment] | None = None  # its segments, which the block hooks run
         self._recording: dict[int, Tables] | None = None
         #: Units a replayed step loaded for a later one, their copy left to their wait (`Replay.later`).
         self.deferred: frozenset[str] = frozenset()
@@ -114,9 +112,9 @@ class Mover(OnDemand):
                 try:
                     if _inference():
                         with torch.inference_mode(False), torch.no_grad():
-                            _consume(map(call, segment[1], segment[2], segment[3]))
+                            consume(map(call, segment[1], segment[2], segment[3]))
                     else:
-                        _consume(map(call, segment[1], segment[2], segment[3]))  # ``fn(a, b)`` each, in C
+                        consume(map(call, segment[1], segment[2], segment[3]))  # ``fn(a, b)`` each, in C
                     program.pc = stop
                 except BaseException:
                     # Some of the segment's moves ran: the abort reads where the packs are from their
@@ -155,14 +153,14 @@ class Mover(OnDemand):
         """Hand a replayed step over to the handlers here: its record and tables as at this stop."""
         replay, program = self._replay, self.program
         if replay is None or program is None:
-            self._replay = None
+            self._replay = self.replaying = None
             return
         replay.settle(program.pc)  # the packs' record; a signal in it leaves the replay to settle again
         found = replay.tables.get(program.pc)
         if found is None:
             raise self._missed(f"a replayed step stopped at op {program.pc}, where its first run did not", 2)
         restore(found, self.placed, self.transfers, self.occupants)
-        self._replay = None
+        self._replay = self.replaying = None
 
     def run(self, program: Program, stop: int) -> None:
         """Run ``program``'s ops up to (not including) op ``stop``."""

@@ -3,7 +3,9 @@
 A schedule's ops are keyed to anchors (``before``/``after`` a block or component). Each anchor's
 hooks are built once, when it is anchored, with everything that does not change between calls
 bound in (its stop keys, its pack, whether it is a block or a top-level component), so a steady
-call does one dictionary lookup, one comparison and, when ops are due, one run of the program.
+call does one dictionary lookup, one comparison and, when ops are due, one run of the program. In a
+replayed step ([Note: replay] in `_replay`) a block's hook runs its stop's moves itself, mapped in C
+(`Runner.replaying`), with no Python call of the engine between.
 
 - A *block* has a pre hook only: it runs every pending op up to its ``before`` stop (which includes
   the ``after`` ops of the block before it: ops run in schedule order whatever anchor reaches them)
@@ -54,6 +56,7 @@ from torch.utils.hooks import RemovableHandle
 from torchferry._errors import ExecutionError, OffloadWarning
 from torchferry.policies import DEVICE, rest_unit
 from torchferry.runtime.executor._program import Program, listing
+from torchferry.runtime.executor._replay import Segment, call, consume
 from torchferry.runtime.executor._step_cache import step_name
 from torchferry.runtime.memory import Pack, PackState, Unit
 from torchferry.topology import Plan, find_attr, order_mismatch
@@ -94,6 +97,14 @@ class Runner(Protocol):
     @property
     def tracer(self) -> Tracer | None:
         """The tracer of the step running now, when it is traced."""
+
+    @property
+    def replaying(self) -> dict[int, Segment] | None:
+        """The segments of the replay the running step follows, by the op each starts at (``None``:
+        not replayed): a block's hook runs its stop's moves itself ([Note: replay] in `_replay`)."""
+
+    def abort(self) -> None:
+        """Drop every device copy and point all weights at host memory (a replayed stop failed)."""
 
     def advance(self, program: Program, stop: int) -> bool:
         """Run ``program``'s ops up to op ``stop``; whether a replay ran them (the packs it moved
@@ -347,6 +358,22 @@ class Hooks:
             if program is None:
                 if pack is not None and pack.where is not _READY:
                     raise called_outside(plan, path, pack.where.value)
+            elif (segments := engine.replaying) is not None and (
+                (segment := segments.get(program.pc)) is not None and segment[0] == program.stops.get(key, 0)
+            ):
+                # The hot path of a steady step: the replay's moves up to this block, mapped in C, and
+                # the block where its first run had it ([Note: replay]; no tracer runs in a replay).
+                ran.append(path)
+                try:
+                    if _inference():
+                        with torch.inference_mode(False), torch.no_grad():
+                            consume(map(call, segment[1], segment[2], segment[3]))
+                    else:
+                        consume(map(call, segment[1], segment[2], segment[3]))
+                    program.pc = segment[0]
+                except BaseException:
+                    engine.abort()  # the packs' record read from their memory (`Replay.recover`)
+                    raise
             else:
                 ran.append(path)
                 tracer = engine.tracer

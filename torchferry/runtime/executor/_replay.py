@@ -21,10 +21,12 @@ from ``Pack.source``, a wait and an evict the exchange of the pack's storage wit
 (``where``, ``docked``, ``arriving``) is left as the step found it: it is written where the replay
 hands over (`Replay.settle`: what the moves up to that stop leave, a few packs at the end) and, when
 a step fails mid-way, read back from the memory itself before the abort (`Replay.recover`: a pack
-whose storage is not at its host memory is docked at its slot). A block's hook that a replay brought
-to its stop does not read its pack's record: the first run found it ready there, and the replay made
-the same moves from the same start. Units the step finds in a slot (loaded by the step before) keep
-their handlers, which read the tables the step began with, as they would. A load for a later step
+whose storage is not at its host memory is docked at its slot). A block's hook runs its own stop's moves
+(``Mover.replaying``, the segments by the op each starts at; a component's hook goes through
+``Mover.advance``, which does the same) and does not read its pack's record: the first run found it
+ready there, and the replay made the same moves from the same start. Units the step finds in a
+slot (loaded by the step before) keep their handlers, which read the tables the step began with, as
+they would. A load for a later step
 (the next step's first block, prefetched) copies nothing: on a CPU session a copy completes as it is
 issued, so the wait, in that step, copies it (`Replay.later`, ``Mover.deferred``) from host bytes
 any edit made meanwhile has reached, and neither the step's end nor the session guard reads its
@@ -39,6 +41,7 @@ in between is left to the handlers (``Program.recorded``).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
 from collections.abc import Callable, Mapping
@@ -53,7 +56,18 @@ from torchferry.runtime.memory import SWAP, Pack, PackState, Unit, land, lift, l
 if TYPE_CHECKING:
     from torchferry.runtime.device import DeviceBuffer, SlotPool
 
-__all__ = ["Call", "Move", "Replay", "Segment", "Tables", "build_replay", "call", "plan_replay", "restore"]
+__all__ = [
+    "Call",
+    "Move",
+    "Replay",
+    "Segment",
+    "Tables",
+    "build_replay",
+    "call",
+    "consume",
+    "plan_replay",
+    "restore",
+]
 
 #: The engine's tables at a stop: ``placed``, ``transfers``, ``occupants``.
 Tables = tuple[dict[str, str], dict[str, "DeviceBuffer"], dict[str, Unit]]
@@ -63,6 +77,8 @@ Call = tuple[Callable[[Any, Any], Any], Any, Any]
 Segment = tuple[int, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]
 #: ``fn(a, b)`` as a C function `map` can call (``operator.call`` from Python 3.11).
 call: Callable[..., Any] = getattr(operator, "call", lambda fn, *args: fn(*args))
+#: Runs an iterator to its end, in C (a segment's ``map(call, ...)``).
+consume: Callable[[Any], None] = collections.deque[Any](maxlen=0).extend
 
 _HOST = PackState.HOST
 _IN_FLIGHT = PackState.IN_FLIGHT

@@ -1,4 +1,4 @@
-"""Each forward of a top-level component becomes a `Step` (named by `policies.next_step`), and
+"""Each forward of a top-level component becomes a `Step` (named by `policies.step_fields`), and
 its schedule is cached: policies are pure, so each distinct step asks the policy once.
 """
 
@@ -14,8 +14,8 @@ from torchferry.policies import (
     Step,
     check,
     init_steps,
-    next_step,
     step_failed,
+    step_fields,
     step_name,
 )
 from torchferry.topology import Plan
@@ -66,11 +66,12 @@ class Steps:
 
     def next(self, component: str, entry: tuple[Placement, ...]) -> Step:
         """The step a forward of ``component`` starting from ``entry`` is."""
-        step, self.state = next_step(self.state, component, entry, index_free=self.index_free)
-        memo = (component, step.index, step.next, id(entry))
+        index, after, self.state = step_fields(self.state, component, index_free=self.index_free)
+        memo = (component, index, after, id(entry))
         known = self._known.get(memo)
         if known is not None and known.entry is entry:
             return known  # a steady step: the same Step object, so its schedule is found by identity
+        step = Step(component=component, index=index, entry=entry, next=after)
         bounded_put(self._known, memo, step)
         return step
 
@@ -107,4 +108,6 @@ class Steps:
 
     def finished(self, step: Step, peak: int) -> None:
         """``step`` ran to its end holding at most ``peak`` device bytes."""
-        bounded_put(self.peaks, step, max(peak, self.peaks.get(step, peak)))
+        known = self.peaks.get(step)
+        if known is None or peak > known:  # (a replayed step allocates nothing: never above its first run)
+            bounded_put(self.peaks, step, peak)

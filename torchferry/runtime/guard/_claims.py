@@ -87,6 +87,18 @@ def _own_attr(module: torch.nn.Module, name: str) -> Any:
     return found
 
 
+def _may_hook(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has an attribute an offloader's hooks are kept in (two dictionary reads at
+    every step start: `enabled_offloaders` itself looks at a module that has one)."""
+    own, cls = vars(module), type(module)
+    return (
+        "_hf_hook" in own
+        or "_diffusers_hook" in own
+        or hasattr(cls, "_hf_hook")
+        or hasattr(cls, "_diffusers_hook")
+    )
+
+
 def enabled_offloaders(module: torch.nn.Module) -> list[tuple[str, str]]:
     """The other offloaders whose hooks sit on ``module`` itself: (kind, in words) each."""
     found = []
@@ -301,9 +313,11 @@ class Watch:
         """Raise `ExecutionError` if another offloader was enabled on ``component`` after opening, or
         if it gained tensors on another device since opening."""
         root = self._roots.get(component)
-        if root is not None and (others := enabled_offloaders(root)):
+        if root is None:
+            return
+        if _may_hook(root) and (others := enabled_offloaders(root)):
             raise offloader_enabled(component, others)
-        if root is None or self._walked.get(component) == REGISTRATIONS.count:
+        if self._walked.get(component) == REGISTRATIONS.count:
             return
         known = self._known[component]
         added = [t for t in _own(root) if id(t) not in known]

@@ -209,7 +209,7 @@ def shard_span(name: str, nbytes: int, sharding: Sharding | None) -> tuple[int, 
     return sharding.rank * shard, (sharding.rank + 1) * shard
 
 
-@attrs.define(slots=True, eq=False)
+@attrs.define(slots=True, eq=False, kw_only=True)
 class Pack:
     """Tensors that move together, their host buffer, and where they point now.
 
@@ -224,48 +224,50 @@ class Pack:
     change: a block docked and undocked within a step costs it nothing.
     """
 
+    # The fields read of every pack at a step's start and end come first, so they share the object's
+    # first cache lines (`Replay.ready` and the session guard read them after a forward left them cold).
+    where: PackState = PackState.HOST
+    # Why: while docked, the slot's storage exchanged with ``bound`` (it holds the host memory now).
+    docked: torch.UntypedStorage | None = None
+    arriving: Arriving | None = None
+    # Why: the engine bumped the pack's version counters since its last load (`keep_written`, the grad
+    # guard), so the session guard re-reads them at the step's end and cannot tell an in-place edit
+    # made after the next load from its own bump: that load watches every tensor (see `carry`).
+    rewatch: bool = False
+    #: The storage every tensor of the pack views when it is docked, not re-pointed ([Note: docking]).
+    bound: torch.UntypedStorage | None = None
+    #: While the pack's copy is in flight, the tensors watched for in-place writes (its buffers from
+    #: the load on, all of them from the load on after `rewatch` and once a step ends): index ->
+    #: version counter when the watch began, -1 for one known written (see `carry`, `recopy`).
+    watched: dict[int, int] = attrs.field(factory=dict)
+    #: ``bound``'s bytes as one tensor, wherever it is docked (a replayed load copies from it).
+    source: torch.Tensor | None = None
+    moves: int = 0
+    bumps: int = 0
     name: str
     tensors: tuple[torch.Tensor, ...]
     pieces: tuple[Piece, ...]
     nbytes: int
     host: torch.Tensor
     host_views: tuple[torch.Tensor, ...]
-    where: PackState = PackState.HOST
     device_views: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]] = attrs.field(
         factory=dict
     )
     shard: tuple[int, int] | None = None
-    moves: int = 0
-    bumps: int = 0
     #: The indices of the pack's buffers (not parameters): a forward may write them in place.
     buffers: tuple[int, ...] = ()
     # Why: the buffers' version counters when the pack reached the device (see `arrived`, `keep_written`).
     _arrival: tuple[int, ...] = ()
     # Why: per shard slot name, (the slot's buffer, this rank's shard bytes of it).
     shard_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = attrs.field(factory=dict)
-    arriving: Arriving | None = None
-    #: While the pack's copy is in flight, the tensors watched for in-place writes (its buffers from
-    #: the load on, all of them from the load on after `rewatch` and once a step ends): index ->
-    #: version counter when the watch began, -1 for one known written (see `carry`, `recopy`).
-    watched: dict[int, int] = attrs.field(factory=dict)
-    # Why: the engine bumped the pack's version counters since its last load (`keep_written`, the grad
-    # guard), so the session guard re-reads them at the step's end and cannot tell an in-place edit
-    # made after the next load from its own bump: that load watches every tensor (see `carry`).
-    rewatch: bool = False
     #: The wrapper tensors whose inner tensors are among ``tensors``, inner ones first: each takes the
     #: device its inner tensors are pointed at (see [Note: wrapper tensors] in `_wrappers`).
     wrappers: tuple[Wrapper, ...] = ()
     #: The pack is in the file tier: no host buffer (``host`` is empty), ``host_views`` are views of
     #: the checkpoint, and its bytes reach the device through a staging slot (see `_tiers`).
     in_file: bool = False
-    #: The storage every tensor of the pack views when it is docked, not re-pointed ([Note: docking]).
-    bound: torch.UntypedStorage | None = None
     #: The views of ``bound`` the tensors take at host memory (``host_views`` when not bound).
     rest_views: tuple[torch.Tensor, ...] = ()
-    #: ``bound``'s bytes as one tensor, wherever it is docked (a replayed load copies from it).
-    source: torch.Tensor | None = None
-    # Why: while docked, the slot's storage exchanged with ``bound`` (it holds the host memory now).
-    docked: torch.UntypedStorage | None = None
     # Why: per slot name, (the slot's buffer, its ``grown`` count, the pack's bytes of it, a storage
     # over them) (see `dock_at`).
     docks: dict[str, tuple[torch.Tensor, int, torch.Tensor, torch.UntypedStorage]] = attrs.field(factory=dict)
