@@ -12,7 +12,9 @@ three times, spread over the build order; the baseline is the median of the thre
 
 Variants: resident (three instances); torchferry ``layerwise`` (depth 1) and ``model_level``; the
 *copy floor* (the resident model plus, before each block, a copy of as many bytes as torchferry's
-pack of it into one of two ring buffers: what any offloader that moves bytes pays on this device);
+pack of it into one of two ring buffers, run from the block's forward as torchferry's hooks are: what
+any offloader that moves bytes pays on this device); *empty pre hooks* (the resident model with a
+forward pre hook that does nothing on each block: torch's slow call path, which any pre hook turns on);
 diffusers group offloading (``block_level``, one block per group, and ``leaf_level``) and
 accelerate's ``cpu_offload`` when those import. The device is the CPU, so torchferry's slots are
 separate CPU tensors and every load is a real copy; the others move nothing between a CPU "device"
@@ -38,6 +40,7 @@ import importlib
 import io
 import pstats
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
@@ -114,16 +117,39 @@ def _copy_floor(model: torch.nn.Module) -> Iterator[None]:
     blocks = list(model.blocks)
     sizes = [sum(-(-t.nbytes // 256) * 256 for t in (*b.parameters(), *b.buffers())) for b in blocks]
     ring = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(2)]
-    handles = []
     for i, (block, nbytes) in enumerate(zip(blocks, sizes, strict=True)):
         host, slot = torch.randint(0, 255, (nbytes,), dtype=torch.uint8), ring[i % 2][:nbytes]
+        inner = block.forward
 
-        def copy(
-            module: torch.nn.Module, args: Any, host: torch.Tensor = host, slot: torch.Tensor = slot
-        ) -> None:
+        # Run from the block's forward, as torchferry's hooks are (a forward pre hook would add torch's
+        # slow call path to the floor: see the pre-hook row).
+        def forward(
+            *args: Any,
+            inner: Any = inner,
+            host: torch.Tensor = host,
+            slot: torch.Tensor = slot,
+            **kwargs: Any,
+        ) -> Any:
             slot.copy_(host)
+            return inner(*args, **kwargs)
 
-        handles.append(block.register_forward_pre_hook(copy))
+        block.forward = forward
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block.forward
+
+
+@contextmanager
+def _pre_hooks(model: torch.nn.Module) -> Iterator[None]:
+    """The resident model with an empty forward pre hook on each block: what torch's slow call path,
+    which any pre hook turns on, costs by itself."""
+
+    def nothing(module: torch.nn.Module, args: Any) -> None:
+        return None
+
+    handles = [block.register_forward_pre_hook(nothing) for block in model.blocks]
     try:
         yield
     finally:
@@ -140,6 +166,7 @@ SETUPS: dict[str, Callable[[torch.nn.Module], AbstractContextManager[Any]]] = {
     "resident": lambda m: nullcontext(),
     "torchferry layerwise": lambda m: _torchferry(m, "layerwise"),
     "copy floor": _copy_floor,
+    "empty pre hooks": _pre_hooks,
     "torchferry model_level": lambda m: _torchferry(m, "model_level"),
     "resident (2)": lambda m: nullcontext(),
     "diffusers block_level": lambda m: _diffusers(m, "block_level"),
@@ -242,7 +269,14 @@ def breakdown(
             for key, hook in list(table.items()):
                 if "hooks" in parts and getattr(hook, "_torchdynamo_disable", False):  # see `_opaque`
                     saved_hooks.append((table, key, hook))
-                    table[key] = timed("hooks", hook)
+                    OrderedDict.__setitem__(
+                        table, key, timed("hooks", hook)
+                    )  # (a block's table notices none)
+    # A block whose hook runs from its forward ([Note: block forwards]) holds it in a box.
+    boxes = [w[3] for w in getattr(engine.hooks, "_wrapped", {}).values()] if "hooks" in parts else []
+    saved_boxes = [(box, box[0]) for box in boxes]
+    for box, hook in saved_boxes:
+        box[0] = timed("hooks", hook)
     # Re-pointing (or docking) happens where a pack takes its slot and where it leaves it.
     moves = ("arrive", "to_host") if hasattr(_pack.Pack, "arrive") else ("point",)
     pack_methods = {m: getattr(_pack.Pack, m) for m in moves} if "repoint" in parts else {}
@@ -309,7 +343,9 @@ def breakdown(
             )
     finally:
         for table, key, hook in saved_hooks:
-            table[key] = hook
+            OrderedDict.__setitem__(table, key, hook)
+        for box, hook in saved_boxes:
+            box[0] = hook
         for segments, key, segment in saved_segments:
             segments[key] = segment
         if "ops" in parts:

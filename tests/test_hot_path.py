@@ -35,28 +35,34 @@ STEPS = 2  # denoising steps of a whole toy pipeline call
 #: docked blocks, "re-pointed" before docking, "first" before the first hot-path trims of issue 40).
 BUDGETS: dict[str, tuple[float, float, float, float]] = {
     # replayed ([Note: replay] in torchferry/runtime/executor/_replay.py), a block's hook running its
-    # stop's moves itself: 19.5, 21.4, 588, 17.5 (its blocks have a buffer each, watched as the
-    # handlers watch it; through `Mover.advance`: 20.2, 21.5, 594, 17.4; steady: 20.9, 26.9, 844,
-    # 37.0, its step start reading every tensor's pointer; docked: 25.9, 29.0, 958, 38.0; re-pointed:
-    # 25.9, 32.0, 1004, 77.0; first: 37.8, 27.6, 1256)
-    "dit layerwise": (21.5, 23.5, 647.0, 19.5),
+    # stop's moves itself, from the block's forward ([Note: block forwards] in
+    # torchferry/runtime/executor/_hooks.py: one Python call of ours a block, where a pre hook made
+    # torch take its slow call path, uncounted here and about 100 bytecodes in four frames):
+    # 20.5, 21.4, 605, 17.5 (its blocks have a buffer each, watched as the handlers watch it; as a pre
+    # hook: 19.5, 21.4, 588, 17.5; through `Mover.advance`: 20.2, 21.5, 594, 17.4; steady: 20.9,
+    # 26.9, 844, 37.0, its step start reading every tensor's pointer; docked: 25.9, 29.0, 958, 38.0;
+    # re-pointed: 25.9, 32.0, 1004, 77.0; first: 37.8, 27.6, 1256)
+    "dit layerwise": (22.5, 23.5, 665.0, 19.5),
     # the same DiT with no buffer in its blocks (as most diffusers transformers): a replayed step
     # moves each block by C calls alone, run from the block's hook, and its pack's record is left as
     # the step found it ([Note: replay]), the next step's first block copied at its wait, unwatched
-    # between steps: 10.6, 16.1, 358, 4.9 (through `Mover.advance`: 11.9, 16.2, 380, 4.8; watched:
-    # 11.4, 16.1, 366, 13.6; by a Python function per move: 14.0, 19.0, 418, 13.6)
-    "dit layerwise bare": (11.7, 17.7, 394.0, 5.4),
+    # between steps: 11.6, 16.1, 375, 4.9 (as a pre hook: 10.6, 16.1, 358, 4.9; through
+    # `Mover.advance`: 11.9, 16.2, 380, 4.8; watched: 11.4, 16.1, 366, 13.6; by a Python function per
+    # move: 14.0, 19.0, 418, 13.6)
+    "dit layerwise bare": (12.8, 17.7, 413.0, 5.4),
     # a call of the toy pipeline (encoder, two DiT steps, decoder) over its 18 streamed blocks, whose
     # slots move between components: the DiT's second step is replayed over views made anew at each
-    # call, which two steps barely pay for: 30.3, 39.6, 1135, 23.6, the replay's moves listed for the
-    # record it writes where it hands over (through `Mover.advance`: 31.5, 39.8, 1155, 23.3; 30.2,
-    # 37.3, 1052, 24.6 before that; steady: 27.5, 33.8, 1002, 63.9; docked: 31.9, 34.9, 1134, 64.1;
-    # re-pointed: 31.9, 37.9, 1180, 100.4; first: 43.4, 32.7, 1635)
-    "pipeline layerwise": (33.5, 43.5, 1250.0, 26.0),
+    # call, which two steps barely pay for: 31.3, 39.6, 1152, 23.6, the replay's moves listed for the
+    # record it writes where it hands over (as pre hooks: 30.3, 39.6, 1135, 23.6; through
+    # `Mover.advance`: 31.5, 39.8, 1155, 23.3; 30.2, 37.3, 1052, 24.6 before that; steady: 27.5, 33.8,
+    # 1002, 63.9; docked: 31.9, 34.9, 1134, 64.1; re-pointed: 31.9, 37.9, 1180, 100.4; first: 43.4,
+    # 32.7, 1635)
+    "pipeline layerwise": (34.5, 43.5, 1265.0, 26.0),
     # the same with part of the blocks in the file tier (read from the checkpoint at every use; a
-    # file-tier pack is re-pointed): 38.1, 42.1, 1316, 120.0 (37.4, 46.8, 1453, 125.6 in another
-    # run: a slot grown back elsewhere; steady: 37.2, 42.1, 1291, 132.0;
-    # docked: 37.9, 41.4, 1300, 132.2; re-pointed: 47.9, 49.3, 1530, 162.1; first: 56.7, 44.2, 2476)
+    # file-tier pack is re-pointed): 39.1, 42.5, 1369, 120.3 (as pre hooks: 38.1, 42.1, 1316, 120.0;
+    # 37.4, 46.8, 1453, 125.6 in another run: a slot grown back elsewhere; steady: 37.2, 42.1, 1291,
+    # 132.0; docked: 37.9, 41.4, 1300, 132.2; re-pointed: 47.9, 49.3, 1530, 162.1; first: 56.7, 44.2,
+    # 2476)
     # (its margin is about 18%: a slot grown back off the 256-byte boundary makes a re-pointed pack
     # build its 27 views again, by chance, and three calls can all meet it)
     "pipeline file_tier": (45.0, 49.5, 1550.0, 141.5),

@@ -7,7 +7,8 @@ call does one dictionary lookup, one comparison and, when ops are due, one run o
 replayed step ([Note: replay] in `_replay`) a block's hook runs its stop's moves itself, mapped in C
 (`Runner.replaying`), with no Python call of the engine between.
 
-- A *block* has a pre hook only: it runs every pending op up to its ``before`` stop (which includes
+- A *block* has a pre hook only, run from the block's forward ([Note: block forwards]): it runs
+  every pending op up to its ``before`` stop (which includes
   the ``after`` ops of the block before it: ops run in schedule order whatever anchor reaches them)
   and checks that the block is resident. Ops keyed after the last block run when the component's
   post hook is reached, or at the next anchor.
@@ -22,6 +23,24 @@ The hooks are opaque to `torch.compile` (see `_opaque`): Dynamo traces none of t
 so a compiled block stays one graph, the hooks run eagerly around it, and nothing recompiles per
 block; an eager call pays one flag read for it (`torch.compiler.disable`'s own wrapper, which
 switches Dynamo's frame callback off and on at every call, is kept for the first compiled call).
+
+[Note: block forwards]
+A forward pre hook puts every call of its module on the slow path of `torch.nn.Module.__call__` (a
+closure, the hook tables walked, the compile state asked: about a hundred bytecodes in four Python
+frames), which after a block's compute has left the caches cold costs more than all of torchferry's
+work at that block: an empty pre hook on each block of a 40-block Wan model costs 8.6-12.2 us a
+block against none (median of 100 forwards paired on one model, a 2-core EPYC guest), a `forward`
+set on the instance that calls the module's own 0.2 us (`benchmarks/README.md`). So a block's hook
+runs from the block's forward: the block's ``forward`` becomes a function that runs the hook, then
+the forward it replaced (the class's, or an instance forward another library set before). The hook
+keeps its place, before the block computes and after every pre hook, of which a wrapped block has
+none: a block with a pre hook when it is anchored keeps torchferry's as a pre hook, first; and the
+first pre hook registered on a wrapped block later (its table of pre hooks notices the insertion,
+`_Noticing`) turns torchferry's back into a pre hook, first, before the new one lands, so the newcomer
+sees the weights the block runs with, as before. Under `torch.compile` Dynamo traces the wrapper,
+breaks the graph at the hook (opaque, see `_opaque`), and compiles the block's own forward. At close
+the block gets its forward back (one another library set over ours since is left, ours passing
+through), and its plain table of pre hooks when nothing was registered in it.
 
 [Note: gradients]
 torchferry serves inference; gradients through streamed weights are not supported, and they fail
@@ -44,6 +63,7 @@ are right. Under ``torch.no_grad()`` or inference mode this costs one grad-mode 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 import warnings
@@ -249,6 +269,25 @@ def _skip_in_dynamo() -> None:
         _SKIPPED.add(code)
 
 
+def _passing(module: torch.nn.Module, args: Any) -> None:
+    """What a block's forward runs before its own once the session is gone (see `Hooks._unwrap`)."""
+
+
+class _Noticing(collections.OrderedDict[int, Any]):
+    """A wrapped block's table of forward pre hooks: the first hook inserted calls ``notify`` first
+    (once), which makes torchferry's a pre hook ahead of it ([Note: block forwards])."""
+
+    def __init__(self, notify: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.notify = notify
+
+    def __setitem__(self, key: int, value: Any) -> None:
+        notify, self.notify = self.notify, None
+        if notify is not None:
+            notify()
+        super().__setitem__(key, value)
+
+
 class Hooks:
     """The forward hooks one engine installs on its pipeline, built once per anchored path.
 
@@ -277,6 +316,9 @@ class Hooks:
         # Why: per top-level path, whether its latest forward returned (its post hook ran), so the
         # always-called hook knows a failure from the forward itself.
         self._done: dict[str, bool] = {}
+        # Why: per block run from its own forward, (the block, that forward, the instance forward it
+        # replaced or ``None``, the box holding what it runs first, the block's pre-hook table).
+        self._wrapped: dict[str, tuple[torch.nn.Module, _Hook, Any, list[_Hook], _Noticing]] = {}
         # Why: the blocks the running step's forward reached, in order, to report a ring it does not
         # follow; the engine clears it when a step begins.
         self.ran: list[str] = []
@@ -313,7 +355,11 @@ class Hooks:
             # while a copy is still in flight.
             if path in self._blocks and not top:
                 pre = _marked(self._block_hook(path, pack))  # opaque itself (`_compiled_call`)
-                handles.append(module.register_forward_pre_hook(pre, prepend=True))
+                table = module._forward_pre_hooks
+                if type(table) is collections.OrderedDict and not table:
+                    self._wrap(path, module, pre)  # [Note: block forwards]
+                else:
+                    handles.append(module.register_forward_pre_hook(pre, prepend=True))
             else:
                 pre, post = self._component_hooks(path, top)
                 handles.append(module.register_forward_pre_hook(_opaque(pre), prepend=True))
@@ -339,12 +385,55 @@ class Hooks:
             post(module, (), None)
 
     def remove(self) -> None:
-        """Remove every hook from the pipeline."""
+        """Remove every hook from the pipeline, and give each wrapped block its own forward back."""
         for handles in self._handles.values():
             for handle in handles:
                 handle.remove()
         self._handles.clear()
+        for path in list(self._wrapped):
+            module, noticing = self._unwrap(path)
+            if not noticing:  # (a user's hook registered since holds a handle on this table: kept)
+                module._forward_pre_hooks = collections.OrderedDict()
         self._calls.clear()
+
+    def _wrap(self, path: str, module: torch.nn.Module, pre: _Hook) -> None:
+        """Run ``pre`` from ``module``'s forward, not as a forward pre hook ([Note: block forwards])."""
+        inner = module.forward
+        own = vars(module).get("forward")  # an instance forward set before (another library's wrapper)
+        box = [pre]
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            box[0](module, args)
+            return inner(*args, **kwargs)
+
+        noticing = _Noticing(lambda: self._to_hook(path))
+        module._forward_pre_hooks = noticing  # empty: no handle holds the table it replaces
+        module.forward = forward
+        self._wrapped[path] = (module, forward, own, box, noticing)
+
+    def _unwrap(self, path: str) -> tuple[torch.nn.Module, _Noticing]:
+        """Give ``path``'s block its forward back (or, wrapped again by another since, make ours pass
+        through); the block and its table of pre hooks."""
+        module, forward, own, box, noticing = self._wrapped.pop(path)
+        noticing.notify = None
+        if vars(module).get("forward") is forward:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+        else:
+            box[0] = _passing
+        return module, noticing
+
+    def _to_hook(self, path: str) -> None:
+        """A pre hook is being registered on ``path``'s wrapped block: run torchferry's as a pre hook,
+        first, from now on, so the newcomer sees the weights the block runs with."""
+        noticing = self._unwrap(path)[1]
+        pre = self._calls[path][1]
+        handle = RemovableHandle(noticing)
+        collections.OrderedDict.__setitem__(noticing, handle.id, pre)  # (not noticed again)
+        noticing.move_to_end(handle.id, last=False)
+        self._handles[path] = (handle,)
 
     def _block_hook(self, path: str, pack: Pack | None) -> Callable[..., None]:
         key = f"before {path}"
