@@ -393,6 +393,45 @@ def paired_alone(session: Any, forward: Forward, blocks: int, *, repeats: int, c
     }
 
 
+def hook_forms(session: Any, forward: Forward, blocks: int, *, repeats: int, clock: str) -> dict[str, Any]:
+    """What running the block hooks from the blocks' forwards ([Note: block forwards]) saves over
+    running them as forward pre hooks, on one session (so one model's memory, none of the spread
+    between instances): its steady forward in each form in turn, the order swapped every round, each
+    timed after one untimed; min, median and max per block of the pre hooks' less the forwards'.
+    Empty where this torchferry runs every hook as a pre hook (an older checkout)."""
+    hooks = session.engine.hooks
+    forms = [(w[0], w[1], w[2], w[4], hooks._calls[p][1]) for p, w in getattr(hooks, "_wrapped", {}).items()]
+    if not forms:
+        return {}
+    now = common.CLOCKS[clock]
+
+    def use(pre_hooks: bool) -> None:
+        for module, wrapper, own, table, pre in forms:
+            if pre_hooks:
+                vars(module).pop("forward", None)
+                if own is not None:
+                    module.forward = own
+                OrderedDict.__setitem__(table, -1, pre)  # (a key no handle has: taken out below)
+                table.move_to_end(-1, last=False)
+            else:
+                table.pop(-1, None)
+                module.forward = wrapper
+
+    taken: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for round_ in range(repeats):
+            for pre_hooks in (True, False) if round_ % 2 else (False, True):
+                use(pre_hooks)
+                forward()
+                start = now()
+                forward()
+                taken[pre_hooks].append(now() - start)
+    finally:
+        use(False)
+    saved = common.Stats.of([(a - b) / blocks * 1e6 for a, b in zip(taken[True], taken[False], strict=True)])
+    return {"pre_hooks_less_forwards_us": {"min": saved.min, "median": saved.median, "max": saved.max}}
+
+
 def counts(sessions: dict[str, Any], forwards: dict[str, Forward], blocks: int) -> dict[str, Any]:
     """torchferry's work per block in one steady forward of each of its variants, counted (the same on
     every machine); ``None`` where this torchferry has no counter."""
@@ -481,6 +520,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             extra["breakdown_alone"] = paired_alone(
                 sessions[ours_name], forwards[ours_name], blocks, repeats=args.repeats, clock=args.clock
+            )
+            extra["hook_forms"] = hook_forms(
+                sessions[ours_name], forwards[ours_name], blocks, repeats=2 * args.repeats, clock=args.clock
             )
             extra["cprofile"] = cprofile(forwards[ours_name], 20)
         extra["schedules_cached"] = {n: len(s.schedules) for n, s in sessions.items()}
@@ -625,6 +667,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         met = "met" if verdict["bookkeeping_met"] else "NOT met"
         print(f"target: bookkeeping (all but the copy) <= {BOOKKEEPING_US} us/block: {met}")
+        forms = extra["hook_forms"].get("pre_hooks_less_forwards_us")
+        if forms is not None:
+            print(
+                "the same session's block hooks as forward pre hooks, less run from the blocks' forwards "
+                f"(alternating forwards, torch's slow call path included): min {forms['min']:.1f}, median "
+                f"{forms['median']:.1f}, max {forms['max']:.1f} us/block"
+            )
         print(extra["cprofile"])
     for name, c in extra["counts"].items():
         print(

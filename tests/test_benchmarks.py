@@ -141,6 +141,8 @@ def test_overhead_quick_compares_every_variant(tmp_path: Path) -> None:
         result["verdict"]["beyond_copy_floor_paired_us"]["min"]
         <= result["verdict"]["beyond_copy_floor_paired_us"]["max"]
     )
+    forms = result["hook_forms"]["pre_hooks_less_forwards_us"]  # the block hooks' two forms, one session
+    assert forms["min"] <= forms["median"] <= forms["max"]
     pieces = result["breakdown"]
     assert pieces["own_code_without_copy_us"] > 0 and pieces["copy_us"] > 0
     assert pieces["own_code_without_copy_us"] >= pieces["repoint_us"]
