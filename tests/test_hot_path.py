@@ -37,8 +37,9 @@ BUDGETS: dict[str, tuple[float, float, float, float]] = {
     # replayed ([Note: replay] in torchferry/runtime/executor/_replay.py), a block's hook running its
     # stop's moves itself, from the block's forward ([Note: block forwards] in
     # torchferry/runtime/executor/_hooks.py: one Python call of ours a block, where a pre hook made
-    # torch take its slow call path, uncounted here and about 100 bytecodes in four frames):
-    # 20.5, 21.4, 605, 17.5 (its blocks have a buffer each, watched as the handlers watch it; as a pre
+    # torch take its slow call path, uncounted here and about 100 bytecodes in four frames; and a
+    # check at each step start that every block's forward is still ours):
+    # 20.6, 21.5, 620, 17.5 (its blocks have a buffer each, watched as the handlers watch it; as a pre
     # hook: 19.5, 21.4, 588, 17.5; through `Mover.advance`: 20.2, 21.5, 594, 17.4; steady: 20.9,
     # 26.9, 844, 37.0, its step start reading every tensor's pointer; docked: 25.9, 29.0, 958, 38.0;
     # re-pointed: 25.9, 32.0, 1004, 77.0; first: 37.8, 27.6, 1256)
@@ -46,20 +47,20 @@ BUDGETS: dict[str, tuple[float, float, float, float]] = {
     # the same DiT with no buffer in its blocks (as most diffusers transformers): a replayed step
     # moves each block by C calls alone, run from the block's hook, and its pack's record is left as
     # the step found it ([Note: replay]), the next step's first block copied at its wait, unwatched
-    # between steps: 11.6, 16.1, 375, 4.9 (as a pre hook: 10.6, 16.1, 358, 4.9; through
+    # between steps: 11.8, 16.2, 389, 4.9 (as a pre hook: 10.6, 16.1, 358, 4.9; through
     # `Mover.advance`: 11.9, 16.2, 380, 4.8; watched: 11.4, 16.1, 366, 13.6; by a Python function per
     # move: 14.0, 19.0, 418, 13.6)
     "dit layerwise bare": (12.8, 17.7, 413.0, 5.4),
     # a call of the toy pipeline (encoder, two DiT steps, decoder) over its 18 streamed blocks, whose
     # slots move between components: the DiT's second step is replayed over views made anew at each
-    # call, which two steps barely pay for: 31.3, 39.6, 1152, 23.6, the replay's moves listed for the
+    # call, which two steps barely pay for: 31.5, 39.8, 1172, 23.5, the replay's moves listed for the
     # record it writes where it hands over (as pre hooks: 30.3, 39.6, 1135, 23.6; through
     # `Mover.advance`: 31.5, 39.8, 1155, 23.3; 30.2, 37.3, 1052, 24.6 before that; steady: 27.5, 33.8,
     # 1002, 63.9; docked: 31.9, 34.9, 1134, 64.1; re-pointed: 31.9, 37.9, 1180, 100.4; first: 43.4,
     # 32.7, 1635)
     "pipeline layerwise": (34.5, 43.5, 1265.0, 26.0),
     # the same with part of the blocks in the file tier (read from the checkpoint at every use; a
-    # file-tier pack is re-pointed): 39.1, 42.5, 1369, 120.3 (as pre hooks: 38.1, 42.1, 1316, 120.0;
+    # file-tier pack is re-pointed): 39.3, 42.7, 1386, 120.3 (as pre hooks: 38.1, 42.1, 1316, 120.0;
     # 37.4, 46.8, 1453, 125.6 in another run: a slot grown back elsewhere; steady: 37.2, 42.1, 1291,
     # 132.0; docked: 37.9, 41.4, 1300, 132.2; re-pointed: 47.9, 49.3, 1530, 162.1; first: 56.7, 44.2,
     # 2476)
@@ -67,8 +68,9 @@ BUDGETS: dict[str, tuple[float, float, float, float]] = {
     # build its 27 views again, by chance, and three calls can all meet it)
     "pipeline file_tier": (45.0, 49.5, 1550.0, 141.5),
     # model_level streams no block: per component forward (4 a call; a staged component docks now):
-    # 72.0, 63.2, 1715, 261.0 (steady: 72.0, 104.8, 3357, 615.8, re-pointed tensor by tensor;
-    # first: 161.5, 183.0, 6212)
+    # 72.0, 60.8, 1810, 262.0 (72.0, 63.2, 1715, 261.0 before the step start's check of the blocks'
+    # forwards and the trims of issue 40's last round; steady: 72.0, 104.8, 3357, 615.8, re-pointed
+    # tensor by tensor; first: 161.5, 183.0, 6212)
     "pipeline model_level": (79.5, 69.5, 1890.0, 287.0),
 }
 

@@ -369,6 +369,7 @@ class Engine(Mover):
                 self._recording = {0: self.tables()}
         self.gather_slot = program.gather
         self.hooks.ran.clear()
+        self.hooks.check()  # every wrapped block still runs its hook from its forward
         if self._tracing is not None and self._tracing.wants(schedule.step):
             self.tracer = self.streams.tracer = self._tracing
             self.tracer.start(schedule, self.streams)

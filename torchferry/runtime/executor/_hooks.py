@@ -32,15 +32,21 @@ work at that block: an empty pre hook on each block of a 40-block Wan model cost
 block against none (median of 100 forwards paired on one model, a 2-core EPYC guest), a `forward`
 set on the instance that calls the module's own 0.2 us (`benchmarks/README.md`). So a block's hook
 runs from the block's forward: the block's ``forward`` becomes a function that runs the hook, then
-the forward it replaced (the class's, or an instance forward another library set before). The hook
-keeps its place, before the block computes and after every pre hook, of which a wrapped block has
-none: a block with a pre hook when it is anchored keeps torchferry's as a pre hook, first; and the
-first pre hook registered on a wrapped block later (its table of pre hooks notices the insertion,
-`_Noticing`) turns torchferry's back into a pre hook, first, before the new one lands, so the newcomer
-sees the weights the block runs with, as before. Under `torch.compile` Dynamo traces the wrapper,
-breaks the graph at the hook (opaque, see `_opaque`), and compiles the block's own forward. At close
-the block gets its forward back (one another library set over ours since is left, ours passing
-through), and its plain table of pre hooks when nothing was registered in it.
+the forward it replaced (an instance forward another library set before, or the class's, looked up
+at each call so a patch of the class counts). The hook keeps its place, before the block computes
+and after every pre hook, of which a wrapped block has none: a block with a pre hook when it is
+anchored keeps torchferry's as a pre hook, first; and the first pre hook registered on a wrapped
+block later (its table of pre hooks notices the insertion, `_Noticing`) turns torchferry's back into
+a pre hook, first, before the new one lands, so the newcomer sees the weights the block runs with,
+as before. Code that sets a block's ``forward`` itself during a session (a library putting back a
+forward it kept from before, as diffusers' hook registry does when a cache is disabled) would leave
+the block unmanaged, so every step start checks, in one C-level pass, that each wrapped block's
+forward is still ours (`Hooks.check`), and one that is not runs torchferry's as a pre hook from
+then on. Under `torch.compile` Dynamo traces the wrapper, breaks the graph at the hook (opaque, see
+`_opaque`), and compiles the block's own forward. At close the block gets its forward back (one set
+over ours since is left), ours passes through wherever it is still called from, and the block's
+plain table of pre hooks is back when nothing was registered in it (a table that stays pickles and
+copies as a plain `OrderedDict`).
 
 [Note: gradients]
 torchferry serves inference; gradients through streamed weights are not supported, and they fail
@@ -65,6 +71,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
+import operator
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -92,6 +100,7 @@ _inference = torch.is_inference_mode_enabled
 _compiling = torch.compiler.is_compiling
 
 _Hook = Callable[..., None]
+_FORWARD = itertools.repeat("forward")
 
 
 class Driver(Protocol):
@@ -275,7 +284,8 @@ def _passing(module: torch.nn.Module, args: Any) -> None:
 
 class _Noticing(collections.OrderedDict[int, Any]):
     """A wrapped block's table of forward pre hooks: the first hook inserted calls ``notify`` first
-    (once), which makes torchferry's a pre hook ahead of it ([Note: block forwards])."""
+    (once), which makes torchferry's a pre hook ahead of it ([Note: block forwards]). It pickles and
+    copies as a plain `OrderedDict` (it may stay on a block after close: a handle can hold it)."""
 
     def __init__(self, notify: Callable[[], None] | None = None) -> None:
         super().__init__()
@@ -286,6 +296,9 @@ class _Noticing(collections.OrderedDict[int, Any]):
         if notify is not None:
             notify()
         super().__setitem__(key, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return collections.OrderedDict, (list(self.items()),)
 
 
 class Hooks:
@@ -319,6 +332,9 @@ class Hooks:
         # Why: per block run from its own forward, (the block, that forward, the instance forward it
         # replaced or ``None``, the box holding what it runs first, the block's pre-hook table).
         self._wrapped: dict[str, tuple[torch.nn.Module, _Hook, Any, list[_Hook], _Noticing]] = {}
+        # Why: the wrapped blocks' instance dicts and our forwards in them, for `check`'s C-level pass.
+        self._forward_dicts: list[dict[str, Any]] = []
+        self._forwards: list[_Hook] = []
         # Why: the blocks the running step's forward reached, in order, to report a ring it does not
         # follow; the engine clears it when a step begins.
         self.ran: list[str] = []
@@ -356,7 +372,7 @@ class Hooks:
             if path in self._blocks and not top:
                 pre = _marked(self._block_hook(path, pack))  # opaque itself (`_compiled_call`)
                 table = module._forward_pre_hooks
-                if type(table) is collections.OrderedDict and not table:
+                if type(table) in (collections.OrderedDict, _Noticing) and not table:
                     self._wrap(path, module, pre)  # [Note: block forwards]
                 else:
                     handles.append(module.register_forward_pre_hook(pre, prepend=True))
@@ -385,55 +401,71 @@ class Hooks:
             post(module, (), None)
 
     def remove(self) -> None:
-        """Remove every hook from the pipeline, and give each wrapped block its own forward back."""
+        """Remove every hook from the pipeline, and give each wrapped block its forward back."""
         for handles in self._handles.values():
             for handle in handles:
                 handle.remove()
         self._handles.clear()
         for path in list(self._wrapped):
             module, noticing = self._unwrap(path)
-            if not noticing:  # (a user's hook registered since holds a handle on this table: kept)
+            if not noticing and module._forward_pre_hooks is noticing:  # (else a handle may hold it)
                 module._forward_pre_hooks = collections.OrderedDict()
         self._calls.clear()
 
+    def check(self) -> None:
+        """At a step's start: a wrapped block whose ``forward`` is no longer ours runs torchferry's hook
+        as a pre hook from now on ([Note: block forwards]); one C-level pass while all are ours."""
+        if not all(map(operator.is_, map(dict.get, self._forward_dicts, _FORWARD), self._forwards)):
+            for path, (module, forward, *_) in list(self._wrapped.items()):
+                if vars(module).get("forward") is not forward:
+                    self._to_hook(path)
+
     def _wrap(self, path: str, module: torch.nn.Module, pre: _Hook) -> None:
         """Run ``pre`` from ``module``'s forward, not as a forward pre hook ([Note: block forwards])."""
-        inner = module.forward
         own = vars(module).get("forward")  # an instance forward set before (another library's wrapper)
         box = [pre]
+        if own is None:
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            box[0](module, args)
-            return inner(*args, **kwargs)
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                box[0](module, args)
+                # The class's, looked up at each call: a patch of it counts.
+                return type(module).forward(module, *args, **kwargs)
 
-        noticing = _Noticing(lambda: self._to_hook(path))
+        else:
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                box[0](module, args)
+                return own(*args, **kwargs)
+
+        table = module._forward_pre_hooks
+        noticing = table if isinstance(table, _Noticing) else _Noticing()  # (an earlier session's: kept)
+        noticing.notify = lambda: self._to_hook(path)
         module._forward_pre_hooks = noticing  # empty: no handle holds the table it replaces
         module.forward = forward
         self._wrapped[path] = (module, forward, own, box, noticing)
+        self._forward_dicts = [vars(w[0]) for w in self._wrapped.values()]
+        self._forwards = [w[1] for w in self._wrapped.values()]
 
     def _unwrap(self, path: str) -> tuple[torch.nn.Module, _Noticing]:
-        """Give ``path``'s block its forward back (or, wrapped again by another since, make ours pass
-        through); the block and its table of pre hooks."""
+        """Give ``path``'s block its forward back (one set over ours since is left), and make ours
+        pass through wherever it is still called from; the block and its table of pre hooks."""
         module, forward, own, box, noticing = self._wrapped.pop(path)
+        self._forward_dicts = [vars(w[0]) for w in self._wrapped.values()]
+        self._forwards = [w[1] for w in self._wrapped.values()]
         noticing.notify = None
+        box[0] = _passing
         if vars(module).get("forward") is forward:
             if own is None:
                 del module.forward
             else:
                 module.forward = own
-        else:
-            box[0] = _passing
         return module, noticing
 
     def _to_hook(self, path: str) -> None:
-        """A pre hook is being registered on ``path``'s wrapped block: run torchferry's as a pre hook,
-        first, from now on, so the newcomer sees the weights the block runs with."""
-        noticing = self._unwrap(path)[1]
-        pre = self._calls[path][1]
-        handle = RemovableHandle(noticing)
-        collections.OrderedDict.__setitem__(noticing, handle.id, pre)  # (not noticed again)
-        noticing.move_to_end(handle.id, last=False)
-        self._handles[path] = (handle,)
+        """Run torchferry's hook of ``path``'s wrapped block as a pre hook, first, from now on (a pre hook
+        is being registered on it, or its forward is no longer ours: `check`)."""
+        module = self._unwrap(path)[0]
+        self._handles[path] = (module.register_forward_pre_hook(self._calls[path][1], prepend=True),)
 
     def _block_hook(self, path: str, pack: Pack | None) -> Callable[..., None]:
         key = f"before {path}"
