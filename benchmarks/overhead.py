@@ -267,7 +267,7 @@ def breakdown(
     for module in session.pipeline.modules():
         for table in (module._forward_pre_hooks, module._forward_hooks):
             for key, hook in list(table.items()):
-                if "hooks" in parts and getattr(hook, "_torchdynamo_disable", False):  # see `_opaque`
+                if "hooks" in parts and getattr(hook, "_torchdynamo_disable", False):  # see `_compile.opaque`
                     saved_hooks.append((table, key, hook))
                     OrderedDict.__setitem__(
                         table, key, timed("hooks", hook)

@@ -3,7 +3,9 @@
 Timings of the per-block hot path change with the machine and its load (the same commit measures
 33 us one day and 60 us the next on a shared 2-core box), so they cannot guard it in a test. What
 torchferry's code *does* per block can: `count_calls` runs a callable under `sys.setprofile` and
-counts the Python functions of the package that run (``calls``), the functions implemented in C
+counts the Python functions of the package that run and those of other code that the package's
+call directly (``calls``: `threading.current_thread`, the methods attrs generates, a wrapped block's
+own forward; what they call in turn is theirs), the functions implemented in C
 they call (``c_calls``: ``copy_``, ``data_ptr``, a dict's ``get``), the bytecode instructions
 they execute (``instructions``: an attribute store such as ``tensor.data = view`` calls nothing a
 profiler sees, but it is an instruction) and the tensor operations they issue (``tensor_ops``: every
@@ -35,6 +37,8 @@ __all__ = ["CallCount", "count_calls"]
 #: The package's own source folder: a frame whose code lives under it is torchferry's, except
 #: `torchferry.testing`'s (the toy models whose forwards the counts are taken around).
 PACKAGE = str(Path(torchferry.__file__).resolve().parent)
+#: This file: the counter's own frames (its tensor-operation mode) are never counted.
+_HERE = __file__
 
 
 @attrs.frozen(kw_only=True)
@@ -100,6 +104,16 @@ def count_calls(fn: Callable[[], Any], *, package: str = PACKAGE) -> CallCount:
                 calls += 1
                 where = code.co_filename[len(package) + 1 :]
                 seen[f"{where}:{code.co_firstlineno}({code.co_name})"] += 1
+            elif (
+                (caller := frame.f_back) is not None
+                and code.co_filename != _HERE
+                and _ours(caller.f_code.co_filename, package)
+            ):
+                # Another package's Python function called by ours (`torch.compiler.is_compiling`,
+                # `threading.current_thread`, a wrapped block's own forward): a call ours pays for.
+                calls += 1
+                name = code.co_filename.rsplit(os.sep, 1)[-1]
+                seen[f"py {name}:{code.co_firstlineno}({code.co_name})"] += 1
         elif event == "c_call" and _ours(frame.f_code.co_filename, package):
             c_calls += 1
             seen[f"C {getattr(arg, '__qualname__', None) or getattr(arg, '__name__', repr(arg))}"] += 1

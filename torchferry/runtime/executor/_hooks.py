@@ -19,10 +19,11 @@ replayed step ([Note: replay] in `_replay`) a block's hook runs its stop's moves
   ``always_call=True`` after it, abandons the step when the call was not done. So a pipeline called
   inside an ``except`` block runs normally (nothing reads `sys.exc_info`).
 
-The hooks are opaque to `torch.compile` (see `_opaque`): Dynamo traces none of the engine's code,
-so a compiled block stays one graph, the hooks run eagerly around it, and nothing recompiles per
-block; an eager call pays one flag read for it (`torch.compiler.disable`'s own wrapper, which
-switches Dynamo's frame callback off and on at every call, is kept for the first compiled call).
+The hooks are opaque to `torch.compile` (see `torchferry.runtime.executor._compile`): Dynamo traces
+none of the engine's code, so a compiled block stays one graph, the hooks run eagerly around it,
+and nothing recompiles per block; an eager call pays one flag read for it (`torch.compiler.disable`'s
+own wrapper, which switches Dynamo's frame callback off and on at every call, is kept for the first
+compiled call).
 
 [Note: block forwards]
 A forward pre hook puts every call of its module on the slow path of `torch.nn.Module.__call__` (a
@@ -43,7 +44,7 @@ forward it kept from before, as diffusers' hook registry does when a cache is di
 the block unmanaged, so every step start checks, in one C-level pass, that each wrapped block's
 forward is still ours (`Hooks.check`), and one that is not runs torchferry's as a pre hook from
 then on. Under `torch.compile` Dynamo traces the wrapper, breaks the graph at the hook (opaque, see
-`_opaque`), and compiles the block's own forward. At close the block gets its forward back (one set
+`_compile`), and compiles the block's own forward. At close the block gets its forward back (one set
 over ours since is left), ours passes through wherever it is still called from, and the block's
 plain table of pre hooks is back when nothing was registered in it (a table that stays pickles and
 copies as a plain `OrderedDict`).
@@ -73,7 +74,6 @@ import collections
 import contextlib
 import itertools
 import operator
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -83,6 +83,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchferry._errors import ExecutionError, OffloadWarning
 from torchferry.policies import DEVICE, rest_unit
+from torchferry.runtime.executor._compile import COMPILE, Hook, compiled_call, marked, opaque
 from torchferry.runtime.executor._program import Program, listing
 from torchferry.runtime.executor._replay import Segment, call, consume
 from torchferry.runtime.executor._step_cache import step_name
@@ -97,9 +98,6 @@ __all__ = ["Driver", "GradGuard", "Hooks", "Runner"]
 _READY = PackState.READY
 _grad_enabled = torch.is_grad_enabled
 _inference = torch.is_inference_mode_enabled
-_compiling = torch.compiler.is_compiling
-
-_Hook = Callable[..., None]
 _FORWARD = itertools.repeat("forward")
 
 
@@ -206,78 +204,6 @@ def _ordinary_call(fn: Callable[..., None], *args: Any) -> None:
         fn(*args)
 
 
-def _opaque(body: _Hook) -> _Hook:
-    """``body`` as a hook Dynamo does not trace, at no cost to an eager call.
-
-    The hook carries Dynamo's ``_torchdynamo_disable`` mark, so a compiled caller does not inline it
-    (it graph-breaks around the call), and its code runs with Dynamo's frame strategy "skip, and skip
-    everything it calls" (`_skip_in_dynamo`), so nothing of the engine is compiled either. Both are
-    read by Dynamo alone: an eager call pays one flag read. Dynamo is never imported for this: when
-    it is not loaded yet at anchor time, the first compiled call finds `torch.compiler.is_compiling`
-    true, runs ``body`` through a disabled wrapper and sets the strategy then.
-    """
-    lazy: list[_Hook] = []
-
-    def eager(*args: Any) -> None:
-        _skip_in_dynamo()
-        body(*args)
-
-    def hook(*args: Any) -> None:
-        if _compiling():
-            if not lazy:
-                lazy.append(torch.compiler.disable(eager, recursive=True))  # type: ignore[no-untyped-call]
-            lazy[0](*args)
-            return
-        body(*args)
-
-    return _marked(hook)
-
-
-def _marked(hook: _Hook) -> _Hook:
-    """``hook`` with Dynamo's ``_torchdynamo_disable`` mark and its code skipped (see `_opaque`)."""
-    hook._torchdynamo_disable = True  # type: ignore[attr-defined]
-    _HOOK_CODES.add(hook.__code__)
-    _skip_in_dynamo()
-    return hook
-
-
-def _compiled_call(hook: _Hook, *args: Any) -> None:
-    """Run ``hook`` from a compiled caller, as `_opaque`'s hook does (for a hook that checks
-    `torch.compiler.is_compiling` itself, the block hook: one Python frame less per block)."""
-    disabled = getattr(hook, "_torchferry_disabled", None)
-    if disabled is None:
-
-        def eager(*inner: Any) -> None:
-            _skip_in_dynamo()
-            hook(*inner)
-
-        disabled = torch.compiler.disable(eager, recursive=True)  # type: ignore[no-untyped-call]
-        hook._torchferry_disabled = disabled  # type: ignore[attr-defined]
-    disabled(*args)
-
-
-#: The code objects of the hook functions (shared by every closure made from one ``def``).
-_HOOK_CODES: set[Any] = set()
-_SKIPPED: set[Any] = set()
-
-
-def _skip_in_dynamo() -> None:
-    """Give every hook's code Dynamo's strategy "skip this frame and every frame it calls", if loaded."""
-    if "torch._dynamo" not in sys.modules or _HOOK_CODES <= _SKIPPED:
-        return
-    try:
-        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy
-        from torch._dynamo import eval_frame
-    except ImportError:  # another torch: the lazy path above still keeps the engine out of graphs
-        return
-    set_code_exec_strategy = getattr(eval_frame, "set_code_exec_strategy", None)
-    if set_code_exec_strategy is None:
-        return
-    for code in _HOOK_CODES - _SKIPPED:
-        set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
-        _SKIPPED.add(code)
-
-
 def _passing(module: torch.nn.Module, args: Any) -> None:
     """What a block's forward runs before its own once the session is gone (see `Hooks._unwrap`)."""
 
@@ -323,7 +249,7 @@ class Hooks:
         self._pipeline, self._plan, self._units, self._guard = pipeline, plan, units, guard
         self._handles: dict[str, tuple[RemovableHandle, ...]] = {}
         # Why: each anchor's module and hook bodies (pre, post, failed), so `forward` can fire them.
-        self._calls: dict[str, tuple[torch.nn.Module, _Hook, _Hook | None, _Hook | None]] = {}
+        self._calls: dict[str, tuple[torch.nn.Module, Hook, Hook | None, Hook | None]] = {}
         self._tops = frozenset(c.path for c in plan.components)
         self._blocks = frozenset(b.path for top in plan.components for c in top.walk() for b in c.blocks)
         # Why: per top-level path, whether its latest forward returned (its post hook ran), so the
@@ -331,10 +257,10 @@ class Hooks:
         self._done: dict[str, bool] = {}
         # Why: per block run from its own forward, (the block, that forward, the instance forward it
         # replaced or ``None``, the box holding what it runs first, the block's pre-hook table).
-        self._wrapped: dict[str, tuple[torch.nn.Module, _Hook, Any, list[_Hook], _Noticing]] = {}
+        self._wrapped: dict[str, tuple[torch.nn.Module, Hook, Any, list[Hook], _Noticing]] = {}
         # Why: the wrapped blocks' instance dicts and our forwards in them, for `check`'s C-level pass.
         self._forward_dicts: list[dict[str, Any]] = []
-        self._forwards: list[_Hook] = []
+        self._forwards: list[Hook] = []
         # Why: the blocks the running step's forward reached, in order, to report a ring it does not
         # follow; the engine clears it when a step begins.
         self.ran: list[str] = []
@@ -370,7 +296,7 @@ class Hooks:
             # or after, then sees the weights the module runs with (its wait has run), not its host copy
             # while a copy is still in flight.
             if path in self._blocks and not top:
-                pre = _marked(self._block_hook(path, pack))  # opaque itself (`_compiled_call`)
+                pre = marked(self._block_hook(path, pack))  # opaque itself (`compiled_call`)
                 table = module._forward_pre_hooks
                 if type(table) in (collections.OrderedDict, _Noticing) and not table:
                     self._wrap(path, module, pre)  # [Note: block forwards]
@@ -378,11 +304,11 @@ class Hooks:
                     handles.append(module.register_forward_pre_hook(pre, prepend=True))
             else:
                 pre, post = self._component_hooks(path, top)
-                handles.append(module.register_forward_pre_hook(_opaque(pre), prepend=True))
-                handles.append(module.register_forward_hook(_opaque(post)))
+                handles.append(module.register_forward_pre_hook(opaque(pre), prepend=True))
+                handles.append(module.register_forward_hook(opaque(post)))
                 if top:
                     failed = self._failed_hook(path)
-                    handles.append(module.register_forward_hook(_opaque(failed), always_call=True))
+                    handles.append(module.register_forward_hook(opaque(failed), always_call=True))
             self._handles[path] = tuple(handles)
             self._calls[path] = (module, pre, post, failed)
 
@@ -420,7 +346,7 @@ class Hooks:
                 if vars(module).get("forward") is not forward:
                     self._to_hook(path)
 
-    def _wrap(self, path: str, module: torch.nn.Module, pre: _Hook) -> None:
+    def _wrap(self, path: str, module: torch.nn.Module, pre: Hook) -> None:
         """Run ``pre`` from ``module``'s forward, not as a forward pre hook ([Note: block forwards])."""
         own = vars(module).get("forward")  # an instance forward set before (another library's wrapper)
         box = [pre]
@@ -472,8 +398,8 @@ class Hooks:
         engine, plan, guard, ran = self.engine, self._plan, self._guard, self.ran
 
         def pre(module: torch.nn.Module, args: Any) -> None:
-            if _compiling():
-                _compiled_call(pre, module, args)
+            if COMPILE._is_compiling_flag:  # `torch.compiler.is_compiling()`, read (`compile_state`)
+                compiled_call(pre, module, args)
                 return
             program = engine.program
             if program is None:
