@@ -175,6 +175,21 @@ def test_replay_moves_quick_times_both_forms_exact(tmp_path: Path) -> None:
 
 
 @pytest.mark.bench_full
+def test_hot_parts_quick_takes_the_hook_and_the_step_apart_exactly(tmp_path: Path) -> None:
+    """hot_parts --quick times each form of the block hook and each part of a step's start and end on
+    one session, and every output torchferry gave equals the first."""
+    target = tmp_path / "hot_parts.json"
+    out = _run("hot_parts.py", "--quick", "--out", str(target))
+    assert "of the hook, from the medians" in out
+    result = json.loads(target.read_text())
+    assert result["exact"] is True
+    assert set(result["per_block_us"]) == {"the hook", "its moves", "the exchanges"}
+    parts = result["step_parts_us"]
+    assert {"Session.enter", "Session.leave", "Hooks.check", "Replay.ready"} <= set(parts)
+    assert all(p["min"] <= p["median"] <= p["max"] for p in parts.values())
+
+
+@pytest.mark.bench_full
 def test_quant_quick_runs_every_form_on_one_schedule(tmp_path: Path) -> None:
     """quant --quick runs the full-width model and each 8-bit form under one layerwise schedule: every
     output equals its form run without torchferry, and each 8-bit form moves and holds well under half
