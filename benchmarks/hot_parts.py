@@ -19,7 +19,9 @@ copy (the moves less the exchanges); the exchanges' row is the two exchanges, th
 
 Per step, each part of the step's start and end is timed where it runs (after a forward's compute
 has left the caches cold), and the parts that only read are timed again at once (warm): how much of
-a step boundary is memory the compute evicted.
+a step boundary is memory the compute evicted. The parts nest (`Session.enter` holds the guard's,
+the step's and `Engine.begin`, which holds `Hooks.check` and `Replay.ready`...): a row includes the
+rows inside it, their timers and their runs again, so the rows do not add up.
 
     python benchmarks/hot_parts.py [--repeats 40] [--quick]
 """
@@ -88,7 +90,7 @@ def block_forms(session: Any, blocks: int) -> tuple[list[Any], dict[str, list[An
     forms: dict[str, list[Any]] = {name: [] for name in FORMS}
     for i in range(blocks):
         _, _, _, box, _ = engine.hooks._wrapped[f"blocks.{i}"]
-        stop, fns, firsts, seconds = by_stop[program.stops[f"before blocks.{i}"]]
+        stop, fns, firsts, seconds, *_ = by_stop[program.stops[f"before blocks.{i}"]]
         kept = [j for j, fn in enumerate(fns) if fn is not torch.Tensor.copy_]
 
         def moves(module: Any, args: Any, s: Any = (stop, fns, firsts, seconds)) -> None:
@@ -151,11 +153,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     out = forward()
                     per_block[name].append(inside[0] / blocks * 1e6)
                     if name != "the exchanges":
-                        exact = exact and torch.equal(out, expected)
+                        exact = torch.equal(out, expected) and exact
         finally:
             for box, hook in zip(boxes, forms["the hook"], strict=True):
                 box[0] = hook
-        exact = exact and torch.equal(forward(), expected)
+        exact = torch.equal(forward(), expected) and exact
 
         # The step's start and end, part by part.
         spent: dict[str, float] = collections.defaultdict(float)
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             name = f"{type(holder).__name__}.{attr}"
             try:
                 setattr(holder, attr, step_timer(name, getattr(holder, attr), again))
-            except AttributeError:  # (a slotted class: timed on the class)
+            except AttributeError:  # (an attribute a slotted class does not let be set: left out)
                 continue
             restore.append((holder, attr))
             names += [name, f"{name}, again at once"] if again else [name]
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             forward()
             for _ in range(repeats):
                 spent.clear()
-                exact = exact and torch.equal(forward(), expected)
+                exact = torch.equal(forward(), expected) and exact  # (the forward runs whatever)
                 for name in names:
                     per_step[name].append(spent[name] * 1e6)
         finally:
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("\nof the hook, from the medians (us a block):")
     print(common.table(["part", "us a block"], [[n, v] for n, v in parts.items()]))
     step_stats = {name: common.Stats.of(per_step[name]) for name in names}
-    print(f"\nthe step's start and end, part by part (us a step; per block: / {blocks}):")
+    print(f"\nthe step's start and end, part by part, nested (us a step; per block: / {blocks}):")
     print(
         common.table(
             ["part", "min", "median", "median per block"],

@@ -32,7 +32,7 @@ def python_moves(replay: Any) -> dict[int, Any]:
     kinds = {0: _pack.load_docked, 1: _pack.land, 2: _pack.lift}
     moves = iter(replay.moves)
     segments = {}
-    for start, (stop, fns, firsts, seconds) in replay.segments.items():
+    for start, (stop, fns, firsts, seconds, *key) in replay.segments.items():
         made = []
         for fn, a, b in zip(fns, firsts, seconds, strict=True):
             if fn is torch.Tensor.copy_ or fn is _pack.SWAP:
@@ -42,7 +42,7 @@ def python_moves(replay: Any) -> dict[int, Any]:
                 if fn is _NOTHING:
                     next(moves)  # a load for the next step, its copy left to its wait in both forms
                 made.append((fn, a, b))
-        segments[start] = (stop, *map(tuple, zip(*made, strict=True)))
+        segments[start] = (stop, *map(tuple, zip(*made, strict=True)), *key)
     return segments
 
 

@@ -41,23 +41,23 @@ BUDGETS: dict[str, tuple[float, float, float, float]] = {
     # moves itself, from the block's forward ([Note: block forwards] in torchferry/runtime/executor/_hooks.py:
     # one Python call of ours a block, where a pre hook made torch take its slow call path, uncounted here and
     # about 100 bytecodes in four frames; and a check at each step start that every block's forward is still
-    # ours; the compile state read as torch's flag): 22.6, 21.5, 615, 17.5 with the calls of other code (20.6,
-    # 21.5, 620, 17.5 without them, asking `torch.compiler.is_compiling()`; its blocks have a buffer each,
-    # watched as the handlers watch it; as a pre hook: 19.5, 21.4, 588, 17.5; through `Mover.advance`: 20.2,
-    # 21.5, 594, 17.4; steady: 20.9, 26.9, 844, 37.0, its step start reading every tensor's pointer; docked:
-    # 25.9, 29.0, 958, 38.0; re-pointed: 25.9, 32.0, 1004, 77.0; first: 37.8, 27.6, 1256)
-    "dit layerwise": (24.5, 23.5, 665.0, 19.5),
-    # the same DiT with no buffer in its blocks (as most diffusers transformers): a replayed step
-    # moves each block by C calls alone, run from the block's hook, and its pack's record is left as
-    # the step found it ([Note: replay]), the next step's first block copied at its wait, unwatched
-    # between steps: 13.8, 16.2, 385, 4.9 with the calls of other code (11.8, 16.2, 389, 4.9 without
-    # them; as a pre hook: 10.6, 16.1, 358, 4.9; through
-    # `Mover.advance`: 11.9, 16.2, 380, 4.8; watched: 11.4, 16.1, 366, 13.6; by a Python function per
-    # move: 14.0, 19.0, 418, 13.6)
-    "dit layerwise bare": (15.2, 17.7, 413.0, 5.4),
+    # ours; the compile state read as torch's flag, the stop known by its key's identity): 22.6, 20.5, 609,
+    # 17.5 with the calls of other code (22.6, 21.5, 615, 17.5 reading the stop from the program's table;
+    # 20.6, 21.5, 620, 17.5 without them, asking `torch.compiler.is_compiling()`; its blocks have a buffer
+    # each, watched as the handlers watch it; as a pre hook: 19.5, 21.4, 588, 17.5; through `Mover.advance`:
+    # 20.2, 21.5, 594, 17.4; steady: 20.9, 26.9, 844, 37.0, its step start reading every tensor's pointer;
+    # docked: 25.9, 29.0, 958, 38.0; re-pointed: 25.9, 32.0, 1004, 77.0; first: 37.8, 27.6, 1256)
+    "dit layerwise": (24.5, 22.5, 665.0, 19.5),
+    # the same DiT with no buffer in its blocks (as most diffusers transformers): a replayed step moves each
+    # block by C calls alone, run from the block's hook, and its pack's record is left as the step found it
+    # ([Note: replay]), the next step's first block copied at its wait, unwatched between steps: 13.8, 15.2,
+    # 379, 4.9 with the calls of other code (13.8, 16.2, 385, 4.9 reading the stop from the program's table;
+    # 11.8, 16.2, 389, 4.9 without them; as a pre hook: 10.6, 16.1, 358, 4.9; through `Mover.advance`: 11.9,
+    # 16.2, 380, 4.8; watched: 11.4, 16.1, 366, 13.6; by a Python function per move: 14.0, 19.0, 418, 13.6)
+    "dit layerwise bare": (15.2, 16.7, 413.0, 5.4),
     # a call of the toy pipeline (encoder, two DiT steps, decoder) over its 18 streamed blocks, whose
     # slots move between components: the DiT's second step is replayed over views made anew at each
-    # call, which two steps barely pay for: 34.1, 39.8, 1167, 23.5 with the calls of other code
+    # call, which two steps barely pay for: 34.1, 40.0, 1169, 23.5 with the calls of other code
     # (31.5, 39.8, 1172, 23.5 without them), the replay's moves listed for the
     # record it writes where it hands over (as pre hooks: 30.3, 39.6, 1135, 23.6; through
     # `Mover.advance`: 31.5, 39.8, 1155, 23.3; 30.2, 37.3, 1052, 24.6 before that; steady: 27.5, 33.8,
@@ -165,17 +165,19 @@ def test_own_work_per_streamed_block_stays_within_its_budget(path: str, tmp_path
     assert not over, f"{path}: over budget per block ({', '.join(over)}); most called: {count.top(8)}"
 
 
-def test_a_streamed_block_runs_no_python_function_of_other_code_but_its_own_forward() -> None:
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_streamed_block_runs_no_python_function_of_other_code_but_its_own_forward(mode: str) -> None:
     """Between a block's compute and the next, torchferry calls no Python function of torch or any
     other library (each is a frame on memory the compute left cold: `torch.compiler.is_compiling`
-    was two per block) but the block's own forward, from the forward it wraps; the rest of the calls
-    of other code happen once per step, at its start and end."""
+    was two per block, and under inference mode ``torch.inference_mode(False)`` with
+    ``torch.no_grad()`` eight) but the block's own forward, from the forward it wraps; the rest of
+    the calls of other code happen once per step, at its start and end."""
     per_step = {}
     for blocks in (BLOCKS, 2 * BLOCKS):
         pipe = toy.build(0, blocks=blocks)
         dit = toy.without_block_buffers(pipe).transformer
         x = _dit_inputs()
-        with torch.no_grad(), torchferry.offload(dit, strategy="layerwise", device="cpu"):
+        with getattr(torch, mode)(), torchferry.offload(dit, strategy="layerwise", device="cpu"):
             count = _steady(lambda dit=dit, x=x: dit(*x))
         foreign = {k: v for k, v in count.by_function.items() if k.startswith("py ")}
         forwards = {k: v for k, v in foreign.items() if k.endswith("(forward)") and "toy.py" in k}

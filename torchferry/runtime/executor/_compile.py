@@ -47,6 +47,8 @@ def compile_state(is_compiling: Callable[[], bool] = _compiling) -> Any:
     code = getattr(is_compiling, "__code__", None)
     if (
         code is not None
+        and module is not None
+        and getattr(is_compiling, "__globals__", None) is vars(module)  # (not a wrapper copying its name)
         and isinstance(getattr(module, "_is_compiling_flag", None), bool)
         and "_is_compiling_flag" in code.co_names
         and set(code.co_names) <= {"torch", "jit", "is_scripting", "_is_compiling_flag"}
@@ -95,14 +97,17 @@ def marked(hook: Hook) -> Hook:
 
 
 def compiled_call(hook: Hook, *args: Any) -> None:
-    """Run ``hook`` from a compiled caller, as `opaque`'s hook does (for a hook that checks
-    `torch.compiler.is_compiling` itself, the block hook: one Python frame less per block)."""
+    """Run ``hook`` from a compiled caller, as `opaque`'s hook does, for a hook that reads the compile
+    flag itself (the block hook: one Python frame less per block). The hook is called with
+    ``eager=True`` and must then run its body without reading the flag again: the flag is the
+    process's, so it is set while the hook really runs when another thread compiles, or under a
+    non-strict export, and asking again would recurse."""
     disabled = getattr(hook, "_torchferry_disabled", None)
     if disabled is None:
 
         def eager(*inner: Any) -> None:
             skip_in_dynamo()
-            hook(*inner)
+            hook(*inner, eager=True)
 
         disabled = torch.compiler.disable(eager, recursive=True)  # type: ignore[no-untyped-call]
         hook._torchferry_disabled = disabled  # type: ignore[attr-defined]

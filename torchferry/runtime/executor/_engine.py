@@ -423,7 +423,8 @@ class Engine(Mover):
 
     def _replay_of(self, program: Program, tables: dict[int, Tables]) -> Replay | None:
         """``program``'s `Replay` from the ``tables`` a run of it recorded, over the slots now."""
-        return build_replay(program.calls, program.primitive, program.entry, tables, self.slots)
+        calls, entry = program.calls, program.entry
+        return build_replay(calls, program.primitive, entry, tables, self.slots, ends=program.ends)
 
     def _untrace(self) -> None:
         """The traced step is over: nothing is timed from here on, and the tracer is disarmed."""

@@ -19,14 +19,24 @@ from types import MethodType
 import torch
 
 from torchferry._errors import ExecutionError, OffloadWarning
-from torchferry.policies import DEVICE, FILE, OP_KINDS, Op
+from torchferry.policies import FILE, OP_KINDS, Op
 from torchferry.runtime.device import Comm, CpuStreams, DeviceBuffer, Ledger, SlotPool, StreamContext
 from torchferry.runtime.executor._hooks import GradGuard
 from torchferry.runtime.executor._on_demand import OnDemand
 from torchferry.runtime.executor._program import Handler, Program, missed
-from torchferry.runtime.executor._replay import Replay, Segment, Tables, call, consume, restore
+from torchferry.runtime.executor._replay import (
+    GRAD_OFF,
+    INFERENCE_OFF,
+    Replay,
+    Segment,
+    Tables,
+    call,
+    consume,
+    restore,
+)
+from torchferry.runtime.executor._stage_ops import Staging
 from torchferry.runtime.executor._trace import Tracer
-from torchferry.runtime.memory import Arriving, Pack, PackState, Unit, views_into
+from torchferry.runtime.memory import Arriving, Pack, PackState, Unit
 from torchferry.runtime.store import HostStore
 from torchferry.topology import Plan
 
@@ -43,7 +53,7 @@ _inference = torch.is_inference_mode_enabled
 _READY, _IN_FLIGHT = PackState.READY, PackState.IN_FLIGHT
 
 
-class Mover(OnDemand):
+class Mover(Staging, OnDemand):
     """Moves units between the host store and the device, one handler per op kind, and keeps the tables.
 
     `Engine` is the one kind of mover: it sets the attributes declared here (what the handlers read
@@ -111,7 +121,8 @@ class Mover(OnDemand):
             if segment is not None and segment[0] == stop:  # the hot path of a steady step
                 try:
                     if _inference():
-                        with torch.inference_mode(False), torch.no_grad():
+                        with INFERENCE_OFF(False):
+                            GRAD_OFF()
                             consume(map(call, segment[1], segment[2], segment[3]))
                     else:
                         consume(map(call, segment[1], segment[2], segment[3]))  # ``fn(a, b)`` each, in C
@@ -125,7 +136,8 @@ class Mover(OnDemand):
                 return True
             self.unreplay()  # stopped elsewhere than its first run did: the handlers take over
         if _inference():
-            with torch.inference_mode(False), torch.no_grad():
+            with INFERENCE_OFF(False):
+                GRAD_OFF()
                 self.run(program, stop)
         elif self.tracer is not None or profiling():
             self._run_observed(program, stop)
@@ -511,78 +523,6 @@ class Mover(OnDemand):
         if self.guard.graded:
             self.guard.leaving(unit)
 
-    def _stage(self, unit: Unit, op: Op) -> None:
-        sharded = [g.name for g in unit.packs if g.shard is not None]
-        if sharded:
-            raise self._missed(
-                f"stage of {unit.name}: this rank holds only shards of {', '.join(sharded)}, which are "
-                "all-gathered into ring slots, never staged; keep all-gathered blocks out of a policy's "
-                "resident set",
-                6,
-            )
-        if unit.name in self.staged:
-            for pack in unit.packs:
-                pack.to_host()  # undocked before its staged copy goes
-            self._drop_staged(unit.name)
-        tier = self.store.tier
-        held: list[tuple[DeviceBuffer, int]] = []
-        first = True
-        try:
-            for pack in unit.packs:
-                read = None
-                if pack.in_file:
-                    if tier is None or op.src is None:
-                        raise self._missed(
-                            f"stage of {unit.name}: {pack.name} is in the file tier (no host copy), so it is "
-                            "staged from the staging slot its read fills (stage ... from tK)",
-                            9,
-                        )
-                    # A unit of several packs goes through its staging slot one pack at a time: the read
-                    # op brought the first, each later one is read once the copy before it drained.
-                    if op.src != FILE and not first:
-                        tier.issue(pack, op.src, self.streams.before_read(tier.slot(op.src).buffer))
-                    first = False
-                    if op.src != FILE:
-                        read = tier.take(pack, op.src)  # before any device memory is counted: it may fail
-                transfer = self.streams.transfer(pack.nbytes)
-                self.ledger.add(pack.nbytes)
-                held.append((transfer, pack.nbytes))
-                if pack.in_file and op.src == FILE:
-                    self._read_into(unit, pack, transfer, transfer.data.narrow(0, 0, pack.nbytes))
-                elif read is not None:
-                    self.streams.copy_staged(transfer, transfer.data, *read)
-                else:
-                    self.streams.copy_in(transfer, transfer.data, pack.host)
-                self.streams.wait(transfer)
-                if pack.bound is not None:
-                    pack.dock(transfer.data)  # see [Note: docking] in `_pack`
-                else:
-                    pack.point(views_into(pack.pieces, transfer.data))
-                if pack.buffers:
-                    pack.arrived()
-                pack.where = PackState.READY
-        except BaseException:
-            # Nothing of the unit is staged: the copies made so far go, and so do their bytes on the
-            # ledger; its packs point at the host first (the abort that follows does it again), so
-            # none stays docked at a copy about to be freed.
-            for pack in unit.packs:
-                pack.to_host()
-            for _, nbytes in held:
-                self.ledger.sub(nbytes)
-            raise
-        self.staged[unit.name] = tuple(held)
-        self.placed[unit.name] = DEVICE
-
-    def _unstage(self, unit: Unit, op: Op) -> None:
-        self._leaving(unit)
-        for pack in unit.packs:
-            pack.to_host()
-        self._drop_staged(unit.name)
-        self.placed.pop(unit.name, None)
-
-    def _drop_staged(self, name: str) -> None:
-        for _, nbytes in self.staged.pop(name, ()):
-            self.ledger.sub(nbytes)
 
 #: One short handler per op kind; a program binds each op to its handler once, when compiled.
 _HANDLERS: dict[str, Callable[[Mover, Unit, Op], None]] = {
@@ -591,8 +531,8 @@ _HANDLERS: dict[str, Callable[[Mover, Unit, Op], None]] = {
     "gather": Mover._gather,
     "wait": Mover._wait,
     "evict": Mover._evict,
-    "stage": Mover._stage,
-    "unstage": Mover._unstage,
+    "stage": Staging._stage,
+    "unstage": Staging._unstage,
     "acquire": OnDemand._acquire,
     "release": OnDemand._release,
 }

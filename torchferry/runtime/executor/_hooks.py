@@ -85,7 +85,7 @@ from torchferry._errors import ExecutionError, OffloadWarning
 from torchferry.policies import DEVICE, rest_unit
 from torchferry.runtime.executor._compile import COMPILE, Hook, compiled_call, marked, opaque
 from torchferry.runtime.executor._program import Program, listing
-from torchferry.runtime.executor._replay import Segment, call, consume
+from torchferry.runtime.executor._replay import GRAD_OFF, INFERENCE_OFF, Segment, block_key, call, consume
 from torchferry.runtime.executor._step_cache import step_name
 from torchferry.runtime.memory import Pack, PackState, Unit
 from torchferry.topology import Plan, find_attr, order_mismatch
@@ -198,7 +198,8 @@ def _ordinary_call(fn: Callable[..., None], *args: Any) -> None:
     the driver starts and ends steps, which make and re-point tensors ([Note: inference mode] in
     `_engine`)."""
     if _inference():
-        with torch.inference_mode(False), torch.no_grad():
+        with INFERENCE_OFF(False):
+            GRAD_OFF()
             fn(*args)
     else:
         fn(*args)
@@ -394,26 +395,27 @@ class Hooks:
         self._handles[path] = (module.register_forward_pre_hook(self._calls[path][1], prepend=True),)
 
     def _block_hook(self, path: str, pack: Pack | None) -> Callable[..., None]:
-        key = f"before {path}"
+        key = block_key(path)
         engine, plan, guard, ran = self.engine, self._plan, self._guard, self.ran
 
-        def pre(module: torch.nn.Module, args: Any) -> None:
-            if COMPILE._is_compiling_flag:  # `torch.compiler.is_compiling()`, read (`compile_state`)
-                compiled_call(pre, module, args)
+        def pre(module: torch.nn.Module, args: Any, eager: bool = False) -> None:
+            if COMPILE._is_compiling_flag and not eager:  # `torch.compiler.is_compiling()`, read
+                compiled_call(pre, module, args)  # (which calls back with ``eager``)
                 return
             program = engine.program
             if program is None:
                 if pack is not None and pack.where is not _READY:
                     raise called_outside(plan, path, pack.where.value)
             elif (segments := engine.replaying) is not None and (
-                (segment := segments.get(program.pc)) is not None and segment[0] == program.stops.get(key, 0)
+                (segment := segments.get(program.pc)) is not None and segment[4] is key  # (`block_key`)
             ):
                 # The hot path of a steady step: the replay's moves up to this block, mapped in C, and
                 # the block where its first run had it ([Note: replay]; no tracer runs in a replay).
                 ran.append(path)
                 try:
                     if _inference():
-                        with torch.inference_mode(False), torch.no_grad():
+                        with INFERENCE_OFF(False):
+                            GRAD_OFF()
                             consume(map(call, segment[1], segment[2], segment[3]))
                     else:
                         consume(map(call, segment[1], segment[2], segment[3]))
@@ -508,7 +510,8 @@ class Hooks:
                 return
             done[path] = True
             if driver is not None:
-                with torch.inference_mode(False), torch.no_grad():
+                with INFERENCE_OFF(False):
+                    GRAD_OFF()
                     driver.leave(path, True)
 
         return failed

@@ -15,7 +15,7 @@ import attrs
 
 from torchferry._errors import ExecutionError
 from torchferry.policies import FILE, INVARIANTS, Op, Schedule, format_marked, format_schedule
-from torchferry.runtime.executor._replay import Replay, plan_replay
+from torchferry.runtime.executor._replay import Replay, block_key, plan_replay
 from torchferry.runtime.executor._step_cache import step_name
 from torchferry.runtime.memory import Unit
 from torchferry.topology import Plan
@@ -71,6 +71,8 @@ class Program:
     schedule: Schedule
     calls: tuple[tuple[Handler, Unit, Op], ...]
     stops: dict[str, int]
+    #: The stop of each block's hook, to its key (`block_key`): what a replay's segments end at.
+    ends: dict[int, str]
     entry: dict[str, str]
     exit: dict[str, str]
     slots: frozenset[str]
@@ -133,6 +135,7 @@ def compile_program(
         schedule=schedule,
         calls=bound,
         stops=stops,
+        ends={stop: block_key(key[7:]) for key, stop in stops.items() if key.startswith("before ")},
         entry={p.unit: p.where for p in schedule.entry},
         exit={p.unit: p.where for p in schedule.exit},
         slots=frozenset(op.slot for op in schedule.ops if op.slot is not None) | used,

@@ -42,8 +42,10 @@ in between is left to the handlers (``Program.recorded``).
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import operator
+import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -57,11 +59,14 @@ if TYPE_CHECKING:
     from torchferry.runtime.device import DeviceBuffer, SlotPool
 
 __all__ = [
+    "GRAD_OFF",
+    "INFERENCE_OFF",
     "Call",
     "Move",
     "Replay",
     "Segment",
     "Tables",
+    "block_key",
     "build_replay",
     "call",
     "consume",
@@ -73,10 +78,19 @@ __all__ = [
 Tables = tuple[dict[str, str], dict[str, "DeviceBuffer"], dict[str, Unit]]
 #: One call of a replayed step: ``fn(a, b)`` (a handler with its unit and op, or a pack's move).
 Call = tuple[Callable[[Any, Any], Any], Any, Any]
-#: The calls from one stop to the next: (the next stop, functions, first arguments, second arguments).
-Segment = tuple[int, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]
+#: The calls from one stop to the next: (the next stop, functions, first arguments, second arguments,
+#: the key of the block hook that stops there, ``"before <path>"``, interned, or ``None``: a block's
+#: hook knows its stop by identity, `block_key`).
+Segment = tuple[int, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], str | None]
 #: ``fn(a, b)`` as a C function `map` can call (``operator.call`` from Python 3.11).
 call: Callable[..., Any] = getattr(operator, "call", lambda fn, *args: fn(*args))
+#: Inference mode off for the engine's own work ([Note: inference mode] in `_engine`), as torch's C
+#: guard, with `GRAD_OFF` called first thing inside: leaving the guard gives back the caller's whole
+#: autograd state, grad mode included. No Python frame, where ``torch.inference_mode(False)`` and
+#: ``torch.no_grad()`` run eight between them (a block's hook pays it under inference mode).
+INFERENCE_OFF: Callable[[bool], Any] = torch._C._InferenceMode
+#: Grad mode off, one C call (inside `INFERENCE_OFF`, which turns it on).
+GRAD_OFF: Callable[[], None] = functools.partial(torch._C._set_grad_enabled, False)
 #: Runs an iterator to its end, in C (a segment's ``map(call, ...)``).
 consume: Callable[[Any], None] = collections.deque[Any](maxlen=0).extend
 
@@ -278,16 +292,25 @@ def _walk(moves: tuple[Move, ...], pc: int) -> list[Left]:
     return list(found.values())
 
 
+def block_key(path: str) -> str:
+    """The stop key of block ``path``'s hook, interned: a `Segment` names the block hook that stops at
+    its end by this very object, so the hook compares identities, reading no dict."""
+    return sys.intern(f"before {path}")
+
+
 def build_replay(
     calls: tuple[tuple[Any, Unit, Any], ...],
     flags: tuple[bool, ...] | None,
     entry: Mapping[str, str],
     recording: dict[int, Tables],
     pool: SlotPool,
+    *,
+    ends: Mapping[int, str],
 ) -> Replay | None:
     """The `Replay` of a program (its ``calls``, `plan_replay`'s ``flags`` for them, its ``entry``
-    residency) from a whole run's ``recording`` (the tables at each stop the hooks reached) over the
-    slots of ``pool``, or ``None`` when that run did not stop at its end or a slot is gone."""
+    residency, the block hooks its stops are, ``ends``) from a whole run's ``recording`` (the tables
+    at each stop the hooks reached) over the slots of ``pool``, or ``None`` when that run did not
+    stop at its end or a slot is gone."""
     if flags is None or len(calls) not in recording:
         return None
     storages: dict[str, torch.UntypedStorage] = {}
@@ -349,8 +372,8 @@ def build_replay(
         made[index] = (_NOTHING, None, None)
         moves[at] = (index, _LATER, *moves[at][2:])
         left[u] = (*left[u][:4], True)
-    stops = sorted(recording)
-    segments = {a: (b, *_columns(made[a:b])) for a, b in itertools.pairwise(stops)}
+    marks = sorted(recording)
+    segments = {a: (b, *_columns(made[a:b]), ends.get(b)) for a, b in itertools.pairwise(marks)}
     return Replay(
         segments=segments,
         tables=recording,
