@@ -23,7 +23,7 @@ a step boundary is memory the compute evicted. The parts nest (`Session.enter` h
 the step's and `Engine.begin`, which holds `Hooks.check` and `Replay.ready`...): a row includes the
 rows inside it, their timers and their runs again, so the rows do not add up.
 
-    python benchmarks/hot_parts.py [--repeats 40] [--quick]
+    python benchmarks/hot_parts.py [--repeats 40] [--quick] [--inference-mode]
 """
 
 from __future__ import annotations
@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=40, help="timed forwards of each form")
     parser.add_argument("--quick", action="store_true", help="8 blocks, 4 forwards: a smoke run")
+    parser.add_argument(
+        "--inference-mode", action="store_true", help="under torch.inference_mode(), not torch.no_grad()"
+    )
     parser.add_argument("--out", default=str(common.RESULTS / "hot_parts.json"))
     args = parser.parse_args(argv)
     blocks, repeats = (8, 4) if args.quick else (40, args.repeats)
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = build_wan(blocks)
     inputs = wan_inputs()
     load_before = common.load_average()
-    with torch.no_grad(), torchferry.offload(model, strategy="layerwise", device="cpu") as session:
+    mode = torch.inference_mode() if args.inference_mode else torch.no_grad()
+    with mode, torchferry.offload(model, strategy="layerwise", device="cpu") as session:
 
         def forward() -> torch.Tensor:
             out: torch.Tensor = model(*inputs, return_dict=False)[0]
@@ -211,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "the two exchanges, the map and the timer": median["the exchanges"],
     }
     print(
-        f"diffusers WanTransformer3DModel, {blocks} blocks, one layerwise session (replayed), CPU, 1 thread; "
+        f"diffusers WanTransformer3DModel, {blocks} blocks, one layerwise session (replayed), CPU, 1 thread, "
+        f"{'inference_mode' if args.inference_mode else 'no_grad'}; "
         f"{repeats} rounds; {common.fmt_load(load_before)} before, "
         f"{common.fmt_load(common.load_average())} after"
     )
@@ -236,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": common.machine(),
         "blocks": blocks,
         "repeats": repeats,
+        "mode": "inference_mode" if args.inference_mode else "no_grad",
         "per_block_us": {n: _us(s) for n, s in stats.items()},
         "hook_parts_us": parts,
         "step_parts_us": {n: _us(s) for n, s in step_stats.items()},
