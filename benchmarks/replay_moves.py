@@ -32,7 +32,8 @@ def python_moves(replay: Any) -> dict[int, Any]:
     kinds = {0: _pack.load_docked, 1: _pack.land, 2: _pack.lift}
     moves = iter(replay.moves)
     segments = {}
-    for start, (stop, fns, firsts, seconds, *key) in replay.segments.items():
+    for start, (stop, fns, firsts, seconds, *rest) in replay.segments.items():
+        key = rest[:1]  # (its block's key, if this torchferry has one; its moves are Python calls now)
         made = []
         for fn, a, b in zip(fns, firsts, seconds, strict=True):
             if fn is torch.Tensor.copy_ or fn is _pack.SWAP:
@@ -42,7 +43,7 @@ def python_moves(replay: Any) -> dict[int, Any]:
                 if fn is _NOTHING:
                     next(moves)  # a load for the next step, its copy left to its wait in both forms
                 made.append((fn, a, b))
-        segments[start] = (stop, *map(tuple, zip(*made, strict=True)), *key)
+        segments[start] = (stop, *map(tuple, zip(*made, strict=True)), *key, *([False] if key else []))
     return segments
 
 

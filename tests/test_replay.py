@@ -247,3 +247,34 @@ def test_a_stage_interrupted_after_its_dock_leaves_no_weight_at_freed_memory(
         for seed in range(2):
             assert torch.equal(p("a cat", steps=2, seed=seed), ref("a cat", steps=2, seed=seed))
     assert same_state(p, ref)
+
+
+@pytest.mark.parametrize("buffers", [False, True], ids=["bare blocks", "blocks with a buffer"])
+def test_steps_replayed_under_inference_mode_leave_ordinary_tensors_for_plain_and_grad_calls(
+    buffers: bool,
+) -> None:
+    """Under inference mode a replayed stop whose calls only move memory (the copy into a slot, the
+    storage exchanges) runs in the caller's mode: it makes no tensor, so the slots and the weights
+    stay ordinary tensors; a stop with a Python call among them (a block with a buffer, which is
+    watched) turns inference mode off first. Either way the next no_grad and grad calls are exact,
+    and the weights take part in autograd after close."""
+    p, ref = pair()
+    if not buffers:
+        p, ref = toy.without_block_buffers(p), toy.without_block_buffers(ref)
+    args = inputs()
+    with torchferry.offload(p.transformer, strategy="layerwise", device="cpu") as session:
+        with torch.inference_mode():
+            for _ in range(3):
+                assert torch.equal(p.transformer(*args), run(ref, args))
+        (program,) = [q for q in session.engine._programs.values() if q.replay is not None]
+        assert program.replay is not None and program.replay.used >= 1
+        plain = [segment[5] for segment in program.replay.segments.values()]
+        assert not any(plain) if buffers else sum(plain) >= len(p.transformer.blocks) - 2
+        slots = [entry[1].data for entry in session.engine.slots.slots.values()]
+        assert slots and not any(t.is_inference() for t in slots)
+        assert not any(t.is_inference() for t in p.transformer.parameters())
+        assert torch.equal(run(p, args), run(ref, args))
+    assert same_state(p, ref)
+    weight = next(p.transformer.blocks[0].parameters()).requires_grad_(True)  # (an inference tensor cannot)
+    p.transformer(*args).sum().backward()
+    assert weight.grad is not None

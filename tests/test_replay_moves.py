@@ -99,7 +99,8 @@ def test_a_failure_anywhere_inside_a_replayed_stop_is_recovered_from_memory(wher
             (replay,) = replays(session)
             starts = sorted(replay.segments)
             start = {"first": starts[2], "middle": starts[len(starts) // 2], "last": starts[-1]}[where]
-            stop, fns, firsts, seconds, key = replay.segments[start]
+            original = replay.segments[start]
+            stop, fns, firsts, seconds, key, _ = original
             stops = len(fns)
             if cut > stops:
                 break
@@ -109,10 +110,11 @@ def test_a_failure_anywhere_inside_a_replayed_stop_is_recovered_from_memory(wher
                 (*firsts[:cut], None, *firsts[cut:]),
                 (*seconds[:cut], None, *seconds[cut:]),
                 key,
+                False,
             )
             with pytest.raises(Interrupt):
                 run(p, args)
-            replay.segments[start] = (stop, fns, firsts, seconds, key)
+            replay.segments[start] = original
             junk = list(spoil_slots(session))
             assert same_state(p, ref), f"cut after {cut} of the stop's {stops} calls"
             del junk
@@ -360,15 +362,16 @@ def test_a_session_dropped_after_an_interrupted_replay_leaves_kept_weights_at_ho
     if failed_before:
         (replay,) = replays(session)
         start = sorted(replay.segments)[-1]
-        stop, fns, firsts, seconds, key = replay.segments[start]
+        original = replay.segments[start]
+        stop, fns, firsts, seconds, key, _ = original
 
         def boom(a: Any, b: Any) -> None:
             raise RuntimeError("a failed stop")
 
-        replay.segments[start] = (stop, (*fns, boom), (*firsts, None), (*seconds, None), key)
+        replay.segments[start] = (stop, (*fns, boom), (*firsts, None), (*seconds, None), key, False)
         with pytest.raises(RuntimeError, match="a failed stop"):
             run(p, args)
-        replay.segments[start] = (stop, fns, firsts, seconds, key)
+        replay.segments[start] = original
         for _ in range(3):
             run(p, args)
         assert replays(session) == [replay]
@@ -417,16 +420,17 @@ def test_a_second_signal_while_the_record_is_written_loses_nothing(
                 p.transformer(*args, skip=(4,))
         else:  # a stop that fails after its moves, then the abort is cut short
             start = sorted(replay.segments)[len(replay.segments) // 2]
-            stop, fns, firsts, seconds, key = replay.segments[start]
+            original = replay.segments[start]
+            stop, fns, firsts, seconds, key, _ = original
 
             def boom(a: Any, b: Any) -> None:
                 once["armed"] = True  # the abort's first undock is cut short
                 raise Interrupt()
 
-            replay.segments[start] = (stop, (*fns, boom), (*firsts, None), (*seconds, None), key)
+            replay.segments[start] = (stop, (*fns, boom), (*firsts, None), (*seconds, None), key, False)
             with pytest.raises(Interrupt):
                 run(p, args)
-            replay.segments[start] = (stop, fns, firsts, seconds, key)
+            replay.segments[start] = original
         assert not once["armed"]
         exact_from_here(p, ref, args, session)
     assert same_state(p, ref)

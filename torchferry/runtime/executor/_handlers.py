@@ -120,12 +120,12 @@ class Mover(Staging, OnDemand):
             segment = replay.segments.get(program.pc)
             if segment is not None and segment[0] == stop:  # the hot path of a steady step
                 try:
-                    if _inference():
+                    if segment[5] or not _inference():  # (moves of memory alone: in any mode)
+                        consume(map(call, segment[1], segment[2], segment[3]))  # ``fn(a, b)`` each, in C
+                    else:
                         with INFERENCE_OFF(False):
                             GRAD_OFF()
                             consume(map(call, segment[1], segment[2], segment[3]))
-                    else:
-                        consume(map(call, segment[1], segment[2], segment[3]))  # ``fn(a, b)`` each, in C
                     program.pc = stop
                 except BaseException:
                     # Some of the segment's moves ran: the abort reads where the packs are from their

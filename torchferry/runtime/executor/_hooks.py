@@ -413,12 +413,12 @@ class Hooks:
                 # the block where its first run had it ([Note: replay]; no tracer runs in a replay).
                 ran.append(path)
                 try:
-                    if _inference():
+                    if segment[5] or not _inference():  # (moves of memory alone: in any mode)
+                        consume(map(call, segment[1], segment[2], segment[3]))
+                    else:
                         with INFERENCE_OFF(False):
                             GRAD_OFF()
                             consume(map(call, segment[1], segment[2], segment[3]))
-                    else:
-                        consume(map(call, segment[1], segment[2], segment[3]))
                     program.pc = segment[0]
                 except BaseException:
                     engine.abort()  # the packs' record read from their memory (`Replay.recover`)

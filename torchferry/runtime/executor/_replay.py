@@ -80,8 +80,9 @@ Tables = tuple[dict[str, str], dict[str, "DeviceBuffer"], dict[str, Unit]]
 Call = tuple[Callable[[Any, Any], Any], Any, Any]
 #: The calls from one stop to the next: (the next stop, functions, first arguments, second arguments,
 #: the key of the block hook that stops there, ``"before <path>"``, interned, or ``None``: a block's
-#: hook knows its stop by identity, `block_key`).
-Segment = tuple[int, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], str | None]
+#: hook knows its stop by identity, `block_key`; whether every call is a move of memory alone, a copy
+#: or an exchange, which makes no tensor and so runs in the caller's inference mode as it is).
+Segment = tuple[int, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], str | None, bool]
 #: ``fn(a, b)`` as a C function `map` can call (``operator.call`` from Python 3.11).
 call: Callable[..., Any] = getattr(operator, "call", lambda fn, *args: fn(*args))
 #: Inference mode off for the engine's own work ([Note: inference mode] in `_engine`), as torch's C
@@ -111,6 +112,9 @@ _LOAD, _WAIT, _EVICT, _LATER = 0, 1, 2, 3
 Left = tuple[Pack, PackState, Any, Any, bool]
 #: A call of two arguments that does nothing (in C): a load whose copy waits for its wait.
 _NOTHING: Callable[[Any, Any], Any] = operator.is_
+#: The calls that only move memory (make no tensor): a segment of them alone runs under the caller's
+#: inference mode, where the others turn it off first ([Note: inference mode] in `_engine`).
+_PLAIN = frozenset({_COPY, SWAP, _NOTHING})
 
 
 def plan_replay(schedule: Schedule, calls: tuple[tuple[Any, Unit, Any], ...]) -> tuple[bool, ...] | None:
@@ -373,7 +377,10 @@ def build_replay(
         moves[at] = (index, _LATER, *moves[at][2:])
         left[u] = (*left[u][:4], True)
     marks = sorted(recording)
-    segments = {a: (b, *_columns(made[a:b]), ends.get(b)) for a, b in itertools.pairwise(marks)}
+    segments = {
+        a: (b, *_columns(made[a:b]), ends.get(b), all(fn in _PLAIN for fn, _, _ in made[a:b]))
+        for a, b in itertools.pairwise(marks)
+    }
     return Replay(
         segments=segments,
         tables=recording,
