@@ -14,6 +14,7 @@ from torch import nn
 
 import torchferry
 from torchferry import OffloadWarning
+from torchferry.runtime.executor._replay import block_key
 from torchferry.runtime.memory import Pack
 from torchferry.testing import toy
 from torchferry.testing._calls import count_calls
@@ -268,8 +269,11 @@ def test_steps_replayed_under_inference_mode_leave_ordinary_tensors_for_plain_an
                 assert torch.equal(p.transformer(*args), run(ref, args))
         (program,) = [q for q in session.engine._programs.values() if q.replay is not None]
         assert program.replay is not None and program.replay.used >= 1
-        plain = [segment[5] for segment in program.replay.segments.values()]
-        assert not any(plain) if buffers else sum(plain) >= len(p.transformer.blocks) - 2
+        plain = {segment[4]: segment[5] for segment in program.replay.segments.values()}
+        steady = [block_key(f"blocks.{i}") for i in range(2, len(p.transformer.blocks))]
+        # (the stops of blocks 0 and 1 run handlers: the wait of the block loaded the step before, the
+        # evict of the remainder; a block with a buffer is moved by Python functions, which watch it)
+        assert not any(plain.values()) if buffers else all(plain[key] for key in steady)
         slots = [entry[1].data for entry in session.engine.slots.slots.values()]
         assert slots and not any(t.is_inference() for t in slots)
         assert not any(t.is_inference() for t in p.transformer.parameters())
