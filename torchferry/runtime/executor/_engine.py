@@ -28,9 +28,11 @@ made under ``torch.inference_mode()`` can never again be written outside it nor 
 autograd: a slot first allocated during an inference-mode call could not be loaded by the next plain
 call, and a pipeline opened or closed inside one would come back with inference-tensor weights. So
 every entry point that makes or re-points tensors (opening, the hooks, `abort`, `close`,
-`gather_host`) turns inference mode off for its own work (`_ordinary`); the model's forward itself
-still runs in the caller's mode. (Turning inference mode off turns grad mode on, so the hooks also
-turn grad mode off for their work: a forward under inference mode never counts as one with grad.)
+`gather_host`) turns inference mode off for its own work (`_ordinary`, or in the hooks torch's C
+guard, `INFERENCE_OFF`); the model's forward itself still runs in the caller's mode. (Turning
+inference mode off turns grad mode on, so the hooks also turn grad mode off for their work: a
+forward under inference mode never counts as one with grad.) A replayed stop whose calls only move
+memory (a copy into a slot, a storage exchange) makes no tensor and runs in the caller's mode.
 
 The op handlers and the loop that runs them are in `_mover`; the hooks, with the grad guard
 ([Note: gradients]), in `_hooks`; compiling in `_program`; step naming and the schedule cache in
