@@ -60,7 +60,7 @@ from torchferry.runtime.executor._program import (
     listing,
     schedule_text,
 )
-from torchferry.runtime.executor._replay import Replay, Tables, build_replay
+from torchferry.runtime.executor._replay import INFERENCE_OFF, Replay, Tables, build_replay
 from torchferry.runtime.executor._step_cache import step_name
 from torchferry.runtime.executor._trace import Tracer
 from torchferry.runtime.files import CheckpointReader, open_checkpoint
@@ -90,7 +90,7 @@ def stream_factory(factory: StreamFactory | None) -> StreamFactory | None:
 
 def _ordinary() -> contextlib.AbstractContextManager[None]:
     """Inference mode off while the engine makes or re-points tensors (see [Note: inference mode])."""
-    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+    return INFERENCE_OFF(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
 
 
 class Engine(Mover):
