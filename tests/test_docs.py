@@ -29,11 +29,12 @@ ROOT = DOCS.parent
 
 
 def _ci_commands() -> list[str]:
-    """The commands .ci/run runs, one a line, without its quiet flags and CI-only options."""
+    """The commands .ci/run runs, one a line, without its quiet flags, CI-only options and output
+    redirections (it runs mypy in the background, beside the tests)."""
     commands: list[str] = []
     for line in (ROOT / ".ci" / "run").read_text().splitlines():
         if line.startswith(("pip ", "ruff ", "mypy", "python ")):
-            commands += [c.strip() for c in line.split("&&")]
+            commands += [c.split(" >")[0].strip() for c in line.split("&&")]
     return [c.replace(" -q", "").replace(" -p no:cacheprovider", "") for c in commands]
 
 

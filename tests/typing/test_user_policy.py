@@ -25,14 +25,16 @@ POLICY: Policy = broken
 """
 
 
-def _mypy(*paths: str) -> tuple[str, int]:
+def _mypy(cache: Path, *paths: str) -> tuple[str, int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         # A machine without the dev extra (a GPU box's image) skips; CI, which has it, fails instead
         # (TORCHFERRY_REQUIRE_EXTRAS, tests/conftest.py).
         api = pytest.importorskip("mypy.api")
 
-        out, err, status = api.run(["--strict", "--config-file", str(ROOT / "pyproject.toml"), *paths])
+        # Why: a cache of its own; .ci/run's mypy writes the checkout's (a SQLite file) at the same time.
+        config = ["--strict", "--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", str(cache)]
+        out, err, status = api.run([*config, *paths])
     return out + err, status
 
 
@@ -41,7 +43,7 @@ def test_user_policy_type_checks_and_wrong_one_is_rejected(tmp_path: Path) -> No
     """mypy strict accepts tests/typing/user_policy.py and rejects a policy returning a str."""
     wrong = tmp_path / "wrong_policy.py"
     wrong.write_text(WRONG)
-    out, status = _mypy(str(HERE / "user_policy.py"), str(wrong))
+    out, status = _mypy(tmp_path / "cache", str(HERE / "user_policy.py"), str(wrong))
     assert status == 1
     assert "user_policy.py" not in out, out
     assert 'Incompatible types in assignment (expression has type "Callable[[Plan, Step], str]"' in out

@@ -4,16 +4,19 @@ For tests, benchmarks and the CLI demo of the distributed strategy on one machin
 
     results = run_ranks(work, 2, "a cat")      # work(rank, world, "a cat") on ranks 0 and 1
 
-Each rank is a fresh process (``spawn``: nothing of the parent's state leaks in), with torch on
-``threads`` threads and ``torch.distributed`` initialised (gloo, the given ``group_timeout``) from a
+Each rank is a fresh process (nothing of the parent's state leaks in): where the platform has
+``forkserver`` it is forked from a server process that imported torch and torchferry once (a rank then
+starts in milliseconds, not the seconds an import of torch takes), elsewhere it is a ``spawn``. It
+runs in the parent's environment as it is at the call (plus ``env``), with torch on ``threads``
+threads and ``torch.distributed`` initialised (gloo, the given ``group_timeout``) from a
 TCP store that the parent hosts on a port the OS picks, so there is no port to collide on. ``fn``
 and its arguments must be picklable (a module-level function), as must its result. Results come
 back in rank order. A rank that raises, exits or outlives ``timeout`` makes `run_ranks` raise
 `RankError` naming the rank, with the child's traceback; what the other ranks returned is kept on
 the error. With ``TORCHFERRY_STREAM_SANITIZER=1`` in the environment each rank runs ``fn`` under the
 stream sanitizer (`sanitize`). Every child is reaped before `run_ranks` returns or raises. As with
-any ``spawn``, a script calling it needs the ``if __name__ == "__main__":`` guard (children re-import
-the main module).
+``spawn`` and ``forkserver``, a script calling it needs the ``if __name__ == "__main__":`` guard
+(children re-import the main module).
 """
 
 from __future__ import annotations
@@ -91,7 +94,22 @@ class _Job:
     args: tuple[Any, ...]
 
 
+#: What a forked rank finds imported (the server imports them once; a module that fails is skipped).
+_PRELOAD = ["torch", "torch.distributed", "torchferry"]
+
+
+def _context() -> Any:
+    """``forkserver`` with torch and torchferry preloaded where the platform has it, else ``spawn``."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)  # (read when the server starts: the first call's)
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
 def _child(job: _Job, rank: int, out: Any) -> None:
+    # Why: a forked rank has the environment the server started with, not the parent's at this call.
+    os.environ.clear()
     os.environ.update(job.env)
     import torch
     import torch.distributed as dist
@@ -136,7 +154,7 @@ def run_ranks(
         raise ValueError(f"world must be >= 1, got {world}")
     import torch.distributed as dist
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     store = dist.TCPStore(  # type: ignore[attr-defined]
         _HOST, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=group_timeout)
     )
@@ -146,7 +164,7 @@ def run_ranks(
         port=store.port,
         group_timeout=group_timeout,
         threads=threads,
-        env=dict(env or {}),
+        env={**os.environ, **(env or {})},
         args=args,
     )
     out = ctx.Queue()
