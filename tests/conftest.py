@@ -30,6 +30,14 @@ def _no_saved_profile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
         yield
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")  # set in each worker of ``-n N``
+    if workers:
+        # Why: torch's default pool is a thread a core in every worker; N workers on it oversubscribe
+        # the cores, and OpenMP's threads spin waiting for work another worker's threads hold up.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--update-golden",
