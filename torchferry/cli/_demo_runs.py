@@ -257,7 +257,7 @@ class _RankJob:
 
 
 def _distributed_rank(rank: int, world: int, job: _RankJob) -> _RankResult:
-    """One rank of the distributed row (runs in a process `run_ranks` spawned, gloo group joined)."""
+    """One rank of the distributed row (runs in a process `run_ranks` started, gloo group joined)."""
     target = _rank_device(job.device, rank)
     pipeline = empty_toy()
     session = torchferry.offload(
