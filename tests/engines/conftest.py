@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,3 +32,19 @@ def plugins() -> Any:
     from vllm_omni.plugins import load_omni_general_plugins
 
     load_omni_general_plugins()
+
+
+@pytest.fixture(autouse=True)
+def attention_backend() -> Iterator[None]:
+    """diffusers' process-wide attention backend, put back after each test.
+
+    vLLM-Omni's diffusers adapter calls ``transformer.set_attention_backend(...)``, which also sets
+    diffusers' active backend for the whole process (``_AttentionBackendRegistry``): on the CPU it
+    picks native flash attention, which refuses an attention mask, so every later model with one
+    (HunyuanVideo, LTX-Video, Qwen-Image) failed in the diffusers tests run after these.
+    """
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    active = _AttentionBackendRegistry._active_backend
+    yield
+    _AttentionBackendRegistry.set_active_backend(active)
