@@ -35,7 +35,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if workers:
         # Why: torch's default pool is a thread a core in every worker; N workers on it oversubscribe
         # the cores, and OpenMP's threads spin waiting for work another worker's threads hold up.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // int(workers)))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

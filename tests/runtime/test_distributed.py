@@ -189,7 +189,6 @@ def _dies(rank: int, world: int) -> tuple[str, str, float]:
     return "ok", "", time.monotonic() - start
 
 
-
 def _out_of_step(rank: int, world: int) -> dict[str, list[tuple[str, Any]]]:
     """Ranks fall out of step: one retries after its own error mid-step, then they run different step
     counts."""
@@ -266,7 +265,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_mode_is_bit_identical_to_the_resident_run(world: int, checkpoint: Path) -> None:
     """Sharded and rank-local streaming on N ranks reproduce the plain run; shards are 1/N, padded."""
-    results = run_ranks(_equivalence, world, str(checkpoint), timeout=90)
+    results = run_ranks(_equivalence, world, str(checkpoint), timeout=90, start_method="spawn")
     rope = 16 * 4  # transformer.freqs: a non-persistent buffer, computed by the module, never read
     transposed = 32 * 32 * 4  # each block's out.weight, read whole where a shard boundary cuts it
     for rank, seen in enumerate(results):

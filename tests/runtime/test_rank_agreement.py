@@ -60,7 +60,9 @@ def test_ranks_that_ask_for_other_things_are_named(other: dict[str, Any]) -> Non
     rank asked for; then a rank that opens a session with no collective (layerwise, or rank-local
     transfers) leaves its peer waiting, and the peer's error names the rank that never joined and what
     the peer asked for, not gloo's timeout alone; nothing was changed on a rank that failed."""
-    zero, one = run_ranks(_two_sessions, 2, other, timeout=60, group_timeout=GROUP_TIMEOUT)
+    zero, one = run_ranks(
+        _two_sessions, 2, other, timeout=60, group_timeout=GROUP_TIMEOUT, start_method="spawn"
+    )
     for rank, seen in enumerate([zero[0], one[0]]):
         assert seen["untouched"], rank
         assert seen["error"] == (

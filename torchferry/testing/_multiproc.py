@@ -4,10 +4,14 @@ For tests, benchmarks and the CLI demo of the distributed strategy on one machin
 
     results = run_ranks(work, 2, "a cat")      # work(rank, world, "a cat") on ranks 0 and 1
 
-Each rank is a fresh process (nothing of the parent's state leaks in): where the platform has
-``forkserver`` it is forked from a server process that imported torch and torchferry once (a rank then
-starts in milliseconds, not the seconds an import of torch takes), elsewhere it is a ``spawn``. It
-runs in the parent's environment as it is at the call (plus ``env``), with torch on ``threads``
+Each rank is a new process, in the parent's environment as it is at the call (plus ``env``). On Linux
+it is forked, by default, from a ``forkserver`` that imported torch and torchferry once, so a rank
+starts in milliseconds, not the seconds an import of torch takes. Forked ranks share that server's
+interpreter: its string-hash seed (every rank iterates a set of strings in one order, where
+``torchrun``'s ranks each draw their own), and what it had at its start (the first call's rlimits,
+umask and standard output, and torch's import-time environment variables). ``start_method="spawn"``,
+the default elsewhere (fork is unsafe under macOS's frameworks), starts each rank as a fresh
+interpreter instead: a test of ranks agreeing asks for it. Each rank runs torch on ``threads``
 threads and ``torch.distributed`` initialised (gloo, the given ``group_timeout``) from a
 TCP store that the parent hosts on a port the OS picks, so there is no port to collide on. ``fn``
 and its arguments must be picklable (a module-level function), as must its result. Results come
@@ -25,6 +29,7 @@ import datetime
 import multiprocessing
 import os
 import queue
+import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -83,7 +88,7 @@ class RankError(ExecutionError, Generic[T]):
 
 @attrs.frozen(kw_only=True)
 class _Job:
-    """What every child needs to join the group and run (pickled to each spawned process)."""
+    """What every child needs to join the group and run (pickled to each rank's process)."""
 
     fn: Callable[..., Any]
     world: int
@@ -97,14 +102,19 @@ class _Job:
 #: What a forked rank finds imported (the server imports them once; a module that fails is skipped).
 _PRELOAD = ["torch", "torch.distributed", "torchferry"]
 
+START_METHODS = ("forkserver", "spawn")
 
-def _context() -> Any:
-    """``forkserver`` with torch and torchferry preloaded where the platform has it, else ``spawn``."""
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
+
+def _context(start_method: str | None) -> Any:
+    """``forkserver`` with torch and torchferry preloaded (Linux's default), or ``spawn``."""
+    if start_method is None:
+        start_method = "forkserver" if sys.platform == "linux" else "spawn"
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
+    ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)  # (read when the server starts: the first call's)
-        return ctx
-    return multiprocessing.get_context("spawn")
+    return ctx
 
 
 def _child(job: _Job, rank: int, out: Any) -> None:
@@ -143,18 +153,20 @@ def run_ranks(
     group_timeout: float = 30.0,
     threads: int = 1,
     env: Mapping[str, str] | None = None,
+    start_method: str | None = None,
 ) -> list[T]:
-    """``fn(rank, world, *args)`` on ``world`` spawned processes with a gloo group; results by rank.
+    """``fn(rank, world, *args)`` on ``world`` processes with a gloo group; results by rank.
 
     ``timeout`` bounds the whole run (children still running then are killed); ``group_timeout``
     is the process group's timeout, after which a collective that a peer never joins fails;
-    ``env`` is added to each child's environment. Raises `RankError` when any rank fails.
+    ``env`` is added to each child's environment; ``start_method`` is ``"forkserver"`` (Linux's
+    default) or ``"spawn"`` (elsewhere), see the module's text. Raises `RankError` when any rank fails.
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     import torch.distributed as dist
 
-    ctx = _context()
+    ctx = _context(start_method)
     store = dist.TCPStore(  # type: ignore[attr-defined]
         _HOST, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=group_timeout)
     )
@@ -171,8 +183,6 @@ def run_ranks(
     procs = [
         ctx.Process(target=_child, args=(job, r, out), name=f"torchferry-rank-{r}") for r in range(world)
     ]
-    for p in procs:
-        p.start()
     results: list[T | None] = [None] * world
     failures: dict[int, RankFailure] = {}
     done: set[int] = set()
@@ -188,6 +198,8 @@ def run_ranks(
             failures[rank] = RankFailure(rank=rank, kind=kind, message=message, traceback=trace)
 
     try:
+        for p in procs:  # (inside: a rank that failed to start has the ones before it killed)
+            p.start()
         while len(done) < world:
             try:
                 rank, ok, payload = out.get(timeout=0.1)
@@ -221,7 +233,8 @@ def run_ranks(
         for p in procs:
             if p.is_alive():
                 p.kill()
-            p.join()
+            if p.pid is not None:  # (started)
+                p.join()
         out.close()
         del store
     if failures:
