@@ -93,7 +93,7 @@ def stream_sanitizer(request: pytest.FixtureRequest) -> Iterator[None]:
         yield None
         return
     with pytest.MonkeyPatch.context() as patch, sanitize():
-        patch.setenv(SANITIZE_ENV, "1")  # ranks spawned by run_ranks run under it too
+        patch.setenv(SANITIZE_ENV, "1")  # ranks run_ranks starts run under it too
         yield None
 
 
