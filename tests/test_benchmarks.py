@@ -25,11 +25,19 @@ def _module(name: str) -> Any:
     return importlib.import_module(name)
 
 
-def _run(script: str, *args: str, timeout: float = 120) -> str:
-    """Run ``benchmarks/<script>`` as its users do, in a fresh interpreter, and return its output."""
+def _run(script: str, *args: str, timeout: float = 120, unimportable: tuple[str, ...] = ()) -> str:
+    """Run ``benchmarks/<script>`` as its users do, in a fresh interpreter, and return its output;
+    with the ``unimportable`` packages made so first, as on a machine without them."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, str(BENCHMARKS / script), *args]
+    if unimportable:
+        blocked = f"import sys; sys.modules.update(dict.fromkeys({list(unimportable)!r}))"
+        main = "import runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        run = f"{blocked}; {main}"
+        command[1:1] = ["-c", run]
+        env["PYTHONPATH"] = str(BENCHMARKS)
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args],
+        command,
         capture_output=True,
         text=True,
         env=env,
@@ -44,21 +52,11 @@ def test_gpu_check_runs_on_cpu_with_only_torch_and_torchferry(tmp_path: Path) ->
     """gpu_check --quick on CPU, with diffusers, transformers and accelerate unimportable as on a bare
     GPU box: it skips only its CUDA rows, fails none, every variant matches resident, and the probes
     of the CUDA path and ordering-stress rows fire: inside blocks after their waits, in slots."""
-    blocked = "import sys; sys.modules.update(dict.fromkeys(['diffusers', 'transformers', 'accelerate']))"
-    run = (
-        f"{blocked}; import runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    )
-    script = str(BENCHMARKS / "gpu_check.py")
-    done = subprocess.run(
-        [sys.executable, "-c", run, script, "--quick", "--cpu", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(BENCHMARKS)},
+    out = _run(
+        "gpu_check.py", "--quick", "--cpu", "--out", str(tmp_path),
         timeout=300,  # (17-22 s beside the other test worker and mypy)
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    out = done.stdout
+        unimportable=("diffusers", "transformers", "accelerate"),
+    )  # fmt: skip
     assert "no CUDA device (or --cpu): skipped" in out
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     rows = result["rows"]

@@ -3,6 +3,7 @@ with the parent's environment as it is at the call; spawned as fresh interpreter
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 
@@ -20,7 +21,7 @@ def _seen(rank: int, world: int) -> tuple[int, str | None, int]:
 
 
 @pytest.mark.dist
-@pytest.mark.skipif(sys.platform != "linux", reason="forkserver is run_ranks' default on Linux only")
+@pytest.mark.skipif(sys.platform != "linux", reason="tests run_ranks' default on Linux (spawn elsewhere)")
 def test_forked_ranks_share_the_servers_seed_and_see_the_parents_environment_at_the_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -60,7 +61,7 @@ def _fails(rank: int, world: int) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_a_failing_rank_is_named_with_its_traceback_under_either_start(start_method: str) -> None:
-    if start_method == "forkserver" and sys.platform != "linux":
-        pytest.skip("forkserver is run_ranks' default on Linux only")
+    if start_method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"this platform has no {start_method} start method (Windows has spawn only)")
     with pytest.raises(RankError, match=r"rank 0 of 2 raised RuntimeError: rank 0 of 2 fails on purpose"):
         run_ranks(_fails, 2, timeout=120, start_method=start_method)
