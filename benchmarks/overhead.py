@@ -10,7 +10,10 @@ How fast a model instance runs depends on where its memory landed, so the reside
 three times, spread over the build order; the baseline is the median of the three, and their spread
 (the noise floor of every figure) is printed.
 
-Variants: resident (three instances); torchferry ``layerwise`` (depth 1) and ``model_level``; the
+Variants: resident (three instances); torchferry ``layerwise`` (depth 1) and ``model_level``;
+``layerwise, CUDA's path``: the same session running the code a CUDA session runs
+(`torchferry.testing.cuda_path`: tensors re-pointed rather than docked, every wait and release issued,
+no replay), the GPU user's bookkeeping less the CUDA runtime's own; the
 *copy floor* (the resident model plus, before each block, a copy of as many bytes as torchferry's
 pack of it into one of two ring buffers, run from the block's forward as torchferry's hooks are: what
 any offloader that moves bytes pays on this device); *empty pre hooks* (the resident model with a
@@ -85,6 +88,19 @@ def wan_inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 @contextmanager
 def _torchferry(model: torch.nn.Module, strategy: str) -> Iterator[Any]:
     with torchferry.offload(model, strategy=strategy, device="cpu") as session:
+        yield session
+
+
+@contextmanager
+def _cuda_path(model: torch.nn.Module) -> Iterator[Any]:
+    """torchferry layerwise as a CUDA session runs it, on the CPU (`torchferry.testing.cuda_path`: each
+    tensor re-pointed, every wait and release issued, no replay); only its engine is built so."""
+    cuda_path = getattr(importlib.import_module("torchferry.testing"), "cuda_path", None)
+    if cuda_path is None:
+        raise ImportError("this torchferry has no torchferry.testing.cuda_path")
+    with cuda_path():
+        session = torchferry.offload(model, strategy="layerwise", device="cpu")
+    with session:
         yield session
 
 
@@ -166,6 +182,7 @@ SETUPS: dict[str, Callable[[torch.nn.Module], AbstractContextManager[Any]]] = {
     "resident": lambda m: nullcontext(),
     "torchferry layerwise": lambda m: _torchferry(m, "layerwise"),
     "copy floor": _copy_floor,
+    "torchferry layerwise, CUDA's path": _cuda_path,
     "empty pre hooks": _pre_hooks,
     "torchferry model_level": lambda m: _torchferry(m, "model_level"),
     "resident (2)": lambda m: nullcontext(),

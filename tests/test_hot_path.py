@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 
 import torchferry
 from torchferry import policies, topology
-from torchferry.testing import toy
+from torchferry.testing import CudaPathStreams, cuda_path, toy
 from torchferry.testing._calls import CallCount, count_calls
 
 BLOCKS = 8  # the toy DiT's blocks
@@ -55,6 +55,11 @@ BUDGETS: dict[str, tuple[float, float, float, float]] = {
     # 11.8, 16.2, 389, 4.9 without them; as a pre hook: 10.6, 16.1, 358, 4.9; through `Mover.advance`: 11.9,
     # 16.2, 380, 4.8; watched: 11.4, 16.1, 366, 13.6; by a Python function per move: 14.0, 19.0, 418, 13.6)
     "dit layerwise bare": (15.2, 16.7, 413.0, 5.4),
+    # the same bare DiT as a CUDA session runs it (`torchferry.testing.cuda_path`: each tensor re-pointed,
+    # every wait and release issued, no replay), the calls into the stream context counted as calls of
+    # other code:
+    # 24.0, 27.6, 864, 72.2
+    "dit layerwise bare, CUDA's path": (26.5, 30.5, 950.0, 79.5),
     # a call of the toy pipeline (encoder, two DiT steps, decoder) over its 18 streamed blocks, whose
     # slots move between components: the DiT's second step is replayed over views made anew at each
     # call, which two steps barely pay for: 34.1, 40.0, 1169, 23.5 with the calls of other code
@@ -100,11 +105,14 @@ def _dit_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @contextmanager
-def _dit(strategy: str, *, bare: bool = False) -> Iterator[tuple[Callable[[], Any], int]]:
+def _dit(strategy: str, *, bare: bool = False, cuda: bool = False) -> Iterator[tuple[Callable[[], Any], int]]:
     pipe = toy.build(0, blocks=BLOCKS)
     dit = (toy.without_block_buffers(pipe) if bare else pipe).transformer
     x = _dit_inputs()
-    with torchferry.offload(dit, strategy=strategy, device="cpu"):
+    with cuda_path() if cuda else nullcontext():
+        session = torchferry.offload(dit, strategy=strategy, device="cpu")
+    with session:
+        assert isinstance(session.engine.streams, CudaPathStreams) is cuda
         yield (lambda: dit(*x)), (BLOCKS if strategy == "layerwise" else 1)
 
 
@@ -141,7 +149,7 @@ def test_own_work_per_streamed_block_stays_within_its_budget(path: str, tmp_path
     """A steady forward of each path users run costs at most its budget of calls, instructions and
     tensor operations per streamed block."""
     if path.startswith("dit"):
-        opened = _dit(path.split()[1], bare=path.endswith("bare"))
+        opened = _dit(path.split()[1], bare="bare" in path, cuda=path.endswith("CUDA's path"))
     else:
         strategy = "model_level" if path.endswith("model_level") else "layerwise"
         opened = _pipeline(tmp_path, file_tier=path.endswith("file_tier"), strategy=strategy)

@@ -141,6 +141,7 @@ class StreamSanitizer:
         self.engine = engine
         self.device: torch.device = engine.device
         self.tracer: Timer | None = None
+        self.docks = self.device.type == "cpu"  # as under `CpuStreams`
         self._clocks: dict[Stream, _Clock] = {s: _Clock() for s in _STREAMS}
         #: The compute stream adopted at the last step's start (the caller's then).
         self.compute: Stream = _CALLER[0]

@@ -162,6 +162,9 @@ class StreamContext(Protocol):
     device: torch.device
     #: The tracer of the step being traced (see `Timer`), else ``None``: one check per copy.
     tracer: Timer | None
+    #: Whether the device's memory is host memory, so a pack docks at its slot (one storage exchanged)
+    #: instead of having each tensor re-pointed ([Note: docking] in `torchferry.runtime.memory._pack`).
+    docks: bool
 
     def begin(self, live: Iterable[DeviceBuffer]) -> None:
         """Called when a step starts: adopt the current stream as the compute stream.
@@ -238,6 +241,7 @@ class CpuStreams:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.tracer: Timer | None = None
+        self.docks = device.type == "cpu"  # (not on ``meta``, a test device whose memory holds no bytes)
 
     def begin(self, live: Iterable[DeviceBuffer]) -> None: ...
 
@@ -301,6 +305,8 @@ class CpuStreams:
 @final
 class CudaStreams:
     """The CUDA stream context: a dedicated copy stream and comm stream, events per transfer."""
+
+    docks = False  # a CPU tensor cannot read device memory: each tensor is re-pointed
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -1,0 +1,87 @@
+"""A CPU session run as a CUDA session runs (`torchferry.testing.cuda_path`): the tensors re-pointed
+rather than docked, every wait and release issued, no step replayed, and every output still the
+plain run's, bit for bit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from module_checks import same_weights
+
+import torchferry
+from torchferry.testing import CudaPathStreams, cuda_path, toy
+
+SESSIONS: list[dict[str, Any]] = [
+    {"strategy": "layerwise"},
+    {"strategy": "layerwise", "prefetch_depth": 2, "resident_layers": 1},
+    {"strategy": "model_level"},
+]
+
+
+@pytest.mark.parametrize("options", SESSIONS, ids=lambda o: "-".join(map(str, o.values())))
+def test_a_session_run_on_the_cuda_path_gives_the_plain_output_and_never_docks(
+    options: dict[str, Any],
+) -> None:
+    pipe, ref = toy.build(0), toy.build(0)
+    expected = [ref("a cat", steps=2), ref("a dog", steps=3)]
+    with cuda_path():
+        session = torchferry.offload(pipe, device="cpu", **options)
+    with torch.no_grad(), session:
+        streams = session.engine.streams
+        assert isinstance(streams, CudaPathStreams)
+        got = [pipe("a cat", steps=2), pipe("a dog", steps=3), pipe("a cat", steps=2)]
+        assert all(pack.bound is None for pack in session.engine.store.packs.values())  # re-pointed
+        assert all(p.replay is None for p in session.engine._programs.values())  # never replayed
+        # The waits and releases the CPU streams skip are issued (a copy of a later call's first
+        # block is waited for in that call; a staged component is never released, as on CUDA).
+        assert streams.calls["copy"] > 0 and streams.calls["wait"] > 0
+        assert (streams.calls["release"] > 0) is (options["strategy"] == "layerwise")
+    for have, want in zip(got, [*expected, expected[0]], strict=True):
+        assert torch.equal(have, want)
+    assert same_weights(pipe, ref)
+
+
+def test_sessions_opened_after_cuda_path_run_on_the_streams_they_ran_on_before() -> None:
+    pipe = toy.build(0)
+    with torchferry.offload(pipe.transformer, strategy="layerwise", device="cpu") as session:
+        before = type(session.engine.streams)  # (the suite's conftest may have set the sanitizer)
+    with cuda_path(), torchferry.offload(pipe.transformer, strategy="layerwise", device="cpu") as session:
+        assert isinstance(session.engine.streams, CudaPathStreams)
+    with torchferry.offload(pipe.transformer, strategy="layerwise", device="cpu") as session:
+        assert type(session.engine.streams) is before is not CudaPathStreams
+        assert any(pack.bound is not None for pack in session.engine.store.packs.values())  # docked
+
+
+@torch.no_grad()
+def test_a_hook_reading_another_block_mid_step_sees_its_true_weights_on_the_cuda_path() -> None:
+    """Between its load and its wait a block's tensors read its host copy, and after its evict
+    again: what a hook of another block reads is the block's own weights, wherever it is."""
+    pipe, ref = toy.build(0), toy.build(0)
+    blocks, plain = list(pipe.transformer.blocks), list(ref.transformer.blocks)
+    seen: list[bool] = []
+
+    def look(module: torch.nn.Module, args: object) -> None:
+        for mine, theirs in zip(blocks, plain, strict=True):
+            for a, b in zip(mine.parameters(), theirs.parameters(), strict=True):
+                seen.append(torch.equal(a.detach().cpu(), b))
+
+    with cuda_path():
+        session = torchferry.offload(pipe, strategy="layerwise", device="cpu", prefetch_depth=2)
+    with session:
+        handles = [b.register_forward_pre_hook(look) for b in blocks[::3]]
+        try:
+            out = pipe("a cat", steps=2)
+        finally:
+            for h in handles:
+                h.remove()
+    assert seen and all(seen)
+    assert torch.equal(out, ref("a cat", steps=2))
+
+
+def test_cuda_path_refuses_a_device_other_than_the_cpu_before_anything_moves() -> None:
+    pipe, ref = toy.build(0), toy.build(0)
+    with cuda_path(), pytest.raises(ValueError, match="use device='cpu' inside cuda_path"):
+        torchferry.offload(pipe, strategy="layerwise", device="meta")
+    assert same_weights(pipe, ref)
