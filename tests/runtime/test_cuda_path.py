@@ -85,3 +85,58 @@ def test_cuda_path_refuses_a_device_other_than_the_cpu_before_anything_moves() -
     with cuda_path(), pytest.raises(ValueError, match="use device='cpu' inside cuda_path"):
         torchferry.offload(pipe, strategy="layerwise", device="meta")
     assert same_weights(pipe, ref)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("edit", ["data", "in place", "load_state_dict"])
+def test_edits_between_steps_reach_every_later_step_on_the_cuda_path(edit: str) -> None:
+    """Rule 2 of the session contract where every tensor is re-pointed at each step (the step end
+    remembers the re-pointed packs' pointers without reading them): an edit between calls is in
+    every later output and in the weights after close."""
+    pipe, ref = toy.build(0), toy.build(0)
+
+    def change(p: toy.ToyPipeline) -> None:
+        blocks = p.transformer.blocks
+        target = blocks[len(blocks) // 2].q.weight
+        if edit == "data":
+            target.data = target.detach().clone() * 2
+        elif edit == "in place":
+            target.mul_(2)
+        else:
+            first = blocks[0]
+            first.load_state_dict({k: v * 0.5 for k, v in first.state_dict().items()})
+
+    with cuda_path():
+        session = torchferry.offload(pipe, strategy="layerwise", device="cpu")
+    with session:
+        before = pipe("a cat", steps=2)
+        change(pipe)
+        after = [pipe("a cat", steps=2), pipe("a cat", steps=2)]
+    assert torch.equal(before, ref("a cat", steps=2))
+    change(ref)
+    expected = ref("a cat", steps=2)
+    assert not torch.equal(expected, before)
+    assert all(torch.equal(a, expected) for a in after)
+    assert same_weights(pipe, ref)
+
+
+@torch.no_grad()
+def test_steady_calls_on_the_cuda_path_keep_what_the_device_holds_between_steps() -> None:
+    """What a step end remembers of the packs it re-pointed is what the next step start finds: the
+    units the device keeps between steps (components' rests, a resident block) are never taken for
+    an edit and dropped, so steady calls move them no more."""
+    pipe, ref = toy.build(0), toy.build(0)
+    with cuda_path():
+        session = torchferry.offload(
+            pipe, strategy="layerwise", device="cpu", prefetch_depth=2, resident_layers=1
+        )
+    with session:
+        for _ in range(2):
+            pipe("a cat", steps=3)
+        units = session.engine.store.units
+        kept = [name for name, where in session.engine.placed.items() if where == "device"]
+        moves = {name: [p.moves for p in units[name].packs] for name in kept}
+        out = [pipe("a cat", steps=3), pipe("a dog", steps=2)]
+        assert "transformer.blocks.0" in kept
+        assert {name: [p.moves for p in units[name].packs] for name in kept} == moves
+    assert torch.equal(out[0], ref("a cat", steps=3)) and torch.equal(out[1], ref("a dog", steps=2))

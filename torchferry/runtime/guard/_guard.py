@@ -66,12 +66,12 @@ docs/contract.md.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import torch
 from torch import nn
 
@@ -79,6 +79,15 @@ from torchferry._errors import ExecutionError
 from torchferry.runtime.device import same_device
 from torchferry.runtime.guard._claims import REGISTRATIONS
 from torchferry.runtime.guard._overrides import Overrides
+from torchferry.runtime.guard._records import (
+    Record,
+    offsets_of,
+    pointer,
+    shard_of,
+    under,
+    under_any,
+    write_back,
+)
 from torchferry.runtime.interop import Casting
 from torchferry.runtime.memory import Pack, PackState, holders
 from torchferry.topology import Plan, find_attr
@@ -92,56 +101,9 @@ _VERSION = operator.attrgetter("_version")
 _DATA_PTR = torch.Tensor.data_ptr
 _MOVES = operator.attrgetter("moves")
 _BUMPS = operator.attrgetter("bumps")
-
-
-@attrs.define(slots=True, eq=False)
-class _Record:
-    """One managed tensor, its pack, and where it lives in the module tree."""
-
-    name: str
-    tensor: torch.Tensor
-    pack: Pack
-    index: int
-    #: (a module's ``_parameters`` or ``_buffers`` table, key) for each name the tensor has.
-    places: tuple[tuple[dict[str, Any], str], ...]
-    #: The object those tables hold: the tensor, or the wrapper tensor it is an inner tensor of.
-    holder: torch.Tensor
-
-
-def _under(path: str, roots: list[str]) -> bool:
-    """Whether module ``path`` is one of ``roots`` or inside one."""
-    return any(path == r or path.startswith(r + ".") for r in roots)
-
-
-def _under_any(component: Any, paths: list[str]) -> bool:
-    """Whether any of ``paths`` is inside the component (it streams some of its blocks)."""
-    return any(_under(p, [component.path]) for p in paths)
-
-
-def _pointer(t: torch.Tensor) -> int:
-    return int(t.data_ptr())  # 0 on the meta device
-
-
-def _offsets(pack: Pack) -> list[int | None]:
-    base = 0 if pack.bound is None else int(pack.bound.data_ptr())
-    return [_pointer(t) - base if _pointer(t) else None for t in pack.tensors]
-
-
-def _write_back(r: _Record) -> bool:
-    """Copy ``r``'s tensor into its host copy when it points elsewhere (a device copy, or the object
-    a ``.data =`` gave it); whether it copied."""
-    host = r.pack.host_views[r.index]
-    if _pointer(r.tensor) == _pointer(host) or r.tensor.is_meta:  # meta (a test device) holds no bytes
-        return False
-    with torch.no_grad():
-        host.copy_(r.tensor.detach())
-    return True
-
-
-def _shard_of(pack: Pack) -> torch.Tensor:
-    """Bytes of this rank's shard to send for a gather a failed step owes (a file-tier pack has none
-    at hand: zeros of its size, as the results are dropped)."""
-    return torch.zeros(pack.held_bytes, dtype=torch.uint8) if pack.in_file else pack.host
+_WHERE = operator.attrgetter("where")
+_HOST = operator.attrgetter("host")
+_READY = PackState.READY
 
 
 class SessionGuard:
@@ -182,8 +144,8 @@ class SessionGuard:
             for path, module in root.named_modules(prefix=prefix):
                 if id(module) in seen:
                     continue
-                if _under(path, on_demand):
-                    if not _under(path, streamed):
+                if under(path, on_demand):
+                    if not under(path, streamed):
                         continue  # an on-demand component moves itself (load_to_device, offload_to_cpu)
                     lifecycle.add(id(module))
                 seen.add(id(module))
@@ -192,7 +154,7 @@ class SessionGuard:
                     for key, t in table.items():
                         if t is not None and (id(t) in managed or id(t) in wrapped):
                             places.setdefault(id(t), []).append((f"{path}.{key}".lstrip("."), table, key))
-        self._records: list[_Record] = []
+        self._records: list[Record] = []
         # Packs that dock come last (a stable sort): their tensors' pointers are read only when the
         # session looks at everything (rule 2 of the Note), the others' at every step start.
         for pack in sorted(engine.store.packs.values(), key=lambda g: g.bound is not None):
@@ -201,7 +163,7 @@ class SessionGuard:
                 where = places.get(id(held), [])
                 name = where[0][0] if where else f"{pack.name}[{i}]"
                 self._records.append(
-                    _Record(name, t, pack, i, tuple((table, key) for _, table, key in where), held)
+                    Record(name, t, pack, i, tuple((table, key) for _, table, key in where), held)
                 )
         self._tensors = [r.tensor for r in self._records]
         # Why: each pack's records are one run of the lists, so a pack that moved is re-read alone.
@@ -213,7 +175,7 @@ class SessionGuard:
         self._free = [r.tensor for r in self._records if r.pack.bound is None]
         self._free_packs = [pack for pack in self._spans if pack.bound is None]
         self._docks = self._tensors[len(self._free) :]
-        self._docking = [(pack, _offsets(pack)) for pack in self._spans if pack.bound is not None]
+        self._docking = [(pack, offsets_of(pack)) for pack in self._spans if pack.bound is not None]
         slots = [(table, key, r.holder) for r in self._records for table, key in r.places]
         # Why: every module slot of a managed tensor as three parallel lists (C-level maps per step).
         self._place_tables = [table for table, _, _ in slots]
@@ -246,7 +208,7 @@ class SessionGuard:
         self._overrides = Overrides(engine.device, self.write_through, casting)
         self._overrides.install(modules, set(managed) | wrapped, frozenset(lifecycle))
         self._overrides.lifecycles(
-            [find_attr(pipeline, c.path) for c in plan.components if c.on_demand and _under_any(c, streamed)]
+            [find_attr(pipeline, c.path) for c in plan.components if c.on_demand and under_any(c, streamed)]
         )
         objects: list[tuple[str, object]] = [(p, m) for p, m in modules]
         if not isinstance(pipeline, nn.Module):
@@ -322,7 +284,7 @@ class SessionGuard:
         if program is None or comm is None or program.pc >= len(program.calls):
             return
         owed = [
-            (unit.name, _shard_of(unit.packs[0]), op.chunks)
+            (unit.name, shard_of(unit.packs[0]), op.chunks)
             for _, unit, op in program.calls[program.pc :]
             if op.kind == "gather"
         ]
@@ -356,7 +318,7 @@ class SessionGuard:
             return  # a device that failed to synchronize holds nothing that can be read back
         for r in changed:
             if self._problem(r) is None:
-                _write_back(r)
+                write_back(r)
 
     def snapshot(self) -> None:
         """Remember each managed tensor's version and data pointer as the engine leaves them now."""
@@ -384,6 +346,15 @@ class SessionGuard:
     def _refresh_packs(self, moves: list[int], bumps: list[int]) -> None:
         """`_refresh` for the packs whose ``moves`` or ``bumps`` are not what was remembered."""
         tensors, hosted, spans = self._tensors, self._hosted, self._spans
+        if bumps == self._bumps:
+            # A steady step of re-pointed packs (CUDA's): each one it moved is back at the host buffer
+            # whose pointers are remembered already. Found in C, with no Python loop over the packs.
+            moved = list(itertools.compress(self._packs, map(operator.ne, moves, self._moves)))
+            if _READY not in map(_WHERE, moved) and all(
+                map(operator.is_, map(hosted.get, moved), map(_HOST, moved))
+            ):
+                self._moves = moves
+                return
         for pack, move, bump, move_then, bump_then in zip(
             self._packs, moves, bumps, self._moves, self._bumps, strict=True
         ):
@@ -422,7 +393,7 @@ class SessionGuard:
             # A unit whose copy is in flight points at its host copy, which holds the write already:
             # its wait copies it again, rather than the next step start restarting everything.
             flying = r.pack.where is PackState.IN_FLIGHT
-            if _write_back(r) or flying:
+            if write_back(r) or flying:
                 if flying:
                     r.pack.recopy(r.index)
                 then[i] = version
@@ -431,7 +402,7 @@ class SessionGuard:
         """The data pointers of ``pack``'s tensors when they point at its host views (cached per buffer)."""
         cached = self._at_host.get(pack)
         if cached is None or cached[0] is not pack.host:
-            cached = (pack.host, [_pointer(v) for v in self._host_views(pack)])
+            cached = (pack.host, [pointer(v) for v in self._host_views(pack)])
             self._at_host[pack] = cached
         return cached[1]
 
@@ -460,7 +431,7 @@ class SessionGuard:
             self._resident[key] = found
         return found
 
-    def _changed(self, *, everything: bool = False) -> list[_Record]:
+    def _changed(self, *, everything: bool = False) -> list[Record]:
         # Why: one pass over flat lists; this runs at every step start (see the Note for its cost). A
         # version bump matters only where a device copy would go stale (a tensor at host memory was
         # written in place: the next load copies the new bytes), so only those records' versions are
@@ -497,7 +468,7 @@ class SessionGuard:
         found: list[int] = []
         for pack, offsets in self._docking:
             if pack.bound is None:  # given back (close): its tensors own their memory now
-                found.extend(map(_pointer, pack.tensors))
+                found.extend(map(pointer, pack.tensors))
             else:
                 found.extend(0 if at is None else pack.bound.data_ptr() + at for at in offsets)
         return found
@@ -528,12 +499,12 @@ class SessionGuard:
                 # A docked pack's tensor goes back into its pack's storage even on the device: the
                 # abort below undocks that storage to host memory, which holds the edit now.
                 ready = r.pack.where is PackState.READY and r.pack.bound is None
-                if problem is None and _write_back(r) and not ready:
+                if problem is None and write_back(r) and not ready:
                     r.tensor.data = (r.pack.rest_views or r.pack.host_views)[r.index]
         self.engine.abort()
         self.snapshot()
 
-    def _problem(self, r: _Record) -> str | None:
+    def _problem(self, r: Record) -> str | None:
         t = r.tensor
         if any(table.get(key) is not r.holder for table, key in r.places):
             return f"{r.name} is another tensor object now"

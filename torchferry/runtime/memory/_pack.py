@@ -410,7 +410,8 @@ class Pack:
         """Point the pack back at its host buffer (nothing is copied: host bytes are the truth); a
         pack whose copy is still in flight points there already."""
         where = self.where
-        holder = self._holder()  # from memory, whatever the record says (it may lag a signal)
+        # From memory, whatever the record says (it may lag a signal); a pack that never docks has none.
+        holder = None if self.bound is None else self._holder()
         if holder is not None:
             lift(self, holder)
         elif where is PackState.READY and self.bound is None:  # the wait took `arriving` and the watch
