@@ -85,15 +85,17 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def stream_sanitizer(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Every engine a runtime test builds runs on the stream sanitizer (``--no-stream-sanitizer``: not).
+    """Every engine a runtime test builds runs on the stream sanitizer (``--no-stream-sanitizer``: not;
+    ``--cuda-path``: its packs re-pointed tensor by tensor, as on CUDA, rather than docked).
 
     Tests marked ``gpu`` keep the real CUDA stream context: they are there to run it.
     """
     if request.config.getoption("--no-stream-sanitizer") or "gpu" in request.keywords:
         yield None
         return
-    with pytest.MonkeyPatch.context() as patch, sanitize():
-        patch.setenv(SANITIZE_ENV, "1")  # ranks run_ranks starts run under it too
+    docks = not request.config.getoption("--cuda-path")
+    with pytest.MonkeyPatch.context() as patch, sanitize(docks=docks):
+        patch.setenv(SANITIZE_ENV, "1" if docks else "re-point")  # ranks run_ranks starts run under it too
         yield None
 
 

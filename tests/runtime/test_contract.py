@@ -198,6 +198,7 @@ def test_an_edit_after_the_last_call_is_kept_by_close() -> None:
     assert same_weights(p, q)
 
 
+@pytest.mark.docking
 @pytest.mark.parametrize("options", SESSIONS, ids=_ids)
 def test_a_weight_of_another_dtype_runs_as_in_plain_torch(options: dict[str, Any]) -> None:
     """t.data = a tensor of another dtype between steps, on a CPU session (whose packs dock, so no step

@@ -189,6 +189,7 @@ def test_slots_start_on_a_256_byte_boundary_on_the_cpu_too() -> None:
     assert seen and set(seen) == {0}
 
 
+@pytest.mark.docking
 def test_a_docked_block_follows_its_slot_to_memory_grown_back_elsewhere() -> None:
     """A slot whose memory moved while its buffer stayed the same tensor (`regrow` counts it in
     ``grown``) gives a docked block a storage over its new memory at the next load, never the old."""

@@ -4,6 +4,7 @@ plain run's, bit for bit."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from module_checks import same_weights
 
 import torchferry
+from torchferry import ExecutionError
 from torchferry.testing import CudaPathStreams, cuda_path, toy
 
 SESSIONS: list[dict[str, Any]] = [
@@ -47,11 +49,12 @@ def test_sessions_opened_after_cuda_path_run_on_the_streams_they_ran_on_before()
     pipe = toy.build(0)
     with torchferry.offload(pipe.transformer, strategy="layerwise", device="cpu") as session:
         before = type(session.engine.streams)  # (the suite's conftest may have set the sanitizer)
+        docked = {pack.bound is not None for pack in session.engine.store.packs.values()}
     with cuda_path(), torchferry.offload(pipe.transformer, strategy="layerwise", device="cpu") as session:
         assert isinstance(session.engine.streams, CudaPathStreams)
     with torchferry.offload(pipe.transformer, strategy="layerwise", device="cpu") as session:
         assert type(session.engine.streams) is before is not CudaPathStreams
-        assert any(pack.bound is not None for pack in session.engine.store.packs.values())  # docked
+        assert {pack.bound is not None for pack in session.engine.store.packs.values()} == docked
 
 
 @torch.no_grad()
@@ -140,3 +143,81 @@ def test_steady_calls_on_the_cuda_path_keep_what_the_device_holds_between_steps(
         assert "transformer.blocks.0" in kept
         assert {name: [p.moves for p in units[name].packs] for name in kept} == moves
     assert torch.equal(out[0], ref("a cat", steps=3)) and torch.equal(out[1], ref("a dog", steps=2))
+
+
+class _Interrupt(BaseException):
+    """What a KeyboardInterrupt is to a forward: no hook of torch's runs after it."""
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("i", [0, 3])
+@pytest.mark.parametrize("options", SESSIONS, ids=lambda o: "-".join(map(str, o.values())))
+def test_a_data_assignment_after_an_interrupted_step_is_adopted_on_the_cuda_path(
+    options: dict[str, Any], i: int
+) -> None:
+    """A step cut short leaves blocks in slots and its record behind; ``w.data = t`` then, between
+    calls, is an edit like any: the next call's clean start (which points every weight back at host
+    memory) must not take ``t`` for the engine's own pointer, nor point ``w`` away from it unseen.
+    Before, both lost the edit silently on the re-pointed path."""
+    pipe, ref = toy.build(0), toy.build(0)
+    armed = [True]
+
+    def interrupt(module: torch.nn.Module, args: object) -> None:
+        if armed:
+            armed.clear()
+            raise _Interrupt()
+
+    with cuda_path():
+        session = torchferry.offload(pipe, device="cpu", **options)
+    with session:
+        pipe("a cat", steps=2)
+        handle = pipe.transformer.blocks[5].register_forward_pre_hook(interrupt)
+        with pytest.raises(_Interrupt):
+            pipe("a cat", steps=2)
+        handle.remove()
+        for p in (pipe, ref):
+            weight = p.transformer.blocks[i].fc1.weight
+            weight.data = weight.detach() * 2
+        got = [pipe("a cat", steps=2), pipe("a dog", steps=2)]
+    assert torch.equal(got[0], ref("a cat", steps=2)) and torch.equal(got[1], ref("a dog", steps=2))
+    assert same_weights(pipe, ref)
+
+
+@torch.no_grad()
+def test_a_weight_given_another_dtype_between_calls_is_refused_on_the_cuda_path() -> None:
+    """A GPU session re-points every streamed weight at each step, so ``w.data = t`` of another dtype
+    cannot run (a CPU session's docked weight runs with it, as plain torch): every later call is
+    refused before its step starts, naming the weight, and ``close()`` points the weight back at the
+    host copy the session kept (docs/contract.md, weight edits)."""
+    pipe, ref = toy.build(0), toy.build(0)
+    with cuda_path():
+        session = torchferry.offload(pipe, strategy="layerwise", device="cpu")
+    with session:
+        pipe("a cat", steps=2)
+        weight = pipe.transformer.blocks[2].q.weight
+        weight.data = torch.zeros(weight.shape, dtype=torch.float64)
+        for _ in range(2):
+            with pytest.raises(ExecutionError, match=re.escape("transformer.blocks.2.q.weight")):
+                pipe("a cat", steps=2)
+    assert weight.dtype == torch.float32
+    assert same_weights(pipe, ref)
+
+
+@torch.no_grad()
+def test_a_tensor_assigned_between_calls_gives_its_values_on_the_cuda_path() -> None:
+    """``w.data = t`` between calls on a GPU session: the next step start adopts ``t``'s values into the
+    host copy and points ``w`` there, so a later write to ``t`` does not reach ``w`` (on a CPU session
+    ``w`` keeps ``t``, as in plain torch: docs/contract.md, weight edits)."""
+    pipe, ref = toy.build(0), toy.build(0)
+    with cuda_path():
+        session = torchferry.offload(pipe, strategy="layerwise", device="cpu")
+    with session:
+        pipe("a cat", steps=2)
+        given = {p: p.transformer.blocks[3].fc1.weight.detach() * 2 for p in (pipe, ref)}
+        for p, t in given.items():
+            p.transformer.blocks[3].fc1.weight.data = t
+        assert torch.equal(pipe("a cat", steps=2), ref("a cat", steps=2))
+        given[pipe].mul_(3)
+        out = pipe("a cat", steps=2)
+    assert torch.equal(out, ref("a cat", steps=2))  # the later write is not in it
+    assert same_weights(pipe, ref)

@@ -10,8 +10,10 @@ Tests marked ``xfail(strict=True)`` pin a wrong behaviour still there: the reaso
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,7 +32,7 @@ from toy_runs import (
 )
 
 import torchferry
-from torchferry import OffloadWarning
+from torchferry import ExecutionError, OffloadWarning, policies, topology
 from torchferry.testing import run_ranks, toy
 
 Options = dict[str, Any]
@@ -462,6 +464,7 @@ def test_an_in_place_edit_from_a_hook_during_a_step_then_one_between_steps_is_ke
     assert same_state(p, ref)
 
 
+@pytest.mark.docking
 @pytest.mark.parametrize(
     ("config", "target"),
     [("layerwise", 6), ("model_level", 6), ("resident2", 0)],
@@ -506,6 +509,7 @@ def test_a_view_of_a_streamed_block_edited_between_steps_is_adopted(how: str, i:
     assert same_state(p, ref)
 
 
+@pytest.mark.docking
 @pytest.mark.parametrize("how", list(_HANDLES))
 @pytest.mark.parametrize(("config", "i"), [("resident2", 0), ("model_level", 3)])
 def test_a_view_edited_while_its_block_is_on_the_device_is_adopted(config: str, i: int, how: str) -> None:
@@ -527,6 +531,7 @@ def test_a_view_edited_while_its_block_is_on_the_device_is_adopted(config: str, 
     assert same_state(p, ref)
 
 
+@pytest.mark.docking
 @pytest.mark.parametrize(("config", "i"), [("layerwise", 3), ("model_level", 0)])
 def test_a_tensor_assigned_through_data_stays_the_weights_storage(config: str, i: int) -> None:
     """After ``w.data = t`` between steps, an in-place edit of ``t`` changes the weight, as in plain.
@@ -578,6 +583,43 @@ def test_a_tensor_assigned_after_an_interrupted_step_is_kept(config: str, i: int
         for _ in range(2):
             assert torch.equal(run(p, args), run(ref, args))
     assert same_state(p, ref)
+
+
+def test_a_data_assignment_to_a_file_tier_weight_after_an_interrupted_step_is_refused(tmp_path: Path) -> None:
+    """A file-tier weight is re-pointed on any device and its edits cannot be kept: ``w.data = t`` after
+    a step was cut short is refused at the next call, as between any two calls (it was dropped
+    silently: the clean start pointed the weight back at the checkpoint, or took ``t`` for its own)."""
+    source = toy.build(0)
+    path = tmp_path / "toy.safetensors"
+    toy.save_checkpoint(source, path)
+    plan = topology.resolve(topology.discover(source), topology.OffloadConfig(strategy="layerwise"))
+    host = int(policies.tiers(plan).host_bytes * 0.7)
+    p = toy.build_empty()
+    armed = [True]
+
+    def interrupt(module: nn.Module, args: Any) -> None:
+        if armed:
+            armed.clear()
+            raise Interrupt()
+
+    with (
+        torch.no_grad(),
+        torchferry.offload(
+            p, strategy="layerwise", device="cpu", checkpoint=str(path), host_memory=host
+        ) as s,
+    ):
+        p("a cat", steps=2)
+        in_file = [n for n, u in s.engine.store.units.items() if u.packs[0].in_file and ".blocks." in n]
+        assert in_file
+        handle = block(p, 5).register_forward_pre_hook(interrupt)
+        with pytest.raises(Interrupt):
+            p("a cat", steps=2)
+        handle.remove()
+        target = in_file[-1]
+        weight = p.get_submodule(target).fc1.weight
+        weight.data = weight.detach() * 2
+        with pytest.raises(ExecutionError, match=re.escape(f"{target}.fc1.weight is in the file tier")):
+            p("a cat", steps=2)
 
 
 # ---------------------------------------------------------------- chooser and sessions in a row

@@ -324,6 +324,7 @@ def test_a_hook_reading_an_in_flight_blocks_weights_reads_the_plain_values(confi
 
 
 # ------------------------------------------------------------------------------- .data edits
+@pytest.mark.docking
 def test_a_data_assignment_from_a_transformer_pre_hook_on_block_0_is_kept() -> None:
     """``w.data = w * 2`` from a transformer pre hook (registered after opening) on in-flight block
     0 at every step is in every call and after close, as in the plain run.

@@ -478,6 +478,7 @@ def slot_addresses(s: torchferry.Session) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in slots} | {t.data_ptr() for t in slots}
 
 
+@pytest.mark.docking
 def test_a_view_of_a_weight_kept_from_a_forward_reads_its_block_after_the_step() -> None:
     """A view of a streamed block's weight that a hook keeps from the block's forward reads that block's
     own values after the step, not the bytes of the block its slot held next (on a CPU session the
@@ -492,6 +493,7 @@ def test_a_view_of_a_weight_kept_from_a_forward_reads_its_block_after_the_step()
             assert torch.equal(kept[-1], block(ref).fc1.weight.view(-1))
 
 
+@pytest.mark.docking
 def test_a_weight_kept_past_a_session_dropped_mid_step_holds_its_host_memory() -> None:
     """A weight kept after its pipeline and session are dropped, without close(), in the middle of a
     step that left its block docked reads its values from its host memory, not from the freed slot."""
@@ -676,8 +678,9 @@ def test_a_backward_after_a_step_through_a_block_given_grad_by_a_late_hook() -> 
     The engine's hook saw no grad, so nothing bumps the block's versions when it leaves its slot.
     On a CPU session its pack is docked ([Note: docking] in `torchferry.runtime.memory._pack`): the
     view autograd saved of the weight (``weight.t()``) follows the weight back to its host memory at
-    the evict, and the gradient is exact. (Re-pointed, as on CUDA, the view stays in the slot the
-    next block overwrites: that session gives a wrong gradient here.)"""
+    the evict, and the gradient is exact. Re-pointed, as on CUDA (``--cuda-path``), the view stays in
+    the slot the next block overwrites: the block's forward hook, first, sees grad on at its end and
+    its evict bumps its versions, so the backward raises (it gave a wrong gradient before)."""
     p, ref = pair()
     args = inputs()
     run(p, args)  # opening below anchors the engine's hooks first; the user's come after

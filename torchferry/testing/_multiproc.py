@@ -45,7 +45,8 @@ T = TypeVar("T")
 
 _HOST = "127.0.0.1"
 
-#: Set to ``1`` in the parent's environment, every rank runs ``fn`` under `sanitize` (the runtime tests do).
+#: Set to ``1`` in the parent's environment, every rank runs ``fn`` under `sanitize` (the runtime tests do);
+#: to ``re-point``, under ``sanitize(docks=False)``.
 SANITIZE_ENV = "TORCHFERRY_STREAM_SANITIZER"
 
 
@@ -130,10 +131,10 @@ def _child(job: _Job, rank: int, out: Any) -> None:
         store = dist.TCPStore(_HOST, job.port, is_master=False, timeout=timeout)  # type: ignore[attr-defined]
         dist.init_process_group("gloo", store=store, rank=rank, world_size=job.world, timeout=timeout)
         try:
-            if os.environ.get(SANITIZE_ENV) == "1":
+            if os.environ.get(SANITIZE_ENV) in ("1", "re-point"):
                 from torchferry.testing._sanitizer import sanitize
 
-                with sanitize():
+                with sanitize(docks=os.environ[SANITIZE_ENV] == "1"):
                     result = job.fn(rank, job.world, *job.args)
             else:
                 result = job.fn(rank, job.world, *job.args)

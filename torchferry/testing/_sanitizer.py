@@ -36,6 +36,7 @@ no hook of their own, so a closed session still gives them back untouched.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, final
@@ -137,11 +138,12 @@ class StreamSanitizer:
     ``engine`` names the op that runs (for messages) and the modules whose forwards are reads.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, docks: bool = True) -> None:
         self.engine = engine
         self.device: torch.device = engine.device
         self.tracer: Timer | None = None
-        self.docks = self.device.type == "cpu"  # as under `CpuStreams`
+        # As under `CpuStreams`; ``False``: every tensor is re-pointed, as on CUDA (`sanitize`).
+        self.docks = docks and self.device.type == "cpu"
         self._clocks: dict[Stream, _Clock] = {s: _Clock() for s in _STREAMS}
         #: The compute stream adopted at the last step's start (the caller's then).
         self.compute: Stream = _CALLER[0]
@@ -431,20 +433,22 @@ def _ran(module: torch.nn.Module, args: Any, output: Any) -> None:
 _ran = torch.compiler.disable(_ran, recursive=True)  # type: ignore[no-untyped-call]
 
 
-def _factory(engine: Engine) -> StreamSanitizer:
-    sanitizer = StreamSanitizer(engine)
+def _factory(engine: Engine, docks: bool = True) -> StreamSanitizer:
+    sanitizer = StreamSanitizer(engine, docks=docks)
     _LIVE.add(sanitizer)
     return sanitizer
 
 
 @contextlib.contextmanager
-def sanitize() -> Iterator[None]:
+def sanitize(*, docks: bool = True) -> Iterator[None]:
     """Every engine built inside runs on a `StreamSanitizer` (CPU devices only; test use).
 
     Swaps the engine's stream-context seam (`runtime.stream_factory`) and installs one global
-    forward hook for block reads; both are restored on exit.
+    forward hook for block reads; both are restored on exit. ``docks=False`` re-points every tensor
+    instead of docking packs, as a CUDA session does (`torchferry.testing.cuda_path` without the
+    ordering checks).
     """
-    before = stream_factory(_factory)
+    before = stream_factory(_factory if docks else functools.partial(_factory, docks=False))
     handle = torch.nn.modules.module.register_module_forward_hook(_ran)
     try:
         yield

@@ -303,6 +303,7 @@ class Hooks:
                     self._wrap(path, module, pre)  # [Note: block forwards]
                 else:
                     handles.append(module.register_forward_pre_hook(pre, prepend=True))
+                    handles.append(self._graded_hook(path, module))
             else:
                 pre, post = self._component_hooks(path, top)
                 handles.append(module.register_forward_pre_hook(opaque(pre), prepend=True))
@@ -392,7 +393,25 @@ class Hooks:
         """Run torchferry's hook of ``path``'s wrapped block as a pre hook, first, from now on (a pre hook
         is being registered on it, or its forward is no longer ours: `check`)."""
         module = self._unwrap(path)[0]
-        self._handles[path] = (module.register_forward_pre_hook(self._calls[path][1], prepend=True),)
+        self._handles[path] = (
+            module.register_forward_pre_hook(self._calls[path][1], prepend=True),
+            self._graded_hook(path, module),
+        )
+
+    def _graded_hook(self, path: str, module: torch.nn.Module) -> RemovableHandle:
+        """A forward hook, first, on block ``path`` whose hook runs as a pre hook: a pre hook of the
+        user's runs after torchferry's, and may switch grad on for the block's forward (and its own
+        forward hook off again), which torchferry's saw off; the block's end sees it on, and its units
+        are remembered as run with grad, so leaving the slot spoils what autograd saved of them
+        ([Note: gradients]). A block run from its forward has no pre hook to switch grad on."""
+        engine, guard = self.engine, self._guard
+
+        def ended(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if _grad_enabled():
+                engine.unreplay()
+                guard.ran(path, True)
+
+        return module.register_forward_hook(opaque(ended), prepend=True)
 
     def _block_hook(self, path: str, pack: Pack | None) -> Callable[..., None]:
         key = block_key(path)

@@ -299,8 +299,35 @@ class SessionGuard:
         abort leaves them (so the abort is not taken for an edit)."""
         self.drain()
         self.keep_device_writes()
+        assigned = self._assigned()
+        for r, _ in assigned:  # at host memory, as the engine leaves them, for the abort and snapshot
+            r.tensor.data = (r.pack.rest_views or r.pack.host_views)[r.index]
         self.engine.abort()
         self.snapshot()
+        for r, given in assigned:
+            r.tensor.data = given  # an edit between steps again, which the step start's `adopt` takes
+
+    def _assigned(self) -> list[tuple[Record, torch.Tensor]]:
+        """The re-pointed tensors that point neither at their host copy nor into device memory the engine
+        holds, each with what it points at: given by ``.data =`` after a step was cut short (a
+        KeyboardInterrupt), which the abort would re-point, or the snapshot after it take for the
+        engine's own, and so lose. Docked tensors are never re-pointed: they keep what they were given."""
+        engine = self.engine
+        held = [b for _, b in engine.slots.slots.values()] + [b for _, b in engine.slots.parked.values()]
+        held += [b for buffers in engine.staged.values() for b, _ in buffers]
+        ranges = [(pointer(b.data), pointer(b.data) + b.data.numel() * b.data.element_size()) for b in held]
+        found = []
+        for pack in self._free_packs:
+            start, end = self._spans[pack]
+            for r, at, home in zip(
+                self._records[start:end],
+                map(_DATA_PTR, self._tensors[start:end]),
+                self._host_pointers(pack),
+                strict=True,
+            ):
+                if at != home and at and not any(low <= at < high for low, high in ranges):
+                    found.append((r, r.tensor.data))
+        return found
 
     def keep_device_writes(self) -> None:
         """Copy into the host copy every tensor that points at device memory and was written in
