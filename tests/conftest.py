@@ -98,7 +98,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 config.hook.pytest_deselected(items=left)
                 items[:] = [item for item in items if marker not in item.keywords]
     if config.getoption("--cuda-path"):
-        docked = pytest.mark.skip(reason="a CPU session's docked weights: under --cuda-path they are re-pointed")
+        docked = pytest.mark.skip(reason="asserts a CPU session's docked weights; --cuda-path re-points them")
         for item in items:
             if "docking" in item.keywords:
                 item.add_marker(docked)
