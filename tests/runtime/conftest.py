@@ -90,10 +90,14 @@ def stream_sanitizer(request: pytest.FixtureRequest) -> Iterator[None]:
 
     Tests marked ``gpu`` keep the real CUDA stream context: they are there to run it.
     """
+    docks = not request.config.getoption("--cuda-path")
+    if request.config.getoption("--no-stream-sanitizer") and not docks:
+        raise pytest.UsageError(
+            "--cuda-path runs the runtime tests on the stream sanitizer: drop --no-stream-sanitizer"
+        )
     if request.config.getoption("--no-stream-sanitizer") or "gpu" in request.keywords:
         yield None
         return
-    docks = not request.config.getoption("--cuda-path")
     with pytest.MonkeyPatch.context() as patch, sanitize(docks=docks):
         patch.setenv(SANITIZE_ENV, "1" if docks else "re-point")  # ranks run_ranks starts run under it too
         yield None

@@ -12,7 +12,7 @@ import torch
 from module_checks import same_weights
 
 import torchferry
-from torchferry import ExecutionError
+from torchferry import ExecutionError, OffloadWarning
 from torchferry.testing import CudaPathStreams, cuda_path, toy
 
 SESSIONS: list[dict[str, Any]] = [
@@ -221,3 +221,62 @@ def test_a_tensor_assigned_between_calls_gives_its_values_on_the_cuda_path() -> 
         out = pipe("a cat", steps=2)
     assert torch.equal(out, ref("a cat", steps=2))  # the later write is not in it
     assert same_weights(pipe, ref)
+
+
+@torch.no_grad()
+def test_a_call_cut_short_inside_a_cast_layer_leaves_the_next_calls_exact_on_the_cuda_path() -> None:
+    """Stored in bfloat16, computed in float32 (``storage_dtype=``): a layer's weights point at
+    float32 copies while it runs. A KeyboardInterrupt there skips the hook that points them back; the
+    next call's clean start must do it, not take the copies for an edit of another dtype and refuse
+    every call after."""
+    pipe = toy.build(0)
+    armed = [True]
+
+    def interrupt(module: torch.nn.Module, args: object) -> None:
+        if armed:
+            armed.clear()
+            raise _Interrupt()
+
+    with cuda_path():
+        session = torchferry.offload(pipe, strategy="layerwise", device="cpu", storage_dtype=torch.bfloat16)
+    with session:
+        expected = pipe("a cat", steps=2)
+        handle = pipe.transformer.blocks[3].fc1.register_forward_pre_hook(interrupt)
+        with pytest.raises(_Interrupt):
+            pipe("a cat", steps=2)
+        handle.remove()
+        got = [pipe("a cat", steps=2), pipe("a cat", steps=2)]
+    assert all(torch.equal(g, expected) for g in got)
+
+
+def test_a_user_pre_hook_switching_grad_on_makes_the_backward_raise_on_the_cuda_path() -> None:
+    """A block's pre hook of the user's runs after torchferry's and switches grad on for the block's
+    forward, its forward hook off again: re-pointed, what autograd saved of the block's weights stays
+    in the slot the next block overwrites, so the backward must raise, not return a wrong gradient."""
+    pipe = toy.build(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 16, 16, generator=g), torch.tensor([0.5]), torch.randn(1, 8, 32, generator=g)
+    kept: dict[str, torch.Tensor] = {}
+
+    def on(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        torch.set_grad_enabled(True)
+        kept["leaf"] = args[0].detach().requires_grad_()
+        return (kept["leaf"], *args[1:])
+
+    def off(module: torch.nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+        kept["out"] = out
+        torch.set_grad_enabled(False)
+        return out.detach()
+
+    dit = pipe.transformer
+    with cuda_path():
+        session = torchferry.offload(dit, strategy="layerwise", device="cpu")
+    with session:
+        with torch.no_grad():
+            dit(*x)
+        dit.blocks[1].register_forward_pre_hook(on)
+        dit.blocks[1].register_forward_hook(off)
+        with torch.no_grad(), pytest.warns(OffloadWarning, match="gradients"):
+            dit(*x)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(kept["out"].sum(), kept["leaf"])

@@ -31,8 +31,7 @@ import torch
 from torchferry.runtime import DeviceBuffer, aligned_empty, stream_factory
 
 if TYPE_CHECKING:
-    from torchferry.runtime.device._streams import Reading, Timer
-    from torchferry.runtime.executor import Engine
+    from torchferry.runtime import Engine, Reading, Timer
 
 __all__ = ["CudaPathStreams", "cuda_path"]
 
@@ -100,7 +99,11 @@ class CudaPathStreams:
 
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         self.calls["collective"] += 1
+        tracer = self.tracer
+        begin = None if tracer is None else tracer.mark()
         run()
+        if tracer is not None:
+            tracer.span("comm", begin, tracer.mark())
         dst.ready.record()
         if src.free is None:
             src.free = _Event()
@@ -111,7 +114,11 @@ class CudaPathStreams:
         filling = transfer.filling
         if filling is not None:
             transfer.filling = None
+            tracer = self.tracer
+            begin = None if tracer is None else tracer.mark()
             filling.wait()
+            if tracer is not None:
+                tracer.span("compute", begin, tracer.mark(), kind="stall")
 
     def release(self, transfer: DeviceBuffer) -> None:
         self.calls["release"] += 1

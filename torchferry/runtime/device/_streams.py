@@ -153,10 +153,12 @@ class Timer(Protocol):
 
 
 class StreamContext(Protocol):
-    """Issues copies, collectives and stream waits; `CpuStreams` and `CudaStreams` are the two kinds.
+    """Issues copies, collectives and stream waits; `CpuStreams` and `CudaStreams` are the two kinds
+    a session runs on (the test-only `StreamSanitizer` and `CudaPathStreams` of `torchferry.testing`
+    are two more).
 
-    A protocol with two final implementations (no shared base): a method one of them lacks is a
-    type error, never a silent CPU no-op on CUDA.
+    A protocol with final implementations (no shared base): a method one of them lacks is a type
+    error, never a silent CPU no-op on CUDA.
     """
 
     device: torch.device

@@ -155,7 +155,7 @@ class Engine(Mover):
             pipeline, plan, pin=pin, sharding=sharding, prefix_map=prefix_map, tier=tier, variant=variant,
             from_module=from_module,
         )
-        if self.streams.docks:
+        if getattr(self.streams, "docks", False):  # (a factory's context without it re-points)
             self.store.bind()  # host and slots are one kind of memory: packs dock ([Note: docking])
         super().__init__()  # the device tables, the slot pool and the grad guard
         self._residency: tuple[Placement, ...] = ()

@@ -303,7 +303,7 @@ class Hooks:
                     self._wrap(path, module, pre)  # [Note: block forwards]
                 else:
                     handles.append(module.register_forward_pre_hook(pre, prepend=True))
-                    handles.append(self._graded_hook(path, module))
+                    handles.extend(self._graded_hook(path, module))
             else:
                 pre, post = self._component_hooks(path, top)
                 handles.append(module.register_forward_pre_hook(opaque(pre), prepend=True))
@@ -395,15 +395,19 @@ class Hooks:
         module = self._unwrap(path)[0]
         self._handles[path] = (
             module.register_forward_pre_hook(self._calls[path][1], prepend=True),
-            self._graded_hook(path, module),
+            *self._graded_hook(path, module),
         )
 
-    def _graded_hook(self, path: str, module: torch.nn.Module) -> RemovableHandle:
-        """A forward hook, first, on block ``path`` whose hook runs as a pre hook: a pre hook of the
-        user's runs after torchferry's, and may switch grad on for the block's forward (and its own
-        forward hook off again), which torchferry's saw off; the block's end sees it on, and its units
-        are remembered as run with grad, so leaving the slot spoils what autograd saved of them
-        ([Note: gradients]). A block run from its forward has no pre hook to switch grad on."""
+    def _graded_hook(self, path: str, module: torch.nn.Module) -> tuple[RemovableHandle, ...]:
+        """A forward hook, first when set, on block ``path`` whose hook runs as a pre hook: a pre hook
+        of the user's runs after torchferry's, and may switch grad on for the block's forward (and its
+        own forward hook off again), which torchferry's saw off; the block's end sees it on, and its
+        units are remembered as run with grad, so leaving the slot spoils what autograd saved of them
+        ([Note: gradients]). None for a block whose packs all dock: what autograd saved follows them
+        back to host memory. A block run from its forward has no pre hook to switch grad on."""
+        unit = self._units.get(path)
+        if unit is not None and all(pack.bound is not None for pack in unit.packs):
+            return ()
         engine, guard = self.engine, self._guard
 
         def ended(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -411,7 +415,7 @@ class Hooks:
                 engine.unreplay()
                 guard.ran(path, True)
 
-        return module.register_forward_hook(opaque(ended), prepend=True)
+        return (module.register_forward_hook(opaque(ended), prepend=True),)
 
     def _block_hook(self, path: str, pack: Pack | None) -> Callable[..., None]:
         key = block_key(path)

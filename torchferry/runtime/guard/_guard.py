@@ -81,6 +81,7 @@ from torchferry.runtime.guard._claims import REGISTRATIONS
 from torchferry.runtime.guard._overrides import Overrides
 from torchferry.runtime.guard._records import (
     Record,
+    address_ranges,
     offsets_of,
     pointer,
     shard_of,
@@ -299,6 +300,9 @@ class SessionGuard:
         abort leaves them (so the abort is not taken for an edit)."""
         self.drain()
         self.keep_device_writes()
+        casting = self._overrides.casting
+        if casting is not None:
+            casting.undo()  # a layer the cut-short step left cast up points at its own weights again
         assigned = self._assigned()
         for r, _ in assigned:  # at host memory, as the engine leaves them, for the abort and snapshot
             r.tensor.data = (r.pack.rest_views or r.pack.host_views)[r.index]
@@ -312,10 +316,7 @@ class SessionGuard:
         holds, each with what it points at: given by ``.data =`` after a step was cut short (a
         KeyboardInterrupt), which the abort would re-point, or the snapshot after it take for the
         engine's own, and so lose. Docked tensors are never re-pointed: they keep what they were given."""
-        engine = self.engine
-        held = [b for _, b in engine.slots.slots.values()] + [b for _, b in engine.slots.parked.values()]
-        held += [b for buffers in engine.staged.values() for b, _ in buffers]
-        ranges = [(pointer(b.data), pointer(b.data) + b.data.numel() * b.data.element_size()) for b in held]
+        ranges = address_ranges(self.engine.buffers())
         found = []
         for pack in self._free_packs:
             start, end = self._spans[pack]

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
 import torch
 
+from torchferry.runtime.device import DeviceBuffer
 from torchferry.runtime.memory import Pack
 
-__all__ = ["Record", "offsets_of", "pointer", "shard_of", "under", "under_any", "write_back"]
+__all__ = [
+    "Record",
+    "address_ranges",
+    "offsets_of",
+    "pointer",
+    "shard_of",
+    "under",
+    "under_any",
+    "write_back",
+]
 
 
 @attrs.define(slots=True, eq=False)
@@ -60,3 +71,8 @@ def shard_of(pack: Pack) -> torch.Tensor:
     """Bytes of this rank's shard to send for a gather a failed step owes (a file-tier pack has none
     at hand: zeros of its size, as the results are dropped)."""
     return torch.zeros(pack.held_bytes, dtype=torch.uint8) if pack.in_file else pack.host
+
+
+def address_ranges(buffers: Iterable[DeviceBuffer]) -> list[tuple[int, int]]:
+    """Where each buffer's memory starts and ends (past its last byte)."""
+    return [(pointer(b.data), pointer(b.data) + b.data.numel() * b.data.element_size()) for b in buffers]

@@ -65,6 +65,13 @@ def _floating(module: nn.Module) -> list[torch.Tensor]:
     return out
 
 
+def _back(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Point each tensor back at the view `Casting.up` kept of it."""
+    with torch.no_grad():
+        for t, view in saved:
+            t.data = view
+
+
 class Casting:
     """The layers a session casts around their forward, and what each cast layer pointed at before.
 
@@ -115,10 +122,14 @@ class Casting:
         saved = self._saved.pop(id(module), None)
         if saved is None:
             return False
-        with torch.no_grad():
-            for t, view in saved:
-                t.data = view
+        _back(saved)
         return True
+
+    def undo(self) -> None:
+        """`down` for every layer still cast up: a forward cut short by a KeyboardInterrupt left it so
+        (torch runs a forward hook that is always called after an ``Exception``, not after that)."""
+        while self._saved:
+            _back(self._saved.popitem()[1])
 
     def convert(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Answer ``module.to(*args, **kwargs)`` from diffusers' casting hook: a cast to the layer's
