@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -83,14 +84,36 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+#: Runtime tests that CI also runs with their packs re-pointed, as on CUDA (``--cuda-path`` runs every
+#: test so): in these modules, those whose names match, the edits, interrupts and gradients whose
+#: handling differs between a docked and a re-pointed pack.
+_BOTH_WAYS_MODULES = frozenset(
+    {"test_guard_hostile", "test_weights_hostile", "test_inflight_hostile", "test_contract"}
+)
+_BOTH_WAYS = re.compile(r"interrupt|assigned|grad|data_")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    config = metafunc.config
+    if (
+        metafunc.module.__name__.rsplit(".", 1)[-1] in _BOTH_WAYS_MODULES
+        and _BOTH_WAYS.search(metafunc.function.__name__)
+        and metafunc.definition.get_closest_marker("docking") is None
+        and not config.getoption("--cuda-path")
+        and not config.getoption("--no-stream-sanitizer")
+    ):
+        metafunc.parametrize("stream_sanitizer", ["docked", "re-pointed"], indirect=True)
+
+
 @pytest.fixture(autouse=True)
 def stream_sanitizer(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every engine a runtime test builds runs on the stream sanitizer (``--no-stream-sanitizer``: not;
-    ``--cuda-path``: its packs re-pointed tensor by tensor, as on CUDA, rather than docked).
+    ``--cuda-path``, or the ``re-pointed`` form of a test run both ways: its packs re-pointed tensor
+    by tensor, as on CUDA, rather than docked).
 
     Tests marked ``gpu`` keep the real CUDA stream context: they are there to run it.
     """
-    docks = not request.config.getoption("--cuda-path")
+    docks = not request.config.getoption("--cuda-path") and getattr(request, "param", "docked") == "docked"
     if request.config.getoption("--no-stream-sanitizer") and not docks:
         raise pytest.UsageError(
             "--cuda-path runs the runtime tests on the stream sanitizer: drop --no-stream-sanitizer"

@@ -561,7 +561,8 @@ def test_a_tensor_assigned_after_an_interrupted_step_is_kept(config: str, i: int
     """A step interrupted mid-forward (a BaseException, as a KeyboardInterrupt) leaves blocks docked;
     ``w.data = t`` then, and the next call starts clean (undocks, remembers what the abort left): the
     weight runs with ``t`` in every later call and the pipeline after close holds it, as in plain (an
-    edit of a docked weight is never taken for the engine's own move)."""
+    edit of a docked weight is never taken for the engine's own move). Re-pointed, as on CUDA (this
+    test runs both ways), the next call adopts ``t``'s values, which give the same outputs."""
     p, ref = pair()
     args = inputs()
     state = {"armed": True}
