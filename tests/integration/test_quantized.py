@@ -5,6 +5,7 @@ same quantized model run without torchferry, twice in a row and after close."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from torch import nn
 
 import torchferry
 from torchferry import policies, topology
-from torchferry.testing import run_ranks, toy
+from torchferry.testing import cuda_path, run_ranks, toy
 
 diffusers = pytest.importorskip("diffusers")
 torchao_quantization = pytest.importorskip("torchao.quantization")
@@ -316,3 +317,38 @@ def test_every_form_is_in_the_docs() -> None:
     forms = ("Int8WeightOnlyConfig", "Float8WeightOnlyConfig", "qint8", "enable_layerwise_casting", "DTensor")
     for name in (*forms, "storage_dtype"):
         assert name in page
+
+
+@pytest.mark.parametrize("re_pointed", [False, True], ids=["docked", "re-pointed"])
+def test_a_forward_that_raised_inside_a_diffusers_cast_layer_leaves_it_stored(
+    re_pointed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """diffusers' layerwise-casting hook casts a layer back to its storage dtype only after a forward
+    that returned, so one that raised inside the layer leaves it in the compute dtype. Under a session
+    the failed step's clean-up casts it back: between calls the weight holds its storage dtype again,
+    the next calls are exact, and close gives it back as stored (re-pointed is how a GPU session
+    moves it: `torchferry.testing.cuda_path`)."""
+    model = _cast()
+    reference = _call(_cast())
+    target = _weight(model)
+    armed = [False]
+    linear = torch.nn.functional.linear
+
+    def failing(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if armed and armed[0] and weight is target:
+            armed.clear()
+            raise RuntimeError("a failure inside the cast layer")
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", failing)
+    with cuda_path() if re_pointed else contextlib.nullcontext():
+        session = torchferry.offload(model, strategy="layerwise", device="cpu")
+    with session:
+        assert torch.equal(_call(model), reference)
+        armed[0] = True
+        with pytest.raises(RuntimeError, match="a failure inside the cast layer"):
+            _call(model)
+        assert not armed and target.dtype == torch.float8_e4m3fn
+        assert torch.equal(_call(model), reference) and torch.equal(_call(model), reference)
+    assert target.dtype == torch.float8_e4m3fn
+    assert torch.equal(_call(model), reference)

@@ -90,7 +90,7 @@ def one_thread() -> Iterator[None]:
 _BOTH_WAYS_MODULES = frozenset(
     {"test_guard_hostile", "test_weights_hostile", "test_inflight_hostile", "test_contract"}
 )
-_BOTH_WAYS = re.compile(r"interrupt|assigned|grad|data_")
+_BOTH_WAYS = re.compile(r"interrupt|assigned|grad|data_|fuse|merge|_view")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

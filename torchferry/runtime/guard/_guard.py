@@ -300,9 +300,6 @@ class SessionGuard:
         abort leaves them (so the abort is not taken for an edit)."""
         self.drain()
         self.keep_device_writes()
-        casting = self._overrides.casting
-        if casting is not None:
-            casting.undo()  # a layer the cut-short step left cast up points at its own weights again
         assigned = self._assigned()
         for r, _ in assigned:  # at host memory, as the engine leaves them, for the abort and snapshot
             r.tensor.data = (r.pack.rest_views or r.pack.host_views)[r.index]
@@ -332,7 +329,11 @@ class SessionGuard:
 
     def keep_device_writes(self) -> None:
         """Copy into the host copy every tensor that points at device memory and was written in
-        place since the last step (a step ends abnormally: its device copies are about to go)."""
+        place since the last step (a step ends abnormally: its device copies are about to go); a layer
+        the step left cast up (diffusers' casting hook casts down only after a forward that returned,
+        torchferry's own not after a KeyboardInterrupt) points at its own weights again first."""
+        if (casting := self._overrides.casting) is not None:
+            casting.undo()
         (engine := self.engine).unreplay()  # the packs' record, exact ([Note: replay])
         if engine.broken:
             return  # a failed collective may still write the slots: nothing in them is trusted

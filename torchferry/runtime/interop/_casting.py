@@ -115,7 +115,7 @@ class Casting:
         with torch.no_grad():
             for t, view in saved:
                 t.data = view.to(dtype)
-        self._saved[id(module)] = saved  # an entry left by a forward that raised was undone by its abort
+        self._saved[id(module)] = saved  # one a forward that raised left is undone by the guard (`undo`)
 
     def down(self, module: nn.Module) -> bool:
         """Point ``module``'s tensors back at what they pointed at before `up`; whether it had been up."""
