@@ -26,6 +26,8 @@ SESSIONS: list[dict[str, Any]] = [
 def test_a_session_run_on_the_cuda_path_gives_the_plain_output_and_never_docks(
     options: dict[str, Any],
 ) -> None:
+    """Three calls of each strategy on the CUDA path equal the plain calls, with every pack re-pointed,
+    no step replayed, and the waits and releases a CUDA session issues issued."""
     pipe, ref = toy.build(0), toy.build(0)
     expected = [ref("a cat", steps=2), ref("a dog", steps=3)]
     with cuda_path():
@@ -46,6 +48,7 @@ def test_a_session_run_on_the_cuda_path_gives_the_plain_output_and_never_docks(
 
 
 def test_sessions_opened_after_cuda_path_run_on_the_streams_they_ran_on_before() -> None:
+    """`cuda_path` sets the stream seam only inside: a session opened after it docks as before."""
     pipe = toy.build(0)
     with torchferry.offload(pipe.transformer, strategy="layerwise", device="cpu") as session:
         before = type(session.engine.streams)  # (the suite's conftest may have set the sanitizer)
