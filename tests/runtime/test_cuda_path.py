@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from module_checks import same_weights
+from toy_runs import Interrupt, interrupt_once
 
 import torchferry
 from torchferry import ExecutionError, OffloadWarning
@@ -148,10 +149,6 @@ def test_steady_calls_on_the_cuda_path_keep_what_the_device_holds_between_steps(
     assert torch.equal(out[0], ref("a cat", steps=3)) and torch.equal(out[1], ref("a dog", steps=2))
 
 
-class _Interrupt(BaseException):
-    """What a KeyboardInterrupt is to a forward: no hook of torch's runs after it."""
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("i", [0, 3])
 @pytest.mark.parametrize("options", SESSIONS, ids=lambda o: "-".join(map(str, o.values())))
@@ -163,19 +160,12 @@ def test_a_data_assignment_after_an_interrupted_step_is_adopted_on_the_cuda_path
     memory) must not take ``t`` for the engine's own pointer, nor point ``w`` away from it unseen.
     Before, both lost the edit silently on the re-pointed path."""
     pipe, ref = toy.build(0), toy.build(0)
-    armed = [True]
-
-    def interrupt(module: torch.nn.Module, args: object) -> None:
-        if armed:
-            armed.clear()
-            raise _Interrupt()
-
     with cuda_path():
         session = torchferry.offload(pipe, device="cpu", **options)
     with session:
         pipe("a cat", steps=2)
-        handle = pipe.transformer.blocks[5].register_forward_pre_hook(interrupt)
-        with pytest.raises(_Interrupt):
+        handle = pipe.transformer.blocks[5].register_forward_pre_hook(interrupt_once())
+        with pytest.raises(Interrupt):
             pipe("a cat", steps=2)
         handle.remove()
         for p in (pipe, ref):
@@ -233,19 +223,12 @@ def test_a_call_cut_short_inside_a_cast_layer_leaves_the_next_calls_exact_on_the
     next call's clean start must do it, not take the copies for an edit of another dtype and refuse
     every call after."""
     pipe = toy.build(0)
-    armed = [True]
-
-    def interrupt(module: torch.nn.Module, args: object) -> None:
-        if armed:
-            armed.clear()
-            raise _Interrupt()
-
     with cuda_path():
         session = torchferry.offload(pipe, strategy="layerwise", device="cpu", storage_dtype=torch.bfloat16)
     with session:
         expected = pipe("a cat", steps=2)
-        handle = pipe.transformer.blocks[3].fc1.register_forward_pre_hook(interrupt)
-        with pytest.raises(_Interrupt):
+        handle = pipe.transformer.blocks[3].fc1.register_forward_pre_hook(interrupt_once())
+        with pytest.raises(Interrupt):
             pipe("a cat", steps=2)
         handle.remove()
         got = [pipe("a cat", steps=2), pipe("a cat", steps=2)]

@@ -25,6 +25,7 @@ from toy_runs import (
     Interrupt,
     block,
     inputs,
+    interrupt_once,
     layerwise_peak,
     pair,
     run,
@@ -565,16 +566,9 @@ def test_a_tensor_assigned_after_an_interrupted_step_is_kept(config: str, i: int
     test runs both ways), the next call adopts ``t``'s values, which give the same outputs."""
     p, ref = pair()
     args = inputs()
-    state = {"armed": True}
-
-    def interrupt(module: nn.Module, inputs: Any) -> None:
-        if state["armed"]:
-            state["armed"] = False
-            raise Interrupt()
-
     with session(p, config):
         run(p, args)
-        handle = block(p, 5).register_forward_pre_hook(interrupt)
+        handle = block(p, 5).register_forward_pre_hook(interrupt_once())
         with pytest.raises(Interrupt):
             run(p, args)
         handle.remove()
@@ -596,13 +590,6 @@ def test_a_data_assignment_to_a_file_tier_weight_after_an_interrupted_step_is_re
     plan = topology.resolve(topology.discover(source), topology.OffloadConfig(strategy="layerwise"))
     host = int(policies.tiers(plan).host_bytes * 0.7)
     p = toy.build_empty()
-    armed = [True]
-
-    def interrupt(module: nn.Module, args: Any) -> None:
-        if armed:
-            armed.clear()
-            raise Interrupt()
-
     with (
         torch.no_grad(),
         torchferry.offload(
@@ -612,7 +599,7 @@ def test_a_data_assignment_to_a_file_tier_weight_after_an_interrupted_step_is_re
         p("a cat", steps=2)
         in_file = [n for n, u in s.engine.store.units.items() if u.packs[0].in_file and ".blocks." in n]
         assert in_file
-        handle = block(p, 5).register_forward_pre_hook(interrupt)
+        handle = block(p, 5).register_forward_pre_hook(interrupt_once())
         with pytest.raises(Interrupt):
             p("a cat", steps=2)
         handle.remove()

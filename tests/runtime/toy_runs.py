@@ -86,6 +86,19 @@ class Interrupt(BaseException):
     """A BaseException that is not an Exception (as KeyboardInterrupt is)."""
 
 
+def interrupt_once() -> Callable[[nn.Module, Any], None]:
+    """A forward pre hook that raises `Interrupt` at its first call, as a KeyboardInterrupt cuts a step
+    short, and lets every later call through."""
+    armed = [True]
+
+    def interrupt(module: nn.Module, args: Any) -> None:
+        if armed:
+            armed.clear()
+            raise Interrupt()
+
+    return interrupt
+
+
 def layerwise_peak() -> int:
     """The device peak of two calls of a fresh hidden-64 toy under layerwise depth 1 (DiT only)."""
     p = toy.build(0, hidden=64)

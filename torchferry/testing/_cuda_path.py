@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, final
 import torch
 
 from torchferry.runtime import DeviceBuffer, aligned_empty, stream_factory
+from torchferry.runtime.device import CpuStreams
 
 if TYPE_CHECKING:
     from torchferry.runtime import Engine, Reading, Timer
@@ -51,7 +52,8 @@ class _Event:
 
 @final
 class CudaPathStreams:
-    """A stream context with CUDA's shape over CPU memory (see the module docstring)."""
+    """A stream context with CUDA's shape over CPU memory (see the module docstring): the work is
+    `CpuStreams`' own, the events recorded and the calls counted are CUDA's."""
 
     docks = False  # each tensor is re-pointed, as on CUDA
 
@@ -62,9 +64,18 @@ class CudaPathStreams:
                 "use device='cpu' inside cuda_path()"
             )
         self.device = device
-        self.tracer: Timer | None = None
+        #: What carries out each copy, collective and read (its tracer is this context's).
+        self.cpu = CpuStreams(device)
         #: Calls the engine made, by kind: what a CUDA session would issue to its streams.
         self.calls: dict[str, int] = dict.fromkeys(("copy", "wait", "release", "collective"), 0)
+
+    @property
+    def tracer(self) -> Timer | None:
+        return self.cpu.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Timer | None) -> None:
+        self.cpu.tracer = tracer
 
     def begin(self, live: Iterable[DeviceBuffer]) -> None: ...
 
@@ -73,11 +84,7 @@ class CudaPathStreams:
 
     def copy_in(self, dst: DeviceBuffer, dst_bytes: torch.Tensor, src: torch.Tensor) -> None:
         self.calls["copy"] += 1
-        tracer = self.tracer
-        begin = None if tracer is None else tracer.mark()
-        dst_bytes.copy_(src)
-        if tracer is not None:
-            tracer.span("copy", begin, tracer.mark(), dst_bytes.nbytes)
+        self.cpu.copy_in(dst, dst_bytes, src)
         dst.ready.record()
 
     def before_read(self, staging: DeviceBuffer) -> Callable[[], None] | None:
@@ -91,19 +98,11 @@ class CudaPathStreams:
         staging.free.record()
 
     def fill(self, dst: DeviceBuffer, read: Callable[[], Reading]) -> None:
-        last = dst.filling  # a CPU device's read straight into its memory, as `CpuStreams` runs it
-        if last is not None:
-            dst.filling = None
-            last.wait()
-        dst.filling = read()
+        self.cpu.fill(dst, read)  # a CPU device's read straight into its memory
 
     def collective(self, dst: DeviceBuffer, src: DeviceBuffer, run: Callable[[], None]) -> None:
         self.calls["collective"] += 1
-        tracer = self.tracer
-        begin = None if tracer is None else tracer.mark()
-        run()
-        if tracer is not None:
-            tracer.span("comm", begin, tracer.mark())
+        self.cpu.collective(dst, src, run)
         dst.ready.record()
         if src.free is None:
             src.free = _Event()
@@ -111,14 +110,7 @@ class CudaPathStreams:
 
     def wait(self, transfer: DeviceBuffer) -> None:
         self.calls["wait"] += 1
-        filling = transfer.filling
-        if filling is not None:
-            transfer.filling = None
-            tracer = self.tracer
-            begin = None if tracer is None else tracer.mark()
-            filling.wait()
-            if tracer is not None:
-                tracer.span("compute", begin, tracer.mark(), kind="stall")
+        self.cpu.wait(transfer)  # (a read still filling the buffer: the host waits for it)
 
     def release(self, transfer: DeviceBuffer) -> None:
         self.calls["release"] += 1

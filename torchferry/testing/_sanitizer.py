@@ -433,7 +433,7 @@ def _ran(module: torch.nn.Module, args: Any, output: Any) -> None:
 _ran = torch.compiler.disable(_ran, recursive=True)  # type: ignore[no-untyped-call]
 
 
-def _factory(engine: Engine, docks: bool = True) -> StreamSanitizer:
+def _factory(engine: Engine, docks: bool) -> StreamSanitizer:
     sanitizer = StreamSanitizer(engine, docks=docks)
     _LIVE.add(sanitizer)
     return sanitizer
@@ -445,10 +445,10 @@ def sanitize(*, docks: bool = True) -> Iterator[None]:
 
     Swaps the engine's stream-context seam (`runtime.stream_factory`) and installs one global
     forward hook for block reads; both are restored on exit. ``docks=False`` re-points every tensor
-    instead of docking packs, as a CUDA session does (`torchferry.testing.cuda_path` without the
-    ordering checks).
+    instead of docking packs, as a CUDA session does (what `torchferry.testing.cuda_path` does, here
+    with the ordering checks).
     """
-    before = stream_factory(_factory if docks else functools.partial(_factory, docks=False))
+    before = stream_factory(functools.partial(_factory, docks=docks))
     handle = torch.nn.modules.module.register_module_forward_hook(_ran)
     try:
         yield
