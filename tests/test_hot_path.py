@@ -56,9 +56,11 @@ BUDGETS: dict[str, tuple[float, float, float, float]] = {
     # 16.2, 380, 4.8; watched: 11.4, 16.1, 366, 13.6; by a Python function per move: 14.0, 19.0, 418, 13.6)
     "dit layerwise bare": (15.2, 16.7, 413.0, 5.4),
     # the same bare DiT as a CUDA session runs it (`torchferry.testing.cuda_path`: each tensor re-pointed,
-    # every wait and release issued, no replay), the calls into the stream context counted as calls of
-    # other code: 23.0, 26.8, 818, 72.2 (24.0, 27.6, 864, 72.2 before the step end found the re-pointed
-    # packs back at their host buffers in C, and a pack that never docks stopped looking for its holder)
+    # every wait and release issued, no replay), its copies and waits counted as torchferry's own, as a
+    # CUDA session's `CudaStreams` are (`CudaPathStreams` carries them out through `CpuStreams`): 25.0,
+    # 27.8, 838, 73.2 (23.0, 26.8, 818, 72.2 with the stream context's work uncounted; 24.0, 27.6, 864,
+    # 72.2 before the step end found the re-pointed packs back at their host buffers in C, and a pack
+    # that never docks stopped looking for its holder)
     "dit layerwise bare, CUDA's path": (25.5, 29.5, 900.0, 79.5),
     # a call of the toy pipeline (encoder, two DiT steps, decoder) over its 18 streamed blocks, whose
     # slots move between components: the DiT's second step is replayed over views made anew at each
@@ -70,7 +72,8 @@ BUDGETS: dict[str, tuple[float, float, float, float]] = {
     # 32.7, 1635)
     "pipeline layerwise": (37.5, 43.5, 1265.0, 26.0),
     # the same call as a CUDA session runs it (`torchferry.testing.cuda_path`), its blocks re-pointed
-    # tensor by tensor, nothing replayed: 33.3, 34.8, 1133, 99.4
+    # tensor by tensor, nothing replayed: 35.3, 35.8, 1153, 100.4 (33.3, 34.8, 1133, 99.4 with the stream
+    # context's work uncounted)
     "pipeline layerwise, CUDA's path": (36.5, 38.5, 1250.0, 109.5),
     # the same with part of the blocks in the file tier (read from the checkpoint at every use; a
     # file-tier pack is re-pointed): 44.8, 42.7, 1382, 120.3 with the calls of other code (39.3, 42.7,
@@ -87,7 +90,8 @@ BUDGETS: dict[str, tuple[float, float, float, float]] = {
     # steady: 72.0, 104.8, 3357, 615.8, re-pointed tensor by tensor; first: 161.5, 183.0, 6212)
     "pipeline model_level": (87.0, 69.5, 1890.0, 287.0),
     # model_level as a CUDA session runs it, each staged component re-pointed tensor by tensor (where the
-    # CPU docks it): 77.5, 99.5, 3446, 615.5
+    # CPU docks it): 78.5, 99.8, 3454, 615.8 (77.5, 99.5, 3446, 615.5 with the stream context's work
+    # uncounted)
     "pipeline model_level, CUDA's path": (85.5, 109.5, 3800.0, 677.0),
 }
 
