@@ -30,6 +30,11 @@ goes on), ``DIR/gpu_check.json`` is rewritten after every row, and one table is 
 - ``host per block``: the host time torchferry's own code adds per streamed block (layerwise less
   resident, least host time to issue a steady forward, alternating rounds: on CUDA the copies are
   queued, so this is all bookkeeping) and its deterministic count of calls and instructions per block;
+- ``uva dock``: could a CUDA session dock its packs as a CPU session does (``uva_dock.py``, in a child
+  process)? A block's two moves re-pointed tensor by tensor (CUDA's path now) against one storage
+  exchange each, with the block's tensors CUDA tensors over their pinned host buffers between uses:
+  host time per block bare and in place, bit identity, every block read from its slot, and whether
+  such a weight reads right between forwards (a kernel, ``.cpu()``, a device copy), with the rates;
 - ``ordering stress``: bit identity with ``torch.cuda._sleep`` on the copy stream before each copy
   and on compute before each evict, depth 1 and 2, and the bytes compute reads: inside every
   block's forward (after its wait) a checksum of each weight's bits, on the compute stream, must be
@@ -1214,6 +1219,7 @@ _FIGURES: dict[str, Callable[[Any], str]] = {
     "blocks_docked": lambda v: f"blocks docked {v}",
     "blocks_repointed": lambda v: f"re-pointed {v}",
     "weights_identical": lambda v: f"weights identical {v}",
+    "dock_verdict": str,
     "gpu": str,
     "pcie.link.gen.current": lambda v: f"PCIe gen {v}",
     "pcie.link.width.current": lambda v: f"x{v}",
@@ -1291,6 +1297,31 @@ def quantized_row(check: Check) -> dict[str, Any]:
     for f in forms.values():
         if "step" in f and "step" in full:
             f["step_over_full"] = f["step"]["median_s"] / full["step"]["median_s"]
+    return result
+
+
+def uva_dock_row(check: Check) -> dict[str, Any]:
+    """Could a CUDA session dock its packs as a CPU session does (issue 40)? `uva_dock.py`'s experiment,
+    in a child process on CUDA: a block's two moves re-pointed (CUDA's path now) and as one storage
+    exchange each, with the block's tensors CUDA tensors over their pinned host buffers between uses
+    (bare and in place, us per block), bit identity of both with resident, and reads of such a weight
+    between forwards (a kernel, ``.cpu()``, a device copy) right or not, with their rates. It fails
+    only when it could not measure, or a form is not bit-identical; what it finds decides the design."""
+    uva: Any = importlib.import_module("uva_dock")
+    out = check.out.parent / "uva_dock.json"
+    result: dict[str, Any] = uva.isolated(check.device, quick=check.quick, out=out, timeout=check.budget(120))
+    say(uva.report(result))
+    if "failed" in result or "bare_moves_per_block_us" not in result:
+        raise AssertionError(result.get("failed", "uva_dock measured nothing"))
+    wrong = [name for name, same in result["bit_identical"].items() if not same]
+    wrong += [f"{name} (not read from its slot)" for name, there in result["in_slot"].items() if not there]
+    if wrong:
+        raise AssertionError(f"not bit-identical to the resident run, or not moved: {', '.join(wrong)}")
+    moves, reads = result["in_place_per_block_us"], result["weights_between_forwards"]["read"]
+    result["dock_verdict"] = (
+        f"moves in place re-pointed {moves['re-pointed']:.1f} us/block, docked {moves['docked']:.1f}; "
+        f"reads between forwards {'right' if all(reads.values()) else 'WRONG: ' + str(reads)}"
+    )
     return result
 
 
@@ -1474,6 +1505,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check.row("transfer bound", check.transfer_bound)
     check.row("host syncs", check.host_syncs)
     check.row("host per block", check.host_per_block)
+    check.row("uva dock", functools.partial(uva_dock_row, check))
     check.row("ordering stress", check.ordering_stress)
     check.row("cuda sanitizer", check.sanitizer)
     check.row("open close", check.open_close)

@@ -98,6 +98,8 @@ def test_gpu_check_runs_on_cpu_with_only_torch_and_torchferry(tmp_path: Path) ->
     path = rows["cuda path"]
     assert path["stream_context"] == "CpuStreams" and path["probe_fired"] is True
     assert path["block_params_in_a_slot"] is True and path["block_params_256_aligned"] is True
+    uva = rows["uva dock"]  # the experiment for docking on CUDA, its logic on the CPU
+    assert uva["bit_identical"] == uva["in_slot"] == {"re-pointed": True, "docked": True}
     stress = rows["ordering stress"]
     calls = 3 * result["size"]["blocks"]
     for depth in (1, 2):
@@ -267,6 +269,30 @@ def test_auto_benchmark_runs_on_cpu(tmp_path: Path) -> None:
     for r in rows:
         assert r["auto"]["min_s"] > 0 and r["predicted_s"] > 0 and r["best_stats"]["min_s"] > 0
         assert r["auto_vs_best"] == pytest.approx(r["auto"]["min_s"] / r["best_stats"]["min_s"] - 1)
+
+
+def test_uva_dock_sees_each_move_and_each_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """uva_dock's experiment on the CPU, in a child process as on CUDA (its JSON written after each
+    phase): both forms bit-identical with resident, every block read from its slot, a docked weight read
+    right three ways between forwards. A docked move that exchanges nothing is caught: its output is
+    still identical (read from host memory), but not from its slot. A child past its timeout says so."""
+    uva = _module("uva_dock")
+    cpu = torch.device("cpu")
+    found = uva.isolated(cpu, quick=True, out=tmp_path / "uva.json", timeout=120, child=True)
+    assert "failed" not in found
+    assert found["bit_identical"] == found["in_slot"] == {"re-pointed": True, "docked": True}
+    assert found["weights_between_forwards"] == {
+        "device": "cpu",
+        "read": {"kernel sum": True, ".cpu()": True, "device copy": True},
+    }
+    assert all(rate > 0 for rate in found["read_bytes_per_s"].values())
+    assert "read from its slot" in uva.report(found)
+    monkeypatch.setattr(uva, "SWAP", lambda mapped, slot: None)
+    broken = uva.measure(cpu, quick=True)
+    assert broken["bit_identical"] == {"re-pointed": True, "docked": True}
+    assert broken["in_slot"] == {"re-pointed": True, "docked": False}
+    late = uva.isolated(cpu, quick=True, out=tmp_path / "late.json", timeout=0.5, child=True)
+    assert late == {"device": "cpu", "failed": "the child ran past 0.5 s"}
 
 
 def _cpu_check(tmp_path: Path) -> Any:

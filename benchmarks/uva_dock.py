@@ -1,0 +1,450 @@
+"""Could a CUDA session dock its packs as a CPU session does? The experiment behind issue 40's last lever.
+
+A CUDA session moves a streamed block by re-pointing each of its tensors at the block's slot at the
+block's wait, and back at its host copy at its evict (`Pack.point`: the 27 tensors of a Wan block,
+twice a step), because a CPU tensor cannot read device memory. A CPU session exchanges one storage per
+move instead ([Note: docking] in ``torchferry/runtime/memory/_pack.py``), for a fraction of the host
+time. With unified addressing a CUDA tensor can view pinned host memory: were each streamed tensor a
+CUDA tensor over its host buffer between uses, a CUDA move could be one storage exchange too. This
+script measures what that would give and what it would cost, on a stack of blocks of 27 tensors (13
+linear layers and a scale), their host buffers allocated and pinned as the host store's are
+(`HostMemory`; ``cudaHostRegister`` on CUDA), streamed through a ring of two slots on one stream:
+
+- the host time of a block's two moves, re-pointed and docked: bare (a warm loop over one block) and
+  in place (the least host time to issue a forward, less the resident model's, forms alternating
+  round by round; on CUDA the copies are queued, so this is the moves and their hooks);
+- bit identity of a forward each way with the resident model's;
+- what reads of a weight between steps give when it is a CUDA tensor over host memory (a kernel's
+  sum of its bits, ``.cpu()``, a device copy from it) against its host bytes, and how fast each reads
+  a large buffer, beside a device buffer and a pinned host-to-device copy.
+
+On CUDA the measuring runs in a child process, so a sticky CUDA error (an illegal address, were the
+device unable to read registered memory through the host pointer) cannot end the caller's CUDA
+context; gpu_check's ``uva dock`` row runs it so. On the CPU the same logic runs in process (the
+"mapped" storage is a second storage over the host buffer, which is what a CPU session docks), as the
+smoke test CI runs.
+
+    python benchmarks/uva_dock.py [--cpu] [--quick] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import _common as common  # first: puts the repository root on sys.path
+import torch
+from torch import nn
+
+from torchferry.runtime.memory._pinning import CudaPinner, HostMemory
+
+#: Linear layers per block: 13 weights, 13 biases and a scale make the 27 tensors of a Wan block.
+LINEARS = 13
+#: Each tensor's offset in its block's buffer, as the host store aligns them.
+ALIGN = 256
+#: The storage exchange a CPU session docks with, and a storage over memory it does not own.
+SWAP: Any = vars(torch._C.StorageBase).get("_swap_data_ptr_")
+FOREIGN: Any = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+#: ``tensor.data = view``, as a C function a ``map`` can call.
+SET_DATA: Any = vars(torch._C.TensorBase)["data"].__set__
+#: (blocks, hidden, tokens, rounds, bare loop repeats, MiB read by the throughput figures)
+SIZES = {
+    ("cuda", False): (24, 256, 16, 30, 2000, 256),
+    ("cuda", True): (8, 128, 8, 8, 300, 32),
+    ("cpu", False): (24, 64, 8, 20, 2000, 16),
+    ("cpu", True): (6, 32, 4, 4, 200, 2),
+}
+_consume = collections.deque(maxlen=0).extend
+
+
+class Block(nn.Module):
+    """13 linear layers, each followed by a tanh, and a scale: 27 tensors."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(LINEARS))
+        self.scale = nn.Parameter(torch.rand(hidden) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for linear in self.linears:
+            x = torch.tanh(linear(x))
+        return x * self.scale
+
+
+def stack(blocks: int, hidden: int, seed: int = 0) -> nn.Sequential:
+    """``blocks`` blocks, weights a function of ``seed``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*(Block(hidden) for _ in range(blocks))).eval()
+
+
+def layout(block: nn.Module) -> tuple[list[int], int]:
+    """Each parameter's offset in its block's buffer (``ALIGN``-aligned), and the buffer's size."""
+    offsets, at = [], 0
+    for p in block.parameters():
+        offsets.append(at)
+        at += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+    return offsets, at
+
+
+def views(flat: torch.Tensor, block: nn.Module, offsets: list[int]) -> list[torch.Tensor]:
+    """Views of ``flat`` (bytes) shaped as ``block``'s parameters, at ``offsets``."""
+    return [
+        flat.narrow(0, at, p.numel() * p.element_size()).view(p.dtype).view(p.shape)
+        for p, at in zip(block.parameters(), offsets, strict=True)
+    ]
+
+
+def over(storage: torch.UntypedStorage, device: torch.device, nbytes: int) -> torch.Tensor:
+    """A flat byte tensor on ``device`` over ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+
+
+class Streamed:
+    """``model``'s blocks streamed through a ring of two slots on the current stream: at each block's
+    forward pre hook its host buffer is copied into its slot (queued, from pinned memory on CUDA) and
+    the block moves there; at its forward hook it moves back. ``docked``: its tensors view one storage
+    over the host buffer (a CUDA storage over the host pointer on CUDA), exchanged with a storage over
+    the slot at each move; else each tensor is re-pointed, host views to slot views and back, as a
+    CUDA session moves a block now. On one stream every copy into a slot is queued after the kernels
+    of the block that used the slot before, so no event is needed."""
+
+    def __init__(self, model: nn.Sequential, device: torch.device, memory: HostMemory, docked: bool) -> None:
+        blocks = list(model)
+        offsets, nbytes = layout(blocks[0])
+        self.nbytes = nbytes
+        self.slots = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.slot_storages = [FOREIGN(s.data_ptr(), device, nbytes) for s in self.slots]
+        self.slot_views = [views(s, blocks[0], offsets) for s in self.slots]
+        self.hosts: list[torch.Tensor] = []
+        self.host_views: list[list[torch.Tensor]] = []
+        self.mapped: list[torch.UntypedStorage] = []
+        self.handles: list[Any] = []
+        for i, block in enumerate(blocks):
+            host = memory.alloc(f"{'docked' if docked else 'repointed'} {i}", nbytes)
+            host_views = views(host, block, offsets)
+            params = list(block.parameters())
+            with torch.no_grad():
+                for v, p in zip(host_views, params, strict=True):
+                    v.copy_(p.detach().to("cpu"))
+            if docked:
+                mapped = FOREIGN(host.data_ptr(), device, nbytes)
+                for p, v in zip(params, views(over(mapped, device, nbytes), block, offsets), strict=True):
+                    p.data = v
+                self.mapped.append(mapped)
+            else:
+                _consume(map(SET_DATA, params, host_views))
+            self.hosts.append(host)
+            self.host_views.append(host_views)
+            self.handles += self._hooks(i, block, params, docked)
+
+    def _hooks(self, i: int, block: nn.Module, params: list[nn.Parameter], docked: bool) -> list[Any]:
+        slot, host = self.slots[i % 2], self.hosts[i]
+        if docked:
+            mapped, at_slot = self.mapped[i], self.slot_storages[i % 2]
+
+            def dock(module: nn.Module, args: Any) -> None:
+                slot.copy_(host, non_blocking=True)
+                SWAP(mapped, at_slot)
+
+            def undock(module: nn.Module, args: Any, out: Any) -> None:
+                SWAP(mapped, at_slot)
+
+            return [block.register_forward_pre_hook(dock), block.register_forward_hook(undock)]
+        slot_views, host_views = self.slot_views[i % 2], self.host_views[i]
+
+        def point(module: nn.Module, args: Any) -> None:
+            slot.copy_(host, non_blocking=True)
+            _consume(map(SET_DATA, params, slot_views))
+
+        def back(module: nn.Module, args: Any, out: Any) -> None:
+            _consume(map(SET_DATA, params, host_views))
+
+        return [block.register_forward_pre_hook(point), block.register_forward_hook(back)]
+
+
+def probed(streamed: Streamed, model: nn.Sequential) -> tuple[list[Any], list[bool]]:
+    """Forward pre hooks on ``model``'s blocks, run after ``streamed``'s: whether every weight a block
+    runs with is inside its slot (bytes read from host memory would give the same output, so the
+    output alone cannot tell that a move happened). Their handles, and a list each call appends to."""
+    seen: list[bool] = []
+    handles = []
+    for i, block in enumerate(model):
+        low = streamed.slots[i % 2].data_ptr()
+
+        def check(module: nn.Module, args: Any, low: int = low) -> None:
+            seen.append(all(low <= p.data_ptr() < low + streamed.nbytes for p in module.parameters()))
+
+        handles.append(block.register_forward_pre_hook(check))
+    return handles, seen
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """The least wall time of ``fn`` over ``repeats``, drained before and after each."""
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        began = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+def _bits(t: torch.Tensor) -> int:
+    """The sum of ``t``'s 32-bit words as integers, computed where ``t`` is (order does not matter)."""
+    return int(t.contiguous().view(torch.int32).to(torch.int64).sum().item())
+
+
+def bare(streamed: Streamed, block: nn.Module, repeats: int, docked: bool) -> float:
+    """Seconds for block 0's two moves (there and back), in a warm loop, per block."""
+    params = list(block.parameters())
+    mapped = streamed.mapped[0] if docked else None
+    at_slot, slot_views, host_views = (
+        streamed.slot_storages[0],
+        streamed.slot_views[0],
+        streamed.host_views[0],
+    )
+    began = time.perf_counter()
+    if mapped is not None:
+        for _ in range(repeats):
+            SWAP(mapped, at_slot)
+            SWAP(mapped, at_slot)
+    else:
+        for _ in range(repeats):
+            _consume(map(SET_DATA, params, slot_views))
+            _consume(map(SET_DATA, params, host_views))
+    return (time.perf_counter() - began) / repeats
+
+
+def reads(streamed: Streamed, block: nn.Module, device: torch.device) -> dict[str, bool]:
+    """Block 0's weights between forwards (a CUDA tensor over host memory, docked on CUDA), read
+    three ways, each against the bits of its host bytes."""
+    found = {"kernel sum": True, ".cpu()": True, "device copy": True}
+    for p, host in zip(block.parameters(), streamed.host_views[0], strict=True):
+        want = _bits(host)
+        found["kernel sum"] &= p.device == device and _bits(p.detach()) == want
+        found[".cpu()"] &= torch.equal(p.detach().cpu().view(torch.int32), host.view(torch.int32))
+        copied = torch.empty_like(p, device=device).copy_(p.detach())
+        found["device copy"] &= torch.equal(copied.cpu().view(torch.int32), host.view(torch.int32))
+    return found
+
+
+def throughput(device: torch.device, memory: HostMemory, mib: int) -> dict[str, float]:
+    """Bytes per second to read ``mib`` MiB: a kernel over device memory and over host memory viewed
+    as a device tensor, ``.cpu()`` of that view, a device copy from it, and a pinned host-to-device copy."""
+    nbytes = mib << 20
+    host = memory.alloc("throughput", nbytes)
+    host.fill_(1)
+    mapped = over(FOREIGN(host.data_ptr(), device, nbytes), device, nbytes).view(torch.int32)
+    on_device = torch.ones(nbytes // 4, dtype=torch.int32, device=device)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    forms: dict[str, Callable[[], object]] = {
+        "kernel over device memory": on_device.sum,
+        "kernel over host memory": mapped.sum,
+        "device copy from host memory": lambda: target.view(torch.int32).copy_(mapped),
+        "pinned host-to-device copy": lambda: target.copy_(host, non_blocking=True),
+    }
+    if device.type == "cuda":  # (on the CPU it returns the tensor itself)
+        forms[".cpu() of host memory"] = mapped.cpu
+    try:
+        return {name: nbytes / _timed(fn, device) for name, fn in forms.items()}
+    finally:
+        memory.release("throughput")
+
+
+def measure(
+    device: torch.device, *, quick: bool = False, save: Callable[[dict[str, Any]], object] | None = None
+) -> dict[str, Any]:
+    """The experiment on ``device``, in this process (see the module's docstring). ``save`` gets the
+    result so far after each phase (the forwards and their timing, the reads between forwards, the
+    read rates), so a phase that ends the process leaves what came before it."""
+    if SWAP is None or FOREIGN is None:
+        raise RuntimeError(f"torch {torch.__version__} has no storage exchange or foreign storage")
+    blocks, hidden, tokens, rounds, repeats, mib = SIZES[device.type, quick]
+    cuda = device.type == "cuda"
+    if cuda and device.index is None:  # (a storage over a pointer names its device whole)
+        device = torch.device("cuda", torch.cuda.current_device())
+    memory = HostMemory(CudaPinner() if cuda else None)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, hidden, generator=g).to(device)
+    forms: dict[str, nn.Sequential] = {"resident": stack(blocks, hidden).to(device)}
+    streamed: dict[str, Streamed] = {}
+    for name, docked in (("re-pointed", False), ("docked", True)):
+        forms[name] = stack(blocks, hidden)
+        streamed[name] = Streamed(forms[name], device, memory, docked)
+    result: dict[str, Any] = {
+        "device": str(device),
+        "blocks": blocks,
+        "tensors_per_block": 2 * LINEARS + 1,
+        "block_bytes": streamed["docked"].nbytes,
+        "pinned": memory.pinned,
+    }
+    with torch.no_grad():
+        want = forms["resident"](x).cpu()
+        result["bit_identical"], result["in_slot"] = {}, {}
+        for name, moved in streamed.items():
+            handles, seen = probed(moved, forms[name])
+            result["bit_identical"][name] = torch.equal(forms[name](x).cpu(), want)
+            result["in_slot"][name] = len(seen) == blocks and all(seen)
+            for handle in handles:
+                handle.remove()
+        enqueue: dict[str, list[float]] = {name: [] for name in forms}
+        for r in range(rounds):
+            for name in forms if r % 2 == 0 else reversed(forms):
+                _sync(device)
+                began = time.perf_counter()
+                forms[name](x)
+                enqueue[name].append(time.perf_counter() - began)
+                _sync(device)
+        for name in streamed:
+            result["bit_identical"][name] &= torch.equal(forms[name](x).cpu(), want)
+    least = {name: min(samples) for name, samples in enqueue.items()}
+    result["enqueue_per_block_us"] = {
+        name: asdict(common.Stats.of([s / blocks * 1e6 for s in samples]))
+        for name, samples in enqueue.items()
+    }
+    result["in_place_per_block_us"] = {
+        name: (least[name] - least["resident"]) / blocks * 1e6 for name in streamed
+    }
+    result["bare_moves_per_block_us"] = {
+        name: bare(streamed[name], forms[name][0], repeats, name == "docked") * 1e6 for name in streamed
+    }
+    if save is not None:
+        save(result)
+    docked_block = forms["docked"][0]
+    result["weights_between_forwards"] = {
+        "device": str(next(docked_block.parameters()).device),
+        "read": reads(streamed["docked"], docked_block, device),
+    }
+    if save is not None:
+        save(result)
+    result["read_bytes_per_s"] = throughput(device, memory, mib)
+    if save is not None:
+        save(result)
+    return result
+
+
+def report(result: dict[str, Any]) -> str:
+    """The result as a table and a few lines (as far as it got)."""
+    if "bare_moves_per_block_us" not in result:
+        why = result.get("failed", "nothing measured")
+        return f"uva_dock on {result.get('device', '?')}: no figures ({why})"
+    rows = [
+        [
+            name,
+            f"{result['bare_moves_per_block_us'][name]:.2f}",
+            f"{result['in_place_per_block_us'][name]:.2f}",
+            "yes" if result["bit_identical"][name] else "NO",
+            "yes" if result["in_slot"][name] else "NO",
+        ]
+        for name in ("re-pointed", "docked")
+    ]
+    between = result.get("weights_between_forwards", {"device": "?", "read": {}})
+    lines = [
+        f"uva_dock on {result['device']}: {result['blocks']} blocks of {result['tensors_per_block']} tensors "
+        f"({common.fmt_bytes(result['block_bytes'])}), host buffers pinned: {result['pinned']}",
+        common.table(
+            [
+                "a block's two moves",
+                "bare us/block",
+                "in place us/block over resident",
+                "bit-identical",
+                "read from its slot",
+            ],
+            rows,
+        ),
+        f"weights between forwards, docked: device {between['device']}; read "
+        + (
+            ", ".join(f"{how} {'right' if ok else 'WRONG'}" for how, ok in between["read"].items())
+            or "not reached"
+        ),
+        "reads: "
+        + (
+            ", ".join(
+                f"{how} {rate / 1e9:.2f} GB/s" for how, rate in result.get("read_bytes_per_s", {}).items()
+            )
+            or "not reached"
+        ),
+    ]
+    if result["device"] == "cpu":
+        lines.append(
+            "(on the CPU copies and compute are synchronous and a slot's bytes are warm from their copy, so "
+            "in place figures hold the copy and can fall below resident; the figures that matter are CUDA's)"
+        )
+    if "failed" in result:
+        lines.append(f"FAILED after that: {result['failed']}")
+    return "\n".join(lines)
+
+
+def isolated(
+    device: torch.device, *, quick: bool, out: Path, timeout: float, child: bool | None = None
+) -> dict[str, Any]:
+    """`measure` on ``device``: in a child process on CUDA, or where ``child`` says so (its JSON at
+    ``out``, written after each phase), in this one elsewhere. A child that failed leaves what it
+    measured before, and ``failed``: why, with the last lines it printed."""
+    if not (device.type == "cuda" if child is None else child):
+        return measure(device, quick=quick)
+    out.unlink(missing_ok=True)
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", str(out)]
+    command += (["--quick"] if quick else []) + ([] if device.type == "cuda" else ["--cpu"])
+    try:
+        done = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        failed = None
+        if done.returncode != 0:
+            tail = (done.stdout + done.stderr).strip().splitlines()[-12:]
+            failed = f"the child exited with {done.returncode}: " + " | ".join(tail)
+    except subprocess.TimeoutExpired:
+        failed = f"the child ran past {timeout:g} s"
+    found: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"device": str(device)}
+    found.pop("machine", None)
+    if failed is not None:
+        found["failed"] = failed
+    return found
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is present")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument("--out", type=Path, default=common.RESULTS / "uva_dock.json", help="the JSON file")
+    parser.add_argument("--child", action="store_true", help="measure in this process (CUDA's child)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _arguments(argv)
+    cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    if not cuda:
+        common.pin_threads(1)
+    if args.child or not cuda:
+        result = measure(device, quick=args.quick, save=lambda found: common.write_json(args.out, found))
+    else:
+        result = isolated(device, quick=args.quick, out=args.out, timeout=300)
+        common.write_json(args.out, result)
+    print(report(result))
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
