@@ -1311,17 +1311,20 @@ def uva_dock_row(check: Check) -> dict[str, Any]:
     out = check.out.parent / "uva_dock.json"
     result: dict[str, Any] = uva.isolated(check.device, quick=check.quick, out=out, timeout=check.budget(120))
     say(uva.report(result))
-    if "failed" in result or "bare_moves_per_block_us" not in result:
+    if "bare_moves_per_block_us" not in result:
         raise AssertionError(result.get("failed", "uva_dock measured nothing"))
     wrong = [name for name, same in result["bit_identical"].items() if not same]
     wrong += [f"{name} (not read from its slot)" for name, there in result["in_slot"].items() if not there]
     if wrong:
         raise AssertionError(f"not bit-identical to the resident run, or not moved: {', '.join(wrong)}")
-    moves, reads = result["in_place_per_block_us"], result["weights_between_forwards"]["read"]
+    moves = result["in_place_per_block_us"]
+    reads = result.get("weights_between_forwards", {}).get("read", {})
+    right = reads and all(ok is True for ok in reads.values())
     result["dock_verdict"] = (
         f"moves in place re-pointed {moves['re-pointed']:.1f} us/block, docked {moves['docked']:.1f}; "
-        f"reads between forwards {'right' if all(reads.values()) else 'WRONG: ' + str(reads)}"
-    )
+        f"reads between forwards {'right' if right else 'NOT ALL RIGHT: ' + str(reads)}"
+        + (f"; then the child FAILED: {result['failed']}" if "failed" in result else "")
+    )  # (a read that fails is an answer, not a failed row: the figures stay in the row)
     return result
 
 

@@ -12,11 +12,15 @@ linear layers and a scale), their host buffers allocated and pinned as the host 
 
 - the host time of a block's two moves, re-pointed and docked: bare (a warm loop over one block) and
   in place (the least host time to issue a forward, less the resident model's, forms alternating
-  round by round; on CUDA the copies are queued, so this is the moves and their hooks);
+  round by round; on CUDA the copies are queued, so this holds the moves, the two hooks that make
+  them and the copy's issue, the same in both forms but for the moves);
 - bit identity of a forward each way with the resident model's;
-- what reads of a weight between steps give when it is a CUDA tensor over host memory (a kernel's
-  sum of its bits, ``.cpu()``, a device copy from it) against its host bytes, and how fast each reads
-  a large buffer, beside a device buffer and a pinned host-to-device copy.
+- what reads of a weight between steps give when it is a CUDA tensor over host memory (``.cpu()``, a
+  device copy from it, a kernel's sum of its bits) against its host bytes, each read's error kept if
+  it raises, and how fast each reads a large buffer, beside a device buffer and a pinned
+  host-to-device copy; and the device's two attributes that decide whether it can (unified
+  addressing, and the host pointer usable for registered memory). A run on pageable memory (pinning
+  refused) stops before the reads, whose answer would not hold for the host store.
 
 On CUDA the measuring runs in a child process, so a sticky CUDA error (an illegal address, were the
 device unable to read registered memory through the host pointer) cannot end the caller's CUDA
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import json
 import subprocess
 import sys
@@ -44,7 +49,7 @@ import _common as common  # first: puts the repository root on sys.path
 import torch
 from torch import nn
 
-from torchferry.runtime.memory._pinning import CudaPinner, HostMemory
+from torchferry.runtime.memory._pinning import CudaPinner, HostMemory, _loaded
 
 #: Linear layers per block: 13 weights, 13 biases and a scale make the 27 tensors of a Wan block.
 LINEARS = 13
@@ -229,40 +234,88 @@ def bare(streamed: Streamed, block: nn.Module, repeats: int, docked: bool) -> fl
     return (time.perf_counter() - began) / repeats
 
 
-def reads(streamed: Streamed, block: nn.Module, device: torch.device) -> dict[str, bool]:
-    """Block 0's weights between forwards (a CUDA tensor over host memory, docked on CUDA), read
-    three ways, each against the bits of its host bytes."""
-    found = {"kernel sum": True, ".cpu()": True, "device copy": True}
-    for p, host in zip(block.parameters(), streamed.host_views[0], strict=True):
-        want = _bits(host)
-        found["kernel sum"] &= p.device == device and _bits(p.detach()) == want
-        found[".cpu()"] &= torch.equal(p.detach().cpu().view(torch.int32), host.view(torch.int32))
-        copied = torch.empty_like(p, device=device).copy_(p.detach())
-        found["device copy"] &= torch.equal(copied.cpu().view(torch.int32), host.view(torch.int32))
-    return found
+#: The reads of a docked weight between forwards, copies first: a kernel that faults on host memory
+#: ends the process's CUDA context, a copy refused for its kind raises and leaves it working.
+READS = (".cpu()", "device copy", "kernel sum")
 
 
-def throughput(device: torch.device, memory: HostMemory, mib: int) -> dict[str, float]:
-    """Bytes per second to read ``mib`` MiB: a kernel over device memory and over host memory viewed
-    as a device tensor, ``.cpu()`` of that view, a device copy from it, and a pinned host-to-device copy."""
+def read(how: str, p: torch.Tensor, host: torch.Tensor, device: torch.device) -> bool:
+    """Whether weight ``p`` read ``how`` gives the bits of its host bytes ``host``."""
+    if how == "kernel sum":
+        return p.device == device and _bits(p.detach()) == _bits(host)
+    got = p.detach().cpu() if how == ".cpu()" else torch.empty_like(p, device=device).copy_(p.detach()).cpu()
+    return torch.equal(got.view(torch.int32), host.view(torch.int32))
+
+
+def reads(
+    streamed: Streamed,
+    block: nn.Module,
+    device: torch.device,
+    found: dict[str, Any],
+    save: Callable[[], object],
+) -> None:
+    """Block 0's weights between forwards (CUDA tensors over host memory, docked on CUDA), read each
+    way in `READS`, into ``found``: whether every weight gave its host bytes, or the error the read
+    raised; ``save`` after each."""
+    for how in READS:
+        try:
+            found[how] = all(
+                read(how, p, host, device)
+                for p, host in zip(block.parameters(), streamed.host_views[0], strict=True)
+            )
+        except Exception as exc:
+            found[how] = f"{type(exc).__name__}: {exc}"
+        save()
+
+
+def throughput(
+    device: torch.device, memory: HostMemory, mib: int, found: dict[str, Any], save: Callable[[], object]
+) -> None:
+    """Bytes per second to read ``mib`` MiB, into ``found`` (or the error each raised): a kernel over
+    device memory and over host memory viewed as a device tensor, a copy from that view to the CPU
+    (into memory allocated before) and to the device, and a pinned host-to-device copy; ``save``
+    after each."""
     nbytes = mib << 20
     host = memory.alloc("throughput", nbytes)
-    host.fill_(1)
-    mapped = over(FOREIGN(host.data_ptr(), device, nbytes), device, nbytes).view(torch.int32)
-    on_device = torch.ones(nbytes // 4, dtype=torch.int32, device=device)
-    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    forms: dict[str, Callable[[], object]] = {
-        "kernel over device memory": on_device.sum,
-        "kernel over host memory": mapped.sum,
-        "device copy from host memory": lambda: target.view(torch.int32).copy_(mapped),
-        "pinned host-to-device copy": lambda: target.copy_(host, non_blocking=True),
-    }
-    if device.type == "cuda":  # (on the CPU it returns the tensor itself)
-        forms[".cpu() of host memory"] = mapped.cpu
     try:
-        return {name: nbytes / _timed(fn, device) for name, fn in forms.items()}
+        host.fill_(1)
+        mapped = over(FOREIGN(host.data_ptr(), device, nbytes), device, nbytes).view(torch.int32)
+        on_device = torch.ones(nbytes // 4, dtype=torch.int32, device=device)
+        target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        on_cpu = torch.empty(nbytes // 4, dtype=torch.int32)
+        forms: dict[str, Callable[[], object]] = {
+            "pinned host-to-device copy": lambda: target.copy_(host, non_blocking=True),
+            "kernel over device memory": on_device.sum,
+            "copy to the CPU from host memory": lambda: on_cpu.copy_(mapped),
+            "device copy from host memory": lambda: target.view(torch.int32).copy_(mapped),
+            "kernel over host memory": mapped.sum,  # (last: see `READS`)
+        }
+        for name, fn in forms.items():
+            try:
+                found[name] = nbytes / _timed(fn, device)
+            except Exception as exc:
+                found[name] = f"{type(exc).__name__}: {exc}"
+            save()
     finally:
         memory.release("throughput")
+
+
+def attributes(device: torch.device) -> dict[str, int | None]:
+    """What decides whether a device reads registered host memory at its host address: unified
+    addressing, and "can use the host pointer for registered memory" (the CUDA runtime's
+    ``cudaDeviceGetAttribute`` 41 and 91), from the ``libcudart`` torch loaded; ``None`` where unknown."""
+    found: dict[str, int | None] = {"unified_addressing": None, "host_pointer_for_registered_memory": None}
+    for path in _loaded("libcudart.so"):
+        try:
+            get = ctypes.CDLL(path).cudaDeviceGetAttribute
+        except (OSError, AttributeError):
+            continue
+        for name, attribute in (("unified_addressing", 41), ("host_pointer_for_registered_memory", 91)):
+            value = ctypes.c_int(-1)
+            if get(ctypes.byref(value), attribute, device.index or 0) == 0:
+                found[name] = value.value
+        break
+    return found
 
 
 def measure(
@@ -285,12 +338,15 @@ def measure(
     for name, docked in (("re-pointed", False), ("docked", True)):
         forms[name] = stack(blocks, hidden)
         streamed[name] = Streamed(forms[name], device, memory, docked)
+    if cuda and not memory.pinned:  # (pageable memory would answer another question)
+        raise RuntimeError(f"the host buffers could not be pinned: {memory.failure}")
     result: dict[str, Any] = {
         "device": str(device),
         "blocks": blocks,
         "tensors_per_block": 2 * LINEARS + 1,
         "block_bytes": streamed["docked"].nbytes,
         "pinned": memory.pinned,
+        "device_attributes": attributes(device) if cuda else {},
     }
     with torch.no_grad():
         want = forms["resident"](x).cpu()
@@ -322,19 +378,26 @@ def measure(
     result["bare_moves_per_block_us"] = {
         name: bare(streamed[name], forms[name][0], repeats, name == "docked") * 1e6 for name in streamed
     }
-    if save is not None:
-        save(result)
+
+    def saving() -> None:
+        if save is not None:
+            save(result)
+
+    saving()
     docked_block = forms["docked"][0]
-    result["weights_between_forwards"] = {
-        "device": str(next(docked_block.parameters()).device),
-        "read": reads(streamed["docked"], docked_block, device),
-    }
-    if save is not None:
-        save(result)
-    result["read_bytes_per_s"] = throughput(device, memory, mib)
-    if save is not None:
-        save(result)
+    result["weights_between_forwards"] = {"device": str(next(docked_block.parameters()).device), "read": {}}
+    reads(streamed["docked"], docked_block, device, result["weights_between_forwards"]["read"], saving)
+    result["read_bytes_per_s"] = {}
+    throughput(device, memory, mib, result["read_bytes_per_s"], saving)
     return result
+
+
+def _said(ok: bool | str) -> str:
+    return ("right" if ok else "WRONG") if isinstance(ok, bool) else f"FAILED ({ok})"
+
+
+def _rate(rate: float | str) -> str:
+    return f"{rate / 1e9:.2f} GB/s" if isinstance(rate, float) else f"FAILED ({rate})"
 
 
 def report(result: dict[str, Any]) -> str:
@@ -400,6 +463,7 @@ def isolated(
     out.unlink(missing_ok=True)
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--out", str(out)]
     command += (["--quick"] if quick else []) + ([] if device.type == "cuda" else ["--cpu"])
+    failed: str | None = None
     try:
         done = subprocess.run(
             command,
@@ -408,13 +472,18 @@ def isolated(
             timeout=timeout,
             check=False,
         )
-        failed = None
         if done.returncode != 0:
             tail = (done.stdout + done.stderr).strip().splitlines()[-12:]
             failed = f"the child exited with {done.returncode}: " + " | ".join(tail)
     except subprocess.TimeoutExpired:
         failed = f"the child ran past {timeout:g} s"
-    found: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"device": str(device)}
+    found: dict[str, Any] = {"device": str(device)}
+    try:
+        found = json.loads(out.read_text())
+    except FileNotFoundError:
+        pass
+    except json.JSONDecodeError:  # (cut off mid-write by the timeout)
+        failed = f"{failed}; its JSON was cut off" if failed else "its JSON was cut off"
     found.pop("machine", None)
     if failed is not None:
         found["failed"] = failed

@@ -275,7 +275,8 @@ def test_uva_dock_sees_each_move_and_each_read(tmp_path: Path, monkeypatch: pyte
     """uva_dock's experiment on the CPU, in a child process as on CUDA (its JSON written after each
     phase): both forms bit-identical with resident, every block read from its slot, a docked weight read
     right three ways between forwards. A docked move that exchanges nothing is caught: its output is
-    still identical (read from host memory), but not from its slot. A child past its timeout says so."""
+    still identical (read from host memory), but not from its slot. A read that raises is kept as its
+    answer. A child past its timeout says so."""
     uva = _module("uva_dock")
     cpu = torch.device("cpu")
     found = uva.isolated(cpu, quick=True, out=tmp_path / "uva.json", timeout=120, child=True)
@@ -288,9 +289,22 @@ def test_uva_dock_sees_each_move_and_each_read(tmp_path: Path, monkeypatch: pyte
     assert all(rate > 0 for rate in found["read_bytes_per_s"].values())
     assert "read from its slot" in uva.report(found)
     monkeypatch.setattr(uva, "SWAP", lambda mapped, slot: None)
+    real_read = uva.read
+
+    def refused(how: str, *args: Any) -> bool:
+        if how == "device copy":
+            raise RuntimeError("refused")
+        return bool(real_read(how, *args))
+
+    monkeypatch.setattr(uva, "read", refused)
     broken = uva.measure(cpu, quick=True)
     assert broken["bit_identical"] == {"re-pointed": True, "docked": True}
     assert broken["in_slot"] == {"re-pointed": True, "docked": False}
+    assert broken["weights_between_forwards"]["read"] == {
+        ".cpu()": True,
+        "device copy": "RuntimeError: refused",
+        "kernel sum": True,
+    }  # a read that raises is kept as its answer, and the reads after it run
     late = uva.isolated(cpu, quick=True, out=tmp_path / "late.json", timeout=0.5, child=True)
     assert late == {"device": "cpu", "failed": "the child ran past 0.5 s"}
 
