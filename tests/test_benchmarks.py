@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -307,6 +308,27 @@ def test_uva_dock_sees_each_move_and_each_read(tmp_path: Path, monkeypatch: pyte
     }  # a read that raises is kept as its answer, and the reads after it run
     late = uva.isolated(cpu, quick=True, out=tmp_path / "late.json", timeout=0.5, child=True)
     assert late == {"device": "cpu", "failed": "the child ran past 0.5 s"}
+
+
+@pytest.mark.skipif(not (shutil.which("bash") and shutil.which("timeout")), reason="needs bash and timeout")
+def test_the_prepared_gpu_command_runs_gpu_check_into_out(tmp_path: Path) -> None:
+    """tools/gpu_check.sh, the one command a lent GPU machine runs, runs gpu_check with its arguments
+    and writes its JSON under $OUT (here on the CPU, one row)."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONWARNINGS": "ignore"}
+    script = BENCHMARKS.parent / "tools" / "gpu_check.sh"
+    done = subprocess.run(
+        ["bash", str(script), "--cpu", "--quick", "--only", "environment"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "GPU available" in done.stdout
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert rows["environment"]["status"] == rows["resident"]["status"] == "ok"
+    assert set(rows) == {"environment", "resident"}
 
 
 def _cpu_check(tmp_path: Path) -> Any:
