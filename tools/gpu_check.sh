@@ -6,7 +6,7 @@
 #                                   # constraints.txt pins, for Python 3.12 on x86-64 Linux, into .whl/
 #   tools/gpu_check.sh [ARGS...]    # there, with .whl/ carried over: installs those wheels without the
 #                                   # index, then runs benchmarks/gpu_check.py --out "$OUT" ARGS
-#                                   # (its own deadline is 7.5 minutes; this stops it at 8)
+#                                   # (its own deadline is 7 minutes; this stops it at 8)
 #
 # A wheel that does not install only skips the rows that need it (gpu_check says how to bring it).
 set -euo pipefail
