@@ -9,6 +9,7 @@ A profile is a `policies.DeviceProfile` saved as JSON at `profile_path()`:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -71,7 +72,7 @@ def copy_bytes_per_s(device: torch.device, nbytes: int, repeats: int) -> float:
     cuda = device.type == "cuda"
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
     dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    seconds = _best_seconds(device, lambda: dest.copy_(host, non_blocking=cuda), repeats)
+    seconds = _best_seconds(device, functools.partial(dest.copy_, host, non_blocking=cuda), repeats)
     del host, dest
     release = getattr(torch._C, "_host_emptyCache", None)
     if cuda and release is not None:
