@@ -55,6 +55,13 @@ goes on), ``DIR/gpu_check.json`` is rewritten after every row, and one table is 
   host budget of 80% of the file (bytes moved, host bytes, file tier reads per step, step times,
   bit identity with diffusers' GGUF load run resident).
 
+The rows run correctness first, since a first run at full size may not reach the end: environment,
+bandwidth, resident, cuda path, the four variants, ordering stress, cuda sanitizer, exception
+mid-step, file tier (``host_tier.py``'s file tier on this device), pageable, inference mode; then host
+time: host syncs, host per block, uva dock; then open close, demo, wan pipeline, auto (strategy auto
+under a budget about half the blocks short), transfer bound, quantized, gguf, vllm-omni (the engine's
+tests on this device) and diffusers record_stream False and True.
+
 Only torch and torchferry are needed; diffusers (and transformers for the WanPipeline row) are
 optional: without them those rows say how to bring them and the others run. Without CUDA (or with
 ``--cpu``) the same logic runs on a tiny model on the CPU (the ``cuda path`` and ``ordering stress``
@@ -97,7 +104,8 @@ from torchferry.testing import toy
 from torchferry.topology import PACK_ALIGN, Declaration, find_attr
 
 #: The whole run ends within this many seconds, subprocesses included (`Check.row` stops a row that
-#: runs past it and skips the rows after): under 8 minutes, so a lent GPU machine's time fits a rerun.
+#: runs past it and skips the rows after): 7 minutes, so a lent GPU machine's 15 minutes, its start
+#: included, leave time for a rerun of a few rows (``--only``).
 DEADLINE_S = 420.0
 STEP_TARGET = 0.05
 H2D_TARGET = 0.90
@@ -560,7 +568,8 @@ class Check:
         timer = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
         try:
             try:
-                if self.remaining() <= 0:
+                left = self.remaining()
+                if left <= 0:
                     raise Skip("past the run's deadline (--deadline)")
                 if self.broken is not None:
                     raise Skip(f"the CUDA context failed after row {self.broken!r}")
@@ -568,7 +577,7 @@ class Check:
                     signal.signal(signal.SIGALRM, _past_deadline)
                     # Again every 5 s until the row ends: a signal raised where Python drops the
                     # exception (a ``__del__``, a weakref callback) comes back.
-                    signal.setitimer(signal.ITIMER_REAL, self.remaining(), 5.0)
+                    signal.setitimer(signal.ITIMER_REAL, left, 5.0)
                 entry: dict[str, Any] = {"status": "ok", **body()}
             finally:
                 if timer:
@@ -581,6 +590,8 @@ class Check:
                 "error": f"{type(exc).__name__}: {exc}",
                 "traceback": traceback.format_exc(),
             }
+        if timer:  # (again: a signal between the row's end and the inner disarming left it armed)
+            signal.setitimer(signal.ITIMER_REAL, 0)
         gc.collect()
         if self.cuda and self.broken is None:
             try:
@@ -1098,7 +1109,7 @@ class Check:
             raised = True
         finally:
             handle.remove()
-        session.close()
+            session.close()  # (whatever was raised: the rows after use the model)
         after = self.model.state_dict()
         same = all(torch.equal(before_weights[k], after[k]) for k in before_weights)
         allocated_after = allocated(self.device)

@@ -430,15 +430,10 @@ def report(result: dict[str, Any]) -> str:
             rows,
         ),
         f"weights between forwards, docked: device {between['device']}; read "
-        + (
-            ", ".join(f"{how} {'right' if ok else 'WRONG'}" for how, ok in between["read"].items())
-            or "not reached"
-        ),
+        + (", ".join(f"{how} {_said(ok)}" for how, ok in between["read"].items()) or "not reached"),
         "reads: "
         + (
-            ", ".join(
-                f"{how} {rate / 1e9:.2f} GB/s" for how, rate in result.get("read_bytes_per_s", {}).items()
-            )
+            ", ".join(f"{how} {_rate(rate)}" for how, rate in result.get("read_bytes_per_s", {}).items())
             or "not reached"
         ),
     ]

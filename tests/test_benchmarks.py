@@ -288,7 +288,7 @@ def test_uva_dock_sees_each_move_and_each_read(tmp_path: Path, monkeypatch: pyte
         "read": {"kernel sum": True, ".cpu()": True, "device copy": True},
     }
     assert all(rate > 0 for rate in found["read_bytes_per_s"].values())
-    assert "read from its slot" in uva.report(found)
+    assert "read .cpu() right, device copy right, kernel sum right" in uva.report(found)
     monkeypatch.setattr(uva, "SWAP", lambda mapped, slot: None)
     real_read = uva.read
 
@@ -306,6 +306,10 @@ def test_uva_dock_sees_each_move_and_each_read(tmp_path: Path, monkeypatch: pyte
         "device copy": "RuntimeError: refused",
         "kernel sum": True,
     }  # a read that raises is kept as its answer, and the reads after it run
+    broken["read_bytes_per_s"]["kernel over host memory"] = "RuntimeError: refused"
+    said = uva.report(broken)
+    assert "device copy FAILED (RuntimeError: refused), kernel sum right" in said
+    assert "kernel over host memory FAILED (RuntimeError: refused)" in said
     late = uva.isolated(cpu, quick=True, out=tmp_path / "late.json", timeout=0.5, child=True)
     assert late == {"device": "cpu", "failed": "the child ran past 0.5 s"}
 
@@ -314,7 +318,9 @@ def test_uva_dock_sees_each_move_and_each_read(tmp_path: Path, monkeypatch: pyte
 def test_the_prepared_gpu_command_runs_gpu_check_into_out(tmp_path: Path) -> None:
     """tools/gpu_check.sh, the one command a lent GPU machine runs, runs gpu_check with its arguments
     and writes its JSON under $OUT (here on the CPU, one row)."""
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHONWARNINGS": "ignore"}
+    wheels = tmp_path / "no wheels"  # (a checkout's .whl/ holds another Python's wheels)
+    wheels.mkdir()
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONWARNINGS": "ignore", "GPU_CHECK_WHEELS": str(wheels)}
     script = BENCHMARKS.parent / "tools" / "gpu_check.sh"
     done = subprocess.run(
         ["bash", str(script), "--cpu", "--quick", "--only", "environment"],
