@@ -34,7 +34,6 @@ smoke test CI runs.
 from __future__ import annotations
 
 import argparse
-import collections
 import ctypes
 import json
 import subprocess
@@ -49,17 +48,16 @@ import _common as common  # first: puts the repository root on sys.path
 import torch
 from torch import nn
 
+from torchferry.runtime.machine._probe import _best_seconds, _sync
+from torchferry.runtime.memory._pack import _FOREIGN as FOREIGN
+from torchferry.runtime.memory._pack import _SET_DATA as SET_DATA
+from torchferry.runtime.memory._pack import SWAP, _consume
 from torchferry.runtime.memory._pinning import CudaPinner, HostMemory, _loaded
 
 #: Linear layers per block: 13 weights, 13 biases and a scale make the 27 tensors of a Wan block.
 LINEARS = 13
 #: Each tensor's offset in its block's buffer, as the host store aligns them.
 ALIGN = 256
-#: The storage exchange a CPU session docks with, and a storage over memory it does not own.
-SWAP: Any = vars(torch._C.StorageBase).get("_swap_data_ptr_")
-FOREIGN: Any = getattr(torch._C, "_construct_storage_from_data_pointer", None)
-#: ``tensor.data = view``, as a C function a ``map`` can call.
-SET_DATA: Any = vars(torch._C.TensorBase)["data"].__set__
 #: (blocks, hidden, tokens, rounds, bare loop repeats, MiB read by the throughput figures)
 SIZES = {
     ("cuda", False): (24, 256, 16, 30, 2000, 256),
@@ -67,7 +65,6 @@ SIZES = {
     ("cpu", False): (24, 64, 8, 20, 2000, 16),
     ("cpu", True): (6, 32, 4, 4, 200, 2),
 }
-_consume = collections.deque(maxlen=0).extend
 
 
 class Block(nn.Module):
@@ -191,23 +188,6 @@ def probed(streamed: Streamed, model: nn.Sequential) -> tuple[list[Any], list[bo
     return handles, seen
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """The least wall time of ``fn`` over ``repeats``, drained before and after each."""
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        began = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - began)
-    return best
-
-
 def _bits(t: torch.Tensor) -> int:
     """The sum of ``t``'s 32-bit words as integers, computed where ``t`` is (order does not matter)."""
     return int(t.contiguous().view(torch.int32).to(torch.int64).sum().item())
@@ -292,7 +272,7 @@ def throughput(
         }
         for name, fn in forms.items():
             try:
-                found[name] = nbytes / _timed(fn, device)
+                found[name] = nbytes / _best_seconds(device, fn, 3)
             except Exception as exc:
                 found[name] = f"{type(exc).__name__}: {exc}"
             save()
